@@ -1,0 +1,40 @@
+"""Architecture description shared by every loader and model family."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ModelArchConfig:
+    """What the model code needs to know about a checkpoint, whatever file it came from.
+
+    Weight names everywhere in kvshare follow the Hugging Face Llama layout
+    (``model.layers.{i}.self_attn.q_proj.weight`` ...), so a GGUF file and an HF directory
+    load into the same modules and can be compared tensor by tensor.
+    """
+
+    architecture: str  # "llama", "qwen2", "mistral"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # llama3-style scaling: {"rope_type": "llama3", "factor", "low_freq_factor",
+    # "high_freq_factor", "original_max_position_embeddings"}; None for plain RoPE.
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2 has q/k/v bias
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    name: str = ""
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """2 (K and V) x layers x kv_heads x head_dim x dtype bytes."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes

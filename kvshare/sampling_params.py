@@ -1,0 +1,90 @@
+"""Per-request generation settings, named and validated as vLLM names them."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0) disables
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    # Tenant key for prefix caching: requests with different salts never share KV blocks.
+    cache_salt: str | None = None
+    stop_list: list[str] = field(init=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop_list = []
+        elif isinstance(self.stop, str):
+            self.stop_list = [self.stop]
+        else:
+            self.stop_list = list(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if self.top_k == 0:
+            self.top_k = -1
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(field_name: str, value, allowed: str) -> ValueError:
+            return ValueError(f"SamplingParams.{field_name}={value!r} is invalid: must be {allowed}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", self.n, "an integer >= 1")
+        if self.temperature < 0:
+            raise bad("temperature", self.temperature, ">= 0 (0 means greedy)")
+        if not (0.0 < self.top_p <= 1.0):
+            raise bad("top_p", self.top_p, "in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise bad("top_k", self.top_k, "an integer >= 1, or -1/0 to disable")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise bad("min_p", self.min_p, "in [0, 1]")
+        if not (-2.0 <= self.presence_penalty <= 2.0):
+            raise bad("presence_penalty", self.presence_penalty, "in [-2, 2]")
+        if not (-2.0 <= self.frequency_penalty <= 2.0):
+            raise bad("frequency_penalty", self.frequency_penalty, "in [-2, 2]")
+        if not (self.repetition_penalty > 0):
+            raise bad("repetition_penalty", self.repetition_penalty, "> 0")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad("max_tokens", self.max_tokens, "an integer >= 1 (or None for up to max_model_len)")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", self.min_tokens, "an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            raise bad("logprobs", self.logprobs, "an integer >= 0 or None")
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0
+        ):
+            raise bad("prompt_logprobs", self.prompt_logprobs, "an integer >= 0 or None")
+        if any(not isinstance(s, str) or s == "" for s in self.stop_list):
+            raise bad("stop", self.stop, "a non-empty string or a list of non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", self.stop_token_ids, "a list of non-negative token ids")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", self.seed, "an integer or None")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def clone(self) -> "SamplingParams":
+        import copy
+
+        return copy.deepcopy(self)
