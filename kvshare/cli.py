@@ -1,0 +1,125 @@
+"""Command line: `kvshare generate`, `kvshare info`."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine options")
+    g.add_argument("--model", default=None, help="GGUF file or HF directory (default: bundled SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 512MiB (default: 5%% of free memory)")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=128)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    return dict(
+        model=args.model, dtype=args.dtype, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
+        seed=args.seed,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from kvshare import LLM, SamplingParams
+
+    llm = LLM(**engine_options(args))
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
+        seed=args.sampling_seed, stop=args.stop or None, ignore_eos=args.ignore_eos,
+    )
+    prompts = args.prompt or ["Hello, my name is"]
+    if args.chat:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
+    else:
+        outs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
+    for prompt, out in zip(prompts, outs):
+        c = out.outputs[0]
+        if args.json:
+            print(json.dumps({"prompt": prompt, "text": c.text, "token_ids": c.token_ids,
+                              "finish_reason": c.finish_reason}))
+        else:
+            if len(prompts) > 1:
+                print(f"### {prompt}")
+            print(c.text if args.chat else prompt + c.text)
+            m = out.metrics
+            print(f"[{len(c.token_ids)} tokens, finish_reason={c.finish_reason}, "
+                  f"ttft={m.time_to_first_token:.3f}s]", file=sys.stderr)
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from kvshare.config import EngineConfig
+    from kvshare.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig.from_kwargs(**engine_options(args)))
+    mc, lay = engine.model_config, engine.layout
+    info = {
+        "model": engine.model_source,
+        "architecture": mc.architecture,
+        "layers": mc.num_layers, "hidden_size": mc.hidden_size, "heads": mc.num_heads,
+        "kv_heads": mc.num_kv_heads, "head_dim": mc.head_dim, "vocab_size": mc.vocab_size,
+        "max_position_embeddings": mc.max_position_embeddings, "dtype": lay.dtype,
+        "kv_bytes_per_token": lay.bytes_per_token,
+        "kv_bytes_formula": f"2 x {mc.num_layers} layers x {mc.num_kv_heads} kv_heads x {mc.head_dim} head_dim x "
+                            f"{lay.bytes_per_token // (2 * mc.num_layers * mc.num_kv_heads * mc.head_dim)} bytes",
+        "block_size": lay.block_size, "num_blocks": lay.num_blocks, "token_slots": lay.num_slots,
+        "kv_pool_bytes": lay.pool_bytes, "max_model_len": lay.max_model_len,
+        "max_len_sequences_that_fit": round(lay.max_len_seqs, 2),
+    }
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        width = max(len(k) for k in info)
+        for k, v in info.items():
+            print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvshare", description="kvshare LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one or more prompts")
+    g.add_argument("prompt", nargs="*", help="prompt text (several allowed)")
+    g.add_argument("--chat", action="store_true", help="apply the model's chat template (prompt = user message)")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--sampling-seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[])
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    _engine_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    i = sub.add_parser("info", help="model shape, KV layout and memory figures")
+    i.add_argument("--json", action="store_true")
+    _engine_args(i)
+    i.set_defaults(func=cmd_info)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""The one engine configuration object; every component receives it (or the part it needs)."""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+_SIZE_RE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
+          "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
+
+
+def parse_bytes(value: int | str, field_name: str = "kv_cache_memory") -> int:
+    """Accept 1073741824, "1GiB", "512MiB", "2G"."""
+    if isinstance(value, bool):
+        raise ValueError(f"{field_name}={value!r} is invalid: give a byte count like 1073741824 or '1GiB'")
+    if isinstance(value, (int, float)):
+        n = int(value)
+    else:
+        m = _SIZE_RE.match(str(value))
+        if not m or m.group(2) is not None and m.group(2).lower() not in _UNITS:
+            raise ValueError(f"{field_name}={value!r} is invalid: give a byte count like 1073741824 or '1GiB'")
+        n = int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+    if n <= 0:
+        raise ValueError(f"{field_name}={value!r} is invalid: must be > 0 bytes")
+    return n
+
+
+def available_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 * 2**30
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
+    dtype: str = "float32"
+    block_size: int = 16
+    # KV budget: an explicit byte count wins; otherwise a fraction of currently available memory.
+    kv_cache_memory: int | str | None = None
+    kv_cache_memory_fraction: float = 0.05
+    max_model_len: int | None = None  # None: the model's context length, capped by the pool
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.dtype, torch.dtype):
+            self.dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(self.dtype, str(self.dtype))
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is invalid: allowed are 'float32' and 'bfloat16'")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name}={v!r} is invalid: must be an integer >= 1")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"max_model_len={self.max_model_len!r} is invalid: must be an integer >= 2")
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        if not (0.0 < self.kv_cache_memory_fraction <= 0.95):
+            raise ValueError(
+                f"kv_cache_memory_fraction={self.kv_cache_memory_fraction!r} is invalid: must be in (0, 0.95]"
+            )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    def kv_budget_bytes(self) -> int:
+        if self.kv_cache_memory is not None:
+            return int(self.kv_cache_memory)
+        return int(available_memory_bytes() * self.kv_cache_memory_fraction)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {unknown}; allowed: {sorted(known)}")
+        env_threads = os.environ.get("KVSHARE_NUM_THREADS")
+        if env_threads and "num_threads" not in kwargs:
+            kwargs["num_threads"] = int(env_threads)
+        return cls(**kwargs)

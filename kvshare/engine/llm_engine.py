@@ -1,0 +1,349 @@
+"""LLMEngine: add_request / abort_request / step, the loop the offline API, the server and
+the doctor all drive."""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvshare.config import EngineConfig
+from kvshare.engine.detokenizer import IncrementalDetokenizer
+from kvshare.engine.model_runner import ModelRunner, StepLogits
+from kvshare.engine.request import Sequence, SeqStatus
+from kvshare.engine.scheduler import Scheduler
+from kvshare.errors import InvalidRequestError
+from kvshare.kvcache.manager import KVCacheManager
+from kvshare.model.attention import KVCache, TorchPagedAttention
+from kvshare.model.llama import build_model
+from kvshare.model.loader import load_model
+from kvshare.model.sampler import Sampler, SamplingRow, logprobs_of
+from kvshare.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvshare.sampling_params import SamplingParams
+
+logger = logging.getLogger("kvshare")
+
+
+@dataclass
+class KVLayout:
+    bytes_per_token: int
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+    dtype: str
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.num_slots * self.bytes_per_token
+
+    @property
+    def max_len_seqs(self) -> float:
+        return self.num_slots / self.max_model_len
+
+    def describe(self) -> str:
+        return (
+            f"KV cache: {self.bytes_per_token} bytes/token ({self.dtype}), {self.num_blocks} blocks x "
+            f"{self.block_size} tokens = {self.num_slots} token slots ({self.pool_bytes / 2**20:.1f} MiB); "
+            f"{self.max_len_seqs:.2f} sequences of max_model_len={self.max_model_len} fit"
+        )
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    metrics: RequestMetrics
+    finished: bool = False
+    prompt_logprobs_owner: Sequence | None = None
+    reported_final: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        dtype = config.torch_dtype
+        loaded = load_model(config.model, dtype=dtype)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.model_source = loaded.source
+        mc = self.model_config
+        bytes_per_token = mc.kv_bytes_per_token(torch.finfo(dtype).bits // 8)
+        num_blocks = config.kv_budget_bytes() // (bytes_per_token * config.block_size)
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory={config.kv_budget_bytes()} bytes is too small: one block of "
+                f"{config.block_size} tokens needs {bytes_per_token * config.block_size} bytes"
+            )
+        max_model_len = config.max_model_len or mc.max_position_embeddings
+        self.layout = KVLayout(bytes_per_token, config.block_size, num_blocks, max_model_len, config.dtype)
+        logger.info(self.layout.describe())
+        self.manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_cache = KVCache(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim, dtype)
+        self.model = build_model(mc, loaded.weights, dtype, TorchPagedAttention(), max_model_len)
+        del loaded
+        self.runner = ModelRunner(self.model, self.kv_cache, self.manager)
+        self.scheduler = Scheduler(config, self.manager)
+        self.sampler = Sampler()
+        self.requests: dict[str, RequestState] = {}
+        self.eos_token_ids = list(mc.eos_token_ids)
+        self._rng = torch.Generator().manual_seed(config.seed)
+        self._ids = itertools.count()
+        self.step_count = 0
+
+    # ---- submission ----------------------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer: pass prompt_token_ids", "prompt")
+        return self.tokenizer.encode(prompt)
+
+    def add_request(self, request_id: str | None, prompt: str | list[int] | dict, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> str:
+        params = params or SamplingParams()
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use", "request_id")
+        text, token_ids = self._resolve_prompt(prompt)
+        max_tokens = self._check_lengths(token_ids, params)
+        if params.max_tokens != max_tokens:
+            params = params.clone()
+            params.max_tokens = max_tokens
+        now = arrival_time if arrival_time is not None else time.monotonic()
+        metrics = RequestMetrics(arrival_time=now, num_prompt_tokens=len(token_ids))
+        state = RequestState(request_id, text, token_ids, params, [], metrics)
+        for i in range(params.n):
+            seq = Sequence(
+                seq_id=f"{request_id}#{i}" if params.n > 1 else request_id,
+                request_id=request_id, index=i, token_ids=list(token_ids), num_prompt_tokens=len(token_ids),
+                params=params, arrival_time=now,
+            )
+            seq.generator = self._generator_for(params, i)
+            if self.tokenizer is not None:
+                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
+            state.seqs.append(seq)
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs_owner = state.seqs[0]
+            state.seqs[0].prompt_logprobs = [None]
+        self.requests[request_id] = state
+        for seq in state.seqs:
+            self.scheduler.add(seq)
+        return request_id
+
+    def _generator_for(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        if params.greedy:
+            return None
+        if params.seed is not None:
+            seed = params.seed + index
+        else:
+            seed = int(torch.randint(0, 2**62, (1,), generator=self._rng))
+        return torch.Generator().manual_seed(seed)
+
+    def _resolve_prompt(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompt")
+        if isinstance(prompt, str):
+            if prompt == "":
+                raise InvalidRequestError("prompt is empty: give at least one token of text", "prompt")
+            ids = self.tokenize(prompt)
+            if not ids:
+                raise InvalidRequestError("prompt is empty after tokenization", "prompt")
+            return prompt, ids
+        if isinstance(prompt, (list, tuple)):
+            if len(prompt) == 0:
+                raise InvalidRequestError("prompt_token_ids is empty: give at least one token id", "prompt")
+            vocab = self.model_config.vocab_size
+            for t in prompt:
+                if isinstance(t, bool) or not isinstance(t, int) or not (0 <= t < vocab):
+                    raise InvalidRequestError(
+                        f"prompt_token_ids contains {t!r}: token ids must be integers in [0, {vocab})", "prompt"
+                    )
+            return None, list(prompt)
+        raise InvalidRequestError(
+            f"prompt must be a string or a list of token ids, got {type(prompt).__name__}", "prompt"
+        )
+
+    def _check_lengths(self, token_ids: list[int], params: SamplingParams) -> int:
+        n = len(token_ids)
+        limit = self.layout.max_model_len
+        if n >= limit:
+            raise InvalidRequestError(
+                f"prompt is {n} tokens, but max_model_len is {limit}: it must be at most {limit - 1} tokens "
+                f"to leave room for one output token", "prompt"
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - n
+        if n + max_tokens > limit:
+            raise InvalidRequestError(
+                f"max_tokens={max_tokens} plus the prompt's {n} tokens is {n + max_tokens}, beyond "
+                f"max_model_len={limit}: lower max_tokens to at most {limit - n}", "max_tokens"
+            )
+        pool = self.layout.num_slots
+        if n + max_tokens > pool:
+            raise InvalidRequestError(
+                f"prompt ({n} tokens) plus max_tokens ({max_tokens}) needs {n + max_tokens} KV slots, but the "
+                f"whole KV pool holds {pool}: raise kv_cache_memory or lower max_tokens", "max_tokens"
+            )
+        return max_tokens
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            state = self.requests.get(rid)
+            if state is None or state.finished:
+                continue  # unknown or already done: aborting twice is a no-op
+            for seq in state.seqs:
+                self._finish_seq(seq, "abort")
+            self._maybe_finish_request(state)
+
+    def has_unfinished_requests(self) -> bool:
+        return any(not s.reported_final for s in self.requests.values())
+
+    def get_num_unfinished_requests(self) -> int:
+        return sum(1 for s in self.requests.values() if not s.finished)
+
+    def step(self) -> list[RequestOutput]:
+        touched: dict[str, RequestState] = {}
+        sched = self.scheduler.schedule()
+        self.step_count += 1
+        if not sched.is_empty():
+            now = time.monotonic()
+            for c in sched.chunks:
+                st = self.requests[c.seq.request_id]
+                if st.metrics.first_scheduled_time is None:
+                    st.metrics.first_scheduled_time = now
+            logits = self.runner.execute(sched)
+            for c in sched.chunks:
+                seq = c.seq
+                seq.num_computed_tokens = c.end
+                self.manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens,
+                                               seq.params.cache_salt)
+                touched[seq.request_id] = self.requests[seq.request_id]
+            self._record_prompt_logprobs(logits)
+            self._sample(logits)
+        # Requests finished outside a step (aborts) still owe their final output.
+        for st in self.requests.values():
+            if st.finished and not st.reported_final:
+                touched[st.request_id] = st
+        outputs = [self._make_output(st) for st in touched.values()]
+        for st in touched.values():
+            if st.finished:
+                st.reported_final = True
+                del self.requests[st.request_id]
+        return outputs
+
+    def _record_prompt_logprobs(self, step: StepLogits) -> None:
+        for chunk, first, logits in step.prompt_logits:
+            seq = chunk.seq
+            k = seq.params.prompt_logprobs
+            targets = seq.token_ids[first + 1:first + 1 + logits.shape[0]]
+            for res in logprobs_of(logits, targets, k):
+                seq.prompt_logprobs.append(self._logprob_dict(res, k))
+
+    def _logprob_dict(self, res, k: int) -> dict[int, Logprob]:
+        d = {res.token_id: Logprob(res.logprob, res.rank, self._piece(res.token_id))}
+        for rank, (tid, lp) in enumerate(zip(res.top_ids[:k], res.top_logprobs[:k]), start=1):
+            if tid not in d:
+                d[tid] = Logprob(lp, rank, self._piece(tid))
+        return d
+
+    def _piece(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _sample(self, step: StepLogits) -> None:
+        if not step.sample_chunks:
+            return
+        rows = [
+            SamplingRow(c.seq.params, c.seq.generator, c.seq.token_ids[:c.seq.num_prompt_tokens],
+                        c.seq.output_token_ids, self.eos_token_ids)
+            for c in step.sample_chunks
+        ]
+        results = self.sampler(step.sample_logits, rows)
+        now = time.monotonic()
+        for c, res in zip(step.sample_chunks, results):
+            self._append_token(c.seq, res, now)
+
+    def _append_token(self, seq: Sequence, res, now: float) -> None:
+        st = self.requests[seq.request_id]
+        params = seq.params
+        seq.token_ids.append(res.token_id)
+        if st.metrics.first_token_time is None:
+            st.metrics.first_token_time = now
+            st.metrics.time_to_first_token = now - st.metrics.arrival_time
+        if params.logprobs is not None:
+            seq.output_logprobs.append(self._logprob_dict(res, params.logprobs))
+        seq.cumulative_logprob += res.logprob
+        n_out = seq.num_output_tokens
+        reason, stop_reason = None, None
+        if seq.detokenizer is not None:
+            seq.detokenizer.add(res.token_id)
+        if n_out >= params.min_tokens:
+            if not params.ignore_eos and res.token_id in self.eos_token_ids:
+                reason, stop_reason = "stop", None
+            elif res.token_id in params.stop_token_ids:
+                reason, stop_reason = "stop", res.token_id
+            elif params.stop_list and seq.detokenizer is not None:
+                hit = seq.detokenizer.check_stop(params.stop_list, params.include_stop_str_in_output)
+                if hit is not None:
+                    reason, stop_reason = "stop", hit
+        if reason is None and n_out >= params.max_tokens:
+            reason = "length"
+        if reason is None and seq.num_tokens >= self.layout.max_model_len:
+            reason = "length"
+        if reason is not None:
+            self._finish_seq(seq, reason, stop_reason)
+            self._maybe_finish_request(st)
+
+    def _finish_seq(self, seq: Sequence, reason: str, stop_reason=None) -> None:
+        if seq.is_finished:
+            return
+        self.scheduler.finish(seq, reason, stop_reason)
+        if seq.detokenizer is not None:
+            seq.detokenizer.flush()
+
+    def _maybe_finish_request(self, st: RequestState) -> None:
+        if all(s.is_finished for s in st.seqs) and not st.finished:
+            st.finished = True
+            st.metrics.finished_time = time.monotonic()
+
+    def _make_output(self, st: RequestState) -> RequestOutput:
+        outs = []
+        for seq in st.seqs:
+            text = ""
+            if seq.detokenizer is not None:
+                text = seq.detokenizer.text
+            outs.append(CompletionOutput(
+                index=seq.index, text=text, token_ids=list(seq.output_token_ids),
+                cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
+                logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+            ))
+        m = st.metrics
+        m.num_output_tokens = sum(len(o.token_ids) for o in outs)
+        m.num_cached_tokens = max((s.num_cached_tokens for s in st.seqs), default=0)
+        m.num_preemptions = sum(s.num_preemptions for s in st.seqs)
+        owner = st.prompt_logprobs_owner
+        return RequestOutput(
+            request_id=st.request_id, prompt=st.prompt, prompt_token_ids=st.prompt_token_ids,
+            prompt_logprobs=list(owner.prompt_logprobs) if owner is not None else None,
+            outputs=outs, finished=st.finished, metrics=m, num_cached_tokens=m.num_cached_tokens,
+        )

@@ -1,0 +1,64 @@
+"""Request state: one Sequence per generated stream (a request with n > 1 has n of them)."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvshare.outputs import Logprob, RequestMetrics
+from kvshare.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    seq_id: str
+    request_id: str
+    index: int  # choice index within the request
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache on first admission
+    generator: torch.Generator | None = None
+    detokenizer: object | None = None
+    output_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    metrics: RequestMetrics | None = None
+    num_preemptions: int = 0
+    admitted_once: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def prompt_logprobs_done(self) -> bool:
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) >= self.num_prompt_tokens
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed_tokens < self.num_tokens - 1

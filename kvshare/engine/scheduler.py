@@ -1,0 +1,148 @@
+"""Continuous batching under one token budget per step.
+
+Order within a step: running decodes (one token each, so decode is never starved), then
+running requests still in chunked prefill, then waiting requests FCFS. When the pool runs out
+of blocks, the most recently admitted running sequence is preempted: its blocks go back through
+the manager's one release path and it is recomputed later from its tokens so far.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvshare.config import EngineConfig
+from kvshare.engine.request import Sequence, SeqStatus
+from kvshare.kvcache.manager import KVCacheManager
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Sequence
+    start: int  # first position computed this step
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        # The chunk reaches the end of the known tokens: its last row yields the next token.
+        return self.end == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, manager: KVCacheManager) -> None:
+        self.config = config
+        self.manager = manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order; the tail is preempted first
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, ScheduledChunk] = {}
+
+        decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
+        prefills = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        for seq in decodes + prefills:
+            if budget == 0:
+                break
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.manager.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new):
+                victim = self.running[-1]
+                undone = scheduled.pop(victim.seq_id, None)
+                if undone is not None:
+                    budget += undone.num_tokens
+                self.preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                chunk = ScheduledChunk(seq, seq.num_computed_tokens, num_new)
+                scheduled[seq.seq_id] = chunk
+                budget -= num_new
+
+        # Admitting new work in a step that had to preempt would only thrash.
+        if not out.preempted:
+            budget = self._admit_waiting(budget, scheduled)
+
+        out.chunks = list(scheduled.values())
+        out.block_copies = self.manager.take_pending_copies()
+        return out
+
+    def _admit_waiting(self, budget: int, scheduled: dict[str, ScheduledChunk]) -> int:
+        mgr = self.manager
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            # prompt_logprobs need logits for every prompt position, so such requests compute
+            # their whole prompt (they still publish their blocks for others).
+            if seq.prompt_logprobs is None or seq.prompt_logprobs_done():
+                cached = mgr.find_cached_prefix(seq.seq_id, seq.token_ids, seq.params.cache_salt)
+            else:
+                cached = []
+            num_computed = len(cached) * mgr.block_size
+            num_new = min(seq.num_tokens - num_computed, budget)
+            if not mgr.can_admit(cached, num_computed, num_new):
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            mgr.admit(seq.seq_id, cached)
+            ok = mgr.allocate_slots(seq.seq_id, num_computed, num_new)
+            assert ok, "can_admit() promised the blocks"
+            seq.num_computed_tokens = num_computed
+            if not seq.admitted_once:
+                seq.num_cached_tokens = num_computed
+                seq.admitted_once = True
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            scheduled[seq.seq_id] = ScheduledChunk(seq, num_computed, num_new)
+            budget -= num_new
+        return budget
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.manager.free(seq.seq_id)
+        seq.status = SeqStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
+        """Finish (or abort) a sequence wherever it is; a second call is a no-op."""
+        if seq.status is SeqStatus.FINISHED:
+            return
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        self.manager.free(seq.seq_id)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason

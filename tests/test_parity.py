@@ -1,0 +1,96 @@
+"""Logit parity with HF transformers on the same weights."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import ENGLISH_TEXT, bundled_path, hf_reference
+from kvshare import LLM, SamplingParams
+
+STEPS = 32
+
+
+def hf_greedy(model, prompt_ids: list[int], steps: int):
+    """HF greedy decode by hand (generate() would suppress EOS under min_new_tokens, which
+    ignore_eos does not): tokens, each chosen token's raw logprob, and prompt logprobs."""
+    tokens, step_lp = [], []
+    with torch.no_grad():
+        out = model(torch.tensor([prompt_ids]), use_cache=True)
+        full = out.logits[0].float().log_softmax(-1)
+        prompt_lp = [full[i, prompt_ids[i + 1]].item() for i in range(len(prompt_ids) - 1)]
+        lp, past = full[-1], out.past_key_values
+        for _ in range(steps):
+            t = int(lp.argmax())
+            tokens.append(t)
+            step_lp.append(lp[t].item())
+            out = model(torch.tensor([[t]]), past_key_values=past, use_cache=True)
+            lp, past = out.logits[0, -1].float().log_softmax(-1), out.past_key_values
+    return tokens, step_lp, prompt_lp
+
+
+def compare(llm: LLM, model, prompts: list[list[int]], steps: int = STEPS) -> None:
+    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for p, out in zip(prompts, outs):
+        ref_tokens, ref_lp, ref_prompt_lp = hf_greedy(model, p, steps)
+        got = out.outputs[0]
+        assert got.token_ids == ref_tokens
+        ours = [got.logprobs[i][t].logprob for i, t in enumerate(got.token_ids)]
+        assert max(abs(a - b) for a, b in zip(ours, ref_lp)) < 1e-3
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(p)
+        ours_prompt = [out.prompt_logprobs[i + 1][p[i + 1]].logprob for i in range(len(p) - 1)]
+        if ours_prompt:
+            assert max(abs(a - b) for a, b in zip(ours_prompt, ref_prompt_lp)) < 1e-3
+
+
+def test_bundled_model_matches_hf():
+    model, tok = hf_reference()
+    llm = LLM(kv_cache_memory="128MiB", max_num_batched_tokens=512)
+    text_ids = tok(ENGLISH_TEXT).input_ids
+    prompts = [text_ids[:7], text_ids[40:140], tok("The capital of France is").input_ids]
+    compare(llm, model, prompts)
+
+
+def _tiny(kind: str, tmp_path, **overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=256, rms_norm_eps=1e-6)
+    common.update(overrides)
+    if kind == "qwen2":
+        cfg = Qwen2Config(**common)
+        model = Qwen2ForCausalLM(cfg)
+    else:
+        cfg = LlamaConfig(**common)
+        model = LlamaForCausalLM(cfg)
+    # Random init is too tame to tell bugs apart: widen the weights so logits spread.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.5)
+    model.eval()
+    model.save_pretrained(tmp_path)
+    return model
+
+
+@pytest.mark.parametrize(
+    "kind,overrides",
+    [
+        ("llama", dict(num_key_value_heads=2)),  # GQA
+        ("llama", dict(num_key_value_heads=1)),  # MQA
+        ("llama", dict(num_key_value_heads=4, tie_word_embeddings=True)),  # MHA, tied
+        ("qwen2", dict(num_key_value_heads=2)),  # q/k/v bias
+        ("llama", dict(num_key_value_heads=2, rope_theta=500000.0,
+                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),
+    ],
+)
+def test_tiny_models_match_hf(kind, overrides, tmp_path):
+    model = _tiny(kind, tmp_path, **overrides)
+    llm = LLM(model=str(tmp_path), kv_cache_memory="16MiB", block_size=16, max_num_batched_tokens=64)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (1, 17, 90)]
+    compare(llm, model, prompts)
