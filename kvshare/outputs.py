@@ -25,6 +25,8 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None
     finish_reason: str | None = None  # "stop", "length", "abort"
     stop_reason: int | str | None = None
+    # Stream-safe text new since the previous output for this request (kvshare extension).
+    text_delta: str = ""
 
     def finished(self) -> bool:
         return self.finish_reason is not None

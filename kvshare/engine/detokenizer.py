@@ -35,9 +35,9 @@ Two kinds of text are held back from ``add()``:
 
 Stop-string rules (vLLM): strings are only checked once more than ``min_tokens`` output tokens
 have been added (the constructor's ``min_tokens``; in compatibility mode the caller gates by
-when it calls check_stop), and only matches that end inside the newly added text count. If several stop
-strings complete in the same step, the one that completes first (smallest end offset; then the
-longest, then list order) wins, which makes the result independent of how the text is split
+when it calls check_stop), and only matches that end inside the newly added text count. If
+several stop strings complete in the same step, the one that completes first (smallest end
+offset; then the longest, then list order) wins, which makes the result independent of how the text is split
 into tokens. The text is cut right before the stop string, or right after it with
 ``include_stop_str_in_output``.
 

@@ -123,23 +123,28 @@ class LLMEngine:
         now = arrival_time if arrival_time is not None else time.monotonic()
         metrics = RequestMetrics(arrival_time=now, num_prompt_tokens=len(token_ids))
         state = RequestState(request_id, text, token_ids, params, [], metrics)
-        for i in range(params.n):
-            seq = Sequence(
-                seq_id=f"{request_id}#{i}" if params.n > 1 else request_id,
-                request_id=request_id, index=i, token_ids=list(token_ids), num_prompt_tokens=len(token_ids),
-                params=params, arrival_time=now,
-            )
-            seq.generator = self._generator_for(params, i)
-            if self.tokenizer is not None:
-                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
-            state.seqs.append(seq)
+        # n > 1: one sequence computes the prompt; the others fork off it when it samples.
+        first = self._new_seq(state, 0, list(token_ids), now)
+        first.pending_forks = params.n - 1
+        state.seqs.append(first)
         if params.prompt_logprobs is not None:
             state.prompt_logprobs_owner = state.seqs[0]
             state.seqs[0].prompt_logprobs = [None]
         self.requests[request_id] = state
-        for seq in state.seqs:
-            self.scheduler.add(seq)
+        self.scheduler.add(first)
         return request_id
+
+    def _new_seq(self, state: RequestState, index: int, token_ids: list[int], now: float) -> Sequence:
+        params = state.params
+        seq = Sequence(
+            seq_id=f"{state.request_id}#{index}" if params.n > 1 else state.request_id,
+            request_id=state.request_id, index=index, token_ids=token_ids,
+            num_prompt_tokens=len(state.prompt_token_ids), params=params, arrival_time=now,
+        )
+        seq.generator = self._generator_for(params, index)
+        if self.tokenizer is not None:
+            seq.detokenizer = IncrementalDetokenizer.from_params(self.tokenizer, state.prompt_token_ids, params)
+        return seq
 
     def _generator_for(self, params: SamplingParams, index: int) -> torch.Generator | None:
         if params.greedy:
@@ -272,15 +277,39 @@ class LLMEngine:
     def _sample(self, step: StepLogits) -> None:
         if not step.sample_chunks:
             return
+        seqs: list[Sequence] = []
+        row_of: list[int] = []
+        for r, c in enumerate(step.sample_chunks):
+            seqs.append(c.seq)
+            row_of.append(r)
+            if c.seq.pending_forks:
+                # The prompt is computed once; each fork draws its own first token from it.
+                for child in self._fork(c.seq):
+                    seqs.append(child)
+                    row_of.append(r)
+        logits = step.sample_logits
+        if len(row_of) != logits.shape[0]:
+            logits = logits[torch.tensor(row_of)]
         rows = [
-            SamplingRow(c.seq.params, c.seq.generator, c.seq.token_ids[:c.seq.num_prompt_tokens],
-                        c.seq.output_token_ids, self.eos_token_ids)
-            for c in step.sample_chunks
+            SamplingRow(s.params, s.generator, s.token_ids[:s.num_prompt_tokens], s.output_token_ids,
+                        self.eos_token_ids)
+            for s in seqs
         ]
-        results = self.sampler(step.sample_logits, rows)
+        results = self.sampler(logits, rows)
         now = time.monotonic()
-        for c, res in zip(step.sample_chunks, results):
-            self._append_token(c.seq, res, now)
+        for seq, res in zip(seqs, results):
+            self._append_token(seq, res, now)
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        state = self.requests[parent.request_id]
+        children = []
+        for _ in range(parent.pending_forks):
+            child = self._new_seq(state, len(state.seqs), list(parent.token_ids), parent.arrival_time)
+            state.seqs.append(child)
+            self.scheduler.add_forked(parent, child)
+            children.append(child)
+        parent.pending_forks = 0
+        return children
 
     def _append_token(self, seq: Sequence, res, now: float) -> None:
         st = self.requests[seq.request_id]
@@ -291,18 +320,20 @@ class LLMEngine:
             st.metrics.time_to_first_token = now - st.metrics.arrival_time
         if params.logprobs is not None:
             seq.output_logprobs.append(self._logprob_dict(res, params.logprobs))
-        seq.cumulative_logprob += res.logprob
+        if params.logprobs is not None:
+            seq.cumulative_logprob += res.logprob
         n_out = seq.num_output_tokens
         reason, stop_reason = None, None
-        if seq.detokenizer is not None:
-            seq.detokenizer.add(res.token_id)
         if n_out >= params.min_tokens:
             if not params.ignore_eos and res.token_id in self.eos_token_ids:
-                reason, stop_reason = "stop", None
+                reason = "stop"
             elif res.token_id in params.stop_token_ids:
                 reason, stop_reason = "stop", res.token_id
-            elif params.stop_list and seq.detokenizer is not None:
-                hit = seq.detokenizer.check_stop(params.stop_list, params.include_stop_str_in_output)
+        # A terminating token stays out of the text unless asked for, as in vLLM.
+        if seq.detokenizer is not None and (reason is None or params.include_stop_str_in_output):
+            seq.text_delta += seq.detokenizer.add(res.token_id)
+            if reason is None:
+                hit = seq.detokenizer.check_stop()
                 if hit is not None:
                     reason, stop_reason = "stop", hit
         if reason is None and n_out >= params.max_tokens:
@@ -318,7 +349,7 @@ class LLMEngine:
             return
         self.scheduler.finish(seq, reason, stop_reason)
         if seq.detokenizer is not None:
-            seq.detokenizer.flush()
+            seq.text_delta += seq.detokenizer.flush()
 
     def _maybe_finish_request(self, st: RequestState) -> None:
         if all(s.is_finished for s in st.seqs) and not st.finished:
@@ -335,8 +366,9 @@ class LLMEngine:
                 index=seq.index, text=text, token_ids=list(seq.output_token_ids),
                 cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
                 logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, text_delta=seq.text_delta,
             ))
+            seq.text_delta = ""
         m = st.metrics
         m.num_output_tokens = sum(len(o.token_ids) for o in outs)
         m.num_cached_tokens = max((s.num_cached_tokens for s in st.seqs), default=0)

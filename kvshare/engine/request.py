@@ -39,6 +39,9 @@ class Sequence:
     metrics: RequestMetrics | None = None
     num_preemptions: int = 0
     admitted_once: bool = False
+    # n > 1: siblings still to be forked off this sequence once its prompt is computed.
+    pending_forks: int = 0
+    text_delta: str = ""  # stream-safe text produced since the last output was taken
 
     @property
     def num_tokens(self) -> int:

@@ -98,6 +98,8 @@ class Scheduler:
         mgr = self.manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if seq.pending_forks and len(self.running) + 1 + seq.pending_forks > self.config.max_num_seqs:
+                break  # its forks will need seats too
             # prompt_logprobs need logits for every prompt position, so such requests compute
             # their whole prompt (they still publish their blocks for others).
             if seq.prompt_logprobs is None or seq.prompt_logprobs_done():
@@ -121,6 +123,15 @@ class Scheduler:
             scheduled[seq.seq_id] = ScheduledChunk(seq, num_computed, num_new)
             budget -= num_new
         return budget
+
+    def add_forked(self, parent: Sequence, child: Sequence) -> None:
+        """A fork shares its parent's blocks and progress: it is running from birth."""
+        self.manager.fork(parent.seq_id, child.seq_id)
+        child.status = SeqStatus.RUNNING
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.admitted_once = True
+        child.num_cached_tokens = parent.num_cached_tokens
+        self.running.append(child)
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
