@@ -91,7 +91,7 @@ class LLMEngine:
         logger.info(self.layout.describe())
         self.manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.kv_cache = KVCache(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim, dtype)
-        self.model = build_model(mc, loaded.weights, dtype, TorchPagedAttention(), max_model_len)
+        self.model = build_model(mc, loaded.weights, dtype, TorchPagedAttention(config.block_size), max_model_len)
         del loaded
         self.runner = ModelRunner(self.model, self.kv_cache, self.manager)
         self.scheduler = Scheduler(config, self.manager)

@@ -7,7 +7,7 @@ import torch
 
 from kvshare.engine.scheduler import ScheduledChunk, SchedulerOutput
 from kvshare.kvcache.manager import KVCacheManager
-from kvshare.model.attention import AttentionMetadata, KVCache, PrefillChunk
+from kvshare.model.attention import AttentionMetadata, DecodeGroup, KVCache, PrefillChunk
 
 _NEG_INF = float("-inf")
 
@@ -22,6 +22,37 @@ class StepLogits:
     prompt_logits: list[tuple[ScheduledChunk, int, torch.Tensor]]
 
 
+# Cost model for splitting decode rows into padded groups: each extra group costs a few ops per
+# layer; each padded key slot costs a read of K and V in every layer.
+_GROUP_OVERHEAD_SLOTS = 1024
+
+
+def group_by_length(ctx_lens: list[int], block_size: int) -> list[tuple[int, int]]:
+    """Split rows (sorted by context length) into [start, end) groups minimizing padded slots
+    plus a fixed cost per group: a small dynamic program over the distinct padded widths."""
+    n = len(ctx_lens)
+    if n == 0:
+        return []
+    padded = [-(-x // block_size) * block_size for x in ctx_lens]
+    # Runs of equal width never need splitting: cut points are the run boundaries.
+    bounds = [0] + [i for i in range(1, n) if padded[i] != padded[i - 1]] + [n]
+    m = len(bounds) - 1
+    best = [0.0] + [float("inf")] * m
+    cut = [0] * (m + 1)
+    for j in range(1, m + 1):
+        width = padded[bounds[j] - 1]
+        for i in range(j):
+            cost = best[i] + _GROUP_OVERHEAD_SLOTS + (bounds[j] - bounds[i]) * width
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    groups = []
+    j = m
+    while j > 0:
+        groups.append((bounds[cut[j]], bounds[j]))
+        j = cut[j]
+    return groups[::-1]
+
+
 class ModelRunner:
     def __init__(self, model, kv_cache: KVCache, manager: KVCacheManager) -> None:
         self.model = model
@@ -29,60 +60,49 @@ class ModelRunner:
         self.manager = manager
         self.block_size = kv_cache.block_size
 
-    def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
-        bs = self.block_size
-        table = torch.tensor(block_ids, dtype=torch.long)
-        pos = torch.arange(start, end)
-        return table[pos // bs] * bs + pos % bs
-
-    def prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def prepare(self, decode: list[ScheduledChunk], prefill: list[ScheduledChunk]
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Packed inputs for decode rows (sorted by context length) followed by prefill chunks."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
-        decode = [c for c in chunks if c.num_tokens == 1]
-        prefill = [c for c in chunks if c.num_tokens > 1]
+        slots: list[int] = []
+        meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_decode=len(decode))
         tables = [self.manager.block_ids(c.seq.seq_id) for c in decode]
-        for c in decode:
+        for c, t in zip(decode, tables):
             ids.append(c.seq.token_ids[c.start])
             positions.append(c.start)
-        slot_parts: list[torch.Tensor] = []
-        meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_decode=len(decode))
-        if decode:
-            ctx = torch.tensor([c.start + 1 for c in decode])
-            width = int(ctx.max())
-            nblk = -(-width // bs)
-            padded = torch.zeros(len(decode), nblk, dtype=torch.long)
-            for r, t in enumerate(tables):
-                t = t[:nblk]
-                padded[r, :len(t)] = torch.tensor(t, dtype=torch.long)
-            pos = torch.arange(width)
-            meta.decode_slots = padded[:, pos // bs] * bs + pos % bs
-            valid = pos.unsqueeze(0) < ctx.unsqueeze(1)
-            bias = torch.zeros(len(decode), width)
-            bias.masked_fill_(~valid, _NEG_INF)
-            meta.decode_bias = bias.view(len(decode), 1, 1, width)
-            last = (ctx - 1).unsqueeze(1)
-            slot_parts.append(meta.decode_slots.gather(1, last).squeeze(1))
+            slots.append(t[c.start // bs] * bs + c.start % bs)
+        for r0, r1 in group_by_length([c.start + 1 for c in decode], bs):
+            width = -(-(decode[r1 - 1].start + 1) // bs)
+            table = torch.zeros(r1 - r0, width, dtype=torch.long)
+            for r in range(r0, r1):
+                t = tables[r][:width]
+                table[r - r0, :len(t)] = torch.tensor(t, dtype=torch.long)
+            ctx = torch.tensor([c.start + 1 for c in decode[r0:r1]])
+            bias = torch.zeros(r1 - r0, width * bs)
+            bias.masked_fill_(torch.arange(width * bs).unsqueeze(0) >= ctx.unsqueeze(1), _NEG_INF)
+            meta.decode_groups.append(DecodeGroup(r0, r1 - r0, table, bias.view(1, r1 - r0, 1, width * bs)))
         row = len(decode)
         for c in prefill:
             ids.extend(c.seq.token_ids[c.start:c.end])
             positions.extend(range(c.start, c.end))
-            ctx_slots = self._slots(self.manager.block_ids(c.seq.seq_id), 0, c.end)
+            table = self.manager.block_ids(c.seq.seq_id)[:-(-c.end // bs)]
+            slots.extend(table[p // bs] * bs + p % bs for p in range(c.start, c.end))
             q_pos = torch.arange(c.start, c.end).unsqueeze(1)
-            k_pos = torch.arange(c.end).unsqueeze(0)
-            meta.prefills.append(PrefillChunk(row, c.num_tokens, ctx_slots, k_pos <= q_pos))
-            slot_parts.append(ctx_slots[c.start:])
+            k_pos = torch.arange(len(table) * bs).unsqueeze(0)
+            meta.prefills.append(PrefillChunk(row, c.num_tokens, torch.tensor(table, dtype=torch.long), k_pos <= q_pos))
             row += c.num_tokens
-        meta.slot_mapping = torch.cat(slot_parts) if slot_parts else meta.slot_mapping
+        meta.slot_mapping = torch.tensor(slots, dtype=torch.long)
         return torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta
 
     def execute(self, sched: SchedulerOutput) -> StepLogits:
         if sched.block_copies:
             self.kv_cache.copy_blocks(sched.block_copies)
-        decode = [c for c in sched.chunks if c.num_tokens == 1]
+        decode = sorted((c for c in sched.chunks if c.num_tokens == 1), key=lambda c: c.start)
         prefill = [c for c in sched.chunks if c.num_tokens > 1]
         ordered = decode + prefill
-        input_ids, positions, meta = self.prepare(ordered)
+        input_ids, positions, meta = self.prepare(decode, prefill)
         hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)
 
         rows: list[int] = []

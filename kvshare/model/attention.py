@@ -1,8 +1,12 @@
 """Attention over the paged KV cache, for mixed batches of decode rows and prefill chunks.
 
 The batch is packed: decode rows first (one query each), then prefill chunks back to back,
-with no padding between prompts. K/V are read through slot indices derived from each
-sequence's block table, so a sequence can only ever see slots of its own blocks.
+with no padding between prompts. K/V are read block by block through each sequence's block
+table, so a sequence can only ever see blocks of its own table.
+
+Cache layout per layer: [kv_heads, num_blocks * block_size, head_dim]. Gathering whole
+blocks along dim 1 copies contiguous block_size x head_dim tiles, and the gathered tensor is
+already in the [heads, tokens, dim] shape the matmuls want, so K/V are copied once per layer.
 
 `AttentionBackend` is the seam a CUDA backend will plug into; `TorchPagedAttention` is the
 pure-PyTorch CPU implementation.
@@ -16,31 +20,40 @@ import torch.nn.functional as F
 
 
 @dataclass
+class DecodeGroup:
+    """Decode rows of similar context length, padded to the longest of them."""
+
+    row_start: int
+    num_rows: int
+    block_tables: torch.Tensor  # [rows, blocks]
+    bias: torch.Tensor  # [1, rows, 1, blocks * block_size]: 0 where the key exists, -inf past it
+
+
+@dataclass
 class PrefillChunk:
     query_start: int  # row offset in the packed batch
     query_len: int
-    context_slots: torch.Tensor  # [context_len] slot ids, positions 0 .. start+query_len-1
-    mask: torch.Tensor  # [query_len, context_len] bool, True = may attend
+    block_table: torch.Tensor  # [blocks] covering positions 0 .. start + query_len - 1
+    mask: torch.Tensor  # [query_len, blocks * block_size] bool, True = may attend
 
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
     num_decode: int = 0
-    decode_slots: torch.Tensor | None = None  # [D, L] context slots per decode row (padded)
-    decode_bias: torch.Tensor | None = None  # [D, 1, 1, L] 0 or -inf
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
 class KVCache:
-    """K and V for every layer, as flat slot arrays: slot = block_id * block_size + offset."""
+    """K and V for every layer; slot = block_id * block_size + offset."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         # Zeroed, not empty: padded decode reads touch unused slots, and 0 * NaN would leak.
-        self.data = torch.zeros(num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim, dtype=dtype)
+        self.data = torch.zeros(num_layers, 2, num_kv_heads, num_blocks * block_size, head_dim, dtype=dtype)
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.data[i, 0], self.data[i, 1]
@@ -48,7 +61,7 @@ class KVCache:
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         bs = self.block_size
         for src, dst in copies:
-            self.data[:, :, dst * bs:(dst + 1) * bs] = self.data[:, :, src * bs:(src + 1) * bs]
+            self.data[..., dst * bs:(dst + 1) * bs, :] = self.data[..., src * bs:(src + 1) * bs, :]
 
     @property
     def nbytes(self) -> int:
@@ -61,32 +74,44 @@ class AttentionBackend:
         raise NotImplementedError
 
 
+def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor, block_size: int) -> torch.Tensor:
+    """cache [KVH, slots, D], tables [..., nblk] -> [KVH, ..., nblk * block_size, D]."""
+    kvh, slots, d = cache.shape
+    blocks = cache.view(kvh, slots // block_size, block_size, d)[:, tables]
+    return blocks.flatten(-3, -2)
+
+
 class TorchPagedAttention(AttentionBackend):
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
-        # q: [T, H, D]; k, v: [T, KVH, D]
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        # q: [T, H, D]; k, v: [T, KVH, D]; caches: [KVH, slots, D]
+        k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
         num_tokens, num_heads, head_dim = q.shape
         num_kv = k.shape[1]
         group = num_heads // num_kv
         out = torch.empty_like(q)
-        nd = meta.num_decode
-        if nd:
+        bs = self.block_size
+        for g in meta.decode_groups:
             # One query row per sequence: plain matmul-softmax-matmul beats SDPA here by far.
-            keys = k_cache[meta.decode_slots]  # [D, L, KVH, D]
-            vals = v_cache[meta.decode_slots]
-            qd = q[:nd].view(nd, num_kv, group, head_dim)
-            scores = torch.matmul(qd, keys.permute(0, 2, 3, 1)) * scale  # [D, KVH, G, L]
-            scores = scores.float() + meta.decode_bias
+            s, n = g.row_start, g.num_rows
+            keys = _gather_blocks(k_cache, g.block_tables, bs)  # [KVH, n, L, D]
+            vals = _gather_blocks(v_cache, g.block_tables, bs)
+            qd = q[s:s + n].view(n, num_kv, group, head_dim).transpose(0, 1)  # [KVH, n, G, D]
+            scores = torch.matmul(qd, keys.transpose(-1, -2)).float()  # [KVH, n, G, L]
+            scores.mul_(scale).add_(g.bias)
             probs = torch.softmax(scores, dim=-1).to(q.dtype)
-            out[:nd] = torch.matmul(probs, vals.permute(0, 2, 1, 3)).reshape(nd, num_heads, head_dim)
-        for chunk in meta.prefills:
-            s, n = chunk.query_start, chunk.query_len
-            keys = k_cache[chunk.context_slots].transpose(0, 1)  # [KVH, C, D]
-            vals = v_cache[chunk.context_slots].transpose(0, 1)
+            o = torch.matmul(probs, vals)  # [KVH, n, G, D]
+            out[s:s + n] = o.transpose(0, 1).reshape(n, num_heads, head_dim)
+        for c in meta.prefills:
+            s, n = c.query_start, c.query_len
+            keys = _gather_blocks(k_cache, c.block_table, bs)  # [KVH, C, D]
+            vals = _gather_blocks(v_cache, c.block_table, bs)
             qc = q[s:s + n].transpose(0, 1)  # [H, n, D]
             o = F.scaled_dot_product_attention(
-                qc.unsqueeze(0), keys.unsqueeze(0), vals.unsqueeze(0), attn_mask=chunk.mask,
+                qc.unsqueeze(0), keys.unsqueeze(0), vals.unsqueeze(0), attn_mask=c.mask,
                 scale=scale, enable_gqa=group > 1,
             )
             out[s:s + n] = o[0].transpose(0, 1)
