@@ -1,8 +1,9 @@
 """kvshare: an LLM inference engine that shares KV-cache state and checks isolation."""
 from kvshare.config import EngineConfig
+from kvshare.engine.beam_search import BeamSearchParams
 from kvshare.llm import LLM
-from kvshare.outputs import CompletionOutput, Logprob, RequestOutput
+from kvshare.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, Logprob, RequestOutput
 from kvshare.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "EngineConfig", "RequestOutput", "CompletionOutput", "Logprob"]
 __version__ = "0.1.0"

@@ -6,7 +6,8 @@ from typing import Sequence as Seq
 
 from kvshare.config import EngineConfig
 from kvshare.engine.llm_engine import LLMEngine
-from kvshare.outputs import RequestOutput
+from kvshare.engine.beam_search import BeamSearchParams
+from kvshare.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from kvshare.sampling_params import SamplingParams
 
 
@@ -26,7 +27,7 @@ class LLM:
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
+        if isinstance(sampling_params, (SamplingParams, BeamSearchParams)):
             params_list = [sampling_params] * len(prompts)
         else:
             params_list = list(sampling_params)
@@ -45,6 +46,22 @@ class LLM:
             self._drain()
             raise
         return self._run(ids, use_tqdm)
+
+    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search; beams share KV blocks and fork with copy-on-write."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        outs = self.generate(list(prompts), [params] * len(prompts), use_tqdm=use_tqdm)
+        tok = self.engine.tokenizer
+        results = []
+        for out in outs:
+            seqs = []
+            for c, score in zip(out.outputs, out.extra["beam_scores"]):
+                tokens = list(out.prompt_token_ids) + list(c.token_ids)
+                text = tok.decode(tokens, skip_special_tokens=True) if tok is not None else ""
+                seqs.append(BeamSearchSequence(tokens, text, c.cumulative_logprob, score, c.finish_reason))
+            results.append(BeamSearchOutput(seqs))
+        return results
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True) -> list[RequestOutput]:

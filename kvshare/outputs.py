@@ -56,3 +56,19 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class BeamSearchSequence:
+    """One finished beam, as vLLM shapes it: tokens and text include the prompt."""
+
+    tokens: list[int]
+    text: str
+    cum_logprob: float
+    score: float  # cum_logprob / generated_len ** length_penalty
+    finish_reason: str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence]

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvshare.config import EngineConfig
+from kvshare.engine.beam_search import BeamSearchParams, BeamState
 from kvshare.engine.detokenizer import IncrementalDetokenizer
 from kvshare.engine.model_runner import ModelRunner, StepLogits
 from kvshare.engine.request import Sequence, SeqStatus
@@ -65,7 +66,8 @@ class RequestState:
     finished: bool = False
     prompt_logprobs_owner: Sequence | None = None
     reported_final: bool = False
-    extra: dict = field(default_factory=dict)
+    beam: BeamState | None = None
+    next_index: int = 1
 
 
 class LLMEngine:
@@ -108,9 +110,15 @@ class LLMEngine:
             raise InvalidRequestError("this model has no tokenizer: pass prompt_token_ids", "prompt")
         return self.tokenizer.encode(prompt)
 
-    def add_request(self, request_id: str | None, prompt: str | list[int] | dict, params: SamplingParams | None = None,
+    def add_request(self, request_id: str | None, prompt: str | list[int] | dict,
+                    params: SamplingParams | BeamSearchParams | None = None,
                     arrival_time: float | None = None) -> str:
         params = params or SamplingParams()
+        beam = None
+        if isinstance(params, BeamSearchParams):
+            # Beams stop themselves (EOS, length); the sequences underneath just decode.
+            beam = BeamState(params, list(self.eos_token_ids))
+            params = SamplingParams(temperature=0, max_tokens=params.max_tokens, ignore_eos=True)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         if request_id in self.requests:
@@ -122,7 +130,7 @@ class LLMEngine:
             params.max_tokens = max_tokens
         now = arrival_time if arrival_time is not None else time.monotonic()
         metrics = RequestMetrics(arrival_time=now, num_prompt_tokens=len(token_ids))
-        state = RequestState(request_id, text, token_ids, params, [], metrics)
+        state = RequestState(request_id, text, token_ids, params, [], metrics, beam=beam)
         # n > 1: one sequence computes the prompt; the others fork off it when it samples.
         first = self._new_seq(state, 0, list(token_ids), now)
         first.pending_forks = params.n - 1
@@ -137,7 +145,7 @@ class LLMEngine:
     def _new_seq(self, state: RequestState, index: int, token_ids: list[int], now: float) -> Sequence:
         params = state.params
         seq = Sequence(
-            seq_id=f"{state.request_id}#{index}" if params.n > 1 else state.request_id,
+            seq_id=f"{state.request_id}#{index}" if params.n > 1 or state.beam else state.request_id,
             request_id=state.request_id, index=index, token_ids=token_ids,
             num_prompt_tokens=len(state.prompt_token_ids), params=params, arrival_time=now,
         )
@@ -279,7 +287,13 @@ class LLMEngine:
             return
         seqs: list[Sequence] = []
         row_of: list[int] = []
+        beam_requests: dict[str, RequestState] = {}
         for r, c in enumerate(step.sample_chunks):
+            st = self.requests[c.seq.request_id]
+            if st.beam is not None:
+                c.seq.beam_logprobs = torch.log_softmax(step.sample_logits[r].float(), dim=-1)
+                beam_requests[st.request_id] = st
+                continue
             seqs.append(c.seq)
             row_of.append(r)
             if c.seq.pending_forks:
@@ -287,18 +301,58 @@ class LLMEngine:
                 for child in self._fork(c.seq):
                     seqs.append(child)
                     row_of.append(r)
-        logits = step.sample_logits
-        if len(row_of) != logits.shape[0]:
-            logits = logits[torch.tensor(row_of)]
-        rows = [
-            SamplingRow(s.params, s.generator, s.token_ids[:s.num_prompt_tokens], s.output_token_ids,
-                        self.eos_token_ids)
-            for s in seqs
-        ]
-        results = self.sampler(logits, rows)
         now = time.monotonic()
-        for seq, res in zip(seqs, results):
-            self._append_token(seq, res, now)
+        if seqs:
+            logits = step.sample_logits
+            if row_of != list(range(logits.shape[0])):
+                logits = logits[torch.tensor(row_of)]
+            rows = [
+                SamplingRow(s.params, s.generator, s.token_ids[:s.num_prompt_tokens], s.output_token_ids,
+                            self.eos_token_ids)
+                for s in seqs
+            ]
+            for seq, res in zip(seqs, self.sampler(logits, rows)):
+                self._append_token(seq, res, now)
+        for st in beam_requests.values():
+            self._beam_step(st, now)
+
+    def _beam_step(self, st: RequestState, now: float) -> None:
+        live = [s for s in st.seqs if not s.is_finished]
+        if any(s.beam_logprobs is None for s in live):
+            return  # a sibling was preempted or not scheduled: wait until every beam has its logits
+        if st.metrics.first_token_time is None:
+            st.metrics.first_token_time = now
+            st.metrics.time_to_first_token = now - st.metrics.arrival_time
+        plan = st.beam.update([s.beam_score for s in live], torch.stack([s.beam_logprobs for s in live]),
+                              [s.output_token_ids for s in live])
+        for s in live:
+            s.beam_logprobs = None
+        if st.beam.done:
+            for s in live:
+                self._finish_seq(s, "length")
+            self._maybe_finish_request(st)
+            return
+        by_parent: dict[int, list] = {}
+        for cont in plan:
+            by_parent.setdefault(cont.parent, []).append(cont)
+        for i, parent in enumerate(live):
+            conts = by_parent.get(i)
+            if not conts:
+                self._finish_seq(parent, "abort")  # pruned: its blocks go back to the pool
+                continue
+            # Forks copy the parent's tokens before the parent takes its own continuation.
+            for cont in conts[1:]:
+                child = self._new_seq(st, st.next_index, list(parent.token_ids), parent.arrival_time)
+                st.next_index += 1
+                st.seqs.append(child)
+                if parent.status is SeqStatus.RUNNING:
+                    self.scheduler.add_forked(parent, child)
+                else:
+                    self.scheduler.waiting.appendleft(child)  # parent was preempted: recompute
+                child.token_ids.append(cont.token_id)
+                child.beam_score = cont.score
+            parent.token_ids.append(conts[0].token_id)
+            parent.beam_score = conts[0].score
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         state = self.requests[parent.request_id]
@@ -357,6 +411,8 @@ class LLMEngine:
             st.metrics.finished_time = time.monotonic()
 
     def _make_output(self, st: RequestState) -> RequestOutput:
+        if st.beam is not None:
+            return self._make_beam_output(st)
         outs = []
         for seq in st.seqs:
             text = ""
@@ -379,3 +435,20 @@ class LLMEngine:
             prompt_logprobs=list(owner.prompt_logprobs) if owner is not None else None,
             outputs=outs, finished=st.finished, metrics=m, num_cached_tokens=m.num_cached_tokens,
         )
+
+    def _make_beam_output(self, st: RequestState) -> RequestOutput:
+        if st.finished and st.beam.finished:
+            hyps = [(h.token_ids, h.cum_logprob, h.finish_reason, h.score) for h in st.beam.finished]
+        else:
+            live = sorted((s for s in st.seqs if not s.is_finished), key=lambda s: -s.beam_score)
+            hyps = [(s.output_token_ids, s.beam_score, None, s.beam_score) for s in live]
+        outs = []
+        for i, (ids, cum, reason, score) in enumerate(hyps):
+            text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+            outs.append(CompletionOutput(index=i, text=text, token_ids=list(ids), cumulative_logprob=cum,
+                                         logprobs=None, finish_reason=reason or ("abort" if st.finished else None)))
+        m = st.metrics
+        m.num_output_tokens = len(outs[0].token_ids) if outs else 0
+        return RequestOutput(request_id=st.request_id, prompt=st.prompt, prompt_token_ids=st.prompt_token_ids,
+                             prompt_logprobs=None, outputs=outs, finished=st.finished, metrics=m,
+                             extra={"beam_scores": [h[3] for h in hyps]})

@@ -42,6 +42,9 @@ class Sequence:
     # n > 1: siblings still to be forked off this sequence once its prompt is computed.
     pending_forks: int = 0
     text_delta: str = ""  # stream-safe text produced since the last output was taken
+    # Beam search: running sum of logprobs, and this step's next-token logprobs once computed.
+    beam_score: float = 0.0
+    beam_logprobs: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
