@@ -73,7 +73,14 @@ class ModelRunner:
             ids.append(c.seq.token_ids[c.start])
             positions.append(c.start)
             slots.append(t[c.start // bs] * bs + c.start % bs)
-        for r0, r1 in group_by_length([c.start + 1 for c in decode], bs):
+        if decode:
+            ctx_lens = [c.start + 1 for c in decode]
+            width = -(-max(ctx_lens) // bs)
+            meta.decode_block_tables = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables],
+                                                    dtype=torch.long)
+            meta.decode_context_lens = torch.tensor(ctx_lens, dtype=torch.long)
+        groups = group_by_length([c.start + 1 for c in decode], bs) if self.model.backend.wants_decode_groups else []
+        for r0, r1 in groups:
             width = -(-(decode[r1 - 1].start + 1) // bs)
             table = torch.zeros(r1 - r0, width, dtype=torch.long)
             for r in range(r0, r1):

@@ -34,6 +34,7 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[bytes, int] = {}  # block hash -> block id
         self.num_evictions = 0
+        self.num_allocations = 0
 
     @property
     def num_free(self) -> int:
@@ -54,6 +55,7 @@ class BlockPool:
             self._evict(block)
         block.ref_count = 1
         block.owners = {owner}
+        self.num_allocations += 1
         return block
 
     def _evict(self, block: Block) -> None:

@@ -15,6 +15,10 @@ class PrefixCacheStats:
     cow_copies: int = 0
     forks: int = 0
 
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
@@ -46,6 +50,28 @@ class KVCacheManager:
 
     def usage(self) -> float:
         return self.num_used_blocks() / self.pool.num_blocks
+
+    def num_shared_blocks(self) -> int:
+        return sum(1 for b in self.pool.blocks if b.ref_count > 1)
+
+    def stats_dict(self) -> dict:
+        s = self.stats
+        return {
+            "prefix_cache_queries": s.queries, "prefix_cache_hits": s.hits, "prefix_cache_hit_rate": s.hit_rate,
+            "blocks_shared": self.num_shared_blocks(), "cow_copies": s.cow_copies, "forks": s.forks,
+            "evictions": self.pool.num_evictions, "allocations": self.pool.num_allocations,
+            "blocks_in_use": self.num_used_blocks(), "blocks_cached_free": self.pool.num_cached_free(),
+            "blocks_total": self.num_blocks,
+        }
+
+    def assert_idle_whole(self) -> None:
+        """When nothing runs: no block referenced, every block free (cached or not)."""
+        held = [b.block_id for b in self.pool.blocks if b.ref_count != 0]
+        if held or self.tables or self.pool.num_free != self.num_blocks:
+            raise BlockPoolError(
+                f"pool not whole when idle: referenced blocks {held[:10]}, tables {list(self.tables)[:10]}, "
+                f"free {self.pool.num_free} of {self.num_blocks}"
+            )
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -9,7 +9,8 @@ blocks along dim 1 copies contiguous block_size x head_dim tiles, and the gather
 already in the [heads, tokens, dim] shape the matmuls want, so K/V are copied once per layer.
 
 `AttentionBackend` is the seam a CUDA backend will plug into; `TorchPagedAttention` is the
-pure-PyTorch CPU implementation.
+CPU implementation: pure PyTorch, except that decode rows go to the C++ kernel in
+`cpu_kernels` (one pass over each row's own blocks) when it builds and is not disabled.
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from kvshare.model import cpu_kernels
 
 
 @dataclass
@@ -41,7 +44,10 @@ class PrefillChunk:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
     num_decode: int = 0
-    decode_groups: list[DecodeGroup] = field(default_factory=list)
+    decode_groups: list[DecodeGroup] = field(default_factory=list)  # only if backend.wants_decode_groups
+    # All decode rows at once, for kernels that walk block tables themselves:
+    decode_block_tables: torch.Tensor | None = None  # [num_decode, max_blocks], zero padded
+    decode_context_lens: torch.Tensor | None = None  # [num_decode] keys per row (position + 1)
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -69,6 +75,9 @@ class KVCache:
 
 
 class AttentionBackend:
+    # Whether the runner must build padded `decode_groups` (else only the full decode tables).
+    wants_decode_groups: bool = True
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         raise NotImplementedError
@@ -82,8 +91,11 @@ def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor, block_size: int) -
 
 
 class TorchPagedAttention(AttentionBackend):
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, use_cpp_kernel: bool = True) -> None:
         self.block_size = block_size
+        # Decided once: building the kernel (first use only) happens here, not mid-step.
+        self.use_cpp_kernel = use_cpp_kernel and cpu_kernels.available()
+        self.wants_decode_groups = not self.use_cpp_kernel
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
         # q: [T, H, D]; k, v: [T, KVH, D]; caches: [KVH, slots, D]
@@ -94,7 +106,15 @@ class TorchPagedAttention(AttentionBackend):
         group = num_heads // num_kv
         out = torch.empty_like(q)
         bs = self.block_size
-        for g in meta.decode_groups:
+        if self.use_cpp_kernel and meta.decode_block_tables is not None:
+            if meta.num_decode:
+                nd = meta.num_decode
+                cpu_kernels.paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                                                   meta.decode_context_lens, bs, scale, out=out[:nd])
+            decode_groups = []
+        else:
+            decode_groups = meta.decode_groups
+        for g in decode_groups:
             # One query row per sequence: plain matmul-softmax-matmul beats SDPA here by far.
             s, n = g.row_start, g.num_rows
             keys = _gather_blocks(k_cache, g.block_tables, bs)  # [KVH, n, L, D]
