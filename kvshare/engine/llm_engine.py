@@ -56,6 +56,13 @@ class KVLayout:
 
 
 @dataclass
+class EngineStats:
+    prompt_tokens_computed: int = 0  # prompt positions run through the model (recomputes count)
+    decode_tokens_computed: int = 0
+    peak_blocks_in_use: int = 0
+
+
+@dataclass
 class RequestState:
     request_id: str
     prompt: str | None
@@ -103,6 +110,7 @@ class LLMEngine:
         self._rng = torch.Generator().manual_seed(config.seed)
         self._ids = itertools.count()
         self.step_count = 0
+        self.stats = EngineStats()
 
     # ---- submission ----------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -243,8 +251,13 @@ class LLMEngine:
                 if st.metrics.first_scheduled_time is None:
                     st.metrics.first_scheduled_time = now
             logits = self.runner.execute(sched)
+            stats = self.stats
+            stats.peak_blocks_in_use = max(stats.peak_blocks_in_use, self.manager.num_used_blocks())
             for c in sched.chunks:
                 seq = c.seq
+                in_prompt = max(0, min(c.end, seq.num_prompt_tokens) - c.start)
+                stats.prompt_tokens_computed += in_prompt
+                stats.decode_tokens_computed += c.num_tokens - in_prompt
                 seq.num_computed_tokens = c.end
                 self.manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens,
                                                seq.params.cache_salt)
