@@ -94,3 +94,19 @@ def test_tiny_models_match_hf(kind, overrides, tmp_path):
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (1, 17, 90)]
     compare(llm, model, prompts)
+
+
+def test_bfloat16_tracks_float32():
+    """bfloat16 weights, activations and KV: prompt logprobs stay close to float32's."""
+    from kvshare.bench.workloads import ENGLISH_TEXT
+
+    _, tok = hf_reference()
+    p = tok(ENGLISH_TEXT).input_ids[:200]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, prompt_logprobs=0)
+    f32 = LLM(kv_cache_memory="32MiB").generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0]
+    b16 = LLM(kv_cache_memory="32MiB", dtype="bfloat16").generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0]
+    diffs = [abs(a[t].logprob - b[t].logprob)
+             for a, b, t in zip(f32.prompt_logprobs[1:], b16.prompt_logprobs[1:], p[1:])]
+    assert sum(diffs) / len(diffs) < 0.1
+    agree = sum(x == y for x, y in zip(f32.outputs[0].token_ids, b16.outputs[0].token_ids))
+    assert agree >= 8

@@ -1,0 +1,53 @@
+"""The command line, run as a user would run it."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+KVSHARE = [sys.executable, "-m", "kvshare.cli"]
+
+
+def _run(*args, timeout=300):
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    return subprocess.run(KVSHARE + list(args), capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_info_reports_the_kv_layout():
+    r = _run("info", "--json", "--kv-cache-memory", "64MiB")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64; float32 = 4 bytes.
+    assert info["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4
+    assert info["num_blocks"] == (64 * 2**20) // (info["kv_bytes_per_token"] * 16)
+    assert info["token_slots"] == info["num_blocks"] * 16
+    assert abs(info["max_len_sequences_that_fit"] - info["token_slots"] / info["max_model_len"]) < 0.01
+    assert "KV cache:" in r.stderr and "bytes/token" in r.stderr  # the start-up log line
+
+
+def test_info_bfloat16_halves_bytes_per_token():
+    r = _run("info", "--json", "--dtype", "bfloat16", "--kv-cache-memory", "64MiB")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 2
+
+
+def test_generate_greedy_and_chat():
+    r = _run("generate", "The capital of France is", "--max-tokens", "8", "--json", "--kv-cache-memory", "64MiB")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(out["token_ids"]) == 8 or out["finish_reason"] == "stop"
+    assert "Paris" in out["text"]
+    r = _run("generate", "--chat", "What is the capital of France?", "--max-tokens", "24", "--json",
+             "--kv-cache-memory", "64MiB")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in json.loads(r.stdout.strip().splitlines()[-1])["text"]
+
+
+def test_bad_option_is_a_clear_error():
+    r = _run("generate", "hi", "--block-size", "0")
+    assert r.returncode == 2
+    assert "block_size" in r.stderr
+    r = _run("generate", "hi", "--model", "/no/such/model.gguf")
+    assert r.returncode == 2
+    assert "model" in r.stderr
