@@ -4,19 +4,24 @@
 from the paged KV cache: each (row, kv head) task walks its own block table, reads every K and V
 vector of its context exactly once, and keeps an online softmax with float32 accumulation. No
 padded gather, no score matrix in memory. GQA/MQA/MHA, float32 or bfloat16 caches and queries,
-any block size >= 1, any head_dim. An AVX-512 path (chosen at run time, CPUs without it use the
-portable scalar path) handles head_dim <= 128; larger head dims use the scalar path.
+any block size >= 1, any head_dim. Code paths, picked at run time by CPU features: AVX-512 for
+head_dim <= 128, plus vdpbf16ps dot products where the CPU has AVX512_BF16 and both q and the
+cache are bfloat16; a portable scalar path everywhere else. Rows are spread over torch's thread
+count with OpenMP (the libgomp torch already loaded), longest first; each (row, kv head) is
+computed by one thread, so results do not depend on the thread count.
 
 The build is lazy and optional: `available()` compiles (or loads the cached build of) the
-extension the first time it is asked, and answers False, with the reason logged once at INFO,
-when it cannot (no compiler, no ninja, non-POSIX, ...). Nothing here raises at import.
-Build artifacts go to torch's extension cache (`TORCH_EXTENSIONS_DIR`, by default
-~/.cache/torch_extensions), never into the source tree.
+library the first time it is asked, and answers False, with the reason logged once at INFO,
+when it cannot (no compiler, no ninja, non-POSIX, ...). Nothing here raises at import. The
+library has a plain C ABI called through ctypes and includes no torch headers, so a cold build
+takes seconds, not the half minute torch/extension.h costs. Artifacts go to torch's extension
+cache (`TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions), never into the source tree.
 
 Set KVSHARE_DISABLE_CPP_KERNELS=1 to force the pure-PyTorch paths.
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
@@ -30,16 +35,15 @@ logger = logging.getLogger("kvshare")
 DISABLE_ENV = "KVSHARE_DISABLE_CPP_KERNELS"
 
 _CPP_SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <numeric>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #ifdef _OPENMP
@@ -50,22 +54,44 @@ _CPP_SOURCE = r"""
 #define KVS_X86 1
 #include <immintrin.h>
 #define KVS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+// Small helpers must inline: a prefetch left in its own function is "pure" to GCC's IPA and its
+// calls get deleted, and an opaque call in a loop pins the accumulators to memory.
+#define KVS_INLINE inline __attribute__((always_inline))
+// Fixed-trip loops over heads and chunks, unrolled early so accumulator arrays become registers.
+#define KVS_UNROLL _Pragma("GCC unroll 16")
+// avx512_bf16 intrinsics: GCC >= 11, clang >= 12.
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
+#define KVS_BF16DP 1
+#define KVS_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx512bf16")))
+#else
+#define KVS_BF16DP 0
+#endif
 #else
 #define KVS_X86 0
+#define KVS_BF16DP 0
 #endif
 
 namespace kvs {
 
-constexpr int kTile = 64;  // tokens per online-softmax step
+constexpr int kTile = 64;  // tokens per online-softmax step (a multiple of 16)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// bfloat16 caches are read as raw uint16_t bit patterns.
+// bfloat16 tensors are handled as raw uint16_t bit patterns.
 static inline float to_f32(float x) { return x; }
 static inline float to_f32(uint16_t h) {
   uint32_t u = uint32_t(h) << 16;
   float f;
   std::memcpy(&f, &u, 4);
   return f;
+}
+
+// Round to nearest even, as torch does; NaN stays NaN.
+static inline uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
 }
 
 struct Problem {
@@ -84,15 +110,18 @@ struct Problem {
   int64_t o_s0, o_s1;
 };
 
+// Per-thread buffers, reused across tasks. Dp: head_dim padded for the vector code.
 struct Scratch {
-  int64_t Dp;  // padded head dim (row pitch of qf / acc)
+  int64_t Dp;
   std::vector<float> qf, acc, s, m, l;
-  std::vector<int64_t> slots;
+  std::vector<uint16_t> qb, pb;  // bf16 q bits; bf16 probabilities (hi and lo halves)
+  std::vector<int64_t> slots;    // this tile and the next
   Scratch(int64_t G, int64_t Dp_)
-      : Dp(Dp_), qf(G * Dp_), acc(G * Dp_), s(G * kTile), m(G), l(G), slots(kTile) {}
+      : Dp(Dp_), qf(G * Dp_), acc(G * Dp_), s(G * kTile), m(G), l(G), qb(G * Dp_), pb(G * 2 * kTile),
+        slots(2 * kTile) {}
 };
 
-// q row (G heads of kv head h), scaled, into fp32 scratch (zero padded to Dp).
+// fp32 copy of the task's G query heads, times scale, zero padded to Dp; resets the softmax state.
 static void load_q(const Problem& P, int64_t row, int64_t h, Scratch& S) {
   std::fill(S.qf.begin(), S.qf.end(), 0.f);
   for (int64_t g = 0; g < P.G; ++g) {
@@ -118,8 +147,8 @@ static void store_out(const Problem& P, int64_t row, int64_t h, const Scratch& S
     const float* a = S.acc.data() + g * S.Dp;
     const int64_t off = row * P.o_s0 + (h * P.G + g) * P.o_s1;
     if (P.q_bf16) {
-      c10::BFloat16* dst = static_cast<c10::BFloat16*>(P.out) + off;
-      for (int64_t d = 0; d < P.D; ++d) dst[d] = c10::BFloat16(a[d] * inv);
+      uint16_t* dst = static_cast<uint16_t*>(P.out) + off;
+      for (int64_t d = 0; d < P.D; ++d) dst[d] = to_bf16(a[d] * inv);
     } else {
       float* dst = static_cast<float*>(P.out) + off;
       for (int64_t d = 0; d < P.D; ++d) dst[d] = a[d] * inv;
@@ -127,9 +156,12 @@ static void store_out(const Problem& P, int64_t row, int64_t h, const Scratch& S
   }
 }
 
-// Slots of tokens t0 .. t0+tn-1, walking the table; (blk, off) is the cursor.
-static inline void tile_slots(const int64_t* table, int64_t bs, int tn, int64_t& blk, int64_t& off,
-                              int64_t* slots) {
+// Slots of the next tn tokens, walking the row's table; (blk, off) is the cursor. Slots past tn,
+// up to a multiple of 16, repeat the last one: vector code may read them, never another block.
+static int fill_tile(const int64_t* table, int64_t bs, int64_t remaining, int64_t& blk, int64_t& off,
+                     int64_t* slots) {
+  if (remaining <= 0) return 0;
+  const int tn = int(std::min<int64_t>(kTile, remaining));
   int64_t base = table[blk] * bs;
   for (int j = 0; j < tn; ++j) {
     slots[j] = base + off;
@@ -139,10 +171,12 @@ static inline void tile_slots(const int64_t* table, int64_t bs, int tn, int64_t&
       if (j + 1 < tn) base = table[blk] * bs;
     }
   }
+  for (int j = tn; j < ((tn + 15) & ~15); ++j) slots[j] = slots[tn - 1];
+  return tn;
 }
 
 // ------------------------------------------------------------------------------------------
-// Portable scalar path.
+// Portable scalar path (any CPU, any head_dim).
 template <typename KT>
 static void task_scalar(const Problem& P, int64_t row, int64_t h, Scratch& S) {
   const int64_t ctx = P.ctx[row];
@@ -154,8 +188,7 @@ static void task_scalar(const Problem& P, int64_t row, int64_t h, Scratch& S) {
   float* s = S.s.data();
   int64_t blk = 0, off = 0;
   for (int64_t t0 = 0; t0 < ctx; t0 += kTile) {
-    const int tn = int(std::min<int64_t>(kTile, ctx - t0));
-    tile_slots(table, P.bs, tn, blk, off, S.slots.data());
+    const int tn = fill_tile(table, P.bs, ctx - t0, blk, off, S.slots.data());
     for (int j = 0; j < tn; ++j) {
       const KT* kp = kb + S.slots[j] * P.k_s1;
       for (int64_t g = 0; g < G; ++g) {
@@ -197,23 +230,38 @@ static void task_scalar(const Problem& P, int64_t row, int64_t h, Scratch& S) {
 }
 
 // ------------------------------------------------------------------------------------------
-// AVX-512 path: head_dim in NC chunks of 16 lanes (masked at the tail), up to GB query heads
-// of the group held in registers at once.
+// AVX-512 path, head_dim <= 128: head_dim in NC chunks of 16 lanes (masked past head_dim), up
+// to GB query heads of the group per pass over the tile. Rows are prefetched into L2 one pass
+// ahead: V rows of the tile while its scores are computed, K rows of the next tile while V is
+// accumulated (blocks are scattered, so the hardware prefetcher alone stalls at every block).
 #if KVS_X86
-KVS_AVX512 static inline __m512 ld16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-KVS_AVX512 static inline __m512 ld16(const uint16_t* p, __mmask16 m) {
+KVS_AVX512 static KVS_INLINE __m512 ld16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+KVS_AVX512 static KVS_INLINE __m512 ld16(const uint16_t* p, __mmask16 m) {
   __m256i x = _mm256_maskz_loadu_epi16(m, p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
 }
 
 template <typename KT>
-KVS_AVX512 static inline void prefetch_row(const KT* p, int64_t D) {
+KVS_AVX512 static KVS_INLINE void prefetch_row(const KT* p, int64_t row_bytes) {
   const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t b = 0; b < D * int64_t(sizeof(KT)); b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
+  for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T1);
 }
 
-// exp(x) for x <= 0 mostly: Cephes-style polynomial, ~1 ulp; underflows cleanly to 0.
-KVS_AVX512 static inline __m512 exp16(__m512 x) {
+// Where a loop prefetches: rows slots[0 .. n-1] at base + slot * stride.
+template <typename KT>
+struct Prefetch {
+  const KT* base;
+  int64_t stride;
+  const int64_t* slots;
+  int n;
+  int64_t row_bytes;
+  KVS_AVX512 KVS_INLINE void operator()(int j) const {
+    if (j < n) prefetch_row(base + slots[j] * stride, row_bytes);
+  }
+};
+
+// exp(x), Cephes-style polynomial (~1 ulp); underflows cleanly to 0 for very negative x.
+KVS_AVX512 static KVS_INLINE __m512 exp16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
   x = _mm512_min_ps(x, _mm512_set1_ps(88.7f));
   __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
@@ -231,125 +279,332 @@ KVS_AVX512 static inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-static inline __mmask16 tail_mask(int64_t remaining) {
+static inline __mmask16 mask16(int64_t remaining) {
   return remaining >= 16 ? __mmask16(0xFFFF) : remaining <= 0 ? __mmask16(0) : __mmask16((1u << remaining) - 1);
 }
 
+// a0..a3 -> one vector whose 128-bit lane k holds [a0, a1, a2, a3] each summed over its lane k.
+KVS_AVX512 static KVS_INLINE __m512 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 t01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  const __m512 t23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  const __m512d x = _mm512_castps_pd(t01), y = _mm512_castps_pd(t23);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+}
+
+// Four reduce4 results (tokens 0-3, 4-7, 8-11, 12-15) -> the 16 horizontal sums, in token order.
+KVS_AVX512 static KVS_INLINE __m512 reduce16(__m512 u0, __m512 u1, __m512 u2, __m512 u3) {
+  const __m512 v = _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, 0x88), _mm512_shuffle_f32x4(u0, u1, 0xDD));
+  const __m512 w = _mm512_add_ps(_mm512_shuffle_f32x4(u2, u3, 0x88), _mm512_shuffle_f32x4(u2, u3, 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(v, w, 0x88), _mm512_shuffle_f32x4(v, w, 0xDD));
+}
+
+// Scores s[g][j] = q_g . k_j for GB heads and tokens j < tn, 16 tokens at a time (q pre-scaled).
 template <typename KT, int NC, int GB>
-KVS_AVX512 static void qk_group(const float* qf, int64_t Dp, const KT* kb, int64_t ks1, const KT* vb,
-                                int64_t vs1, bool prefetch_v, int64_t D, const int64_t* slots, int tn,
-                                const __mmask16* mk, float* s) {
-  __m512 qr[GB][NC];
-  for (int g = 0; g < GB; ++g)
-    for (int c = 0; c < NC; ++c) qr[g][c] = _mm512_loadu_ps(qf + g * Dp + 16 * c);
-  constexpr int kAhead = 4;
-  for (int j = 0; j < tn; ++j) {
-    if (j + kAhead < tn) prefetch_row(kb + slots[j + kAhead] * ks1, D);
-    if (prefetch_v) prefetch_row(vb + slots[j] * vs1, D);
-    const KT* kp = kb + slots[j] * ks1;
-    __m512 kv[NC];
-    for (int c = 0; c < NC; ++c) kv[c] = ld16(kp + 16 * c, mk[c]);
-    for (int g = 0; g < GB; ++g) {
-      __m512 a = _mm512_mul_ps(qr[g][0], kv[0]);
-      for (int c = 1; c < NC; ++c) a = _mm512_fmadd_ps(qr[g][c], kv[c], a);
-      s[g * kTile + j] = _mm512_reduce_add_ps(a);
+KVS_AVX512 static void qk_f32(const float* qf, int64_t Dp, const KT* kb, int64_t ks1, const int64_t* slots,
+                              int tn, const __mmask16* mk, float* s, Prefetch<KT> pf) {
+  for (int j0 = 0; j0 < tn; j0 += 16) {
+    __m512 u[GB][4];
+    KVS_UNROLL
+    for (int qd = 0; qd < 4; ++qd) {
+      __m512 a[GB][4];
+      KVS_UNROLL
+      for (int t = 0; t < 4; ++t) {
+        const int j = j0 + 4 * qd + t;
+        pf(j);
+        const KT* kp = kb + slots[j] * ks1;
+        __m512 kv[NC];
+        KVS_UNROLL
+        for (int c = 0; c < NC; ++c) kv[c] = ld16(kp + 16 * c, mk[c]);
+        KVS_UNROLL
+        for (int g = 0; g < GB; ++g) {
+          __m512 x = _mm512_mul_ps(_mm512_loadu_ps(qf + g * Dp), kv[0]);
+          KVS_UNROLL
+          for (int c = 1; c < NC; ++c) x = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * Dp + 16 * c), kv[c], x);
+          a[g][t] = x;
+        }
+      }
+      KVS_UNROLL
+      for (int g = 0; g < GB; ++g) u[g][qd] = reduce4(a[g][0], a[g][1], a[g][2], a[g][3]);
     }
+    KVS_UNROLL
+    for (int g = 0; g < GB; ++g) _mm512_storeu_ps(s + g * kTile + j0, reduce16(u[g][0], u[g][1], u[g][2], u[g][3]));
   }
 }
 
+// acc[g] += sum_j p[g][j] v_j for GB heads, tokens j < tn.
 template <typename KT, int NC, int GB>
-KVS_AVX512 static void pv_group(float* acc, int64_t Dp, const KT* vb, int64_t vs1, const int64_t* slots,
-                                int tn, const __mmask16* mk, const float* s) {
+KVS_AVX512 static void pv_f32(float* acc, int64_t Dp, const KT* vb, int64_t vs1, const int64_t* slots, int tn,
+                              const __mmask16* mk, const float* s, Prefetch<KT> pf) {
   __m512 ar[GB][NC];
+  KVS_UNROLL
   for (int g = 0; g < GB; ++g)
+    KVS_UNROLL
     for (int c = 0; c < NC; ++c) ar[g][c] = _mm512_loadu_ps(acc + g * Dp + 16 * c);
   for (int j = 0; j < tn; ++j) {
+    pf(j);
     const KT* vp = vb + slots[j] * vs1;
     __m512 vv[NC];
+    KVS_UNROLL
     for (int c = 0; c < NC; ++c) vv[c] = ld16(vp + 16 * c, mk[c]);
+    KVS_UNROLL
     for (int g = 0; g < GB; ++g) {
       const __m512 p = _mm512_set1_ps(s[g * kTile + j]);
+      KVS_UNROLL
       for (int c = 0; c < NC; ++c) ar[g][c] = _mm512_fmadd_ps(p, vv[c], ar[g][c]);
     }
   }
+  KVS_UNROLL
   for (int g = 0; g < GB; ++g)
+    KVS_UNROLL
     for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + g * Dp + 16 * c, ar[g][c]);
 }
 
+// Online softmax over one tile of one head's scores: updates (m, l), rescales acc (Dp floats,
+// any layout), and leaves exp(s - m) in s[0 .. tn-1] and zeros in s[tn .. kTile-1].
 KVS_AVX512 static void softmax_tile(float* sg, int tn, float& m, float& l, float* acc, int64_t Dp) {
   const __m512 ninf = _mm512_set1_ps(kNegInf);
   __m512 vmax = ninf;
   for (int j = 0; j < tn; j += 16)
-    vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(ninf, tail_mask(tn - j), sg + j));
+    vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(ninf, mask16(tn - j), sg + j));
   const float mnew = std::max(m, _mm512_reduce_max_ps(vmax));
   if (mnew > m) {
-    const __m512 alpha = _mm512_set1_ps(std::exp(m - mnew));
-    l *= std::exp(m - mnew);
-    for (int64_t d = 0; d < Dp; d += 16) _mm512_storeu_ps(acc + d, _mm512_mul_ps(alpha, _mm512_loadu_ps(acc + d)));
+    const float alpha = std::exp(m - mnew);
+    const __m512 va = _mm512_set1_ps(alpha);
+    l *= alpha;
+    for (int64_t d = 0; d < Dp; d += 16) _mm512_storeu_ps(acc + d, _mm512_mul_ps(va, _mm512_loadu_ps(acc + d)));
     m = mnew;
   }
   const __m512 vm = _mm512_set1_ps(mnew);
   __m512 vsum = _mm512_setzero_ps();
-  for (int j = 0; j < tn; j += 16) {
-    const __mmask16 mk = tail_mask(tn - j);
-    __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sg + j), vm));
-    e = _mm512_maskz_mov_ps(mk, e);
-    _mm512_mask_storeu_ps(sg + j, mk, e);
+  for (int j = 0; j < kTile; j += 16) {
+    const __mmask16 mk = mask16(tn - j);
+    const __m512 e = _mm512_maskz_mov_ps(mk, exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + j), vm)));
+    _mm512_storeu_ps(sg + j, e);
     vsum = _mm512_add_ps(vsum, e);
   }
   l += _mm512_reduce_add_ps(vsum);
 }
 
-template <typename KT, int NC, int GB>
-static void for_groups_qk(const Problem& P, Scratch& S, const KT* kb, const KT* vb, int tn, const __mmask16* mk) {
-  for (int64_t g0 = 0; g0 < P.G; g0 += GB) {
-    const int64_t gb = std::min<int64_t>(GB, P.G - g0);
-    const float* qf = S.qf.data() + g0 * S.Dp;
-    float* s = S.s.data() + g0 * kTile;
-    const bool pv = g0 == 0;
-    switch (gb) {
-      case 1: qk_group<KT, NC, 1>(qf, S.Dp, kb, P.k_s1, vb, P.v_s1, pv, P.D, S.slots.data(), tn, mk, s); break;
-      case 2: qk_group<KT, NC, 2>(qf, S.Dp, kb, P.k_s1, vb, P.v_s1, pv, P.D, S.slots.data(), tn, mk, s); break;
-      case 3: if constexpr (GB >= 3) qk_group<KT, NC, 3>(qf, S.Dp, kb, P.k_s1, vb, P.v_s1, pv, P.D, S.slots.data(), tn, mk, s); break;
-      default: if constexpr (GB >= 4) qk_group<KT, NC, 4>(qf, S.Dp, kb, P.k_s1, vb, P.v_s1, pv, P.D, S.slots.data(), tn, mk, s); break;
+#if KVS_BF16DP
+// bf16 cache and bf16 q on CPUs with avx512_bf16: vdpbf16ps multiplies bf16 pairs exactly and
+// accumulates in fp32, so K/V need no widening. Scores use the unscaled bf16 q (scaled after);
+// probabilities are split into bf16 hi + lo parts (~16 significant bits) for the V sum.
+KVS_AVX512BF16 static KVS_INLINE __m512bh as_bh(__m512i x) { return (__m512bh)x; }
+
+template <int NC2, int GB>
+KVS_AVX512BF16 static void qk_bf16(const uint16_t* qb, int64_t Dp, const uint16_t* kb, int64_t ks1,
+                                   const int64_t* slots, int tn, const __mmask32* mk, float* s, float scale,
+                                   Prefetch<uint16_t> pf) {
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int j0 = 0; j0 < tn; j0 += 16) {
+    __m512 u[GB][4];
+    KVS_UNROLL
+    for (int qd = 0; qd < 4; ++qd) {
+      __m512 a[GB][4];
+      KVS_UNROLL
+      for (int t = 0; t < 4; ++t) {
+        const int j = j0 + 4 * qd + t;
+        pf(j);
+        const uint16_t* kp = kb + slots[j] * ks1;
+        __m512i kv[NC2];
+        KVS_UNROLL
+        for (int c = 0; c < NC2; ++c) kv[c] = _mm512_maskz_loadu_epi16(mk[c], kp + 32 * c);
+        KVS_UNROLL
+        for (int g = 0; g < GB; ++g) {
+          __m512 x = _mm512_setzero_ps();
+          KVS_UNROLL
+          for (int c = 0; c < NC2; ++c)
+            x = _mm512_dpbf16_ps(x, as_bh(_mm512_loadu_si512(qb + g * Dp + 32 * c)), as_bh(kv[c]));
+          a[g][t] = x;
+        }
+      }
+      KVS_UNROLL
+      for (int g = 0; g < GB; ++g) u[g][qd] = reduce4(a[g][0], a[g][1], a[g][2], a[g][3]);
     }
+    KVS_UNROLL
+    for (int g = 0; g < GB; ++g)
+      _mm512_storeu_ps(s + g * kTile + j0, _mm512_mul_ps(vscale, reduce16(u[g][0], u[g][1], u[g][2], u[g][3])));
   }
 }
 
-template <typename KT, int NC, int GB>
-static void for_groups_pv(const Problem& P, Scratch& S, const KT* vb, int tn, const __mmask16* mk) {
-  for (int64_t g0 = 0; g0 < P.G; g0 += GB) {
-    const int64_t gb = std::min<int64_t>(GB, P.G - g0);
-    float* acc = S.acc.data() + g0 * S.Dp;
-    const float* s = S.s.data() + g0 * kTile;
-    switch (gb) {
-      case 1: pv_group<KT, NC, 1>(acc, S.Dp, vb, P.v_s1, S.slots.data(), tn, mk, s); break;
-      case 2: pv_group<KT, NC, 2>(acc, S.Dp, vb, P.v_s1, S.slots.data(), tn, mk, s); break;
-      case 3: if constexpr (GB >= 3) pv_group<KT, NC, 3>(acc, S.Dp, vb, P.v_s1, S.slots.data(), tn, mk, s); break;
-      default: if constexpr (GB >= 4) pv_group<KT, NC, 4>(acc, S.Dp, vb, P.v_s1, S.slots.data(), tn, mk, s); break;
-    }
+// Probabilities s[0 .. kTile-1] (fp32, zero past tn) -> bf16 hi and lo parts, hi + lo ~= s.
+KVS_AVX512BF16 static void split_probs(const float* sg, uint16_t* hi, uint16_t* lo) {
+  for (int j = 0; j < kTile; j += 16) {
+    const __m512 x = _mm512_loadu_ps(sg + j);
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
+    const __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    const __m256i l = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(x, hf));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + j), h);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + j), l);
   }
 }
 
-template <typename KT, int NC>
+// acc[g] += sum_j p[g][j] v_j over token pairs (j, j+1): the two V rows are interleaved so each
+// 32-bit lane holds (v_j[d], v_j+1[d]) and one vdpbf16ps adds p_j v_j[d] + p_j+1 v_j+1[d].
+// Interleaving permutes head_dim inside 128-bit lanes: acc is kept in that order (see unpermute).
+template <int NC2, int GB>
+KVS_AVX512BF16 static void pv_bf16(float* acc, int64_t Dp, const uint16_t* vb, int64_t vs1, const int64_t* slots,
+                                   int tn, const __mmask32* mk, const uint16_t* pb, Prefetch<uint16_t> pf) {
+  __m512 ar[GB][NC2][2];
+  KVS_UNROLL
+  for (int g = 0; g < GB; ++g)
+    KVS_UNROLL
+    for (int c = 0; c < NC2; ++c)
+      KVS_UNROLL
+      for (int e = 0; e < 2; ++e) ar[g][c][e] = _mm512_loadu_ps(acc + g * Dp + 32 * c + 16 * e);
+  for (int j = 0; j < tn; j += 2) {
+    pf(j);
+    pf(j + 1);
+    const uint16_t* v0 = vb + slots[j] * vs1;
+    const uint16_t* v1 = vb + slots[j + 1] * vs1;  // padded slot when j + 1 == tn: its p is 0
+    __m512i lo[NC2], hi[NC2];
+    KVS_UNROLL
+    for (int c = 0; c < NC2; ++c) {
+      const __m512i a = _mm512_maskz_loadu_epi16(mk[c], v0 + 32 * c);
+      const __m512i b = _mm512_maskz_loadu_epi16(mk[c], v1 + 32 * c);
+      lo[c] = _mm512_unpacklo_epi16(a, b);
+      hi[c] = _mm512_unpackhi_epi16(a, b);
+    }
+    KVS_UNROLL
+    for (int g = 0; g < GB; ++g) {
+      int32_t wh, wl;
+      std::memcpy(&wh, pb + g * 2 * kTile + j, 4);
+      std::memcpy(&wl, pb + g * 2 * kTile + kTile + j, 4);
+      const __m512bh ph = as_bh(_mm512_set1_epi32(wh)), pl = as_bh(_mm512_set1_epi32(wl));
+      KVS_UNROLL
+      for (int c = 0; c < NC2; ++c) {
+        ar[g][c][0] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(ar[g][c][0], as_bh(lo[c]), ph), as_bh(lo[c]), pl);
+        ar[g][c][1] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(ar[g][c][1], as_bh(hi[c]), ph), as_bh(hi[c]), pl);
+      }
+    }
+  }
+  KVS_UNROLL
+  for (int g = 0; g < GB; ++g)
+    KVS_UNROLL
+    for (int c = 0; c < NC2; ++c)
+      KVS_UNROLL
+      for (int e = 0; e < 2; ++e) _mm512_storeu_ps(acc + g * Dp + 32 * c + 16 * e, ar[g][c][e]);
+}
+
+// pv_bf16's layout -> head_dim order: chunk c, half e, 128-bit lane k, element i holds
+// d = 32c + 8k + 4e + i.
+static void unpermute(float* acc, int64_t G, int64_t Dp) {
+  float tmp[32];
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t c = 0; c < Dp; c += 32) {
+      float* a = acc + g * Dp + c;
+      KVS_UNROLL
+      for (int e = 0; e < 2; ++e)
+        for (int k = 0; k < 4; ++k)
+          for (int i = 0; i < 4; ++i) tmp[8 * k + 4 * e + i] = a[16 * e + 4 * k + i];
+      std::memcpy(a, tmp, sizeof(tmp));
+    }
+}
+#endif  // KVS_BF16DP
+
+// One (row, kv head) task. BF16DP: the vdpbf16ps variant (bf16 cache and q only).
+template <typename KT, int NC, bool BF16DP>
 static void task_avx512(const Problem& P, int64_t row, int64_t h, Scratch& S) {
+  constexpr int NC2 = (NC + 1) / 2;
   constexpr int GB = NC <= 4 ? 4 : 2;
   const int64_t ctx = P.ctx[row];
+  const int64_t G = P.G, Dp = S.Dp;
   load_q(P, row, h, S);
   __mmask16 mk[NC];
-  for (int c = 0; c < NC; ++c) mk[c] = tail_mask(P.D - 16 * c);
+  KVS_UNROLL
+  for (int c = 0; c < NC; ++c) mk[c] = mask16(P.D - 16 * c);
+  __mmask32 mk2[NC2];
+  KVS_UNROLL
+  for (int c = 0; c < NC2; ++c) mk2[c] = __mmask32(mk[2 * c]) | (2 * c + 1 < NC ? __mmask32(mk[2 * c + 1]) << 16 : 0);
+  if constexpr (BF16DP) {
+    std::fill(S.qb.begin(), S.qb.end(), uint16_t(0));
+    for (int64_t g = 0; g < G; ++g)
+      std::memcpy(S.qb.data() + g * Dp,
+                  static_cast<const uint16_t*>(P.q) + row * P.q_s0 + (h * G + g) * P.q_s1, P.D * 2);
+  }
   const int64_t* table = P.tables + row * P.tbl_s0;
   const KT* kb = static_cast<const KT*>(P.k) + h * P.k_s0;
   const KT* vb = static_cast<const KT*>(P.v) + h * P.v_s0;
+  const int64_t row_bytes = P.D * int64_t(sizeof(KT));
   int64_t blk = 0, off = 0;
+  int64_t* cur = S.slots.data();
+  int64_t* nxt = cur + kTile;
+  int tn = fill_tile(table, P.bs, ctx, blk, off, cur);
   for (int64_t t0 = 0; t0 < ctx; t0 += kTile) {
-    const int tn = int(std::min<int64_t>(kTile, ctx - t0));
-    tile_slots(table, P.bs, tn, blk, off, S.slots.data());
-    for_groups_qk<KT, NC, GB>(P, S, kb, vb, tn, mk);
-    for (int64_t g = 0; g < P.G; ++g)
-      softmax_tile(S.s.data() + g * kTile, tn, S.m[g], S.l[g], S.acc.data() + g * S.Dp, S.Dp);
-    for_groups_pv<KT, NC, GB>(P, S, vb, tn, mk);
+    const int next_n = fill_tile(table, P.bs, ctx - t0 - kTile, blk, off, nxt);
+    for (int64_t g0 = 0; g0 < G; g0 += GB) {
+      // The first pass over the tile prefetches its V rows.
+      const Prefetch<KT> pf{vb, P.v_s1, cur, g0 == 0 ? tn : 0, row_bytes};
+      const int64_t gb = std::min<int64_t>(GB, G - g0);
+      float* s = S.s.data() + g0 * kTile;
+#if KVS_BF16DP
+      if constexpr (BF16DP) {
+        const uint16_t* qb = S.qb.data() + g0 * Dp;
+#define KVS_QK(N) qk_bf16<NC2, N>(qb, Dp, kb, P.k_s1, cur, tn, mk2, s, P.scale, pf)
+        switch (gb) {
+          case 1: KVS_QK(1); break;
+          case 2: KVS_QK(2); break;
+          case 3: if constexpr (GB >= 3) KVS_QK(3); break;
+          default: if constexpr (GB >= 4) KVS_QK(4); break;
+        }
+#undef KVS_QK
+        continue;
+      }
+#endif
+      const float* qf = S.qf.data() + g0 * Dp;
+#define KVS_QK(N) qk_f32<KT, NC, N>(qf, Dp, kb, P.k_s1, cur, tn, mk, s, pf)
+      switch (gb) {
+        case 1: KVS_QK(1); break;
+        case 2: KVS_QK(2); break;
+        case 3: if constexpr (GB >= 3) KVS_QK(3); break;
+        default: if constexpr (GB >= 4) KVS_QK(4); break;
+      }
+#undef KVS_QK
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      softmax_tile(S.s.data() + g * kTile, tn, S.m[g], S.l[g], S.acc.data() + g * Dp, Dp);
+#if KVS_BF16DP
+      if constexpr (BF16DP) {
+        uint16_t* pb = S.pb.data() + g * 2 * kTile;
+        split_probs(S.s.data() + g * kTile, pb, pb + kTile);
+      }
+#endif
+    }
+    for (int64_t g0 = 0; g0 < G; g0 += GB) {
+      // The first pass over the tile prefetches the next tile's K rows.
+      const Prefetch<KT> pf{kb, P.k_s1, nxt, g0 == 0 ? next_n : 0, row_bytes};
+      const int64_t gb = std::min<int64_t>(GB, G - g0);
+      float* acc = S.acc.data() + g0 * Dp;
+#if KVS_BF16DP
+      if constexpr (BF16DP) {
+        const uint16_t* pb = S.pb.data() + g0 * 2 * kTile;
+#define KVS_PV(N) pv_bf16<NC2, N>(acc, Dp, vb, P.v_s1, cur, tn, mk2, pb, pf)
+        switch (gb) {
+          case 1: KVS_PV(1); break;
+          case 2: KVS_PV(2); break;
+          case 3: if constexpr (GB >= 3) KVS_PV(3); break;
+          default: if constexpr (GB >= 4) KVS_PV(4); break;
+        }
+#undef KVS_PV
+        continue;
+      }
+#endif
+      const float* s = S.s.data() + g0 * kTile;
+#define KVS_PV(N) pv_f32<KT, NC, N>(acc, Dp, vb, P.v_s1, cur, tn, mk, s, pf)
+      switch (gb) {
+        case 1: KVS_PV(1); break;
+        case 2: KVS_PV(2); break;
+        case 3: if constexpr (GB >= 3) KVS_PV(3); break;
+        default: if constexpr (GB >= 4) KVS_PV(4); break;
+      }
+#undef KVS_PV
+    }
+    std::swap(cur, nxt);
+    tn = next_n;
   }
+#if KVS_BF16DP
+  if constexpr (BF16DP) unpermute(S.acc.data(), G, Dp);
+#endif
   store_out(P, row, h, S);
 }
 
@@ -359,104 +614,106 @@ static bool cpu_has_avx512() {
                          __builtin_cpu_supports("fma");
   return ok;
 }
+#if KVS_BF16DP
+static bool cpu_has_avx512bf16() {
+  static const bool ok = cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
+  return ok;
+}
+#else
+static bool cpu_has_avx512bf16() { return false; }
+#endif
 #else
 static bool cpu_has_avx512() { return false; }
-#endif
+static bool cpu_has_avx512bf16() { return false; }
+#endif  // KVS_X86
 
 using TaskFn = void (*)(const Problem&, int64_t, int64_t, Scratch&);
 
+// path: 1 scalar, 2 avx512, 3 avx512 + avx512_bf16 dot products (bf16 cache and q only).
 template <typename KT>
-static TaskFn pick(int64_t D, bool vec, int64_t& Dp) {
+static TaskFn pick(int64_t D, int path, int64_t& Dp) {
 #if KVS_X86
-  if (vec) {
+  if (path >= 2 && D <= 128) {
     const int64_t nc = (D + 15) / 16;
-    if (nc <= 1) { Dp = 16; return &task_avx512<KT, 1>; }
-    if (nc <= 2) { Dp = 32; return &task_avx512<KT, 2>; }
-    if (nc <= 4) { Dp = 64; return &task_avx512<KT, 4>; }
-    if (nc <= 8) { Dp = 128; return &task_avx512<KT, 8>; }
+#if KVS_BF16DP
+    if constexpr (std::is_same_v<KT, uint16_t>) {
+      if (path == 3) {
+        if (nc <= 2) { Dp = 32; return &task_avx512<KT, 2, true>; }
+        if (nc <= 4) { Dp = 64; return &task_avx512<KT, 4, true>; }
+        Dp = 128; return &task_avx512<KT, 8, true>;
+      }
+    }
+#endif
+    if (nc <= 1) { Dp = 16; return &task_avx512<KT, 1, false>; }
+    if (nc <= 2) { Dp = 32; return &task_avx512<KT, 2, false>; }
+    if (nc <= 4) { Dp = 64; return &task_avx512<KT, 4, false>; }
+    Dp = 128; return &task_avx512<KT, 8, false>;
   }
 #endif
+  (void)path;
   Dp = D;
   return &task_scalar<KT>;
 }
 
 }  // namespace kvs
 
-std::string cpu_path() { return kvs::cpu_has_avx512() ? "avx512" : "scalar"; }
+// ---- C ABI (called through ctypes: no torch headers, so the build takes seconds) ---------
 
-// impl: 0 = best available, 1 = scalar, 2 = avx512 (error where unsupported).
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor context_lens,
-                                     int64_t block_size, double scale, c10::optional<torch::Tensor> out,
-                                     int64_t impl) {
-  TORCH_CHECK(q.dim() == 3, "q must be [n, heads, head_dim], got ", q.sizes());
-  TORCH_CHECK(k_cache.dim() == 3 && v_cache.dim() == 3, "caches must be [kv_heads, slots, head_dim]");
-  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache shapes differ");
-  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(), "CPU tensors only");
-  const auto qt = q.scalar_type(), ct = k_cache.scalar_type();
-  TORCH_CHECK(qt == at::kFloat || qt == at::kBFloat16, "q must be float32 or bfloat16, got ", qt);
-  TORCH_CHECK(ct == at::kFloat || ct == at::kBFloat16, "cache must be float32 or bfloat16, got ", ct);
-  TORCH_CHECK(v_cache.scalar_type() == ct, "k_cache and v_cache dtypes differ");
-  TORCH_CHECK(block_size >= 1, "block_size must be >= 1");
-  TORCH_CHECK(impl >= 0 && impl <= 2, "impl must be 0, 1 or 2");
-  const int64_t n = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t KVH = k_cache.size(0), slots = k_cache.size(1);
-  TORCH_CHECK(k_cache.size(2) == D, "head_dim of q (", D, ") and cache (", k_cache.size(2), ") differ");
-  TORCH_CHECK(KVH >= 1 && H % KVH == 0, "heads (", H, ") must be a multiple of kv_heads (", KVH, ")");
-  TORCH_CHECK(slots % block_size == 0, "cache slots (", slots, ") not a multiple of block_size");
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == n, "block_tables must be [n, max_blocks]");
-  TORCH_CHECK(context_lens.dim() == 1 && context_lens.size(0) == n, "context_lens must be [n]");
-  TORCH_CHECK(!block_tables.is_floating_point() && !context_lens.is_floating_point(), "integer tables/lengths");
-  if (q.stride(2) != 1) q = q.contiguous();
-  if (k_cache.stride(2) != 1) k_cache = k_cache.contiguous();
-  if (v_cache.stride(2) != 1) v_cache = v_cache.contiguous();
-  auto tables = block_tables.to(at::kLong).contiguous();
-  auto ctx = context_lens.to(at::kLong).contiguous();
-  torch::Tensor o;
-  if (out.has_value()) {
-    o = *out;
-    TORCH_CHECK(o.sizes() == q.sizes() && o.scalar_type() == qt && o.device().is_cpu() && o.stride(2) == 1,
-                "out must be a CPU tensor shaped and typed like q with unit last stride");
-  } else {
-    o = torch::empty({n, H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
-  }
+// Bit mask of the code paths this CPU can run: 1 scalar, 2 avx512, 4 avx512bf16.
+extern "C" int kvs_cpu_paths() {
+  return 1 | (kvs::cpu_has_avx512() ? 2 : 0) | (kvs::cpu_has_avx512bf16() ? 4 : 0);
+}
+
+// Shapes, dtypes and strides are checked by the Python wrapper; the table contents are checked
+// here. Returns 0, or 1 with a message in err. impl: 0 best, 1 scalar, 2 avx512, 3 avx512bf16.
+extern "C" int kvs_paged_decode_attention(
+    const void* q, int64_t q_s0, int64_t q_s1, int q_bf16,
+    const void* k, int64_t k_s0, int64_t k_s1, const void* v, int64_t v_s0, int64_t v_s1, int cache_bf16,
+    const int64_t* tables, int64_t max_blocks, const int64_t* ctx,
+    void* out, int64_t o_s0, int64_t o_s1,
+    int64_t n, int64_t H, int64_t KVH, int64_t D, int64_t block_size, int64_t num_blocks, double scale,
+    int impl, int num_threads, char* err, int64_t err_len) {
+  auto fail = [&](const char* fmt, int64_t a, int64_t b, int64_t c) {
+    std::snprintf(err, size_t(err_len), fmt, (long long)a, (long long)b, (long long)c);
+    return 1;
+  };
   // Isolation: a row reads table entries 0 .. ceil(ctx / bs) - 1 only, and each must be a real block.
-  const int64_t max_blocks = tables.size(1), num_blocks = slots / block_size;
-  const int64_t* tp = tables.data_ptr<int64_t>();
-  const int64_t* cp = ctx.data_ptr<int64_t>();
   for (int64_t r = 0; r < n; ++r) {
-    TORCH_CHECK(cp[r] >= 0 && cp[r] <= max_blocks * block_size, "row ", r, ": context length ", cp[r],
-                " out of range for a table of ", max_blocks, " blocks of ", block_size);
-    const int64_t used = (cp[r] + block_size - 1) / block_size;
-    for (int64_t b = 0; b < used; ++b)
-      TORCH_CHECK(tp[r * max_blocks + b] >= 0 && tp[r * max_blocks + b] < num_blocks, "row ", r,
-                  ": block id ", tp[r * max_blocks + b], " out of range [0, ", num_blocks, ")");
+    if (ctx[r] < 0 || ctx[r] > max_blocks * block_size)
+      return fail("row %lld: context length %lld out of range for a table of %lld blocks", r, ctx[r], max_blocks);
+    const int64_t used = (ctx[r] + block_size - 1) / block_size;
+    for (int64_t b = 0; b < used; ++b) {
+      const int64_t id = tables[r * max_blocks + b];
+      if (id < 0 || id >= num_blocks) return fail("row %lld: block id %lld out of range [0, %lld)", r, id, num_blocks);
+    }
   }
-  if (n == 0 || H == 0 || D == 0) return o;
+  if ((impl == 2 && !kvs::cpu_has_avx512()) || (impl == 3 && !kvs::cpu_has_avx512bf16())) {
+    std::snprintf(err, size_t(err_len), "code path %d is not supported by this CPU", impl);
+    return 1;
+  }
+  if (n == 0 || H == 0 || D == 0) return 0;
 
   kvs::Problem P;
   P.n = n; P.H = H; P.KVH = KVH; P.G = H / KVH; P.D = D; P.bs = block_size; P.scale = float(scale);
-  P.q = q.data_ptr(); P.q_s0 = q.stride(0); P.q_s1 = q.stride(1); P.q_bf16 = qt == at::kBFloat16;
-  P.k = k_cache.data_ptr(); P.v = v_cache.data_ptr();
-  P.k_s0 = k_cache.stride(0); P.k_s1 = k_cache.stride(1); P.v_s0 = v_cache.stride(0); P.v_s1 = v_cache.stride(1);
-  P.tables = tp; P.tbl_s0 = max_blocks; P.ctx = cp;
-  P.out = o.data_ptr(); P.o_s0 = o.stride(0); P.o_s1 = o.stride(1);
+  P.q = q; P.q_s0 = q_s0; P.q_s1 = q_s1; P.q_bf16 = q_bf16 != 0;
+  P.k = k; P.v = v; P.k_s0 = k_s0; P.k_s1 = k_s1; P.v_s0 = v_s0; P.v_s1 = v_s1;
+  P.tables = tables; P.tbl_s0 = max_blocks; P.ctx = ctx;
+  P.out = out; P.o_s0 = o_s0; P.o_s1 = o_s1;
 
-  const bool has_vec = kvs::cpu_has_avx512();
-  TORCH_CHECK(impl != 2 || has_vec, "impl=2 (avx512) requested but this CPU lacks AVX-512");
-  const bool vec = impl == 2 || (impl == 0 && has_vec);
+  int path = impl == 0 ? (kvs::cpu_has_avx512bf16() ? 3 : kvs::cpu_has_avx512() ? 2 : 1) : impl;
+  if (path == 3 && !(q_bf16 && cache_bf16)) path = 2;
   int64_t Dp = D;
-  kvs::TaskFn fn = ct == at::kBFloat16 ? kvs::pick<uint16_t>(D, vec, Dp) : kvs::pick<float>(D, vec, Dp);
+  kvs::TaskFn fn = cache_bf16 ? kvs::pick<uint16_t>(D, path, Dp) : kvs::pick<float>(D, path, Dp);
 
   // Longest rows first, handed out dynamically: rows arrive sorted by length, and a static split
   // would give one thread all the long ones.
   std::vector<int64_t> order(n);
   std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cp[a] > cp[b]; });
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return ctx[a] > ctx[b]; });
   const int64_t ntasks = n * KVH;
   int64_t total = 0;
-  for (int64_t r = 0; r < n; ++r) total += cp[r];
-  int nt = int(std::min<int64_t>(at::get_num_threads(), ntasks));
+  for (int64_t r = 0; r < n; ++r) total += ctx[r];
+  int nt = int(std::max<int64_t>(1, std::min<int64_t>(num_threads, ntasks)));
   if (total * KVH * D < (int64_t(1) << 15)) nt = 1;  // tiny: not worth waking threads
 #ifdef _OPENMP
 #pragma omp parallel num_threads(nt) if (nt > 1)
@@ -468,22 +725,15 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 #endif
     for (int64_t i = 0; i < ntasks; ++i) fn(P, order[i / KVH], i % KVH, S);
   }
-  return o;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, py::call_guard<py::gil_scoped_release>(),
-        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
-        py::arg("block_size"), py::arg("scale"), py::arg("out") = py::none(), py::arg("impl") = 0);
-  m.def("cpu_path", &cpu_path);
+  return 0;
 }
 """
 
 _CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno"]
-_LDFLAGS = ["-fopenmp"]
+_LDFLAGS = ["-fopenmp"]  # libgomp: the copy torch already loaded, so one OpenMP thread pool
 
 _lock = threading.Lock()
-_state: dict = {"tried": False, "module": None, "error": None, "build_seconds": None}
+_state: dict = {"tried": False, "lib": None, "error": None, "build_seconds": None}
 
 
 def disabled_by_env() -> bool:
@@ -505,7 +755,7 @@ def _ensure_ninja_on_path() -> None:
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
 
 
-def _build():
+def _build() -> ctypes.CDLL:
     if os.name != "posix":
         raise RuntimeError(f"C++ kernels are only built on POSIX systems (os.name={os.name!r})")
     from torch.utils import cpp_extension
@@ -515,35 +765,65 @@ def _build():
         raise RuntimeError("ninja is not installed (pip install ninja)")
     # The name carries the source hash: checkouts with different sources never fight over one dir.
     digest = hashlib.sha256((_CPP_SOURCE + " ".join(_CFLAGS + _LDFLAGS) + torch.__version__).encode()).hexdigest()
-    name = f"kvshare_cpu_kernels_{digest[:12]}"
-    return cpp_extension.load_inline(
-        name=name,
+    # A plain shared library with a C ABI, no torch headers (they would make the build ~30 s).
+    path = cpp_extension.load_inline(
+        name=f"kvshare_cpu_kernels_{digest[:12]}",
         cpp_sources=[_CPP_SOURCE],
         extra_cflags=_CFLAGS,
         extra_ldflags=_LDFLAGS,
+        is_python_module=False,
+        no_implicit_headers=True,
         verbose=False,
     )
+    lib = ctypes.CDLL(path)  # ctypes releases the GIL during calls
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.kvs_cpu_paths.restype = ctypes.c_int
+    lib.kvs_cpu_paths.argtypes = []
+    f = lib.kvs_paged_decode_attention
+    f.restype = ctypes.c_int
+    f.argtypes = [ptr, i64, i64, ctypes.c_int,  # q
+                  ptr, i64, i64, ptr, i64, i64, ctypes.c_int,  # k, v
+                  ptr, i64, ptr,  # tables, max_blocks, context lengths
+                  ptr, i64, i64,  # out
+                  i64, i64, i64, i64, i64, i64, ctypes.c_double,  # n, H, KVH, D, block_size, num_blocks, scale
+                  ctypes.c_int, ctypes.c_int, ctypes.c_char_p, i64]  # impl, threads, error buffer
+    return lib
 
 
-def _load():
+def _load() -> ctypes.CDLL | None:
     if _state["tried"]:
-        return _state["module"]
+        return _state["lib"]
     with _lock:
         if not _state["tried"]:
             t0 = time.perf_counter()
             try:
-                _state["module"] = _build()
+                _state["lib"] = _build()
                 _state["build_seconds"] = time.perf_counter() - t0
-                logger.debug("kvshare C++ CPU kernels ready in %.1f s (%s path)", _state["build_seconds"],
-                             _state["module"].cpu_path())
+                logger.debug("kvshare C++ CPU kernels ready in %.1f s (paths: %s)", _state["build_seconds"],
+                             ", ".join(_paths(_state["lib"])))
             except Exception as e:  # noqa: BLE001 - any failure just means "not available"
                 msg = f"{type(e).__name__}: {e}".strip()
                 _state["error"] = msg
-                short = msg if len(msg) <= 600 else msg[:600] + " ..."
-                logger.info("kvshare C++ CPU kernels unavailable, using pure-PyTorch attention: %s", short)
+                logger.info("kvshare C++ CPU kernels unavailable, using pure-PyTorch attention: %s", _summary(msg))
             finally:
                 _state["tried"] = True
-    return _state["module"]
+    return _state["lib"]
+
+
+def _summary(msg: str) -> str:
+    """A compiler log's first line and its last informative one (the error itself)."""
+    lines = [ln.strip() for ln in msg.splitlines() if ln.strip()]
+    if len(lines) <= 1:
+        return msg[:500]
+    tail = [ln for ln in lines[1:] if not ln.startswith("ninja:")] or lines[1:]
+    return f"{lines[0][:200]} ... {tail[-1][:300]}"
+
+
+def _lib() -> ctypes.CDLL:
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"C++ CPU kernels unavailable: {_state['error']}")
+    return lib
 
 
 def available() -> bool:
@@ -568,15 +848,22 @@ def build_seconds() -> float | None:
     return _state["build_seconds"]
 
 
-def cpu_path() -> str:
-    """Which code path the kernel picks on this CPU: 'avx512' or 'scalar'."""
-    mod = _load()
-    if mod is None:
-        raise RuntimeError(f"C++ CPU kernels unavailable: {_state['error']}")
-    return mod.cpu_path()
+_IMPLS = {"auto": 0, "scalar": 1, "avx512": 2, "avx512bf16": 3}
 
 
-_IMPLS = {"auto": 0, "scalar": 1, "avx512": 2}
+def _paths(lib: ctypes.CDLL) -> list[str]:
+    mask = lib.kvs_cpu_paths()
+    return [name for name, bit in (("scalar", 1), ("avx512", 2), ("avx512bf16", 4)) if mask & bit]
+
+
+def cpu_paths() -> list[str]:
+    """Code paths the kernel can run on this CPU, slowest first ("auto" uses the last):
+    "scalar" always; "avx512" (AVX-512 F/BW/VL/DQ); "avx512bf16" (also AVX512_BF16: used when
+    both the cache and q are bfloat16)."""
+    return _paths(_lib())
+
+
+_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -585,14 +872,58 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """Attention of one query per row over that row's paged context.
 
     q [n, H, D]; k_cache, v_cache [KVH, num_blocks * block_size, D] (H % KVH == 0); block_tables
-    [n, max_blocks] (int64 or int32; entries past a row's last needed block are never read);
-    context_lens [n]: row r attends to positions 0 .. context_lens[r] - 1, position p living in
-    slot block_tables[r, p // block_size] * block_size + p % block_size. Returns [n, H, D] in q's
-    dtype (written into `out` when given). float32 or bfloat16 q and caches, float32 math.
-    `impl` forces a code path ("scalar" or "avx512") for testing.
+    [n, max_blocks] (int64 or int32; entries past a row's last needed block are never read, nor
+    checked); context_lens [n]: row r attends to positions 0 .. context_lens[r] - 1, position p
+    living in slot block_tables[r, p // block_size] * block_size + p % block_size. Returns
+    [n, H, D] in q's dtype (written into `out` when given). float32 or bfloat16 q and caches
+    (independently), float32 math. `impl` forces one of `cpu_paths()` (for tests).
+    Raises ValueError on inconsistent inputs or a block id outside the cache.
     """
-    mod = _load()
-    if mod is None:
-        raise RuntimeError(f"C++ CPU kernels unavailable: {_state['error']}")
-    return mod.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, int(block_size),
-                                      float(scale), out, _IMPLS[impl])
+    lib = _lib()
+    if q.dim() != 3 or k_cache.dim() != 3 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"want q [n, H, D] and caches [KVH, slots, D]; got q {tuple(q.shape)}, "
+                         f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
+    n, heads, dim = q.shape
+    kv_heads, slots, _ = k_cache.shape
+    if k_cache.shape[2] != dim or kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)}: head_dim must match "
+                         f"and heads must be a multiple of kv_heads")
+    if q.dtype not in _DTYPES or k_cache.dtype not in _DTYPES or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"dtypes: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}; want float32 "
+                         f"or bfloat16, k and v alike")
+    if q.device.type != "cpu" or k_cache.device.type != "cpu" or v_cache.device.type != "cpu":
+        raise ValueError("CPU tensors only")
+    block_size = int(block_size)
+    if block_size < 1 or slots % block_size:
+        raise ValueError(f"block_size={block_size} must be >= 1 and divide the cache's {slots} slots")
+    if block_tables.dim() != 2 or block_tables.shape[0] != n or tuple(context_lens.shape) != (n,):
+        raise ValueError(f"want block_tables [n, max_blocks] and context_lens [n] for n={n}; got "
+                         f"{tuple(block_tables.shape)} and {tuple(context_lens.shape)}")
+    if block_tables.is_floating_point() or context_lens.is_floating_point():
+        raise ValueError("block_tables and context_lens must be integer tensors")
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if k_cache.stride(2) != 1:
+        k_cache = k_cache.contiguous()
+    if v_cache.stride(2) != 1:
+        v_cache = v_cache.contiguous()
+    tables = block_tables.to(device="cpu", dtype=torch.int64).contiguous()
+    ctx = context_lens.to(device="cpu", dtype=torch.int64).contiguous()
+    if out is None:
+        out = torch.empty(n, heads, dim, dtype=q.dtype)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.device.type != "cpu" or out.stride(2) != 1:
+        raise ValueError("out must be a CPU tensor shaped and typed like q, with unit last stride")
+    if n == 0:
+        return out
+    err = ctypes.create_string_buffer(256)
+    rc = lib.kvs_paged_decode_attention(
+        q.data_ptr(), q.stride(0), q.stride(1), q.dtype == torch.bfloat16,
+        k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
+        v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1), k_cache.dtype == torch.bfloat16,
+        tables.data_ptr(), tables.shape[1], ctx.data_ptr(),
+        out.data_ptr(), out.stride(0), out.stride(1),
+        n, heads, kv_heads, dim, block_size, slots // block_size, float(scale),
+        _IMPLS[impl], torch.get_num_threads(), err, len(err))
+    if rc:
+        raise ValueError(err.value.decode(errors="replace"))
+    return out

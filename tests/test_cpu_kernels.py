@@ -1,0 +1,310 @@
+"""The C++ paged decode-attention kernel against a float64 dense reference, its isolation (a row
+reads only its own blocks), and the engine with the kernel on vs off."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvshare.model import cpu_kernels
+
+if not cpu_kernels.available():
+    pytest.skip(f"C++ CPU kernels unavailable: {cpu_kernels.unavailable_reason()}", allow_module_level=True)
+
+PATHS = cpu_kernels.cpu_paths()  # every code path this CPU can run, the portable scalar one included
+HEADS = [(9, 3), (4, 1), (4, 4)]  # GQA (SmolLM2), MQA, MHA
+HEAD_IDS = ["gqa9-3", "mqa4-1", "mha4-4"]
+BF16_RTOL = 2.0 ** -8  # output rounded to bfloat16 (half an ulp is 2^-9 relative), fp32 math inside
+F32_TOL = 1e-5
+
+
+def make_problem(seed: int, n: int, heads: int, kv_heads: int, head_dim: int, block_size: int,
+                 dtype: torch.dtype, max_ctx: int = 300, spare_blocks: int = 7):
+    """Random caches; each row owns distinct, shuffled (non-contiguous) blocks; random lengths."""
+    g = torch.Generator().manual_seed(seed)
+    ctx = torch.randint(1, max_ctx + 1, (n,), generator=g)
+    ctx[0] = 1
+    if n > 1:
+        ctx[1] = max_ctx
+    need = [-(-int(c) // block_size) for c in ctx]
+    num_blocks = sum(need) + spare_blocks
+    perm = torch.randperm(num_blocks, generator=g)
+    width = max(need) + 2  # wider than any row needs
+    tables = torch.zeros(n, width, dtype=torch.long)
+    used = 0
+    for r, k in enumerate(need):
+        tables[r, :k] = perm[used:used + k]
+        used += k
+    kc = torch.randn(kv_heads, num_blocks * block_size, head_dim, generator=g).to(dtype)
+    vc = torch.randn(kv_heads, num_blocks * block_size, head_dim, generator=g).to(dtype)
+    q = torch.randn(n, heads, head_dim, generator=g).to(dtype)
+    return q, kc, vc, tables, ctx
+
+
+def reference(q, kc, vc, tables, ctx, block_size, scale):
+    """Dense gather of each row's own positions, softmax and weighted sum, all in float64."""
+    n, heads, d = q.shape
+    group = heads // kc.shape[0]
+    out = torch.zeros(n, heads, d, dtype=torch.float64)
+    for r in range(n):
+        pos = torch.arange(int(ctx[r]))
+        slots = tables[r, pos // block_size] * block_size + pos % block_size
+        k = kc[:, slots].double().repeat_interleave(group, dim=0)  # [H, L, D]
+        v = vc[:, slots].double().repeat_interleave(group, dim=0)
+        s = torch.einsum("hd,hld->hl", q[r].double(), k) * scale
+        out[r] = torch.einsum("hl,hld->hd", torch.softmax(s, dim=-1), v)
+    return out
+
+
+def assert_close(out, ref, dtype):
+    assert out.dtype == dtype
+    assert torch.isfinite(out).all()
+    err = (out.double() - ref).abs()
+    if dtype == torch.float32:
+        bound = F32_TOL + F32_TOL * ref.abs()
+    else:
+        bound = 1e-5 + BF16_RTOL * ref.abs()
+    worst = (err - bound).max().item()
+    assert worst <= 0, f"max abs error {err.max().item():.3g} exceeds tolerance"
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("heads", HEADS, ids=HEAD_IDS)
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_matches_float64_reference(dtype, block_size, heads, path):
+    h, kvh = heads
+    q, kc, vc, tables, ctx = make_problem(block_size * 31 + h, 12, h, kvh, 64, block_size, dtype)
+    scale = 64 ** -0.5
+    out = cpu_kernels.paged_decode_attention(q, kc, vc, tables, ctx, block_size, scale, impl=path)
+    assert out.shape == q.shape
+    assert_close(out, reference(q, kc, vc, tables, ctx, block_size, scale), dtype)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("head_dim", [8, 20, 48, 100, 128, 200])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_any_head_dim(dtype, head_dim, path):
+    """Masked tails, every vector width, and head dims past the vector path (scalar fallback)."""
+    q, kc, vc, tables, ctx = make_problem(head_dim, 6, 6, 2, head_dim, 16, dtype, max_ctx=150)
+    scale = 1 / math.sqrt(head_dim)
+    out = cpu_kernels.paged_decode_attention(q, kc, vc, tables, ctx, 16, scale, impl=path)
+    assert_close(out, reference(q, kc, vc, tables, ctx, 16, scale), dtype)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rows_read_only_their_own_blocks(dtype, block_size, path):
+    """Poison every slot no row may read (other blocks, the unused tail of each row's last block)
+    and fill table entries past each row's last needed block with garbage ids: the output must
+    not change by a single bit."""
+    q, kc, vc, tables, ctx = make_problem(block_size + 5, 10, 9, 3, 64, block_size, dtype)
+    scale = 0.125
+    clean = cpu_kernels.paged_decode_attention(q, kc, vc, tables, ctx, block_size, scale, impl=path)
+    allowed = torch.zeros(kc.shape[1], dtype=torch.bool)
+    for r in range(len(ctx)):
+        pos = torch.arange(int(ctx[r]))
+        allowed[tables[r, pos // block_size] * block_size + pos % block_size] = True
+    assert not allowed.all()
+    kp, vp = kc.clone(), vc.clone()
+    kp[:, ~allowed] = float("nan")
+    vp[:, ~allowed] = float("nan")
+    kp[0, ~allowed] = 1e30  # huge, for the first kv head
+    vp[0, ~allowed] = -1e30
+    tp = tables.clone()
+    for r in range(len(ctx)):
+        used = -(-int(ctx[r]) // block_size)
+        tp[r, used:] = torch.tensor([-1, 10**9])[torch.arange(tp.shape[1] - used) % 2]
+    poisoned = cpu_kernels.paged_decode_attention(q, kp, vp, tp, ctx, block_size, scale, impl=path)
+    assert torch.isfinite(poisoned).all()
+    assert torch.equal(poisoned, clean)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_int32_tables_out_param_strided_q_and_threads(dtype):
+    q, kc, vc, tables, ctx = make_problem(3, 16, 9, 3, 64, 16, dtype)
+    ref = cpu_kernels.paged_decode_attention(q, kc, vc, tables, ctx, 16, 0.125)
+    assert torch.equal(cpu_kernels.paged_decode_attention(q, kc, vc, tables.int(), ctx.int(), 16, 0.125), ref)
+    # q as the model produces it: a view into a packed qkv tensor (row stride > H * D).
+    packed = torch.randn(16, 9 * 64 + 2 * 3 * 64).to(dtype)
+    packed[:, :9 * 64] = q.reshape(16, -1)
+    qv = packed[:, :9 * 64].view(16, 9, 64)
+    assert not qv.is_contiguous()
+    out = torch.full_like(q, float("nan"))
+    res = cpu_kernels.paged_decode_attention(qv, kc, vc, tables, ctx, 16, 0.125, out=out)
+    assert res.data_ptr() == out.data_ptr() and torch.equal(out, ref)
+    # Each (row, kv head) is computed whole by one thread: results do not depend on threading.
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = cpu_kernels.paged_decode_attention(q, kc, vc, tables, ctx, 16, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(single, ref)
+
+
+def test_mixed_dtypes_and_edge_sizes():
+    q, kc, vc, tables, ctx = make_problem(11, 5, 4, 2, 64, 16, torch.bfloat16)
+    ref = reference(q.float(), kc, vc, tables, ctx, 16, 0.125)
+    out = cpu_kernels.paged_decode_attention(q.float(), kc, vc, tables, ctx, 16, 0.125)  # fp32 q, bf16 cache
+    assert out.dtype == torch.float32
+    assert (out.double() - ref).abs().max().item() < 1e-5
+    out = cpu_kernels.paged_decode_attention(q, kc.float(), vc.float(), tables, ctx, 16, 0.125)  # bf16 q
+    assert out.dtype == torch.bfloat16
+    assert_close(out, reference(q, kc.float(), vc.float(), tables, ctx, 16, 0.125), torch.bfloat16)
+    empty = cpu_kernels.paged_decode_attention(q[:0], kc, vc, tables[:0], ctx[:0], 16, 0.125)
+    assert empty.shape == (0, 4, 64)
+    zero_ctx = ctx.clone()
+    zero_ctx[2] = 0
+    out = cpu_kernels.paged_decode_attention(q, kc, vc, tables, zero_ctx, 16, 0.125)
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+
+
+def test_rejects_bad_tables():
+    q, kc, vc, tables, ctx = make_problem(5, 4, 9, 3, 64, 16, torch.float32)
+    bad = tables.clone()
+    bad[1, 0] = kc.shape[1] // 16  # one past the last block
+    with pytest.raises(ValueError, match="out of range"):
+        cpu_kernels.paged_decode_attention(q, kc, vc, bad, ctx, 16, 0.125)
+    bad[1, 0] = -1
+    with pytest.raises(ValueError, match="out of range"):
+        cpu_kernels.paged_decode_attention(q, kc, vc, bad, ctx, 16, 0.125)
+    long_ctx = ctx.clone()
+    long_ctx[0] = tables.shape[1] * 16 + 1
+    with pytest.raises(ValueError, match="context length"):
+        cpu_kernels.paged_decode_attention(q, kc, vc, tables, long_ctx, 16, 0.125)
+    with pytest.raises(ValueError, match="multiple of kv_heads"):
+        cpu_kernels.paged_decode_attention(q[:, :8], kc, vc, tables, ctx, 16, 0.125)
+
+
+def test_backend_matches_pure_pytorch_path():
+    """TorchPagedAttention with the kernel vs without, on a packed batch of decode rows (as the
+    runner builds it) plus one prefill chunk."""
+    from kvshare.engine.model_runner import _NEG_INF, group_by_length
+    from kvshare.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk, TorchPagedAttention
+
+    bs, h, kvh, d = 16, 9, 3, 64
+    q_dec, kc, vc, tables, ctx = make_problem(21, 9, h, kvh, d, bs, torch.float32)
+    order = torch.argsort(ctx)
+    tables, ctx, q_dec = tables[order], ctx[order], q_dec[order]
+    g = torch.Generator().manual_seed(1)
+    pre_len = 5
+    q = torch.cat([q_dec, torch.randn(pre_len, h, d, generator=g)])
+    k_new = torch.randn(len(q), kvh, d, generator=g)
+    v_new = torch.randn(len(q), kvh, d, generator=g)
+    # Decode row r writes its new token at position ctx - 1; the prefill chunk gets a fresh block.
+    kc = torch.cat([kc, torch.zeros(kvh, bs, d)], dim=1)
+    vc = torch.cat([vc, torch.zeros(kvh, bs, d)], dim=1)
+    pre_block = kc.shape[1] // bs - 1
+    dec_slots = [int(tables[r, (int(ctx[r]) - 1) // bs]) * bs + (int(ctx[r]) - 1) % bs for r in range(len(ctx))]
+    slots = torch.tensor(dec_slots + [pre_block * bs + i for i in range(pre_len)])
+
+    def meta(backend):
+        m = AttentionMetadata(slot_mapping=slots, num_decode=len(ctx))
+        m.decode_block_tables, m.decode_context_lens = tables, ctx
+        if backend.wants_decode_groups:
+            for r0, r1 in group_by_length(ctx.tolist(), bs):
+                w = -(-int(ctx[r1 - 1]) // bs)
+                bias = torch.zeros(r1 - r0, w * bs)
+                bias.masked_fill_(torch.arange(w * bs).unsqueeze(0) >= ctx[r0:r1].unsqueeze(1), _NEG_INF)
+                m.decode_groups.append(DecodeGroup(r0, r1 - r0, tables[r0:r1, :w].clone(), bias.view(1, r1 - r0, 1, w * bs)))
+        mask = torch.arange(bs).unsqueeze(0) <= torch.arange(pre_len).unsqueeze(1)
+        m.prefills.append(PrefillChunk(len(ctx), pre_len, torch.tensor([pre_block]), mask))
+        return m
+
+    fast = TorchPagedAttention(bs)
+    slow = TorchPagedAttention(bs, use_cpp_kernel=False)
+    assert fast.use_cpp_kernel and not fast.wants_decode_groups
+    assert not slow.use_cpp_kernel and slow.wants_decode_groups
+    kc2, vc2 = kc.clone(), vc.clone()
+    with torch.inference_mode():
+        a = fast.forward(q, k_new, v_new, kc, vc, meta(fast), 0.125)
+        b = slow.forward(q, k_new, v_new, kc2, vc2, meta(slow), 0.125)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    assert (a - b).abs().max().item() < 1e-5
+
+
+def test_env_var_disables(monkeypatch):
+    from kvshare.model.attention import TorchPagedAttention
+
+    monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "1")
+    assert not cpu_kernels.available()
+    assert "KVSHARE_DISABLE_CPP_KERNELS" in cpu_kernels.unavailable_reason()
+    assert not TorchPagedAttention(16).use_cpp_kernel
+    monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "0")
+    assert cpu_kernels.available()
+
+
+PROMPTS = [
+    "The quick brown fox",
+    "Call me Ishmael. Some years ago, never mind how long precisely, having little or no money in my purse, "
+    "and nothing particular to interest me on shore, I thought I would sail about a little.",
+    "1, 2, 3, 4,",
+    "In a hole in the ground there lived a hobbit. Not a nasty, dirty, wet hole, filled with the ends of "
+    "worms and an oozy smell, nor yet a dry, bare, sandy hole with nothing in it to sit down on or to eat: "
+    "it was a hobbit-hole, and that means comfort.",
+]
+
+
+def _generate(block_size: int):
+    from kvshare import LLM, SamplingParams
+
+    llm = LLM(kv_cache_memory="64MiB", block_size=block_size)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    res = []
+    for o in outs:
+        c = o.outputs[0]
+        res.append((list(c.token_ids), [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)]))
+    return llm.engine.model.backend.use_cpp_kernel, res
+
+
+@pytest.mark.parametrize("block_size", [16, 1])
+def test_engine_kernel_on_equals_off(monkeypatch, block_size):
+    used_on, on = _generate(block_size)
+    monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "1")
+    used_off, off = _generate(block_size)
+    assert used_on and not used_off
+    for (ta, la), (tb, lb) in zip(on, off):
+        assert ta == tb
+        assert max(abs(a - b) for a, b in zip(la, lb)) < 1e-4
+
+
+def test_build_lives_outside_the_source_tree():
+    import os
+
+    import kvshare
+
+    lib_path = os.path.realpath(cpu_kernels._lib()._name)
+    repo = os.path.realpath(os.path.dirname(os.path.dirname(kvshare.__file__)))
+    assert os.path.isfile(lib_path)
+    assert not lib_path.startswith(repo + os.sep)
+
+
+def test_failed_build_falls_back_quietly(tmp_path):
+    """No working compiler: available() is False (logged once at INFO), nothing raises, and the
+    attention backend takes the pure-PyTorch path."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import logging\n"
+        "records = []\n"
+        "h = logging.Handler(); h.emit = records.append\n"
+        "logging.getLogger('kvshare').addHandler(h); logging.getLogger('kvshare').setLevel(logging.DEBUG)\n"
+        "from kvshare.model import cpu_kernels\n"
+        "from kvshare.model.attention import TorchPagedAttention\n"
+        "assert cpu_kernels.available() is False and cpu_kernels.available() is False\n"
+        "assert not TorchPagedAttention(16).use_cpp_kernel\n"
+        "mine = [r for r in records if 'unavailable' in r.getMessage()]\n"
+        "assert len(mine) == 1 and mine[0].levelno == logging.INFO, [r.getMessage() for r in records]\n"
+        "print('REASON', cpu_kernels.unavailable_reason().splitlines()[0])\n"
+    )
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
+    env.pop(cpu_kernels.DISABLE_ENV, None)
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "REASON RuntimeError: Error building extension" in res.stdout
