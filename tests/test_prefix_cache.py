@@ -73,6 +73,20 @@ def test_identical_prompts_in_one_step(cached, uncached):
         _same(_result(out), alone)
 
 
+def test_concurrent_shared_preamble_is_computed_once(cached, uncached):
+    """Requests arriving together with one preamble: the first computes it, the rest wait one
+    step for its blocks instead of computing them again."""
+    ids = _ids()
+    prompts = [ids[:160] + ids[300 + 7 * i:320 + 7 * i] for i in range(8)]
+    stats = cached.engine.stats
+    before = stats.prompt_tokens_computed
+    outs = _gen(cached, prompts)
+    assert stats.prompt_tokens_computed - before == 180 + 7 * 20
+    assert [o.num_cached_tokens for o in outs] == [0] + [160] * 7
+    for a, b in zip(outs, _gen(uncached, prompts)):
+        _same(_result(a), _result(b))
+
+
 def test_second_run_reports_cached_tokens(cached):
     p = _ids()[100:148]
     first = _gen(cached, [p])[0]

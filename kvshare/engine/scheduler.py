@@ -96,21 +96,30 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int, scheduled: dict[str, ScheduledChunk]) -> int:
         mgr = self.manager
+        # Blocks being computed this step are not hits yet (their KV is unwritten). A request
+        # that would compute one of them again waits a step and then hits the cache instead.
+        inflight: set[bytes] = set()
+        for c in scheduled.values():
+            inflight.update(mgr.hashes_completed_by(c.seq.seq_id, c.seq.token_ids, c.seq.params.cache_salt,
+                                                    c.start, c.end))
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if seq.pending_forks and len(self.running) + 1 + seq.pending_forks > self.config.max_num_seqs:
                 break  # its forks will need seats too
             # prompt_logprobs need logits for every prompt position, so such requests compute
             # their whole prompt (they still publish their blocks for others).
-            if seq.prompt_logprobs is None or seq.prompt_logprobs_done():
-                cached = mgr.find_cached_prefix(seq.seq_id, seq.token_ids, seq.params.cache_salt)
-            else:
-                cached = []
+            uses_cache = seq.prompt_logprobs is None or seq.prompt_logprobs_done()
+            cached = mgr.find_cached_prefix(seq.seq_id, seq.token_ids, seq.params.cache_salt) if uses_cache else []
             num_computed = len(cached) * mgr.block_size
             num_new = min(seq.num_tokens - num_computed, budget)
+            if uses_cache and inflight and mgr.first_missing_hash(seq.seq_id, seq.token_ids, seq.params.cache_salt,
+                                                   len(cached)) in inflight:
+                break  # FCFS: the head waits one step for its prefix, and nobody overtakes it
             if not mgr.can_admit(cached, num_computed, num_new):
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
+            if uses_cache and mgr.enable_prefix_caching:
+                mgr.record_lookup(seq.num_tokens, num_computed)
             mgr.admit(seq.seq_id, cached)
             ok = mgr.allocate_slots(seq.seq_id, num_computed, num_new)
             assert ok, "can_admit() promised the blocks"
@@ -121,6 +130,8 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             scheduled[seq.seq_id] = ScheduledChunk(seq, num_computed, num_new)
+            inflight.update(mgr.hashes_completed_by(seq.seq_id, seq.token_ids, seq.params.cache_salt,
+                                                    num_computed, num_computed + num_new))
             budget -= num_new
         return budget
 

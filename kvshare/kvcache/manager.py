@@ -101,9 +101,30 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.stats.queries += len(token_ids)
-        self.stats.hits += len(hits) * bs
         return hits
+
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Counted once per admission (a request that waits a step is not counted twice)."""
+        self.stats.queries += num_tokens
+        self.stats.hits += num_hit_tokens
+
+    def hashes_completed_by(self, seq_id: str, token_ids: list[int], cache_salt: str | None, start: int,
+                            end: int) -> list[bytes]:
+        """Hashes of the full blocks that computing tokens [start, end) will complete."""
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        first, last = -(-start // bs), end // bs
+        if last <= first:
+            return []
+        return self._block_hashes(seq_id, token_ids, cache_salt, last)[first:last]
+
+    def first_missing_hash(self, seq_id: str, token_ids: list[int], cache_salt: str | None,
+                           num_cached_blocks: int) -> bytes | None:
+        """Hash of the block a new admission would compute first, if that block is full."""
+        if not self.enable_prefix_caching or (num_cached_blocks + 1) * self.block_size > len(token_ids) - 1:
+            return None
+        return self._block_hashes(seq_id, token_ids, cache_salt, num_cached_blocks + 1)[num_cached_blocks]
 
     def cache_full_blocks(self, seq_id: str, token_ids: list[int], num_computed: int, cache_salt: str | None) -> None:
         """Publish blocks whose KV is now written (called after the step that computed them)."""
