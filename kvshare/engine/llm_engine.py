@@ -96,6 +96,12 @@ class LLMEngine:
                 f"{config.block_size} tokens needs {bytes_per_token * config.block_size} bytes"
             )
         max_model_len = config.max_model_len or mc.max_position_embeddings
+        if mc.sliding_window and max_model_len > mc.sliding_window:
+            # Windowed attention is not implemented yet: within the window it equals full
+            # attention, so cap the context there rather than compute something else.
+            logger.warning("sliding_window=%d is not applied yet: max_model_len capped from %d to %d",
+                           mc.sliding_window, max_model_len, mc.sliding_window)
+            max_model_len = mc.sliding_window
         self.layout = KVLayout(bytes_per_token, config.block_size, num_blocks, max_model_len, config.dtype)
         logger.info(self.layout.describe())
         self.manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
