@@ -73,20 +73,18 @@ class ModelRunner:
             ids.append(c.seq.token_ids[c.start])
             positions.append(c.start)
             slots.append(t[c.start // bs] * bs + c.start % bs)
+        ctx_lens = [c.start + 1 for c in decode]
         if decode:
-            ctx_lens = [c.start + 1 for c in decode]
             width = -(-max(ctx_lens) // bs)
             meta.decode_block_tables = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables],
                                                     dtype=torch.long)
             meta.decode_context_lens = torch.tensor(ctx_lens, dtype=torch.long)
-        groups = group_by_length([c.start + 1 for c in decode], bs) if self.model.backend.wants_decode_groups else []
+        groups = group_by_length(ctx_lens, bs) if self.model.backend.wants_decode_groups else []
         for r0, r1 in groups:
-            width = -(-(decode[r1 - 1].start + 1) // bs)
-            table = torch.zeros(r1 - r0, width, dtype=torch.long)
-            for r in range(r0, r1):
-                t = tables[r][:width]
-                table[r - r0, :len(t)] = torch.tensor(t, dtype=torch.long)
-            ctx = torch.tensor([c.start + 1 for c in decode[r0:r1]])
+            # Rows are sorted by context length: the group's last row sets its padded width.
+            width = -(-ctx_lens[r1 - 1] // bs)
+            table = meta.decode_block_tables[r0:r1, :width]
+            ctx = meta.decode_context_lens[r0:r1]
             bias = torch.zeros(r1 - r0, width * bs)
             bias.masked_fill_(torch.arange(width * bs).unsqueeze(0) >= ctx.unsqueeze(1), _NEG_INF)
             meta.decode_groups.append(DecodeGroup(r0, r1 - r0, table, bias.view(1, r1 - r0, 1, width * bs)))
