@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 serve: setup
-	$(VENV)/bin/kvshare generate --chat "Tell me about the KV cache in one paragraph."
+	$(VENV)/bin/kvshare serve
 
 test: setup
 	$(PY) -m pytest -q

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvshare.errors import InvalidRequestError
+
 
 @dataclass
 class SamplingParams:
@@ -42,8 +44,10 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        def bad(field_name: str, value, allowed: str) -> ValueError:
-            return ValueError(f"SamplingParams.{field_name}={value!r} is invalid: must be {allowed}")
+        def bad(field_name: str, value, allowed: str) -> InvalidRequestError:
+            # InvalidRequestError is a ValueError that also names the field (the server's 400 `param`).
+            return InvalidRequestError(f"SamplingParams.{field_name}={value!r} is invalid: must be {allowed}",
+                                       field_name)
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", self.n, "an integer >= 1")

@@ -1,0 +1,59 @@
+"""`kvshare serve`: the OpenAI-compatible HTTP server on one engine."""
+from __future__ import annotations
+
+import argparse
+import os
+
+from kvshare.server.settings import DEFAULT_MAX_BODY_BYTES
+
+
+def add_serve_parser(sub, engine_args) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)")
+    g = p.add_argument_group("server options")
+    g.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--served-model-name", default=None,
+                   help="model id clients send and /v1/models lists (default: from the model file)")
+    g.add_argument("--api-key", default=os.environ.get("KVSHARE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/ (default: $KVSHARE_API_KEY; unset = open)")
+    g.add_argument("--max-waiting", type=int, default=None,
+                   help="answer 429 when this many requests already wait to be scheduled (default: unbounded)")
+    g.add_argument("--request-timeout", type=float, default=None,
+                   help="abort a request this many seconds after arrival (finish_reason 'abort')")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds in-flight requests get to finish before they are aborted")
+    g.add_argument("--max-body-bytes", default=str(DEFAULT_MAX_BODY_BYTES),
+                   help="largest request body accepted, e.g. 4MiB (413 beyond)")
+    g.add_argument("--log-prompts", action="store_true", help="log prompt text and parameters of every request")
+    g.add_argument("--no-access-log", action="store_true", help="no per-request access log lines")
+    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    engine_args(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvshare.cli import engine_options
+    from kvshare.config import EngineConfig
+    from kvshare.engine.llm_engine import LLMEngine
+    from kvshare.server.async_engine import AsyncEngine
+    from kvshare.server.metrics import ServerMetrics
+    from kvshare.server.runner import serve
+    from kvshare.server.settings import ServerConfig
+    from kvshare.server.state import ServerState, default_model_name
+
+    cfg = ServerConfig(
+        host=args.host, port=args.port, served_model_name=args.served_model_name, api_key=args.api_key or None,
+        max_waiting=args.max_waiting, request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
+        max_body_bytes=args.max_body_bytes, log_prompts=args.log_prompts, access_log=not args.no_access_log,
+        log_level=args.log_level,
+    )
+    engine = LLMEngine(EngineConfig.from_kwargs(**engine_options(args)))
+    name = cfg.served_model_name or default_model_name(args.model)
+    metrics = ServerMetrics(name)
+    state = ServerState(
+        config=cfg, engine=AsyncEngine(engine, metrics, cfg.max_waiting, cfg.retry_after_seconds), metrics=metrics,
+        model_name=name, model_source=str(engine.model_source), tokenizer=engine.tokenizer,
+        max_model_len=engine.layout.max_model_len, max_num_seqs=engine.config.max_num_seqs,
+    )
+    serve(state)
+    return 0

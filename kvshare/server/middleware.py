@@ -1,0 +1,104 @@
+"""The gate in front of the /v1/ routes, as plain ASGI so it runs before any body parsing:
+refuse while draining (503), check the API key (401), cap the body (413), count in-flight requests
+for the shutdown drain. Health, readiness, metrics and version stay open."""
+from __future__ import annotations
+
+import hmac
+
+from kvshare.server.errors import APIError
+from kvshare.server.state import ServerState
+
+# An oversized body is read and dropped (up to this much) before the 413, so a client still
+# writing it gets the answer instead of a reset connection.
+DISCARD_LIMIT = 64 * 2**20
+
+
+class GuardMiddleware:
+    def __init__(self, app, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        st = self.state
+        cfg = st.config
+        if st.draining:
+            return await self._reject(scope, receive, send, "shutting_down", APIError(
+                503, "the server is shutting down and takes no new requests", code="shutting_down",
+                headers={"Retry-After": "5"}))
+        headers = dict(scope["headers"])
+        if cfg.api_key is not None and not self._authorized(headers.get(b"authorization", b"")):
+            return await self._reject(scope, receive, send, "unauthorized", APIError(
+                401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}))
+        limit = cfg.max_body_bytes
+        declared = headers.get(b"content-length")
+        if declared is not None:
+            try:
+                size = int(declared)
+            except ValueError:
+                return await self._reject(scope, receive, send, "invalid_request", APIError(
+                    400, f"Content-Length {declared[:40]!r} is not a number", code="invalid_header"))
+            if size > limit:
+                await self._discard(receive, min(size, DISCARD_LIMIT))
+                return await self._too_large(scope, receive, send, size)
+        body, total = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            total += len(chunk)
+            if total > limit:
+                await self._discard(receive, DISCARD_LIMIT, message.get("more_body", False))
+                return await self._too_large(scope, receive, send, None)
+            body.append(chunk)
+            if not message.get("more_body", False):
+                break
+        await self._forward(scope, b"".join(body), receive, send)
+
+    async def _forward(self, scope, body: bytes, receive, send) -> None:
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: the disconnect, when it comes
+
+        self.state.inflight += 1
+        try:
+            await self.app(scope, replay, send)
+        finally:
+            self.state.inflight -= 1
+
+    def _authorized(self, header: bytes) -> bool:
+        scheme, _, token = header.partition(b" ")
+        expected = self.state.config.api_key.encode()
+        # compare_digest on every attempt, so the time taken says nothing about the key.
+        ok = hmac.compare_digest(token.strip(), expected)
+        return ok and scheme.lower() == b"bearer"
+
+    @staticmethod
+    async def _discard(receive, budget: int, more: bool = True) -> None:
+        seen = 0
+        while more and seen <= budget:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            seen += len(message.get("body", b""))
+            more = message.get("more_body", False)
+
+    async def _too_large(self, scope, receive, send, size: int | None) -> None:
+        limit = self.state.config.max_body_bytes
+        got = f"{size} bytes" if size is not None else f"more than {limit} bytes"
+        await self._reject(scope, receive, send, "body_too_large", APIError(
+            413, f"the request body is {got}; the limit is {limit} bytes (--max-body-bytes)",
+            code="request_too_large"))
+
+    async def _reject(self, scope, receive, send, reason: str, err: APIError) -> None:
+        self.state.metrics.on_rejected(reason)
+        await err.response()(scope, receive, send)

@@ -1,0 +1,229 @@
+"""Request bodies of the OpenAI API (with vLLM's extra sampling fields), validated strictly.
+
+Unknown fields and wrong JSON types are errors rather than silently ignored or coerced: a client
+that misspells `max_tokens` should learn it from the answer. Union-typed fields (prompt, stop,
+message content) have their own validators so the error names what is allowed in one sentence.
+"""
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic_core import PydanticCustomError
+
+from kvshare.errors import InvalidRequestError
+
+INT64 = 2**63
+
+
+def _describe(value: Any) -> str:
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _is_ids(x: Any) -> bool:
+    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def _prompt(value: Any) -> list[str | list[int]]:
+    """One prompt or several: text, token ids, or a list of either (each is its own request)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list):
+        if not value:
+            raise PydanticCustomError("prompt_empty", "'prompt' is an empty list: give at least one prompt")
+        if all(isinstance(x, str) for x in value):
+            return list(value)
+        if _is_ids(value):
+            return [list(value)]
+        if all(_is_ids(x) for x in value):
+            return [list(x) for x in value]
+    raise PydanticCustomError(
+        "prompt_type", "'prompt' must be a string, a list of strings, a list of token ids (integers) or a list "
+                       "of token-id lists; got {got}", {"got": _describe(value)})
+
+
+def _stop(value: Any) -> str | list[str] | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return list(value)
+    raise PydanticCustomError("stop_type", "'stop' must be a string or a list of strings; got {got}",
+                              {"got": _describe(value)})
+
+
+def _content(value: Any) -> str | None:
+    """Message content: a string, or a list of text parts (joined with newlines, as vLLM does)."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        texts = []
+        for part in value:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                    and set(part) <= {"type", "text"}):
+                raise PydanticCustomError(
+                    "content_part", "content parts must be {\"type\": \"text\", \"text\": <string>} (kvshare "
+                                    "serves a text-only model); got {got}", {"got": _describe(part)})
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise PydanticCustomError("content_type", "message content must be a string or a list of text parts; got {got}",
+                              {"got": _describe(value)})
+
+
+Prompt = Annotated[Any, BeforeValidator(_prompt)]
+Stop = Annotated[Any, BeforeValidator(_stop)]
+Content = Annotated[Any, BeforeValidator(_content)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # accepted for vLLM clients; usage comes once, at the end
+
+
+class _Sampling(_Strict):
+    """Fields shared by completions and chat: OpenAI's, then vLLM's extras."""
+
+    model: str | None = None  # as in vLLM: optional, the served model when absent
+    n: int = Field(1, ge=1, le=128)
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    seed: int | None = Field(None, ge=-INT64, lt=INT64)
+    stop: Stop = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None  # only {} is accepted: kvshare has no logit bias
+    # vLLM extensions
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[Annotated[int, Field(ge=0, lt=2**31)]] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    cache_salt: str | None = Field(None, min_length=1)
+
+
+class CompletionRequest(_Sampling):
+    prompt: Prompt
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1)  # accepted only equal to n
+    suffix: str | None = None  # not supported: only null is accepted
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Content = None
+    name: str | None = None
+    # Fields a client echoes back from an earlier assistant message; only their empty values.
+    refusal: str | None = None
+    tool_calls: list[Any] | None = None
+    function_call: None = None
+    audio: None = None
+    annotations: list[Any] | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1)  # OpenAI's deprecated name for max_completion_tokens
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Any] | None = None  # only [] is accepted: no tool calling yet
+    tool_choice: Literal["none", "auto"] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None  # only {"type": "text"}
+    add_generation_prompt: bool = True
+
+
+# ---- turning bytes and pydantic errors into one clear sentence ---------------------------
+
+def _param(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def describe_validation_error(exc: ValidationError, model: type[BaseModel]) -> InvalidRequestError:
+    errors = exc.errors(include_url=False)
+    err = errors[0]
+    loc = tuple(err.get("loc", ()))
+    param = _param(loc) or None
+    kind = err.get("type", "")
+    if kind == "extra_forbidden":
+        msg = f"unknown field '{param}'"
+        if len(loc) == 1:
+            msg += f"; allowed fields: {', '.join(sorted(model.model_fields))}"
+    elif kind == "missing":
+        msg = f"'{param}' is required"
+    elif kind in ("prompt_empty", "prompt_type", "stop_type", "content_part", "content_type"):
+        msg = err["msg"] if kind.startswith(("prompt", "stop")) else f"'{param}': {err['msg']}"
+    else:
+        msg = f"'{param}' is invalid: {err['msg'].rstrip('.')} (got {_describe(err.get('input'))})"
+    if len(errors) > 1:
+        msg += f" (and {len(errors) - 1} more problem(s) in the request)"
+    return InvalidRequestError(msg, param)
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _check_text(value: Any) -> None:
+    """Lone UTF-16 surrogates ('\\ud800') parse as JSON but are not text any tokenizer can take."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidRequestError(
+                f"a string in the request holds an unpaired surrogate escape ({value[e.start]!r}); strings "
+                f"must be valid Unicode text", None) from None
+    elif isinstance(value, list):
+        for v in value:
+            _check_text(v)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_text(k)
+            _check_text(v)
+
+
+def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
+    if not raw:
+        raise InvalidRequestError("the request body is empty: send a JSON object", None)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidRequestError(
+            f"the request body is not valid UTF-8 (invalid byte {raw[e.start:e.start + 1]!r} at offset {e.start}); "
+            f"send JSON encoded as UTF-8", None) from None
+    try:
+        obj = json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as e:
+        raise InvalidRequestError(
+            f"the request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}", None) from None
+    except (ValueError, RecursionError) as e:
+        raise InvalidRequestError(f"the request body is not valid JSON: {e}", None) from None
+    if not isinstance(obj, dict):
+        raise InvalidRequestError(f"the request body must be a JSON object, got a JSON {type(obj).__name__}", None)
+    try:
+        _check_text(obj)
+    except RecursionError:
+        raise InvalidRequestError("the request body is nested too deeply", None) from None
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        raise describe_validation_error(e, model) from None

@@ -1,0 +1,232 @@
+"""The request path shared by completions and chat: checks, SamplingParams, submission to the
+engine thread, then either a server-sent-event stream or one JSON body.
+
+Every way a request can end early goes through AsyncEngine.abort (the engine's one release
+path): the client disconnecting (streaming or not), --request-timeout, and shutdown. A timed-out
+request ends like any other, with the text so far and finish_reason "abort".
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+
+from kvshare.errors import InvalidRequestError
+from kvshare.outputs import RequestOutput
+from kvshare.sampling_params import SamplingParams
+from kvshare.server.async_engine import EngineRequest, RequestStream
+from kvshare.server.chat import ChatFormatter, render_chat_prompt
+from kvshare.server.completions import CompletionFormatter
+from kvshare.server.errors import APIError
+from kvshare.server.formatting import BaseFormatter, Job, PromptInput
+from kvshare.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvshare.server.state import ServerState
+
+logger = logging.getLogger("kvshare.server")
+
+LONG_TEXT = 4096  # characters; tokenizing more than this moves off the event loop
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class EngineStreamResponse(StreamingResponse):
+    """An SSE response that aborts its engine requests however the response ends."""
+
+    def __init__(self, content: AsyncIterator[str], on_close) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()  # a no-op when the requests finished; an abort when the client left
+
+
+class OpenAIServing:
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.engine = state.engine
+        self.tok = state.tokenizer
+
+    # ---- endpoints ------------------------------------------------------------------------
+    async def completions(self, req: CompletionRequest, raw: Request):
+        arrival = time.monotonic()
+        self._check_common(req)
+        if req.best_of is not None and req.best_of != req.n:
+            raise InvalidRequestError(f"best_of={req.best_of} is not supported: kvshare returns every choice it "
+                                      f"samples, so best_of must be omitted or equal n ({req.n})", "best_of")
+        if req.suffix is not None:
+            raise InvalidRequestError("suffix is not supported by kvshare (no fill-in-the-middle); omit it", "suffix")
+        prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
+        params = self._params(req, req.max_tokens, req.logprobs, prompt_logprobs, {})
+        prompts = [await self._tokenize(p) for p in req.prompt]
+        job = self._job("cmpl", req, prompts, echo=req.echo, logprobs=req.logprobs)
+        fmt = CompletionFormatter(job, self.tok)
+        return await self._run(job, params, fmt, arrival, raw, {})
+
+    async def chat(self, req: ChatCompletionRequest, raw: Request):
+        arrival = time.monotonic()
+        self._check_common(req)
+        if req.tools:
+            raise InvalidRequestError("tools are not supported by kvshare yet; omit them", "tools")
+        if req.response_format is not None and req.response_format != {"type": "text"}:
+            raise InvalidRequestError("response_format: only {\"type\": \"text\"} is supported (no structured "
+                                      "output yet)", "response_format")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs: true", "top_logprobs")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        rename = {"max_tokens": max_name, "logprobs": "top_logprobs", "prompt": "messages"}
+        params = self._params(req, max_tokens, logprobs, None, rename)
+        if sum(len(m.content or "") for m in req.messages) > LONG_TEXT:
+            prompt = await asyncio.to_thread(render_chat_prompt, self.tok, req)
+        else:
+            prompt = render_chat_prompt(self.tok, req)
+        job = self._job("chatcmpl", req, [prompt], logprobs=logprobs)
+        fmt = ChatFormatter(job, self.tok)
+        return await self._run(job, params, fmt, arrival, raw, rename)
+
+    # ---- checks and conversions -----------------------------------------------------------
+    def _check_common(self, req) -> None:
+        st = self.state
+        if req.model is not None and req.model != st.model_name:
+            raise APIError(404, f"the model '{req.model}' does not exist: this server serves '{st.model_name}'",
+                           param="model", code="model_not_found")
+        if req.n > st.max_num_seqs:
+            raise InvalidRequestError(f"n={req.n} is more than the {st.max_num_seqs} sequences this server runs at "
+                                      f"once (--max-num-seqs): ask for at most {st.max_num_seqs}", "n")
+        if req.stream_options is not None and not req.stream:
+            raise InvalidRequestError("stream_options is only allowed with stream: true", "stream_options")
+        if req.logit_bias:
+            raise InvalidRequestError("logit_bias is not supported by kvshare; omit it", "logit_bias")
+
+    def _params(self, req, max_tokens, logprobs, prompt_logprobs, rename: dict) -> SamplingParams:
+        def pick(value, default):
+            return default if value is None else value
+
+        try:
+            return SamplingParams(
+                n=req.n, temperature=pick(req.temperature, 1.0), top_p=pick(req.top_p, 1.0),
+                top_k=pick(req.top_k, -1), min_p=pick(req.min_p, 0.0),
+                presence_penalty=pick(req.presence_penalty, 0.0), frequency_penalty=pick(req.frequency_penalty, 0.0),
+                repetition_penalty=pick(req.repetition_penalty, 1.0), seed=req.seed, max_tokens=max_tokens,
+                min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
+                ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
+                logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
+                cache_salt=req.cache_salt,
+            )
+        except InvalidRequestError as e:
+            param = rename.get(e.param, e.param)
+            raise InvalidRequestError(str(e).replace("SamplingParams.", "", 1), param) from None
+
+    async def _tokenize(self, prompt: str | list[int]) -> PromptInput:
+        if not isinstance(prompt, str):
+            return PromptInput(None, prompt)
+        if prompt == "":
+            raise InvalidRequestError("'prompt' is empty: give at least one character of text", "prompt")
+        if self.tok is None:
+            raise InvalidRequestError("this model has no tokenizer: send the prompt as token ids", "prompt")
+        if len(prompt) > LONG_TEXT:
+            return PromptInput(prompt, await asyncio.to_thread(self.tok.encode, prompt))
+        return PromptInput(prompt, self.tok.encode(prompt))
+
+    def _job(self, prefix: str, req, prompts: list[PromptInput], echo: bool = False,
+             logprobs: int | None = None) -> Job:
+        opts = req.stream_options
+        return Job(id=f"{prefix}-{uuid.uuid4().hex}", created=int(time.time()), model=self.state.model_name,
+                   prompts=prompts, n=req.n, stream=bool(req.stream),
+                   include_usage=bool(req.stream and opts is not None and opts.include_usage),
+                   echo=echo, logprobs=logprobs)
+
+    # ---- running ----------------------------------------------------------------------------
+    async def _run(self, job: Job, params: SamplingParams, fmt: BaseFormatter, arrival: float, raw: Request,
+                   rename: dict):
+        self._log(job, params)
+        requests = [EngineRequest(job.engine_id(i), p.token_ids, params) for i, p in enumerate(job.prompts)]
+        try:
+            stream = await self.engine.submit(requests, arrival)
+        except InvalidRequestError as e:
+            param = rename.get(e.param, e.param)
+            where = getattr(e, "prompt_index", None)
+            msg = f"prompt {where}: {e}" if where is not None and len(job.prompts) > 1 else str(e)
+            if rename.get("prompt") == "messages":
+                msg = msg.replace("prompt", "the rendered chat prompt", 1)
+            raise InvalidRequestError(msg, param) from None
+        timeout = self.state.config.request_timeout
+        deadline = asyncio.get_running_loop().time() + timeout - (time.monotonic() - arrival) if timeout else None
+        if job.stream:
+            return EngineStreamResponse(self._events(job, stream, fmt, deadline),
+                                        on_close=lambda: self.engine.abort(stream, "client_disconnect"))
+        finals = await self._collect(stream, raw, deadline)
+        return JSONResponse(fmt.response([finals[job.engine_id(i)] for i in range(len(job.prompts))]))
+
+    async def _outputs(self, stream: RequestStream, deadline: float | None) -> AsyncIterator[RequestOutput]:
+        remaining = set(stream.request_ids)
+        while remaining:
+            try:
+                if deadline is not None and not stream.abort_requested:
+                    async with asyncio.timeout_at(deadline):
+                        out = await stream.get()
+                else:
+                    out = await stream.get()
+            except TimeoutError:
+                # Aborted like any other request: its last output carries finish_reason "abort".
+                self.engine.abort(stream, "timeout")
+                deadline = None
+                continue
+            if out.finished:
+                remaining.discard(out.request_id)
+            yield out
+
+    async def _events(self, job: Job, stream: RequestStream, fmt: BaseFormatter,
+                      deadline: float | None) -> AsyncIterator[str]:
+        try:
+            for chunk in fmt.opening_chunks():
+                yield sse(chunk)
+            async for out in self._outputs(stream, deadline):
+                for chunk in fmt.chunks(out):
+                    yield sse(chunk)
+            if job.include_usage:
+                yield sse(fmt.usage_chunk())
+        except APIError as e:  # the engine died mid-stream: the status line is long gone
+            yield sse(e.body())
+        yield "data: [DONE]\n\n"
+
+    async def _collect(self, stream: RequestStream, raw: Request, deadline: float | None) -> dict:
+        watcher = asyncio.create_task(self._watch_disconnect(stream, raw))
+        try:
+            finals = {}
+            async for out in self._outputs(stream, deadline):
+                if out.finished:
+                    finals[out.request_id] = out
+            return finals
+        finally:
+            watcher.cancel()
+
+    async def _watch_disconnect(self, stream: RequestStream, raw: Request) -> None:
+        # The body is read, so the next ASGI message is http.disconnect: no polling needed.
+        while True:
+            message = await raw.receive()
+            if message["type"] == "http.disconnect":
+                self.engine.abort(stream, "client_disconnect")
+                return
+
+    def _log(self, job: Job, params: SamplingParams) -> None:
+        n_tokens = sum(len(p.token_ids) for p in job.prompts)
+        if self.state.config.log_prompts:
+            prompts = [p.text if p.text is not None else p.token_ids for p in job.prompts]
+            logger.info("request %s: prompts=%r params=%s", job.id, prompts, params)
+        else:
+            logger.info("request %s: %d prompt(s), %d prompt tokens, max_tokens=%s, n=%d, stream=%s", job.id,
+                        len(job.prompts), n_tokens, params.max_tokens, params.n, job.stream)

@@ -1,0 +1,40 @@
+"""ServerConfig: the one object that carries every server option down to the parts that need it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvshare.config import parse_bytes
+
+DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"  # loopback unless the operator opens it up on purpose
+    port: int = 8000
+    served_model_name: str | None = None  # None: derived from the model file
+    api_key: str | None = None
+    # Requests admitted but not yet scheduled (queued submissions + scheduler waiting); None = unbounded.
+    max_waiting: int | None = None
+    request_timeout: float | None = None  # seconds from arrival; None = no limit
+    shutdown_timeout: float = 30.0
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    log_prompts: bool = False
+    access_log: bool = True
+    log_level: str = "info"
+    # /ready fails when the engine loop has not come round for this long (a hung step).
+    ready_stall_seconds: float = 60.0
+    retry_after_seconds: int = 1
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.port <= 65535):
+            raise ValueError(f"port={self.port} is invalid: must be in [0, 65535]")
+        if self.max_waiting is not None and self.max_waiting < 0:
+            raise ValueError(f"max_waiting={self.max_waiting} is invalid: must be >= 0")
+        if self.request_timeout is not None and not self.request_timeout > 0:
+            raise ValueError(f"request_timeout={self.request_timeout} is invalid: must be > 0 seconds")
+        if not self.shutdown_timeout >= 0:
+            raise ValueError(f"shutdown_timeout={self.shutdown_timeout} is invalid: must be >= 0 seconds")
+        self.max_body_bytes = parse_bytes(self.max_body_bytes, "max_body_bytes")
+        if self.api_key == "":
+            raise ValueError("api_key is empty: give a non-empty key or leave it unset")

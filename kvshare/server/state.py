@@ -1,0 +1,34 @@
+"""ServerState: what the routes, the middleware and the shutdown path share for one server."""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+from kvshare.server.async_engine import AsyncEngine
+from kvshare.server.metrics import ServerMetrics
+from kvshare.server.settings import ServerConfig
+
+BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def default_model_name(model_arg: str | None) -> str:
+    if model_arg is None:
+        return BUNDLED_MODEL_NAME
+    base = os.path.basename(os.path.normpath(model_arg))
+    return base[:-5] if base.endswith(".gguf") else base
+
+
+@dataclass
+class ServerState:
+    config: ServerConfig
+    engine: AsyncEngine
+    metrics: ServerMetrics
+    model_name: str
+    model_source: str
+    tokenizer: object | None
+    max_model_len: int
+    max_num_seqs: int
+    created: int = field(default_factory=lambda: int(time.time()))
+    draining: bool = False  # set by SIGTERM: new API requests get 503
+    inflight: int = 0  # API requests inside the app (streams until their last byte)

@@ -1,0 +1,478 @@
+"""The OpenAI-compatible server as a real process on loopback, driven by the official `openai`
+client (raw HTTP where a client cannot send what the test needs: broken bytes, early hang-ups)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+import uuid
+
+import openai
+import pytest
+
+import kvshare
+from server_proc import MODEL, ServerProcess
+
+FRANCE = "The capital of France is"
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProcess().wait_ready()
+    yield srv
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=300)
+
+
+def _collect_stream(stream, chat: bool):
+    """Joined text, finish reasons and chunk count per choice index; the usage chunk if any."""
+    texts, finishes, usage = {}, {}, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            assert chunk.choices == []  # usage rides on its own final chunk
+            usage = chunk.usage
+        for ch in chunk.choices:
+            piece = (ch.delta.content or "") if chat else ch.text
+            texts[ch.index] = texts.get(ch.index, "") + piece
+            if ch.finish_reason is not None:
+                finishes.setdefault(ch.index, []).append(ch.finish_reason)
+    return texts, finishes, usage
+
+
+# ---- endpoints -------------------------------------------------------------------------------
+
+def test_probes_version_models_and_metric_names(server, client):
+    status, _, body = server.request("GET", "/health")
+    assert status == 200 and json.loads(body)["status"] == "ok"
+    status, _, body = server.request("GET", "/ready")
+    assert status == 200 and json.loads(body)["status"] == "ready"
+    status, _, body = server.request("GET", "/version")
+    assert status == 200 and json.loads(body)["version"] == kvshare.__version__
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    status, headers, _ = server.request("GET", "/metrics")
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    names = {n for n, _, _ in server.metrics()}
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
+                 "kvshare:aborted_requests_total", "vllm:time_to_first_token_seconds_bucket",
+                 "vllm:inter_token_latency_seconds_count", "vllm:e2e_request_latency_seconds_sum"):
+        assert name in names, name
+
+
+def test_completion_and_chat_answer_with_usage(server, client):
+    before = server.metric("vllm:generation_tokens_total")
+    r = client.completions.create(model=MODEL, prompt=FRANCE, max_tokens=8, temperature=0)
+    assert "Paris" in r.choices[0].text
+    assert r.object == "text_completion" and r.model == MODEL and r.id.startswith("cmpl-")
+    u = r.usage
+    assert u.completion_tokens == 8 and r.choices[0].finish_reason == "length"
+    assert u.prompt_tokens > 0 and u.total_tokens == u.prompt_tokens + u.completion_tokens
+    assert u.prompt_tokens_details.cached_tokens >= 0
+    c = client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=24, temperature=0)
+    msg = c.choices[0].message
+    assert msg.role == "assistant" and "Paris" in msg.content
+    assert c.choices[0].finish_reason in ("stop", "length")
+    assert c.usage.completion_tokens > 0
+    # The metrics saw exactly these tokens.
+    assert server.metric("vllm:generation_tokens_total") - before == u.completion_tokens + c.usage.completion_tokens
+
+
+def test_streamed_text_equals_non_streamed_text(client):
+    kw = dict(model=MODEL, prompt="Once upon a time, in a small village,", max_tokens=24, temperature=0)
+    full = client.completions.create(**kw)
+    texts, finishes, usage = _collect_stream(
+        client.completions.create(**kw, stream=True, stream_options={"include_usage": True}), chat=False)
+    assert texts == {0: full.choices[0].text}
+    assert finishes == {0: [full.choices[0].finish_reason]}
+    assert (usage.prompt_tokens, usage.completion_tokens) == (full.usage.prompt_tokens, full.usage.completion_tokens)
+
+    kw = dict(model=MODEL, messages=CHAT, max_tokens=24, temperature=0)
+    full = client.chat.completions.create(**kw)
+    texts, finishes, usage = _collect_stream(
+        client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}), chat=True)
+    assert texts == {0: full.choices[0].message.content}
+    assert finishes == {0: [full.choices[0].finish_reason]}
+    assert usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_stream_without_include_usage_has_no_usage(client):
+    texts, _, usage = _collect_stream(
+        client.completions.create(model=MODEL, prompt=FRANCE, max_tokens=4, temperature=0, stream=True), chat=False)
+    assert usage is None and texts[0]
+
+
+def test_n_choices_stream_with_own_index_and_finish_reason(client):
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0.8, seed=11, n=3)
+    full = client.completions.create(**kw)
+    assert [c.index for c in full.choices] == [0, 1, 2]
+    texts, finishes, _ = _collect_stream(client.completions.create(**kw, stream=True), chat=False)
+    assert texts == {c.index: c.text for c in full.choices}  # seeded per choice: same draws either way
+    assert finishes == {c.index: [c.finish_reason] for c in full.choices}  # each choice finishes once
+    assert len({c.text for c in full.choices}) > 1  # choices draw their own tokens
+
+    kw = dict(model=MODEL, messages=CHAT, max_tokens=10, temperature=0.9, seed=3, n=2)
+    full = client.chat.completions.create(**kw)
+    texts, finishes, _ = _collect_stream(client.chat.completions.create(**kw, stream=True), chat=True)
+    assert texts == {c.index: c.message.content for c in full.choices}
+    assert set(finishes) == {0, 1} and all(len(v) == 1 for v in finishes.values())
+
+
+def test_seed_makes_sampling_reproducible(client):
+    kw = dict(model=MODEL, prompt="My favourite food is", max_tokens=16, temperature=1.0)
+    a = client.completions.create(**kw, seed=1234).choices[0].text
+    b = client.completions.create(**kw, seed=1234).choices[0].text
+    c = client.completions.create(**kw, seed=4321).choices[0].text
+    assert a == b
+    assert a != c
+
+
+def test_completion_logprobs(client):
+    r = client.completions.create(model=MODEL, prompt=FRANCE, max_tokens=6, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    n = r.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset == sorted(lp.text_offset)
+    for tok, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert chosen <= 0 and 3 <= len(top) <= 4 and tok in top
+        assert abs(chosen - max(top.values())) < 1e-5  # greedy picks the most likely token
+
+
+def test_chat_logprobs(client):
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0, logprobs=True,
+                                       top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert "".join(e.token for e in content) == r.choices[0].message.content
+    for e in content:
+        assert len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
+        assert abs(e.logprob - e.top_logprobs[0].logprob) < 1e-5 and e.bytes == list(e.token.encode())
+
+
+def test_stop_string_cuts_the_text(client):
+    kw = dict(model=MODEL, prompt="Once upon a time, in a small village,", max_tokens=24, temperature=0)
+    text = client.completions.create(**kw).choices[0].text
+    words = text.split()
+    stop = words[len(words) // 2]
+    r = client.completions.create(**kw, stop=[stop, "zzzz-never"])
+    assert r.choices[0].text == text[:text.index(stop)]
+    assert r.choices[0].finish_reason == "stop"
+    texts, finishes, _ = _collect_stream(client.completions.create(**kw, stop=stop, stream=True), chat=False)
+    assert texts[0] == r.choices[0].text and finishes[0] == ["stop"]
+
+
+def test_several_prompts_give_choices_indexed_prompt_major(client):
+    prompts = [FRANCE, "My favourite colour is"]
+    singles = [client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0) for p in prompts]
+    r = client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=6, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == [singles[0].choices[0].text] * 2 + [singles[1].choices[0].text] * 2
+    assert r.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+    assert r.usage.completion_tokens == 2 * sum(s.usage.completion_tokens for s in singles)
+    texts, finishes, _ = _collect_stream(
+        client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=6, temperature=0, stream=True),
+        chat=False)
+    assert texts == {c.index: c.text for c in r.choices}
+    assert all(len(finishes[i]) == 1 for i in range(4))
+
+
+def test_token_id_prompts_and_echo(client):
+    ids = [504, 3458, 282, 4649, 314]
+    plain = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0)
+    assert plain.usage.prompt_tokens == len(ids)
+    nested = client.completions.create(model=MODEL, prompt=[ids], max_tokens=4, temperature=0)
+    assert nested.choices[0].text == plain.choices[0].text
+    echoed = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0, echo=True, logprobs=1)
+    text = echoed.choices[0].text
+    assert text.endswith(plain.choices[0].text) and len(text) > len(plain.choices[0].text)
+    lp = echoed.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + 4
+    assert lp.token_logprobs[0] is None and all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
+    r = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=3, temperature=0, echo=True)
+    assert r.choices[0].text.startswith("Hello there")
+
+
+def test_cached_tokens_and_cache_salt(client):
+    prompt = f"Note {uuid.uuid4().hex}. " + "It is a truth universally acknowledged, that a single man " * 8
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+
+    def cached(**extra):
+        return client.completions.create(**kw, **extra).usage.prompt_tokens_details.cached_tokens
+
+    first = client.completions.create(**kw)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    again = cached()
+    assert 16 <= again < first.usage.prompt_tokens and again % 16 == 0  # whole blocks, never the last token
+    assert cached(extra_body={"cache_salt": "tenant-b"}) == 0  # another tenant shares nothing
+    assert cached(extra_body={"cache_salt": "tenant-b"}) == again
+
+
+def test_vllm_extras_are_honoured(client):
+    r = client.completions.create(model=MODEL, prompt=FRANCE, max_tokens=8, temperature=0,
+                                  extra_body={"min_tokens": 8, "ignore_eos": True, "top_k": 1, "user": "u1"})
+    assert r.usage.completion_tokens == 8
+    greedy = client.completions.create(model=MODEL, prompt=FRANCE, max_tokens=8, temperature=0).choices[0].text
+    top1 = client.completions.create(model=MODEL, prompt=FRANCE, max_tokens=8, temperature=1.0, seed=5,
+                                     extra_body={"top_k": 1}).choices[0].text
+    assert top1 == greedy  # top_k=1 leaves only the most likely token
+
+
+# ---- bad requests ----------------------------------------------------------------------------
+
+OK = {"prompt": "Hi", "max_tokens": 2}
+CHAT_OK = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+CMPL, CHATP = "/v1/completions", "/v1/chat/completions"
+
+
+def c(**kw):
+    return {**OK, **kw}
+
+
+def chat(**kw):
+    return {**CHAT_OK, **kw}
+
+
+# (id, method, path, body, status, param, a phrase the message must contain)
+BAD_REQUESTS = [
+    ("malformed_json", "POST", CMPL, b'{"prompt": "Hi",', 400, None, "not valid JSON"),
+    ("invalid_utf8", "POST", CMPL, b'{"prompt": "\xff\xfe Hi"}', 400, None, "not valid UTF-8"),
+    ("not_an_object", "POST", CMPL, b"[1, 2, 3]", 400, None, "JSON object"),
+    ("empty_body", "POST", CMPL, b"", 400, None, "empty"),
+    ("nan_number", "POST", CMPL, b'{"prompt": "Hi", "temperature": NaN}', 400, None, "NaN"),
+    ("lone_surrogate", "POST", CMPL, b'{"prompt": "\\ud800"}', 400, None, "surrogate"),
+    ("missing_prompt", "POST", CMPL, {"max_tokens": 2}, 400, "prompt", "required"),
+    ("missing_messages", "POST", CHATP, {"max_tokens": 2}, 400, "messages", "required"),
+    ("unknown_field", "POST", CMPL, c(max_tokenz=5), 400, "max_tokenz", "unknown field"),
+    ("prompt_wrong_type", "POST", CMPL, c(prompt=5), 400, "prompt", "must be a string"),
+    ("prompt_empty_string", "POST", CMPL, c(prompt=""), 400, "prompt", "empty"),
+    ("prompt_empty_list", "POST", CMPL, c(prompt=[]), 400, "prompt", "empty"),
+    ("prompt_token_out_of_vocab", "POST", CMPL, c(prompt=[10**12]), 400, "prompt", "token ids must be"),
+    ("max_tokens_string", "POST", CMPL, c(max_tokens="ten"), 400, "max_tokens", "valid integer"),
+    ("max_tokens_negative", "POST", CMPL, c(max_tokens=-1), 400, "max_tokens", "greater than or equal to 1"),
+    ("max_tokens_huge", "POST", CMPL, c(max_tokens=10**9), 400, "max_tokens", "max_model_len"),
+    ("temperature_negative", "POST", CMPL, c(temperature=-0.5), 400, "temperature", "greater than or equal"),
+    ("temperature_string", "POST", CMPL, c(temperature="hot"), 400, "temperature", "valid number"),
+    ("top_p_zero", "POST", CMPL, c(top_p=0), 400, "top_p", "greater than 0"),
+    ("top_p_above_one", "POST", CMPL, c(top_p=1.5), 400, "top_p", "less than or equal to 1"),
+    ("top_k_negative", "POST", CMPL, c(top_k=-5), 400, "top_k", "greater than or equal to -1"),
+    ("n_zero", "POST", CMPL, c(n=0), 400, "n", "greater than or equal to 1"),
+    ("n_huge", "POST", CMPL, c(n=10**6), 400, "n", "less than or equal to"),
+    ("n_fraction", "POST", CMPL, c(n=1.5), 400, "n", "valid integer"),
+    ("logprobs_huge", "POST", CMPL, c(logprobs=1000), 400, "logprobs", "less than or equal to 20"),
+    ("logprobs_bool", "POST", CMPL, c(logprobs=True), 400, "logprobs", "valid integer"),
+    ("stop_wrong_type", "POST", CMPL, c(stop=5), 400, "stop", "string or a list of strings"),
+    ("stop_empty_string", "POST", CMPL, c(stop=[""]), 400, "stop", "non-empty"),
+    ("stop_token_ids_negative", "POST", CMPL, c(stop_token_ids=[-1]), 400, "stop_token_ids[0]", "greater than"),
+    ("stop_token_ids_huge", "POST", CMPL, c(stop_token_ids=[2**70], min_tokens=1), 400, "stop_token_ids[0]",
+     "less than"),
+    ("seed_string", "POST", CMPL, c(seed="abc"), 400, "seed", "valid integer"),
+    ("seed_huge", "POST", CMPL, c(seed=2**70), 400, "seed", "less than"),
+    ("presence_penalty_range", "POST", CMPL, c(presence_penalty=3), 400, "presence_penalty", "less than"),
+    ("repetition_penalty_zero", "POST", CMPL, c(repetition_penalty=0), 400, "repetition_penalty", "greater than"),
+    ("min_tokens_above_max", "POST", CMPL, c(min_tokens=10), 400, "min_tokens", "max_tokens"),
+    ("stream_not_bool", "POST", CMPL, c(stream="yes"), 400, "stream", "valid boolean"),
+    ("stream_options_without_stream", "POST", CMPL, c(stream_options={"include_usage": True}), 400,
+     "stream_options", "stream: true"),
+    ("cache_salt_empty", "POST", CMPL, c(cache_salt=""), 400, "cache_salt", "at least 1"),
+    ("best_of_unsupported", "POST", CMPL, c(best_of=3), 400, "best_of", "not supported"),
+    ("logit_bias_unsupported", "POST", CMPL, c(logit_bias={"50": -100}), 400, "logit_bias", "not supported"),
+    ("unknown_model", "POST", CMPL, c(model="gpt-4o"), 404, "model", "does not exist"),
+    ("prompt_too_long", "POST", CMPL, c(prompt="hello " * 700), 400, "prompt", "max_model_len is 512"),
+    ("chat_bad_role", "POST", CHATP, chat(messages=[{"role": "wizard", "content": "Hi"}]), 400,
+     "messages[0].role", "'user'"),
+    ("chat_content_wrong_type", "POST", CHATP, chat(messages=[{"role": "user", "content": 5}]), 400,
+     "messages[0].content", "string"),
+    ("chat_image_part", "POST", CHATP,
+     chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400,
+     "messages[0].content", "text"),
+    ("chat_no_messages", "POST", CHATP, chat(messages=[]), 400, "messages", "at least 1"),
+    ("chat_top_logprobs_alone", "POST", CHATP, chat(top_logprobs=2), 400, "top_logprobs", "logprobs"),
+    ("chat_max_completion_tokens_zero", "POST", CHATP, chat(max_completion_tokens=0), 400,
+     "max_completion_tokens", "greater than or equal to 1"),
+    ("chat_prompt_too_long", "POST", CHATP, chat(messages=[{"role": "user", "content": "hello " * 700}]), 400,
+     "messages", "max_model_len is 512"),
+    ("oversized_body", "POST", CMPL, b'{"prompt": "' + b"a" * (5 * 2**20) + b'"}', 413, None, "limit"),
+    ("oversized_chunked_body", "POST", CMPL, ("chunked", b'{"prompt": "' + b"a" * (5 * 2**20) + b'"}'), 413, None,
+     "limit"),
+    ("wrong_method", "GET", CMPL, None, 405, None, "not allowed"),
+    ("unknown_route", "POST", "/v1/embeddings", c(), 404, None, "no route"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_request_gets_a_clear_4xx(server, case):
+    _, method, path, body, status, param, phrase = case
+    chunked = isinstance(body, tuple)
+    got, headers, data = server.request(method, path, body[1] if chunked else body, chunked=chunked)
+    assert got == status, data[:300]
+    err = json.loads(data)["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param
+    assert phrase in err["message"], err["message"]
+    assert err["type"] == "invalid_request_error"
+
+
+def test_prompt_too_long_names_both_token_counts(server):
+    status, body = server.post_json(CMPL, c(prompt="hello " * 700))
+    m = re.search(r"prompt is (\d+) tokens, but max_model_len is (\d+)", body["error"]["message"])
+    assert status == 400 and m and int(m.group(1)) > 512 and int(m.group(2)) == 512
+
+
+def test_server_still_serves_after_bad_requests(server, client):
+    for case in BAD_REQUESTS[:10]:
+        server.request(case[1], case[2], case[3] if not isinstance(case[3], tuple) else None)
+    assert server.request("GET", "/ready")[0] == 200
+    r = client.completions.create(model=MODEL, prompt=FRANCE, max_tokens=8, temperature=0)
+    assert "Paris" in r.choices[0].text
+    assert server.wait_idle()["kvshare:kv_cache_blocks_in_use"] == 0
+
+
+# ---- many clients, some hanging up -----------------------------------------------------------
+
+PROMPTS = [
+    "The capital of France is", "Once upon a time, there was a", "The best way to learn to cook is",
+    "My favourite season of the year is", "The ocean is full of", "In the morning I like to",
+    "A good friend is someone who", "The history of the bicycle begins",
+]
+STREAM_KW = dict(max_tokens=16, temperature=0)
+
+
+async def _hang_up(port: int, body: dict, after_chunks: int, linger: float) -> None:
+    """Send a request by hand, read `after_chunks` SSE events, then close the connection."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    payload = json.dumps(body).encode()
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
+    await writer.drain()
+    seen = 0
+    while seen < after_chunks:
+        line = await reader.readline()
+        if not line:
+            break
+        seen += line.startswith(b"data: {")
+    await asyncio.sleep(linger)
+    writer.close()
+    await writer.wait_closed()
+
+
+async def _run_clients(server, refs: dict[str, str]):
+    aclient = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=600)
+    rng = random.Random(5)
+
+    async def complete(prompt: str):
+        stream = await aclient.completions.create(model=MODEL, prompt=prompt, stream=True,
+                                                  extra_body={"ignore_eos": True}, **STREAM_KW)
+        text, finish = "", None
+        async for chunk in stream:
+            for ch in chunk.choices:
+                text += ch.text
+                finish = ch.finish_reason or finish
+        return prompt, text, finish
+
+    tasks, hangups = [], 0
+    for i in range(64):
+        prompt = PROMPTS[i % len(PROMPTS)]
+        if i % 3 == 2:  # a third hang up: mid-stream, before any byte, or while waiting non-streamed
+            hangups += 1
+            body = {"model": MODEL, "prompt": prompt, "ignore_eos": True, "stream": i % 9 != 8, **STREAM_KW}
+            after = rng.choice([0, 1, 2, 4, 8]) if body["stream"] else 0
+            tasks.append(_hang_up(server.port, body, after, rng.uniform(0, 0.3)))
+        else:
+            tasks.append(complete(prompt))
+    results = await asyncio.gather(*tasks)
+    await aclient.close()
+    return [r for r in results if r is not None], hangups
+
+
+def test_64_streams_with_a_third_hanging_up(server, client):
+    refs = {p: client.completions.create(model=MODEL, prompt=p, extra_body={"ignore_eos": True},
+                                         **STREAM_KW).choices[0].text for p in PROMPTS}
+    aborted_before = server.metric("kvshare:aborted_requests_total", reason="client_disconnect")
+    done, hangups = asyncio.run(_run_clients(server, refs))
+    assert len(done) == 64 - hangups == 43
+    for prompt, text, finish in done:
+        assert text == refs[prompt], prompt
+        assert finish == "length"
+    idle = server.wait_idle()
+    assert idle == {"vllm:num_requests_running": 0, "vllm:num_requests_waiting": 0,
+                    "vllm:kv_cache_usage_perc": 0, "kvshare:kv_cache_blocks_in_use": 0}
+    aborted = server.metric("kvshare:aborted_requests_total", reason="client_disconnect") - aborted_before
+    assert 1 <= aborted <= hangups  # a hang-up after the last token has nothing left to abort
+    assert server.metric("kvshare:abort_delay_steps_max") <= 2  # applied within two engine steps
+    assert server.request("GET", "/ready")[0] == 200
+
+
+def test_non_streamed_request_is_aborted_when_its_client_hangs_up(server):
+    aborted = server.metric("kvshare:aborted_requests_total", reason="client_disconnect")
+    generated = server.metric("vllm:generation_tokens_total")
+
+    async def main():
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        payload = json.dumps({"prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True}).encode()
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
+        await writer.drain()
+        for _ in range(600):  # hang up once it is generating
+            if await asyncio.to_thread(server.metric, "vllm:num_requests_running") == 1:
+                break
+            await asyncio.sleep(0.05)
+        writer.close()
+        await writer.wait_closed()
+
+    asyncio.run(main())
+    assert server.wait_idle()["kvshare:kv_cache_blocks_in_use"] == 0
+    assert server.metric("kvshare:aborted_requests_total", reason="client_disconnect") == aborted + 1
+    assert server.metric("vllm:generation_tokens_total") - generated < 400
+
+
+def test_prompts_stay_out_of_the_log(server, client):
+    marker = f"zebra-{uuid.uuid4().hex[:8]}"
+    client.completions.create(model=MODEL, prompt=f"Say {marker} twice", max_tokens=2, temperature=0)
+    log = server.log_text()
+    assert "request cmpl-" in log  # requests are logged...
+    assert marker not in log  # ...without their text
+
+
+# ---- the load generator against this server --------------------------------------------------
+
+def test_bench_serve_sweeps_this_server(server, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    jsonl = tmp_path / "w.jsonl"
+    jsonl.write_text(json.dumps({"prompt": "The capital of France is", "max_tokens": 3}) + "\n" +
+                     json.dumps({"messages": [{"role": "user", "content": "Hi"}]}) + "\n")
+    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    runs = (("shared", "completions", ["--concurrency", "1,2"]), (str(jsonl), "chat", ["--concurrency", "1,2"]),
+            ("mixed", "completions", ["--request-rate", "5,10"]))  # the last: Poisson arrivals
+    for workload, endpoint, load in runs:
+        r = subprocess.run([sys.executable, "-m", "kvshare.cli", "bench", "serve", "--base-url", server.url, *load,
+                            "--num-requests", "2", "--max-tokens", "4", "--warmup", "0",
+                            "--workload", workload, "--endpoint", endpoint, "--ignore-eos", "--label", "kv",
+                            "--out-json", str(out_json), "--out-png", str(out_png)],
+                           capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="2"))
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert "knee:" in r.stdout and "total tok/s" in r.stdout
+        sweep = json.loads(out_json.read_text())
+        levels = [float(x) for x in load[1].split(",")]
+        assert [s["level"] for s in sweep["levels"]] == levels and sweep["model"] == MODEL
+        assert sweep["mode"] == ("rate" if "--request-rate" in load else "concurrency")
+        for s in sweep["levels"]:
+            assert s["completed"] == 2 and s["failed"] == 0
+            # From the server's usage: 3 + 4 (the file's max_tokens), 2 x 4, or mixed's 2-4 each.
+            if workload == "mixed":
+                assert 4 <= s["output_tokens"] <= 8
+            else:
+                assert s["output_tokens"] == (7 if endpoint == "chat" else 8)
+            assert s["total_tok_s"] > s["output_tok_s"] > 0 and s["ttft_p50_s"] <= s["e2e_p50_s"]
+        assert sweep["knee"]["level"] in levels
+        assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,203 @@
+"""Server flags that need their own process: --max-waiting, --api-key, --log-prompts,
+--request-timeout, and SIGTERM with --shutdown-timeout."""
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import uuid
+
+import openai
+import pytest
+
+from server_proc import MODEL, ServerProcess
+
+KEY = "sk-test-" + uuid.uuid4().hex
+PROMPT = "The history of the bicycle begins"
+
+
+def _aclient(srv: ServerProcess, key: str = "unused") -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=srv.base_url, api_key=key, max_retries=0, timeout=600)
+
+
+async def _stream(aclient, max_tokens: int, started: asyncio.Event | None = None, **kw):
+    """Stream one completion: (text, finish_reason, number of text chunks)."""
+    stream = await aclient.completions.create(model=MODEL, prompt=PROMPT, max_tokens=max_tokens, temperature=0,
+                                              stream=True, stream_options={"include_usage": True},
+                                              extra_body={"ignore_eos": True}, **kw)
+    text, finish, usage = "", None, None
+    async for chunk in stream:
+        usage = chunk.usage or usage
+        for ch in chunk.choices:
+            text += ch.text
+            finish = ch.finish_reason or finish
+            if started is not None:
+                started.set()
+    return text, finish, usage.completion_tokens if usage else None
+
+
+# ---- backpressure ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def bp_server():
+    srv = ServerProcess("--max-waiting", "8", "--max-num-seqs", "2").wait_ready()
+    yield srv
+    srv.close()
+
+
+def test_max_waiting_refuses_the_excess_at_once_and_serves_the_rest(bp_server):
+    srv = bp_server
+    done_order: list[str] = []
+
+    async def one(aclient):
+        try:
+            r = await aclient.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0,
+                                                 extra_body={"ignore_eos": True})
+            done_order.append("ok")
+            return r
+        except openai.RateLimitError as e:
+            done_order.append("429")
+            return e
+
+    async def main():
+        aclient = _aclient(srv)
+        try:
+            return await asyncio.gather(*(one(aclient) for _ in range(30)))
+        finally:
+            await aclient.close()
+
+    results = asyncio.run(main())
+    ok = [r for r in results if not isinstance(r, Exception)]
+    refused = [r for r in results if isinstance(r, Exception)]
+    assert len(ok) + len(refused) == 30
+    assert len(ok) >= 8 and len(refused) >= 1  # the first 8 always fit; 30 at once cannot
+    for e in refused:
+        assert e.status_code == 429
+        assert e.response.headers["retry-after"] == "1"
+        err = e.response.json()["error"]
+        assert err["code"] == "queue_full" and "--max-waiting 8" in err["message"]
+    texts = {r.choices[0].text for r in ok}
+    assert len(texts) == 1 and all(r.usage.completion_tokens == 16 for r in ok)
+    # Refusals did not wait for room: all of them came back before the admitted work drained.
+    last_ok = max(i for i, k in enumerate(done_order) if k == "ok")
+    assert all(i < last_ok for i, k in enumerate(done_order) if k == "429")
+    # Refused requests never reached the engine: no prompt tokens, no blocks, no outcome.
+    assert srv.metric("kvshare:rejected_requests_total", reason="queue_full") == len(refused)
+    assert srv.metric("vllm:request_success_total") == len(ok)
+    assert srv.metric("vllm:prompt_tokens_total") == len(ok) * ok[0].usage.prompt_tokens
+    assert srv.wait_idle()["kvshare:kv_cache_blocks_in_use"] == 0
+
+
+# ---- API key, prompt logging, request timeout, shutdown timeout -------------------------------
+
+@pytest.fixture(scope="module")
+def secure_server():
+    srv = ServerProcess("--api-key", KEY, "--log-prompts", "--request-timeout", "3",
+                        "--shutdown-timeout", "0.5").wait_ready()
+    yield srv
+    srv.close()
+
+
+def test_api_key_is_required_on_v1(secure_server):
+    srv = secure_server
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {KEY}"},
+                    {"Authorization": KEY}):
+        status, hdrs, body = srv.request("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 1}, headers)
+        assert status == 401, headers
+        assert hdrs["www-authenticate"] == "Bearer"
+        assert json.loads(body)["error"]["code"] == "invalid_api_key"
+    assert srv.request("GET", "/v1/models")[0] == 401
+    for path in ("/health", "/ready", "/metrics", "/version"):  # probes stay open
+        assert srv.request("GET", path)[0] == 200
+    client = openai.OpenAI(base_url=srv.base_url, api_key=KEY, max_retries=0)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0)
+    assert r.usage.completion_tokens == 4
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=srv.base_url, api_key="nope", max_retries=0).models.list()
+    assert srv.metric("kvshare:rejected_requests_total", reason="unauthorized") >= 6
+
+
+def test_log_prompts_logs_the_prompt(secure_server):
+    marker = f"okapi-{uuid.uuid4().hex[:8]}"
+    client = openai.OpenAI(base_url=secure_server.base_url, api_key=KEY, max_retries=0)
+    client.completions.create(model=MODEL, prompt=f"Say {marker}", max_tokens=1, temperature=0)
+    assert marker in secure_server.log_text()
+
+
+def test_request_timeout_aborts_with_finish_reason_abort(secure_server):
+    srv = secure_server
+    client = openai.OpenAI(base_url=srv.base_url, api_key=KEY, max_retries=0, timeout=300)
+    # 500 tokens take far longer than 3 s on a CPU; the timeout ends the request early.
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=500, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "abort"
+    assert 0 < r.usage.completion_tokens < 500
+    assert len(r.choices[0].text) > 0
+
+    async def streamed():
+        aclient = _aclient(srv, KEY)
+        try:
+            return await _stream(aclient, 500)
+        finally:
+            await aclient.close()
+
+    text, finish, n = asyncio.run(streamed())
+    assert finish == "abort" and 0 < n < 500 and text
+    assert srv.metric("kvshare:aborted_requests_total", reason="timeout") == 2
+    assert srv.metric("vllm:request_success_total", finished_reason="abort") == 2
+    assert srv.wait_idle()["kvshare:kv_cache_blocks_in_use"] == 0
+
+
+def test_sigterm_aborts_what_outlives_the_shutdown_timeout(secure_server):
+    srv = secure_server
+
+    async def main():
+        aclient = _aclient(srv, KEY)
+        started = asyncio.Event()
+        task = asyncio.create_task(_stream(aclient, 400, started))
+        await started.wait()
+        srv.proc.send_signal(signal.SIGTERM)
+        result = await task
+        await aclient.close()
+        return result
+
+    text, finish, n = asyncio.run(main())
+    assert finish == "abort" and n < 400
+    assert srv.proc.wait(60) == 0
+    assert "shutdown timeout: aborted 1 request(s)" in srv.log_text()
+
+
+# ---- SIGTERM drain ---------------------------------------------------------------------------
+
+def test_sigterm_finishes_in_flight_refuses_new_and_exits_zero():
+    srv = ServerProcess("--shutdown-timeout", "300").wait_ready()
+    try:
+        async def main():
+            aclient = _aclient(srv)
+            started = [asyncio.Event() for _ in range(4)]
+            tasks = [asyncio.create_task(_stream(aclient, 24, ev)) for ev in started]
+            await asyncio.gather(*(ev.wait() for ev in started))
+            srv.proc.send_signal(signal.SIGTERM)
+            ready = None
+            for _ in range(200):  # until the server says it is draining
+                ready = await asyncio.to_thread(srv.request, "GET", "/ready")
+                if ready[0] == 503:
+                    break
+                await asyncio.sleep(0.05)
+            refused = await asyncio.to_thread(srv.request, "POST", "/v1/completions",
+                                              {"prompt": "Hi", "max_tokens": 2})
+            health = await asyncio.to_thread(srv.request, "GET", "/health")
+            results = await asyncio.gather(*tasks)
+            await aclient.close()
+            return ready, refused, health, results
+
+        ready, refused, health, results = asyncio.run(main())
+        assert ready[0] == 503 and json.loads(ready[2])["status"] == "draining"
+        assert refused[0] == 503 and json.loads(refused[2])["error"]["code"] == "shutting_down"
+        assert health[0] == 200  # alive while draining
+        texts = {r[0] for r in results}
+        assert len(texts) == 1 and all(r[1] == "length" and r[2] == 24 for r in results)
+        assert srv.proc.wait(120) == 0
+    finally:
+        srv.close()
