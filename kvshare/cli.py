@@ -1,4 +1,4 @@
-"""Command line: `kvshare generate`, `kvshare info`."""
+"""Command line: `kvshare generate`, `kvshare info`, `kvshare memory`."""
 from __future__ import annotations
 
 import argparse
@@ -6,26 +6,41 @@ import json
 import logging
 import sys
 
+from kvshare.doctor_cli import add_doctor_parsers
+from kvshare.memory_cli import add_memory_parser
+
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine options")
     g.add_argument("--model", default=None, help="GGUF file or HF directory (default: bundled SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--kv-cache-dtype", default="auto",
+                   help="KV storage: auto (= --dtype), float32, bfloat16, float16, int8, fp8_e4m3")
     g.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 512MiB (default: 5%% of free memory)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=128)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
+    g.add_argument("--kv-policy", default=None, choices=["sink"],
+                   help="sink: keep --sink-tokens first tokens + --window-tokens recent ones (docs/kv_policies.md)")
+    g.add_argument("--sink-tokens", type=int, default=4)
+    g.add_argument("--window-tokens", type=int, default=None)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--audit", action="store_true", help="check KV isolation invariants after every step")
+    g.add_argument("--kv-event-log", default=None, help="write block events as JSONL (see kvshare audit replay)")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
     return dict(
         model=args.model, dtype=args.dtype, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
-        seed=args.seed,
+        seed=args.seed, kv_event_log=args.kv_event_log, kv_policy=getattr(args, "kv_policy", None),
+        sink_tokens=getattr(args, "sink_tokens", 4), window_tokens=getattr(args, "window_tokens", None),
+        # Only an explicit --audit overrides KVSHARE_AUDIT.
+        **({"audit": True} if args.audit else {}),
     )
 
 
@@ -68,10 +83,10 @@ def cmd_info(args: argparse.Namespace) -> int:
         "architecture": mc.architecture,
         "layers": mc.num_layers, "hidden_size": mc.hidden_size, "heads": mc.num_heads,
         "kv_heads": mc.num_kv_heads, "head_dim": mc.head_dim, "vocab_size": mc.vocab_size,
-        "max_position_embeddings": mc.max_position_embeddings, "dtype": lay.dtype,
+        "max_position_embeddings": mc.max_position_embeddings, "dtype": engine.config.dtype,
+        "kv_cache_dtype": lay.dtype,
         "kv_bytes_per_token": lay.bytes_per_token,
-        "kv_bytes_formula": f"2 x {mc.num_layers} layers x {mc.num_kv_heads} kv_heads x {mc.head_dim} head_dim x "
-                            f"{lay.bytes_per_token // (2 * mc.num_layers * mc.num_kv_heads * mc.head_dim)} bytes",
+        "kv_bytes_formula": engine.config.kv_format.formula(mc.num_layers, mc.num_kv_heads, mc.head_dim),
         "block_size": lay.block_size, "num_blocks": lay.num_blocks, "token_slots": lay.num_slots,
         "kv_pool_bytes": lay.pool_bytes, "max_model_len": lay.max_model_len,
         "max_len_sequences_that_fit": round(lay.max_len_seqs, 2),
@@ -107,6 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true")
     _engine_args(i)
     i.set_defaults(func=cmd_info)
+
+    add_memory_parser(sub)
+    add_doctor_parsers(sub)
+    from kvshare.bench.serve import add_bench_parser
+    from kvshare.server.cli import add_serve_parser
+
+    add_serve_parser(sub, _engine_args)
+    add_bench_parser(sub)
     return parser
 
 

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvshare.model.kv_quant import KVFormat, check_kv_cache_dtype, resolve_kv_format
+
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 _SIZE_RE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
@@ -45,6 +47,9 @@ class EngineConfig:
     model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
     dtype: str = "float32"
     block_size: int = 16
+    # How K/V are stored: "auto" (the model dtype), "float32", "bfloat16", "float16", or "int8" /
+    # "fp8_e4m3" with one float32 scale per token per kv head (kvshare.model.kv_quant).
+    kv_cache_dtype: str = "auto"
     # KV budget: an explicit byte count wins; otherwise a fraction of currently available memory.
     kv_cache_memory: int | str | None = None
     kv_cache_memory_fraction: float = 0.05
@@ -52,20 +57,32 @@ class EngineConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
+    # Opt-in KV eviction (kvshare.kvcache.kv_policy, docs/kv_policies.md): None keeps every key the
+    # model attends to (its own sliding windows still apply); "sink" is StreamingLLM: the first
+    # `sink_tokens` tokens plus the last `window_tokens` (rounded up to whole blocks), with
+    # cache positions, so a request can generate past max_model_len in flat memory.
+    kv_policy: str | None = None
+    sink_tokens: int = 4
+    window_tokens: int | None = None
     seed: int = 0
     num_threads: int | None = None
+    # Isolation audit after every step (KVSHARE_AUDIT=1 turns it on too); costs nothing when off.
+    audit: bool = False
+    kv_event_log: str | None = None  # JSONL file of block events (kvshare audit replay reads it)
 
     def __post_init__(self) -> None:
         if isinstance(self.dtype, torch.dtype):
             self.dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(self.dtype, str(self.dtype))
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is invalid: allowed are 'float32' and 'bfloat16'")
+        check_kv_cache_dtype(self.kv_cache_dtype)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name}={v!r} is invalid: must be an integer >= 1")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len={self.max_model_len!r} is invalid: must be an integer >= 2")
+        self._check_kv_policy()
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
         if not (0.0 < self.kv_cache_memory_fraction <= 0.95):
@@ -73,9 +90,35 @@ class EngineConfig:
                 f"kv_cache_memory_fraction={self.kv_cache_memory_fraction!r} is invalid: must be in (0, 0.95]"
             )
 
+    def _check_kv_policy(self) -> None:
+        if self.kv_policy not in (None, "sink"):
+            raise ValueError(f"kv_policy={self.kv_policy!r} is invalid: allowed are None (keep all keys) and 'sink' "
+                             "(attention sinks + recent window); see docs/kv_policies.md (no 'h2o': why is there)")
+        if self.kv_policy is None:
+            if self.window_tokens is not None:
+                raise ValueError(f"window_tokens={self.window_tokens!r} only applies with kv_policy='sink'")
+            return
+        bs = self.block_size
+        if isinstance(self.sink_tokens, bool) or not isinstance(self.sink_tokens, int) or not 0 <= self.sink_tokens <= bs:
+            raise ValueError(f"sink_tokens={self.sink_tokens!r} is invalid: must be an integer in [0, block_size={bs}] "
+                             "(the sinks live in the first block)")
+        if self.window_tokens is None:
+            raise ValueError("kv_policy='sink' needs window_tokens=N: how many recent tokens to keep besides the sinks")
+        if isinstance(self.window_tokens, bool) or not isinstance(self.window_tokens, int) or self.window_tokens < 1:
+            raise ValueError(f"window_tokens={self.window_tokens!r} is invalid: must be an integer >= 1")
+        if resolve_kv_format(self.kv_cache_dtype, self.dtype).quantized:
+            # Every eviction re-rotates the kept keys in place: requantizing them each time would
+            # pile up rounding error on every key.
+            raise ValueError(f"kv_policy='sink' needs a float KV cache, not kv_cache_dtype={self.kv_cache_dtype!r}: "
+                             "its keys are re-rotated in place at each eviction")
+
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
+
+    @property
+    def kv_format(self) -> KVFormat:
+        return resolve_kv_format(self.kv_cache_dtype, self.dtype)
 
     def kv_budget_bytes(self) -> int:
         if self.kv_cache_memory is not None:
@@ -88,6 +131,8 @@ class EngineConfig:
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise TypeError(f"unknown engine option(s) {unknown}; allowed: {sorted(known)}")
+        if os.environ.get("KVSHARE_AUDIT", "") not in ("", "0") and "audit" not in kwargs:
+            kwargs["audit"] = True
         env_threads = os.environ.get("KVSHARE_NUM_THREADS")
         if env_threads and "num_threads" not in kwargs:
             kwargs["num_threads"] = int(env_threads)

@@ -35,3 +35,35 @@ def hf_reference():
 
 def english_token_prompts(tokenizer_encode, lengths: list[int], offset_step: int = 37) -> list[list[int]]:
     return token_prompts(tokenizer_encode, lengths, offset_step)
+
+
+def tiny_model(kind: str, tmp_path, **overrides):
+    """A small random-weight HF model saved to tmp_path (weights widened so bugs show)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=256, rms_norm_eps=1e-6)
+    common.update(overrides)
+    if kind == "qwen2":
+        cfg = Qwen2Config(**common)
+        model = Qwen2ForCausalLM(cfg)
+    elif kind == "mistral":
+        from transformers import MistralConfig, MistralForCausalLM
+
+        cfg = MistralConfig(**common)
+        model = MistralForCausalLM(cfg)
+    else:
+        cfg = LlamaConfig(**common)
+        model = LlamaForCausalLM(cfg)
+    # Random init is too tame to tell bugs apart: widen the weights so logits spread.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.5)
+    model.eval()
+    model.save_pretrained(tmp_path)
+    return model

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import ENGLISH_TEXT, bundled_path, hf_reference
+from helpers import ENGLISH_TEXT, bundled_path, hf_reference, tiny_model
 from kvshare import LLM, SamplingParams
 
 STEPS = 32
@@ -51,36 +51,6 @@ def test_bundled_model_matches_hf():
     compare(llm, model, prompts)
 
 
-def _tiny(kind: str, tmp_path, **overrides):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    common = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, max_position_embeddings=256, rms_norm_eps=1e-6)
-    common.update(overrides)
-    if kind == "qwen2":
-        cfg = Qwen2Config(**common)
-        model = Qwen2ForCausalLM(cfg)
-    elif kind == "mistral":
-        from transformers import MistralConfig, MistralForCausalLM
-
-        cfg = MistralConfig(**common)
-        model = MistralForCausalLM(cfg)
-    else:
-        cfg = LlamaConfig(**common)
-        model = LlamaForCausalLM(cfg)
-    # Random init is too tame to tell bugs apart: widen the weights so logits spread.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.mul_(4.0)
-            elif name.endswith("bias"):
-                p.normal_(0.0, 0.5)
-    model.eval()
-    model.save_pretrained(tmp_path)
-    return model
-
-
 @pytest.mark.parametrize(
     "kind,overrides",
     [
@@ -94,7 +64,7 @@ def _tiny(kind: str, tmp_path, **overrides):
     ],
 )
 def test_tiny_models_match_hf(kind, overrides, tmp_path):
-    model = _tiny(kind, tmp_path, **overrides)
+    model = tiny_model(kind, tmp_path, **overrides)
     llm = LLM(model=str(tmp_path), kv_cache_memory="16MiB", block_size=16, max_num_batched_tokens=64)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (1, 17, 90)]
@@ -117,11 +87,11 @@ def test_bfloat16_tracks_float32():
     assert agree >= 8
 
 
-def test_mistral_context_capped_at_its_window(tmp_path):
-    """Sliding windows are not applied yet (issue 6): contexts stay within the window, where
-    windowed and full attention agree, and the engine says so by capping max_model_len."""
-    model = _tiny("mistral", tmp_path, num_key_value_heads=2, sliding_window=128)
+def test_mistral_sliding_window_matches_hf(tmp_path):
+    """Contexts well past the window: prompt logprobs (chunked prefill over the window) and
+    greedy decoding (HF with its sliding-window cache) agree; max_model_len is the model's own."""
+    model = tiny_model("mistral", tmp_path, num_key_value_heads=2, sliding_window=32)
     llm = LLM(model=str(tmp_path), kv_cache_memory="16MiB", max_num_batched_tokens=64)
-    assert llm.engine.layout.max_model_len == 128
+    assert llm.engine.layout.max_model_len == 256
     g = torch.Generator().manual_seed(2)
     compare(llm, model, [torch.randint(0, 320, (n,), generator=g).tolist() for n in (5, 90)])

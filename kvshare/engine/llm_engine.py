@@ -16,7 +16,11 @@ from kvshare.engine.model_runner import ModelRunner, StepLogits
 from kvshare.engine.request import Sequence, SeqStatus
 from kvshare.engine.scheduler import Scheduler
 from kvshare.errors import InvalidRequestError
+from kvshare.kvcache.audit import KVAuditor
+from kvshare.kvcache.events import EventLog
+from kvshare.kvcache.kv_policy import SinkWindow, build_kv_policy
 from kvshare.kvcache.manager import KVCacheManager
+from kvshare.memory_plan import kv_pool_blocks
 from kvshare.model.attention import KVCache, TorchPagedAttention
 from kvshare.model.llama import build_model
 from kvshare.model.loader import load_model
@@ -88,28 +92,27 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.model_source = loaded.source
         mc = self.model_config
-        bytes_per_token = mc.kv_bytes_per_token(torch.finfo(dtype).bits // 8)
-        num_blocks = config.kv_budget_bytes() // (bytes_per_token * config.block_size)
-        if num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_memory={config.kv_budget_bytes()} bytes is too small: one block of "
-                f"{config.block_size} tokens needs {bytes_per_token * config.block_size} bytes"
-            )
+        # Sized by the same code as `kvshare memory` plans with (scale bytes included when quantized).
+        self.kv_format = config.kv_format
+        bytes_per_token = self.kv_format.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim)
+        num_blocks = kv_pool_blocks(config.kv_budget_bytes(), bytes_per_token, config.block_size)
         max_model_len = config.max_model_len or mc.max_position_embeddings
-        if mc.sliding_window and max_model_len > mc.sliding_window:
-            # Windowed attention is not implemented yet: within the window it equals full
-            # attention, so cap the context there rather than compute something else.
-            logger.warning("sliding_window=%d is not applied yet: max_model_len capped from %d to %d",
-                           mc.sliding_window, max_model_len, mc.sliding_window)
-            max_model_len = mc.sliding_window
-        self.layout = KVLayout(bytes_per_token, config.block_size, num_blocks, max_model_len, config.dtype)
+        # The model's own sliding windows, or the opt-in sink policy: what bounds KV per sequence.
+        self.kv_policy = build_kv_policy(config, mc, max_model_len)
+        # Sink sequences keep cache positions below max_model_len whatever their length.
+        self._length_unbounded = isinstance(self.kv_policy, SinkWindow)
+        self.layout = KVLayout(bytes_per_token, config.block_size, num_blocks, max_model_len, self.kv_format.name)
         logger.info(self.layout.describe())
-        self.manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.kv_cache = KVCache(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim, dtype)
+        self.manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                      policy=self.kv_policy)
+        self.kv_cache = KVCache(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
+                                self.kv_format.storage)
         self.model = build_model(mc, loaded.weights, dtype, TorchPagedAttention(config.block_size), max_model_len)
         del loaded
-        self.runner = ModelRunner(self.model, self.kv_cache, self.manager)
         self.scheduler = Scheduler(config, self.manager)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.manager)
+        self.events: EventLog | None = None
+        self.auditor: KVAuditor | None = None
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
         self.eos_token_ids = list(mc.eos_token_ids)
@@ -117,6 +120,25 @@ class LLMEngine:
         self._ids = itertools.count()
         self.step_count = 0
         self.stats = EngineStats()
+        self.set_audit(config.audit, config.kv_event_log)
+
+    def set_audit(self, audit: bool, event_log: str | None = None) -> None:
+        """Attach (or detach) the event log and the auditor; only while idle, so the audit's
+        shadow of written KV starts from a state it can vouch for (nothing cached)."""
+        if self.has_unfinished_requests() or self.manager.tables:
+            raise RuntimeError("set_audit() needs an idle engine")
+        if self.events is not None:
+            self.events.close()
+        self.events = EventLog(path=event_log) if (audit or event_log) else None
+        self.auditor = None
+        if self.events is not None:
+            self.manager.pool.reset_prefix_cache()
+            self.events.record("pool", num_blocks=self.layout.num_blocks, block_size=self.layout.block_size,
+                               prefix_caching=self.config.enable_prefix_caching)
+            if audit:
+                self.auditor = KVAuditor(self.manager, self.events, self._live_tokens)
+        self.manager.events = self.manager.pool.events = self.events
+        self.runner.auditor = self.auditor
 
     # ---- submission ----------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -209,19 +231,36 @@ class LLMEngine:
     def _check_lengths(self, token_ids: list[int], params: SamplingParams) -> int:
         n = len(token_ids)
         limit = self.layout.max_model_len
-        if n >= limit:
+        unbounded = self._length_unbounded
+        if n >= limit and not unbounded:
             raise InvalidRequestError(
                 f"prompt is {n} tokens, but max_model_len is {limit}: it must be at most {limit - 1} tokens "
                 f"to leave room for one output token", "prompt"
             )
-        max_tokens = params.max_tokens if params.max_tokens is not None else limit - n
-        if n + max_tokens > limit:
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            if n >= limit:
+                raise InvalidRequestError(
+                    f"prompt is {n} tokens, at least max_model_len={limit}: with kv_policy='sink' give max_tokens "
+                    f"explicitly (there is no default length past max_model_len)", "max_tokens")
+            max_tokens = limit - n
+        if n + max_tokens > limit and not unbounded:
             raise InvalidRequestError(
                 f"max_tokens={max_tokens} plus the prompt's {n} tokens is {n + max_tokens}, beyond "
                 f"max_model_len={limit}: lower max_tokens to at most {limit - n}", "max_tokens"
             )
         pool = self.layout.num_slots
-        if n + max_tokens > pool:
+        needed = n + max_tokens
+        bound = self.kv_policy.max_blocks_per_seq(self.config.max_num_batched_tokens) if self.kv_policy else None
+        if bound is not None and bound * self.layout.block_size < needed:
+            # Windowed: blocks out of every window go back as the sequence grows.
+            needed = bound * self.layout.block_size
+            if needed > pool:
+                raise InvalidRequestError(
+                    f"one sequence's window plus a prefill chunk of up to max_num_batched_tokens="
+                    f"{self.config.max_num_batched_tokens} needs up to {needed} KV slots, but the whole KV pool "
+                    f"holds {pool}: raise kv_cache_memory or lower max_num_batched_tokens", "max_tokens")
+        if needed > pool:
             raise InvalidRequestError(
                 f"prompt ({n} tokens) plus max_tokens ({max_tokens}) needs {n + max_tokens} KV slots, but the "
                 f"whole KV pool holds {pool}: raise kv_cache_memory or lower max_tokens", "max_tokens"
@@ -237,8 +276,12 @@ class LLMEngine:
             if state is None or state.finished:
                 continue  # unknown or already done: aborting twice is a no-op
             for seq in state.seqs:
+                if self.events is not None and not seq.is_finished:
+                    self.events.record("abort", seq=seq.seq_id)
                 self._finish_seq(seq, "abort")
             self._maybe_finish_request(state)
+            if self.auditor is not None:
+                self.auditor.check_state()
 
     def has_unfinished_requests(self) -> bool:
         return any(not s.reported_final for s in self.requests.values())
@@ -246,10 +289,16 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return sum(1 for s in self.requests.values() if not s.finished)
 
+    def _live_tokens(self) -> dict[str, list[int]]:
+        return {s.seq_id: s.token_ids for s in self.scheduler.running}
+
     def step(self) -> list[RequestOutput]:
         touched: dict[str, RequestState] = {}
-        sched = self.scheduler.schedule()
         self.step_count += 1
+        if self.events is not None:
+            self.events.step = self.step_count
+            self.events.record("step")
+        sched = self.scheduler.schedule()
         if not sched.is_empty():
             now = time.monotonic()
             for c in sched.chunks:
@@ -270,6 +319,10 @@ class LLMEngine:
                 touched[seq.request_id] = self.requests[seq.request_id]
             self._record_prompt_logprobs(logits)
             self._sample(logits)
+        if self.auditor is not None:
+            self.auditor.check_state()
+        if self.events is not None:
+            self.events.flush()
         # Requests finished outside a step (aborts) still owe their final output.
         for st in self.requests.values():
             if st.finished and not st.reported_final:
@@ -411,7 +464,7 @@ class LLMEngine:
                     reason, stop_reason = "stop", hit
         if reason is None and n_out >= params.max_tokens:
             reason = "length"
-        if reason is None and seq.num_tokens >= self.layout.max_model_len:
+        if reason is None and seq.num_tokens >= self.layout.max_model_len and not self._length_unbounded:
             reason = "length"
         if reason is not None:
             self._finish_seq(seq, reason, stop_reason)

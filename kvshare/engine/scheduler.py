@@ -36,6 +36,8 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Sink sequences' kept keys to re-rotate after the copies: (seq id, block ids, position shift).
+    rotations: list[tuple[str, list[int], int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -71,8 +73,10 @@ class Scheduler:
                 break
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.manager.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new):
+            num_new = self._chunk_size(seq, seq.num_computed_tokens, budget)
+            # Blocks that fell out of the window go back first: they may be what makes room.
+            while not (self.manager.slide(seq.seq_id, seq.num_computed_tokens)
+                       and self.manager.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)):
                 victim = self.running[-1]
                 undone = scheduled.pop(victim.seq_id, None)
                 if undone is not None:
@@ -92,7 +96,35 @@ class Scheduler:
 
         out.chunks = list(scheduled.values())
         out.block_copies = self.manager.take_pending_copies()
+        out.rotations = self.manager.take_pending_rotations()
         return out
+
+    def _chunk_size(self, seq: Sequence, start: int, budget: int) -> int:
+        num_new = min(seq.num_tokens - start, budget)
+        limit = self.manager.chunk_limit(seq.seq_id, start)
+        return num_new if limit is None else min(num_new, limit)
+
+    def _peak_blocks(self, seq: Sequence) -> int | None:
+        """Most blocks `seq` can hold from now on under a bounded-KV policy (None: unbounded)."""
+        policy = self.manager.policy
+        if policy is None or policy.max_blocks_per_seq(1) is None:
+            return None
+        decoding = seq.status is SeqStatus.RUNNING and seq.num_computed_tokens >= seq.num_tokens - 1
+        bound = policy.decode_blocks if decoding else policy.max_blocks_per_seq(self.config.max_num_batched_tokens)
+        total = max(seq.num_tokens, seq.num_prompt_tokens + (seq.params.max_tokens or 0))
+        return min(bound, self.manager.blocks_needed(total))
+
+    def _room_to_peak(self, seq: Sequence, cached: list) -> bool:
+        """With bounded KV, admit only while every running sequence can still grow to its peak
+        and the new one to its own: otherwise a later prefill chunk finds no room, preempts,
+        and the recomputed prompt does the same again (thrash)."""
+        peak = self._peak_blocks(seq)
+        if peak is None:
+            return True
+        mgr = self.manager
+        reserve = sum(max(0, self._peak_blocks(s) - mgr.num_held_blocks(s.seq_id)) for s in self.running)
+        shared = sum(1 for b in cached if b is not None and b.ref_count > 0)  # held already: no new block
+        return peak - shared <= mgr.num_free_blocks() - reserve
 
     def _admit_waiting(self, budget: int, scheduled: dict[str, ScheduledChunk]) -> int:
         mgr = self.manager
@@ -111,16 +143,17 @@ class Scheduler:
             uses_cache = seq.prompt_logprobs is None or seq.prompt_logprobs_done()
             cached = mgr.find_cached_prefix(seq.seq_id, seq.token_ids, seq.params.cache_salt) if uses_cache else []
             num_computed = len(cached) * mgr.block_size
-            num_new = min(seq.num_tokens - num_computed, budget)
+            cached = mgr.unread_hits_dropped(cached, num_computed)
+            num_new = self._chunk_size(seq, num_computed, budget)
             if uses_cache and inflight and mgr.first_missing_hash(seq.seq_id, seq.token_ids, seq.params.cache_salt,
                                                    len(cached)) in inflight:
                 break  # FCFS: the head waits one step for its prefix, and nobody overtakes it
-            if not mgr.can_admit(cached, num_computed, num_new):
+            if not mgr.can_admit(cached, num_computed, num_new) or not self._room_to_peak(seq, cached):
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
             if uses_cache and mgr.enable_prefix_caching:
                 mgr.record_lookup(seq.num_tokens, num_computed)
-            mgr.admit(seq.seq_id, cached)
+            mgr.admit(seq.seq_id, cached, seq.params.cache_salt)
             ok = mgr.allocate_slots(seq.seq_id, num_computed, num_new)
             assert ok, "can_admit() promised the blocks"
             seq.num_computed_tokens = num_computed
@@ -145,6 +178,8 @@ class Scheduler:
         self.running.append(child)
 
     def preempt(self, seq: Sequence) -> None:
+        if self.manager.events is not None:
+            self.manager.events.record("preempt", seq=seq.seq_id)
         self.running.remove(seq)
         self.manager.free(seq.seq_id)
         seq.status = SeqStatus.WAITING

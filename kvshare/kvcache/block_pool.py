@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from kvshare.kvcache.events import EventLog
+
 
 class BlockPoolError(RuntimeError):
     """A reference-count rule was broken: always a bug in kvshare, never bad user input."""
@@ -21,11 +23,14 @@ class Block:
     # Set once the block is full and its KV has been written; identifies its content.
     block_hash: bytes | None = None
     token_ids: tuple[int, ...] | None = None
-    owners: set[str] = field(default_factory=set)
+    parent_hash: bytes | None = None  # the chain link, kept so an audit can recompute the hash
+    owners: set[str] = field(default_factory=set)  # sequence ids holding a reference
+    salt: str | None = None  # tenant of the data in it: the allocating sequence's cache_salt
+    generation: int = 0  # bumped on every allocation: new data, old KV meaningless
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, events: EventLog | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks} is invalid: the KV pool needs at least one block")
         self.num_blocks = num_blocks
@@ -35,6 +40,7 @@ class BlockPool:
         self.cached: dict[bytes, int] = {}  # block hash -> block id
         self.num_evictions = 0
         self.num_allocations = 0
+        self.events = events
 
     @property
     def num_free(self) -> int:
@@ -46,7 +52,7 @@ class BlockPool:
     def is_free(self, block_id: int) -> bool:
         return block_id in self._free
 
-    def allocate(self, owner: str) -> Block:
+    def allocate(self, owner: str, salt: str | None = None) -> Block:
         if not self._free:
             raise BlockPoolError("allocate() on an exhausted pool: the scheduler must check num_free first")
         block_id, _ = self._free.popitem(last=False)
@@ -55,7 +61,11 @@ class BlockPool:
             self._evict(block)
         block.ref_count = 1
         block.owners = {owner}
+        block.salt = salt
+        block.generation += 1
         self.num_allocations += 1
+        if self.events is not None:
+            self.events.record("alloc", block=block_id, seq=owner)
         return block
 
     def _evict(self, block: Block) -> None:
@@ -63,7 +73,10 @@ class BlockPool:
             del self.cached[block.block_hash]
         block.block_hash = None
         block.token_ids = None
+        block.parent_hash = None
         self.num_evictions += 1
+        if self.events is not None:
+            self.events.record("evict", block=block.block_id)
 
     def incref(self, block: Block, owner: str) -> None:
         if block.ref_count == 0:
@@ -71,6 +84,8 @@ class BlockPool:
             self._free.pop(block.block_id, None)
         block.ref_count += 1
         block.owners.add(owner)
+        if self.events is not None:
+            self.events.record("incref", block=block.block_id, seq=owner, ref=block.ref_count)
 
     def decref(self, block: Block, owner: str) -> bool:
         """Drop one reference; returns True when the block went back to the free queue."""
@@ -78,7 +93,11 @@ class BlockPool:
             raise BlockPoolError(f"block {block.block_id}: reference count would go below zero (owner {owner})")
         block.ref_count -= 1
         block.owners.discard(owner)
+        if self.events is not None:
+            self.events.record("decref", block=block.block_id, seq=owner, ref=block.ref_count)
         if block.ref_count == 0:
+            if self.events is not None:
+                self.events.record("free", block=block.block_id)
             if block.block_hash is None:
                 # Nothing worth keeping: hand it out before any cached block.
                 self._free[block.block_id] = None
@@ -88,12 +107,18 @@ class BlockPool:
             return True
         return False
 
-    def register_hash(self, block: Block, block_hash: bytes, token_ids: tuple[int, ...]) -> None:
+    def register_hash(self, block: Block, block_hash: bytes, token_ids: tuple[int, ...],
+                      parent_hash: bytes | None = None) -> None:
         if block_hash in self.cached:
             return  # an identical block is already cached; this copy stays private
         block.block_hash = block_hash
         block.token_ids = token_ids
+        block.parent_hash = parent_hash
         self.cached[block_hash] = block.block_id
+        if self.events is not None:
+            self.events.record("register", block=block.block_id, hash=block_hash.hex()[:16],
+                               parent=parent_hash.hex()[:16] if parent_hash else None, salt=block.salt,
+                               tokens=list(token_ids))
 
     def lookup(self, block_hash: bytes, token_ids: tuple[int, ...]) -> Block | None:
         block_id = self.cached.get(block_hash)

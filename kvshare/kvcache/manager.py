@@ -1,11 +1,18 @@
 """Block tables, allocation as sequences grow, prefix-cache hits, copy-on-write, and the one
-release path that finish, abort and preemption all go through."""
+release path that finish, abort and preemption all go through.
+
+With a bounded-KV policy (kv_policy: model sliding windows, attention sinks) a sequence also
+lets go of blocks no later query reads (`slide`): they go back through the pool (still hashed,
+so the prefix cache keeps them as freed cached blocks) and leave a `None` placeholder in the
+table, so table index i still means positions [i * block_size, (i + 1) * block_size)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from kvshare.kvcache.block_pool import Block, BlockPool, BlockPoolError
+from kvshare.kvcache.events import EventLog
 from kvshare.kvcache.hashing import BlockHasher
+from kvshare.kvcache.kv_policy import SinkWindow, SlidingWindow
 
 
 @dataclass
@@ -21,18 +28,26 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 events: EventLog | None = None, policy: SlidingWindow | SinkWindow | None = None) -> None:
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
+        self.policy = policy
+        self.events = events
+        self.pool = BlockPool(num_blocks, events)
         self.enable_prefix_caching = enable_prefix_caching
         self.hasher = BlockHasher(block_size)
-        self.tables: dict[str, list[Block]] = {}
+        self.tables: dict[str, list[Block | None]] = {}  # None: released (outside every window)
         # Per sequence: chained hashes of its full blocks, and how many of its blocks are registered.
         self._hashes: dict[str, list[bytes]] = {}
         self._registered: dict[str, int] = {}
+        self.salts: dict[str, str | None] = {}  # tenant of each live sequence
         self.stats = PrefixCacheStats()
         # Copies the model runner must perform before the next forward pass: (src, dst) block ids.
         self.pending_copies: list[tuple[int, int]] = []
+        # Sink sequences: how far back their kept keys have been rotated, and the rotations the
+        # runner must apply (after the copies) before the next forward: seq -> (block ids, shift).
+        self._rope_offset: dict[str, int] = {}
+        self.pending_rotations: dict[str, tuple[list[int], int]] = {}
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -42,8 +57,15 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free
 
-    def block_ids(self, seq_id: str) -> list[int]:
-        return [b.block_id for b in self.tables.get(seq_id, ())]
+    def block_ids(self, seq_id: str) -> list[int | None]:
+        return [b.block_id if b is not None else None for b in self.tables.get(seq_id, ())]
+
+    def num_held_blocks(self, seq_id: str) -> int:
+        return sum(1 for b in self.tables.get(seq_id, ()) if b is not None)
+
+    def rope_offset(self, seq_id: str) -> int:
+        """Text position minus cache position for this sequence's new tokens (sinks only)."""
+        return self._rope_offset.get(seq_id, 0)
 
     def num_used_blocks(self) -> int:
         return self.pool.num_blocks - self.pool.num_free
@@ -93,6 +115,9 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return []
         max_blocks = (len(token_ids) - 1) // self.block_size
+        limit = self.policy.publishable_blocks() if self.policy is not None else None
+        if limit is not None:
+            max_blocks = min(max_blocks, limit)
         hashes = self._block_hashes(seq_id, token_ids, cache_salt, max_blocks)
         hits: list[Block] = []
         bs = self.block_size
@@ -115,6 +140,9 @@ class KVCacheManager:
             return []
         bs = self.block_size
         first, last = -(-start // bs), end // bs
+        limit = self.policy.publishable_blocks() if self.policy is not None else None
+        if limit is not None:
+            last = min(last, limit)  # the rest will never be published: nobody should wait for it
         if last <= first:
             return []
         return self._block_hashes(seq_id, token_ids, cache_salt, last)[first:last]
@@ -134,6 +162,11 @@ class KVCacheManager:
         if not table:
             return
         full = min(num_computed // self.block_size, len(table))
+        limit = self.policy.publishable_blocks() if self.policy is not None else None
+        if limit is not None:
+            # Re-rotated keys no longer match their hash position-wise: a sink sequence
+            # publishes only blocks computed before any masking, and nothing once it rotated.
+            full = 0 if self._rope_offset.get(seq_id, 0) else min(full, limit)
         done = self._registered.get(seq_id, 0)
         if full <= done:
             return
@@ -141,21 +174,30 @@ class KVCacheManager:
         bs = self.block_size
         for i in range(done, full):
             block = table[i]
-            if block.block_hash is None:
-                self.pool.register_hash(block, hashes[i], tuple(token_ids[i * bs:(i + 1) * bs]))
+            if block is not None and block.block_hash is None:
+                self.pool.register_hash(block, hashes[i], tuple(token_ids[i * bs:(i + 1) * bs]),
+                                        hashes[i - 1] if i else None)
         self._registered[seq_id] = full
 
     # ---- allocation ----------------------------------------------------------------------
     def can_admit(self, cached: list[Block], num_computed: int, num_new_tokens: int) -> bool:
         needed = self.blocks_needed(num_computed + num_new_tokens) - len(cached)
-        revived = sum(1 for b in cached if b.ref_count == 0)
+        revived = sum(1 for b in cached if b is not None and b.ref_count == 0)
         return needed <= self.pool.num_free - revived
 
-    def admit(self, seq_id: str, cached: list[Block]) -> None:
+    def admit(self, seq_id: str, cached: list[Block], salt: str | None = None) -> None:
         if seq_id in self.tables and self.tables[seq_id]:
             raise BlockPoolError(f"sequence {seq_id} admitted while it still holds blocks")
-        table: list[Block] = []
+        self.salts[seq_id] = salt
+        if self.events is not None:
+            self.events.record("admit", seq=seq_id, salt=salt)
+        table: list[Block | None] = []
         for block in cached:
+            if block is None:
+                table.append(None)  # a hit no query of this sequence will read
+                continue
+            if self.events is not None:
+                self.events.record("cache_hit", block=block.block_id, seq=seq_id)
             self.pool.incref(block, seq_id)
             table.append(block)
         self.tables[seq_id] = table
@@ -172,14 +214,17 @@ class KVCacheManager:
             return False
         if cow:
             self._copy_on_write(seq_id, table, first)
+        salt = self.salts.get(seq_id)
         for _ in range(needed):
-            table.append(self.pool.allocate(seq_id))
+            table.append(self.pool.allocate(seq_id, salt))
         return True
 
     def _copy_on_write(self, seq_id: str, table: list[Block], index: int) -> None:
         # A shared block is about to be written: this sequence gets a private copy first.
         shared = table[index]
-        private = self.pool.allocate(seq_id)
+        private = self.pool.allocate(seq_id, self.salts.get(seq_id))
+        if self.events is not None:
+            self.events.record("cow", seq=seq_id, src=shared.block_id, dst=private.block_id)
         self.pending_copies.append((shared.block_id, private.block_id))
         self.pool.decref(shared, seq_id)
         table[index] = private
@@ -190,12 +235,71 @@ class KVCacheManager:
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child shares every parent block; the first write into a shared one copies it."""
         parent = self.tables.get(parent_id, [])
+        self.salts[child_id] = self.salts.get(parent_id)
+        if self.events is not None:
+            self.events.record("fork", seq=child_id, parent=parent_id)
         for block in parent:
-            self.pool.incref(block, child_id)
+            if block is not None:
+                self.pool.incref(block, child_id)
         self.tables[child_id] = list(parent)
+        if parent_id in self._rope_offset:
+            self._rope_offset[child_id] = self._rope_offset[parent_id]
         self._hashes[child_id] = list(self._hashes.get(parent_id, []))
         self._registered[child_id] = self._registered.get(parent_id, 0)
         self.stats.forks += 1
+
+    # ---- bounded KV (kv_policy) -------------------------------------------------------------
+    def unread_hits_dropped(self, cached: list[Block], num_computed: int) -> list[Block | None]:
+        """Prefix hits that no query from `num_computed` on reads become placeholders: they are
+        neither revived nor counted against the pool."""
+        if self.policy is None:
+            return cached
+        head = self.policy.keep_head
+        end = min(self.policy.released_blocks(num_computed), len(cached))
+        return [None if head <= i < end else b for i, b in enumerate(cached)]
+
+    def chunk_limit(self, seq_id: str, start: int) -> int | None:
+        """Most tokens a chunk from `start` may compute (None: no limit from the policy)."""
+        return self.policy.chunk_limit(start) if self.policy is not None else None
+
+    def slide(self, seq_id: str, start: int) -> bool:
+        """Before computing positions from `start`: release the blocks no query from there on
+        reads and, for sink sequences, queue the re-rotation of the kept keys. False (with the
+        releases done, nothing else changed) if a block to re-rotate needs a private copy and
+        the pool has no free block for it."""
+        table = self.tables.get(seq_id)
+        if self.policy is None or not table:
+            return True
+        policy = self.policy
+        end = min(policy.released_blocks(start), len(table))
+        for i in range(policy.keep_head, end):
+            block = table[i]
+            if block is not None:
+                table[i] = None
+                self.pool.decref(block, seq_id)
+        offset = policy.rope_offset(start)
+        old = self._rope_offset.get(seq_id, 0)
+        if offset == old:
+            return True
+        # Kept non-sink blocks holding keys written so far (positions < start).
+        kept = [i for i in range(max(policy.keep_head, end), min(-(-start // self.block_size), len(table)))
+                if table[i] is not None]
+        # Shared or published blocks are never changed in place: the rotation goes into a
+        # private copy, and the original stays for its other holders or in the prefix cache.
+        frozen = [i for i in kept if table[i].ref_count > 1 or table[i].block_hash is not None]
+        if len(frozen) > self.pool.num_free:
+            return False
+        for i in frozen:
+            self._copy_on_write(seq_id, table, i)
+        rotate = [table[i].block_id for i in kept]
+        self.pending_rotations[seq_id] = (rotate, old - offset)
+        self._rope_offset[seq_id] = offset
+        return True
+
+    def take_pending_rotations(self) -> list[tuple[str, list[int], int]]:
+        rotations = [(seq_id, ids, shift) for seq_id, (ids, shift) in self.pending_rotations.items()]
+        self.pending_rotations = {}
+        return rotations
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
@@ -206,11 +310,15 @@ class KVCacheManager:
         table = self.tables.pop(seq_id, None)
         self._hashes.pop(seq_id, None)
         self._registered.pop(seq_id, None)
+        self.salts.pop(seq_id, None)
+        self._rope_offset.pop(seq_id, None)
+        self.pending_rotations.pop(seq_id, None)
         if not table:
             return
         # Tail first, so a chain's tail blocks are the first to be evicted later.
         for block in reversed(table):
-            self.pool.decref(block, seq_id)
+            if block is not None:
+                self.pool.decref(block, seq_id)
 
     def reset_hashes(self, seq_id: str) -> None:
         self._hashes.pop(seq_id, None)

@@ -7,6 +7,9 @@ table, so a sequence can only ever see blocks of its own table.
 Cache layout per layer: [kv_heads, num_blocks * block_size, head_dim]. Gathering whole
 blocks along dim 1 copies contiguous block_size x head_dim tiles, and the gathered tensor is
 already in the [heads, tokens, dim] shape the matmuls want, so K/V are copied once per layer.
+The cache may be stored in another dtype than the model's (`kv_cache_dtype`): K/V are cast or
+quantized on write and cast or dequantized on read (`kv_quant`); the C++ kernel reads every
+storage format itself.
 
 `AttentionBackend` is the seam a CUDA backend will plug into; `TorchPagedAttention` is the
 CPU implementation: pure PyTorch, except that decode rows go to the C++ kernel in
@@ -19,7 +22,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kvshare.model import cpu_kernels
+from kvshare.model import cpu_kernels, kv_quant
+from kvshare.model.kv_quant import QuantizedKV
 
 
 @dataclass
@@ -29,7 +33,7 @@ class DecodeGroup:
     row_start: int
     num_rows: int
     block_tables: torch.Tensor  # [rows, blocks]
-    bias: torch.Tensor  # [1, rows, 1, blocks * block_size]: 0 where the key exists, -inf past it
+    bias: torch.Tensor  # [1, rows, 1, blocks * block_size]: 0 where the row sees the key, else -inf
 
 
 @dataclass
@@ -44,15 +48,28 @@ class PrefillChunk:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
     num_decode: int = 0
-    decode_groups: list[DecodeGroup] = field(default_factory=list)  # only if backend.wants_decode_groups
+    # Built if backend.wants_decode_groups, and always when a row's window hides some earlier key
+    # (sliding windows, sinks): then decode_block_tables is None and every row goes this way.
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     # All decode rows at once, for kernels that walk block tables themselves:
     decode_block_tables: torch.Tensor | None = None  # [num_decode, max_blocks], zero padded
     decode_context_lens: torch.Tensor | None = None  # [num_decode] keys per row (position + 1)
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # Models mixing sliding-window and global layers: layer i attends with layer_metadata[i]
+    # (same slots and tables, its own masks). None when every layer attends alike.
+    layer_metadata: list["AttentionMetadata"] | None = None
+
+    def for_layer(self, i: int) -> "AttentionMetadata":
+        return self.layer_metadata[i] if self.layer_metadata is not None else self
 
 
 class KVCache:
-    """K and V for every layer; slot = block_id * block_size + offset."""
+    """K and V for every layer; slot = block_id * block_size + offset.
+
+    `dtype` is the storage dtype (see kv_quant): int8 and float8_e4m3fn caches also hold one
+    float32 scale per (layer, K/V, kv head, slot) in `scales`, and `layer` hands out QuantizedKV
+    pairs for them instead of plain tensors.
+    """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype) -> None:
@@ -60,18 +77,27 @@ class KVCache:
         self.block_size = block_size
         # Zeroed, not empty: padded decode reads touch unused slots, and 0 * NaN would leak.
         self.data = torch.zeros(num_layers, 2, num_kv_heads, num_blocks * block_size, head_dim, dtype=dtype)
+        self.scales = None
+        if kv_quant.is_quantized_dtype(dtype):
+            self.scales = torch.zeros(num_layers, 2, num_kv_heads, num_blocks * block_size,
+                                      dtype=kv_quant.SCALE_DTYPE)
 
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.data[i, 0], self.data[i, 1]
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor] | tuple[QuantizedKV, QuantizedKV]:
+        if self.scales is None:
+            return self.data[i, 0], self.data[i, 1]
+        return QuantizedKV(self.data[i, 0], self.scales[i, 0]), QuantizedKV(self.data[i, 1], self.scales[i, 1])
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         bs = self.block_size
         for src, dst in copies:
             self.data[..., dst * bs:(dst + 1) * bs, :] = self.data[..., src * bs:(src + 1) * bs, :]
+            if self.scales is not None:  # a copied token without its scale would dequantize wrong
+                self.scales[..., dst * bs:(dst + 1) * bs] = self.scales[..., src * bs:(src + 1) * bs]
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
+        scale_bytes = 0 if self.scales is None else self.scales.numel() * self.scales.element_size()
+        return self.data.numel() * self.data.element_size() + scale_bytes
 
 
 class AttentionBackend:
@@ -83,11 +109,10 @@ class AttentionBackend:
         raise NotImplementedError
 
 
-def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor, block_size: int) -> torch.Tensor:
-    """cache [KVH, slots, D], tables [..., nblk] -> [KVH, ..., nblk * block_size, D]."""
-    kvh, slots, d = cache.shape
-    blocks = cache.view(kvh, slots // block_size, block_size, d)[:, tables]
-    return blocks.flatten(-3, -2)
+def _gather_blocks(cache: torch.Tensor | QuantizedKV, tables: torch.Tensor, block_size: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """cache [KVH, slots, D], tables [..., nblk] -> [KVH, ..., nblk * block_size, D] in `dtype`."""
+    return kv_quant.gather_blocks(cache, tables, block_size, dtype)
 
 
 class TorchPagedAttention(AttentionBackend):
@@ -98,9 +123,9 @@ class TorchPagedAttention(AttentionBackend):
         self.wants_decode_groups = not self.use_cpp_kernel
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
-        # q: [T, H, D]; k, v: [T, KVH, D]; caches: [KVH, slots, D]
-        k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-        v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        # q: [T, H, D]; k, v: [T, KVH, D]; caches: [KVH, slots, D] (or QuantizedKV of those)
+        kv_quant.write(k_cache, meta.slot_mapping, k)
+        kv_quant.write(v_cache, meta.slot_mapping, v)
         num_tokens, num_heads, head_dim = q.shape
         num_kv = k.shape[1]
         group = num_heads // num_kv
@@ -109,16 +134,21 @@ class TorchPagedAttention(AttentionBackend):
         if self.use_cpp_kernel and meta.decode_block_tables is not None:
             if meta.num_decode:
                 nd = meta.num_decode
-                cpu_kernels.paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
-                                                   meta.decode_context_lens, bs, scale, out=out[:nd])
+                if isinstance(k_cache, QuantizedKV):
+                    cpu_kernels.paged_decode_attention(
+                        q[:nd], k_cache.data, v_cache.data, meta.decode_block_tables, meta.decode_context_lens,
+                        bs, scale, out=out[:nd], k_scale=k_cache.scale, v_scale=v_cache.scale)
+                else:
+                    cpu_kernels.paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                                                       meta.decode_context_lens, bs, scale, out=out[:nd])
             decode_groups = []
         else:
             decode_groups = meta.decode_groups
         for g in decode_groups:
             # One query row per sequence: plain matmul-softmax-matmul beats SDPA here by far.
             s, n = g.row_start, g.num_rows
-            keys = _gather_blocks(k_cache, g.block_tables, bs)  # [KVH, n, L, D]
-            vals = _gather_blocks(v_cache, g.block_tables, bs)
+            keys = _gather_blocks(k_cache, g.block_tables, bs, q.dtype)  # [KVH, n, L, D]
+            vals = _gather_blocks(v_cache, g.block_tables, bs, q.dtype)
             qd = q[s:s + n].view(n, num_kv, group, head_dim).transpose(0, 1)  # [KVH, n, G, D]
             scores = torch.matmul(qd, keys.transpose(-1, -2)).float()  # [KVH, n, G, L]
             scores.mul_(scale).add_(g.bias)
@@ -127,8 +157,8 @@ class TorchPagedAttention(AttentionBackend):
             out[s:s + n] = o.transpose(0, 1).reshape(n, num_heads, head_dim)
         for c in meta.prefills:
             s, n = c.query_start, c.query_len
-            keys = _gather_blocks(k_cache, c.block_table, bs)  # [KVH, C, D]
-            vals = _gather_blocks(v_cache, c.block_table, bs)
+            keys = _gather_blocks(k_cache, c.block_table, bs, q.dtype)  # [KVH, C, D]
+            vals = _gather_blocks(v_cache, c.block_table, bs, q.dtype)
             qc = q[s:s + n].transpose(0, 1)  # [H, n, D]
             o = F.scaled_dot_product_attention(
                 qc.unsqueeze(0), keys.unsqueeze(0), vals.unsqueeze(0), attn_mask=c.mask,

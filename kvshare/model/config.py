@@ -30,10 +30,19 @@ class ModelArchConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2 has q/k/v bias
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # the window of the windowed layers (None: no layer has one)
+    # Per layer: its window, or None for global attention; None (the field) means every layer
+    # uses `sliding_window`. Set when a config mixes local and global layers (Qwen2 layer_types).
+    layer_windows: list[int | None] | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     name: str = ""
+
+    def attention_windows(self) -> list[int | None]:
+        """Each layer's sliding window (keys with query - key < window are seen), None = global."""
+        if self.layer_windows is not None:
+            return list(self.layer_windows)
+        return [self.sliding_window] * self.num_layers
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """2 (K and V) x layers x kv_heads x head_dim x dtype bytes."""

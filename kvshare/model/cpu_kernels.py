@@ -3,8 +3,9 @@
 `paged_decode_attention` computes attention for decode rows (one query per sequence) straight
 from the paged KV cache: each (row, kv head) task walks its own block table, reads every K and V
 vector of its context exactly once, and keeps an online softmax with float32 accumulation. No
-padded gather, no score matrix in memory. GQA/MQA/MHA, float32 or bfloat16 caches and queries,
-any block size >= 1, any head_dim. Code paths, picked at run time by CPU features: AVX-512 for
+padded gather, no score matrix in memory. GQA/MQA/MHA, float32 or bfloat16 queries; float32,
+bfloat16 or float16 caches, or int8 / float8 e4m3 caches with one scale per (kv head, slot)
+(applied to the scores and the probabilities, not per element); any block size >= 1, any head_dim. Code paths, picked at run time by CPU features: AVX-512 for
 head_dim <= 128, plus vdpbf16ps dot products where the CPU has AVX512_BF16 and both q and the
 cache are bfloat16; a portable scalar path everywhere else. Rows are spread over torch's thread
 count with OpenMP (the libgomp torch already loaded), longest first; each (row, kv head) is
@@ -94,6 +95,26 @@ static inline uint16_t to_bf16(float f) {
   return uint16_t(u >> 16);
 }
 
+// float16 and float8 e4m3fn caches, as raw bits; int8 caches are plain int8_t. int8 and fp8
+// caches come with one float scale per (kv head, slot): the stored value times its scale.
+struct f16_t { uint16_t bits; };
+struct fp8_t { uint8_t bits; };
+static inline float to_f32(int8_t x) { return float(x); }
+static inline float to_f32(f16_t h) {
+  const int e = (h.bits >> 10) & 0x1f, m = h.bits & 0x3ff;
+  const float f = e == 0    ? std::ldexp(float(m), -24)
+                  : e == 31 ? (m ? std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::infinity())
+                            : std::ldexp(float(m | 0x400), e - 25);
+  return (h.bits & 0x8000) ? -f : f;
+}
+static inline float to_f32(fp8_t b) {  // e4m3fn: bias 7, no infinities, S.1111.111 is NaN
+  const int e = (b.bits >> 3) & 0xf, m = b.bits & 7;
+  const float f = e == 0                ? std::ldexp(float(m), -9)
+                  : (e == 15 && m == 7) ? std::numeric_limits<float>::quiet_NaN()
+                                        : std::ldexp(float(m | 8), e - 10);
+  return (b.bits & 0x80) ? -f : f;
+}
+
 struct Problem {
   int64_t n, H, KVH, G, D, bs;
   float scale;
@@ -103,6 +124,9 @@ struct Problem {
   const void* k;
   const void* v;
   int64_t k_s0, k_s1, v_s0, v_s1;
+  const float* ks;  // K scales [KVH, slots] (ks_s0 per head, unit stride over slots); null: none
+  const float* vs;
+  int64_t ks_s0, vs_s0;
   const int64_t* tables;
   int64_t tbl_s0;
   const int64_t* ctx;
@@ -120,6 +144,17 @@ struct Scratch {
       : Dp(Dp_), qf(G * Dp_), acc(G * Dp_), s(G * kTile), m(G), l(G), qb(G * Dp_), pb(G * 2 * kTile),
         slots(2 * kTile) {}
 };
+
+// Quantized caches: the tile's scores (before the softmax) times K's per-slot scale, or its
+// probabilities (after it, so the normalizer is untouched) times V's, folding dequantization
+// into one multiply per (token, head) instead of one per element.
+static inline void apply_slot_scales(const float* sc, const int64_t* slots, int tn, int64_t G, float* s) {
+  if (sc == nullptr) return;
+  for (int j = 0; j < tn; ++j) {
+    const float c = sc[slots[j]];
+    for (int64_t g = 0; g < G; ++g) s[g * kTile + j] *= c;
+  }
+}
 
 // fp32 copy of the task's G query heads, times scale, zero padded to Dp; resets the softmax state.
 static void load_q(const Problem& P, int64_t row, int64_t h, Scratch& S) {
@@ -185,6 +220,8 @@ static void task_scalar(const Problem& P, int64_t row, int64_t h, Scratch& S) {
   const int64_t* table = P.tables + row * P.tbl_s0;
   const KT* kb = static_cast<const KT*>(P.k) + h * P.k_s0;
   const KT* vb = static_cast<const KT*>(P.v) + h * P.v_s0;
+  const float* ksh = P.ks ? P.ks + h * P.ks_s0 : nullptr;
+  const float* vsh = P.vs ? P.vs + h * P.vs_s0 : nullptr;
   float* s = S.s.data();
   int64_t blk = 0, off = 0;
   for (int64_t t0 = 0; t0 < ctx; t0 += kTile) {
@@ -198,6 +235,7 @@ static void task_scalar(const Problem& P, int64_t row, int64_t h, Scratch& S) {
         s[g * kTile + j] = a;
       }
     }
+    apply_slot_scales(ksh, S.slots.data(), tn, G, s);
     for (int64_t g = 0; g < G; ++g) {
       float* sg = s + g * kTile;
       float mt = kNegInf;
@@ -217,6 +255,7 @@ static void task_scalar(const Problem& P, int64_t row, int64_t h, Scratch& S) {
       }
       S.l[g] += sum;
     }
+    apply_slot_scales(vsh, S.slots.data(), tn, G, s);
     for (int j = 0; j < tn; ++j) {
       const KT* vp = vb + S.slots[j] * P.v_s1;
       for (int64_t g = 0; g < G; ++g) {
@@ -239,6 +278,21 @@ KVS_AVX512 static KVS_INLINE __m512 ld16(const float* p, __mmask16 m) { return _
 KVS_AVX512 static KVS_INLINE __m512 ld16(const uint16_t* p, __mmask16 m) {
   __m256i x = _mm256_maskz_loadu_epi16(m, p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+}
+KVS_AVX512 static KVS_INLINE __m512 ld16(const f16_t* p, __mmask16 m) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
+}
+KVS_AVX512 static KVS_INLINE __m512 ld16(const int8_t* p, __mmask16 m) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
+}
+// e4m3's exponent and mantissa bits land in float16's fields (4 of its 5 exponent bits, the top
+// 3 mantissa bits), which reads as the value times 2^-8, subnormals included: widen as float16,
+// then undo the bias difference.
+KVS_AVX512 static KVS_INLINE __m512 ld16(const fp8_t* p, __mmask16 m) {
+  const __m256i x = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(m, p));
+  const __m256i mag = _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7f)), 7);
+  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8);
+  return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(mag, sign)), _mm512_set1_ps(256.f));
 }
 
 template <typename KT>
@@ -525,6 +579,8 @@ static void task_avx512(const Problem& P, int64_t row, int64_t h, Scratch& S) {
   const int64_t* table = P.tables + row * P.tbl_s0;
   const KT* kb = static_cast<const KT*>(P.k) + h * P.k_s0;
   const KT* vb = static_cast<const KT*>(P.v) + h * P.v_s0;
+  const float* ksh = P.ks ? P.ks + h * P.ks_s0 : nullptr;
+  const float* vsh = P.vs ? P.vs + h * P.vs_s0 : nullptr;
   const int64_t row_bytes = P.D * int64_t(sizeof(KT));
   int64_t blk = 0, off = 0;
   int64_t* cur = S.slots.data();
@@ -561,6 +617,7 @@ static void task_avx512(const Problem& P, int64_t row, int64_t h, Scratch& S) {
       }
 #undef KVS_QK
     }
+    apply_slot_scales(ksh, cur, tn, G, S.s.data());
     for (int64_t g = 0; g < G; ++g) {
       softmax_tile(S.s.data() + g * kTile, tn, S.m[g], S.l[g], S.acc.data() + g * Dp, Dp);
 #if KVS_BF16DP
@@ -570,6 +627,7 @@ static void task_avx512(const Problem& P, int64_t row, int64_t h, Scratch& S) {
       }
 #endif
     }
+    apply_slot_scales(vsh, cur, tn, G, S.s.data());  // bf16 caches (the BF16DP path) have none
     for (int64_t g0 = 0; g0 < G; g0 += GB) {
       // The first pass over the tile prefetches the next tile's K rows.
       const Prefetch<KT> pf{kb, P.k_s1, nxt, g0 == 0 ? next_n : 0, row_bytes};
@@ -666,9 +724,11 @@ extern "C" int kvs_cpu_paths() {
 
 // Shapes, dtypes and strides are checked by the Python wrapper; the table contents are checked
 // here. Returns 0, or 1 with a message in err. impl: 0 best, 1 scalar, 2 avx512, 3 avx512bf16.
+// cache_kind: 0 float32, 1 bfloat16, 2 float16, 3 int8, 4 float8 e4m3fn (3 and 4 with scales).
 extern "C" int kvs_paged_decode_attention(
     const void* q, int64_t q_s0, int64_t q_s1, int q_bf16,
-    const void* k, int64_t k_s0, int64_t k_s1, const void* v, int64_t v_s0, int64_t v_s1, int cache_bf16,
+    const void* k, int64_t k_s0, int64_t k_s1, const void* v, int64_t v_s0, int64_t v_s1, int cache_kind,
+    const float* ks, int64_t ks_s0, const float* vs, int64_t vs_s0,
     const int64_t* tables, int64_t max_blocks, const int64_t* ctx,
     void* out, int64_t o_s0, int64_t o_s1,
     int64_t n, int64_t H, int64_t KVH, int64_t D, int64_t block_size, int64_t num_blocks, double scale,
@@ -697,13 +757,24 @@ extern "C" int kvs_paged_decode_attention(
   P.n = n; P.H = H; P.KVH = KVH; P.G = H / KVH; P.D = D; P.bs = block_size; P.scale = float(scale);
   P.q = q; P.q_s0 = q_s0; P.q_s1 = q_s1; P.q_bf16 = q_bf16 != 0;
   P.k = k; P.v = v; P.k_s0 = k_s0; P.k_s1 = k_s1; P.v_s0 = v_s0; P.v_s1 = v_s1;
+  P.ks = ks; P.vs = vs; P.ks_s0 = ks_s0; P.vs_s0 = vs_s0;
   P.tables = tables; P.tbl_s0 = max_blocks; P.ctx = ctx;
   P.out = out; P.o_s0 = o_s0; P.o_s1 = o_s1;
 
   int path = impl == 0 ? (kvs::cpu_has_avx512bf16() ? 3 : kvs::cpu_has_avx512() ? 2 : 1) : impl;
-  if (path == 3 && !(q_bf16 && cache_bf16)) path = 2;
+  if (path == 3 && !(q_bf16 && cache_kind == 1)) path = 2;
   int64_t Dp = D;
-  kvs::TaskFn fn = cache_bf16 ? kvs::pick<uint16_t>(D, path, Dp) : kvs::pick<float>(D, path, Dp);
+  kvs::TaskFn fn;
+  switch (cache_kind) {
+    case 0: fn = kvs::pick<float>(D, path, Dp); break;
+    case 1: fn = kvs::pick<uint16_t>(D, path, Dp); break;
+    case 2: fn = kvs::pick<kvs::f16_t>(D, path, Dp); break;
+    case 3: fn = kvs::pick<int8_t>(D, path, Dp); break;
+    case 4: fn = kvs::pick<kvs::fp8_t>(D, path, Dp); break;
+    default:
+      std::snprintf(err, size_t(err_len), "unknown cache kind %d", cache_kind);
+      return 1;
+  }
 
   // Longest rows first, handed out dynamically: rows arrive sorted by length, and a static split
   // would give one thread all the long ones.
@@ -782,7 +853,8 @@ def _build() -> ctypes.CDLL:
     f = lib.kvs_paged_decode_attention
     f.restype = ctypes.c_int
     f.argtypes = [ptr, i64, i64, ctypes.c_int,  # q
-                  ptr, i64, i64, ptr, i64, i64, ctypes.c_int,  # k, v
+                  ptr, i64, i64, ptr, i64, i64, ctypes.c_int,  # k, v, cache kind
+                  ptr, i64, ptr, i64,  # k scales, v scales (null for float caches)
                   ptr, i64, ptr,  # tables, max_blocks, context lengths
                   ptr, i64, i64,  # out
                   i64, i64, i64, i64, i64, i64, ctypes.c_double,  # n, H, KVH, D, block_size, num_blocks, scale
@@ -864,19 +936,26 @@ def cpu_paths() -> list[str]:
 
 
 _DTYPES = (torch.float32, torch.bfloat16)
+# Cache storage dtypes -> the kernel's cache_kind; int8 and float8 come with per-slot scales.
+_CACHE_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3, torch.float8_e4m3fn: 4}
+_SCALED_KINDS = (3, 4)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-                           scale: float, *, out: torch.Tensor | None = None, impl: str = "auto") -> torch.Tensor:
+                           scale: float, *, out: torch.Tensor | None = None, impl: str = "auto",
+                           k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query per row over that row's paged context.
 
     q [n, H, D]; k_cache, v_cache [KVH, num_blocks * block_size, D] (H % KVH == 0); block_tables
     [n, max_blocks] (int64 or int32; entries past a row's last needed block are never read, nor
     checked); context_lens [n]: row r attends to positions 0 .. context_lens[r] - 1, position p
     living in slot block_tables[r, p // block_size] * block_size + p % block_size. Returns
-    [n, H, D] in q's dtype (written into `out` when given). float32 or bfloat16 q and caches
-    (independently), float32 math. `impl` forces one of `cpu_paths()` (for tests).
+    [n, H, D] in q's dtype (written into `out` when given). float32 or bfloat16 q; float32,
+    bfloat16 or float16 caches, or int8 / float8_e4m3fn caches with float32 `k_scale`, `v_scale`
+    [KVH, slots] (stored value x its slot's scale); float32 math. `impl` forces one of
+    `cpu_paths()` (for tests).
     Raises ValueError on inconsistent inputs or a block id outside the cache.
     """
     lib = _lib()
@@ -888,9 +967,19 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if k_cache.shape[2] != dim or kv_heads < 1 or heads % kv_heads:
         raise ValueError(f"q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)}: head_dim must match "
                          f"and heads must be a multiple of kv_heads")
-    if q.dtype not in _DTYPES or k_cache.dtype not in _DTYPES or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"dtypes: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}; want float32 "
-                         f"or bfloat16, k and v alike")
+    if q.dtype not in _DTYPES or k_cache.dtype not in _CACHE_KINDS or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"dtypes: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}; want q float32 "
+                         f"or bfloat16, caches one of {sorted(str(d) for d in _CACHE_KINDS)}, k and v alike")
+    kind = _CACHE_KINDS[k_cache.dtype]
+    if kind in _SCALED_KINDS:
+        for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if sc is None or tuple(sc.shape) != (kv_heads, slots) or sc.dtype != torch.float32:
+                raise ValueError(f"{k_cache.dtype} caches need {name} float32 [{kv_heads}, {slots}]; got "
+                                 f"{None if sc is None else (tuple(sc.shape), sc.dtype)}")
+        k_scale = k_scale if k_scale.stride(1) == 1 else k_scale.contiguous()
+        v_scale = v_scale if v_scale.stride(1) == 1 else v_scale.contiguous()
+    elif k_scale is not None or v_scale is not None:
+        raise ValueError(f"{k_cache.dtype} caches take no scales")
     if q.device.type != "cpu" or k_cache.device.type != "cpu" or v_cache.device.type != "cpu":
         raise ValueError("CPU tensors only")
     block_size = int(block_size)
@@ -919,7 +1008,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     rc = lib.kvs_paged_decode_attention(
         q.data_ptr(), q.stride(0), q.stride(1), q.dtype == torch.bfloat16,
         k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
-        v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1), k_cache.dtype == torch.bfloat16,
+        v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1), kind,
+        k_scale.data_ptr() if k_scale is not None else None, k_scale.stride(0) if k_scale is not None else 0,
+        v_scale.data_ptr() if v_scale is not None else None, v_scale.stride(0) if v_scale is not None else 0,
         tables.data_ptr(), tables.shape[1], ctx.data_ptr(),
         out.data_ptr(), out.stride(0), out.stride(1),
         n, heads, kv_heads, dim, block_size, slots // block_size, float(scale),

@@ -151,29 +151,33 @@ def _rope_from_config(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None
     return float(theta), {"rope_type": rope_type, **rest}
 
 
-def _sliding_window(cfg: dict[str, Any], model_type: str, num_layers: int, defaults: dict[str, Any]) -> int | None:
-    """One window for every layer, or None; per-layer mixes are refused rather than misapplied."""
+def _sliding_windows(cfg: dict[str, Any], model_type: str, num_layers: int, defaults: dict[str, Any]
+                     ) -> tuple[int | None, list[int | None] | None]:
+    """(window, per-layer windows or None when every layer shares it), as transformers 5 reads
+    the config: Mistral windows every layer; Qwen2 only with use_sliding_window, on the layers
+    `layer_types` marks "sliding_attention" (by default those from max_window_layers on)."""
     if model_type == "mistral":
         window = cfg.get("sliding_window", defaults["sliding_window"])
-        return int(window) if window else None
-    if model_type == "qwen2":
-        window = cfg.get("sliding_window", defaults["sliding_window"])
-        if not cfg.get("use_sliding_window", False) or not window:
-            return None
-        layer_types = cfg.get("layer_types") or [
-            "sliding_attention" if i >= cfg.get("max_window_layers", defaults["max_window_layers"]) else "full_attention"
-            for i in range(num_layers)
-        ]
-        kinds = set(layer_types)
-        if kinds == {"full_attention"}:
-            return None
-        if kinds == {"sliding_attention"}:
-            return int(window)
-        raise ModelLoadError(
-            "Qwen2 config mixes sliding-window and full-attention layers "
-            f"(max_window_layers={cfg.get('max_window_layers')}), which kvshare does not support."
-        )
-    return None
+        return (int(window) if window else None), None
+    if model_type != "qwen2":
+        return None, None
+    window = cfg.get("sliding_window", defaults["sliding_window"])
+    if not cfg.get("use_sliding_window", False) or not window:
+        return None, None
+    layer_types = cfg.get("layer_types") or [
+        "sliding_attention" if i >= cfg.get("max_window_layers", defaults["max_window_layers"]) else "full_attention"
+        for i in range(num_layers)
+    ]
+    unknown = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
+    if unknown or len(layer_types) != num_layers:
+        raise ModelLoadError(f"Qwen2 layer_types must list 'sliding_attention' or 'full_attention' for each of the "
+                             f"{num_layers} layers; got {len(layer_types)} entries (unknown kinds: {unknown}).")
+    windows = [int(window) if t == "sliding_attention" else None for t in layer_types]
+    if all(w is None for w in windows):
+        return None, None
+    if all(w is not None for w in windows):
+        return int(window), None
+    return int(window), windows
 
 
 def config_from_hf(cfg: dict[str, Any], directory: str, generation_config: dict[str, Any] | None = None) -> ModelArchConfig:
@@ -194,6 +198,7 @@ def config_from_hf(cfg: dict[str, Any], directory: str, generation_config: dict[
     kv = cfg.get("num_key_value_heads", defaults.get("num_key_value_heads"))
     head_dim = cfg.get("head_dim") or hidden // num_heads
     rope_theta, rope_scaling = _rope_from_config(cfg)
+    windows = _sliding_windows(cfg, model_type, num_layers, defaults)
     if model_type == "llama" and cfg.get("mlp_bias"):
         raise ModelLoadError(f"{directory}: Llama with mlp_bias=true is not supported.")
 
@@ -221,7 +226,8 @@ def config_from_hf(cfg: dict[str, Any], directory: str, generation_config: dict[
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         # Qwen2 always has q/k/v bias; Llama has it (and o_proj bias) only with attention_bias.
         attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-        sliding_window=_sliding_window(cfg, model_type, num_layers, defaults),
+        sliding_window=windows[0],
+        layer_windows=windows[1],
         bos_token_id=int(bos) if bos is not None else None,
         eos_token_ids=eos,
         name=str(cfg.get("_name_or_path") or os.path.basename(os.path.normpath(directory))),

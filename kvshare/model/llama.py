@@ -65,7 +65,7 @@ class LlamaModel:
             v = v.view(n, c.num_kv_heads, c.head_dim)
             q, k = self.rotary.apply(q, k, positions)
             k_cache, v_cache = kv_cache.layer(i)
-            attn = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+            attn = self.backend.forward(q, k, v, k_cache, v_cache, meta.for_layer(i), self.scale)
             h = h + F.linear(attn.reshape(n, self.q_size), layer.o_w)
             x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
             gate, up = F.linear(x, layer.gate_up_w).chunk(2, dim=-1)

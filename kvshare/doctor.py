@@ -1,0 +1,330 @@
+"""`kvshare doctor`: the contamination bisection, run by the engine on itself.
+
+The manual recipe when "the model glitched" is: rerun with prefix caching off, rerun one
+request at a time, compare, shrink to a two-request repro. The doctor does exactly that:
+
+  (a) as configured   every request concurrently, sharing as configured
+  (b) sharing off     concurrently, prefix caching off and n > 1 run as n separate requests
+  (c) one at a time   sharing off, each request alone: the reference
+
+A request whose tokens or logprobs in (b) differ from (c) was changed by other requests
+without any sharing: scheduling logic (batching, slot mapping, preemption). One that differs
+only in (a): sharing logic (prefix cache, forks, copy-on-write, eviction). Then the blamed
+setting is rerun with the audit on, to name the broken invariant and block, and shrunk to the
+smallest set of requests (one, else a pair) that still diverges, written as JSONL.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+from kvshare.config import EngineConfig
+from kvshare.errors import InvalidRequestError
+from kvshare.sampling_params import SamplingParams
+
+_PARAM_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n", "ignore_eos", "cache_salt",
+                 "min_tokens", "stop_token_ids")
+_FIELDS = {"id", "prompt", "prompt_token_ids", "delay_steps", "abort_after_steps", *_PARAM_FIELDS}
+
+
+class DoctorUsageError(ValueError):
+    pass
+
+
+@dataclass
+class DoctorRequest:
+    id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    delay_steps: int = 0  # submitted once the concurrent run has taken this many steps
+    abort_after_steps: int | None = None  # aborted this many steps after submission
+    raw: dict = field(default_factory=dict)
+
+    def expanded(self) -> list[tuple[tuple[str, int], "DoctorRequest"]]:
+        """n > 1 as n independent single requests with the seeds the forks would have used."""
+        n = self.params.n
+        if n == 1:
+            return [((self.id, 0), self)]
+        out = []
+        for i in range(n):
+            p = dataclasses.replace(self.params, n=1, seed=None if self.params.seed is None else self.params.seed + i)
+            out.append(((self.id, i), dataclasses.replace(self, id=f"{self.id}/{i}", params=p)))
+        return out
+
+
+def parse_request(obj: dict, where: str) -> DoctorRequest:
+    if not isinstance(obj, dict):
+        raise DoctorUsageError(f"{where}: each line must be a JSON object")
+    unknown = sorted(set(obj) - _FIELDS)
+    if unknown:
+        raise DoctorUsageError(f"{where}: unknown field(s) {unknown}; allowed: {sorted(_FIELDS)}")
+    prompt = obj.get("prompt_token_ids", obj.get("prompt"))
+    if prompt is None:
+        raise DoctorUsageError(f"{where}: needs 'prompt' or 'prompt_token_ids'")
+    kw = {k: obj[k] for k in _PARAM_FIELDS if k in obj}
+    kw.setdefault("max_tokens", 16)
+    kw.setdefault("temperature", 0.0)
+    kw["logprobs"] = 1
+    try:
+        params = SamplingParams(**kw)
+    except (InvalidRequestError, TypeError, ValueError) as e:
+        raise DoctorUsageError(f"{where}: {e}") from None
+    if not params.greedy and params.seed is None:
+        raise DoctorUsageError(f"{where}: sampling with temperature > 0 needs a 'seed' so runs can be compared")
+    for k in ("delay_steps", "abort_after_steps"):
+        v = obj.get(k)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            raise DoctorUsageError(f"{where}: {k}={v!r} must be an integer >= 0")
+    return DoctorRequest(str(obj.get("id", where)), prompt, params, obj.get("delay_steps") or 0,
+                         obj.get("abort_after_steps"), obj)
+
+
+def load_workload(path: str) -> list[DoctorRequest]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [(i, line) for i, line in enumerate(f, start=1) if line.strip()]
+    except OSError as e:
+        raise DoctorUsageError(f"workload {path!r}: {e.strerror}") from None
+    reqs = []
+    for i, line in lines:
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DoctorUsageError(f"{path}:{i}: not JSON ({e.msg})") from None
+        reqs.append(parse_request(obj, f"{path}:{i}"))
+    if not reqs:
+        raise DoctorUsageError(f"workload {path!r} has no requests")
+    if len({r.id for r in reqs}) != len(reqs):
+        raise DoctorUsageError(f"workload {path!r}: request ids must be unique")
+    return reqs
+
+
+def builtin_workload(engine) -> list[DoctorRequest]:
+    """Shared system prompt, forks, a second tenant, a late follow-up turn, one abort."""
+    from kvshare.bench.workloads import ENGLISH_TEXT
+
+    ids = engine.tokenize(ENGLISH_TEXT) if engine.tokenizer is not None else list(range(1, 400))
+    system = ids[:40]
+    rows = []
+    for i in range(8):
+        row = {"id": f"q{i}", "prompt_token_ids": system + ids[100 + 23 * i:100 + 23 * i + 5 + 3 * i], "max_tokens": 12}
+        if i in (2, 5):
+            row.update(n=2, temperature=1.0, seed=10 + i)
+        if i == 6:
+            row["cache_salt"] = "tenant-b"
+        rows.append(row)
+    rows.append({"id": "followup", "prompt_token_ids": system + ids[100:105] + ids[300:330], "max_tokens": 12,
+                 "delay_steps": 8})
+    rows.append({"id": "aborted", "prompt_token_ids": system + ids[400:420], "max_tokens": 30, "abort_after_steps": 3})
+    return [parse_request(r, r["id"]) for r in rows]
+
+
+@dataclass
+class RunResult:
+    outputs: dict[tuple[str, int], tuple[list[int], list[float]]] = field(default_factory=dict)
+    aborted: set[str] = field(default_factory=set)
+    error: str | None = None
+    audit: dict | None = None
+
+
+def _drive(engine, reqs: list[DoctorRequest], one_at_a_time: bool, split_forks: bool) -> RunResult:
+    from kvshare.kvcache.audit import AuditError
+
+    res = RunResult()
+    units: list[tuple[tuple[str, int] | None, DoctorRequest]] = []
+    for r in reqs:
+        units += r.expanded() if split_forks else [(None, r)]
+    groups = [[u] for u in units] if one_at_a_time else [units]
+    try:
+        for group in groups:
+            _run_group(engine, group, res, one_at_a_time)
+    except AuditError as e:
+        res.audit = e.to_dict()
+        res.error = f"audit: {e.invariant} on block {e.block} (owners {e.owners}) at step {e.step}"
+    except Exception as e:  # a corrupted pool may crash anywhere: that is a finding, not a doctor bug
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+def _run_group(engine, group, res: RunResult, ignore_delays: bool) -> None:
+    pending = sorted(group, key=lambda u: 0 if ignore_delays else u[1].delay_steps)
+    started: dict[str, int] = {}
+    origin = {}
+    steps = 0
+    while pending or engine.has_unfinished_requests():
+        while pending and (ignore_delays or pending[0][1].delay_steps <= steps):
+            key, r = pending.pop(0)
+            engine.add_request(r.id, {"prompt_token_ids": r.prompt} if isinstance(r.prompt, list) else r.prompt,
+                               r.params)
+            started[r.id] = steps
+            origin[r.id] = (key, r)
+        for rid, t0 in list(started.items()):
+            r = origin[rid][1]
+            if r.abort_after_steps is not None and steps - t0 >= r.abort_after_steps and rid in engine.requests:
+                engine.abort_request(rid)
+                key = origin[rid][0]
+                res.aborted.add(key[0] if key is not None else rid)
+                del started[rid]
+        for out in engine.step():
+            if not out.finished:
+                continue
+            key, r = origin[out.request_id]
+            for c in out.outputs:
+                k = key if key is not None else (r.id, c.index)
+                lps = [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)] if c.logprobs else []
+                res.outputs[k] = (list(c.token_ids), lps)
+            started.pop(out.request_id, None)
+        steps += 1
+
+
+def compare(run: RunResult, ref: RunResult, tol: float) -> dict[str, str]:
+    """Request id -> how it diverged (requests aborted in either run are not compared)."""
+    bad: dict[str, str] = {}
+    for key, (toks, lps) in ref.outputs.items():
+        rid, idx = key
+        if rid in run.aborted or rid in ref.aborted or rid in bad:
+            continue
+        got = run.outputs.get(key)
+        if got is None:
+            bad[rid] = f"choice {idx}: no output ({run.error or 'missing'})"
+            continue
+        gt, gl = got
+        n = min(len(gt), len(toks))
+        first = next((i for i in range(n) if gt[i] != toks[i]), None)
+        if first is not None or len(gt) != len(toks):
+            pos = first if first is not None else n
+            bad[rid] = f"choice {idx}: tokens differ from position {pos}"
+            continue
+        delta = max((abs(a - b) for a, b in zip(gl, lps)), default=0.0)
+        if delta > tol:
+            bad[rid] = f"choice {idx}: logprobs differ by up to {delta:.2e} (tolerance {tol:.0e})"
+    return bad
+
+
+class Doctor:
+    def __init__(self, config: EngineConfig, faults: list[str] | None = None, tol: float = 2e-3) -> None:
+        self.config = config
+        self.faults = faults or []
+        self.tol = tol
+        self._engines: dict[bool, object] = {}  # by prefix caching on/off
+
+    def engine(self, prefix_caching: bool, audit: bool = False):
+        from kvshare.engine.llm_engine import LLMEngine
+        from kvshare.testing.faults import plant
+
+        eng = self._engines.get(prefix_caching)
+        if eng is not None and (eng.has_unfinished_requests() or eng.manager.tables):
+            eng = None  # a run that crashed leaves a broken pool behind: start over
+        if eng is None:
+            cfg = dataclasses.replace(self.config, enable_prefix_caching=prefix_caching, audit=False, kv_event_log=None)
+            eng = LLMEngine(cfg)
+            for f in self.faults:
+                plant(eng, f)
+            self._engines[prefix_caching] = eng
+        # Every run starts from the same state: nothing cached, every slot zero.
+        eng.set_audit(audit)
+        eng.manager.pool.reset_prefix_cache()
+        eng.kv_cache.data.zero_()
+        return eng
+
+    def run(self, reqs: list[DoctorRequest], setting: str, audit: bool = False) -> RunResult:
+        caching = self.config.enable_prefix_caching if setting == "configured" else False
+        return _drive(self.engine(caching, audit), reqs, setting == "one_at_a_time", setting != "configured")
+
+    def diagnose(self, reqs: list[DoctorRequest], repro_path: str | None = None) -> dict:
+        ref = self.run(reqs, "one_at_a_time")
+        if ref.error:
+            raise RuntimeError(f"the one-at-a-time reference run failed: {ref.error}")
+        settings = {}
+        for name in ("configured", "sharing_off"):
+            res = self.run(reqs, name)
+            # Outputs can agree while isolation is still broken (a tenant served another
+            # tenant's identical prefix): an audited rerun is the second witness.
+            audited = self.run(reqs, name, audit=True)
+            settings[name] = {"diverged": compare(res, ref, self.tol), "error": res.error, "audit": audited.audit}
+        def broken(name):
+            s = settings[name]
+            return bool(s["diverged"] or s["error"] or s["audit"])
+
+        if broken("sharing_off"):
+            conclusion, blamed = "scheduling logic", "sharing_off"
+        elif broken("configured"):
+            conclusion, blamed = "sharing logic", "configured"
+        else:
+            conclusion, blamed = "no contamination found", None
+        report = {"requests": len(reqs), "settings": settings, "conclusion": conclusion, "blamed_setting": blamed,
+                  "repro": None}
+        if blamed is not None:
+            s = settings[blamed]
+            first = next(iter(s["diverged"]), None) or _audit_request(s["audit"], reqs)
+            if first is not None:
+                repro = self._shrink(reqs, first, blamed, ref)
+                report["repro"] = {"requests": [r.id for r in repro], "path": repro_path}
+                if repro_path:
+                    with open(repro_path, "w", encoding="utf-8") as f:
+                        for r in repro:
+                            f.write(json.dumps(r.raw) + "\n")
+        return report
+
+    def _shrink(self, reqs, rid: str, setting: str, ref: RunResult) -> list[DoctorRequest]:
+        """Smallest subset around `rid` that still diverges: alone, else paired with the requests
+        sharing most of its prompt. Diverging outputs are the stronger evidence, so a subset
+        only the audit objects to is tried after those."""
+        target = next(r for r in reqs if r.id == rid)
+
+        def shared_prefix(r):
+            a, b = r.prompt, target.prompt
+            return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+        others = sorted((r for r in reqs if r.id != rid), key=lambda r: -shared_prefix(r))[:16]
+        subsets = [[target]] + [sorted([o, target], key=reqs.index) for o in others]
+        for audited in (False, True):
+            for subset in subsets:
+                if self._diverges(subset, setting, ref, audited):
+                    return subset
+        return list(reqs)
+
+    def _diverges(self, subset, setting, ref, audited: bool) -> bool:
+        if audited:
+            return self.run(subset, setting, audit=True).audit is not None
+        ids = {r.id for r in subset}
+        sub_ref = RunResult({k: v for k, v in ref.outputs.items() if k[0] in ids}, ref.aborted)
+        res = self.run(subset, setting)
+        return bool(res.error or compare(res, sub_ref, self.tol))
+
+
+def _audit_request(audit: dict | None, reqs: list[DoctorRequest]) -> str | None:
+    """The request named by an audit finding (owners are sequence ids: request or request#i)."""
+    if not audit:
+        return None
+    ids = {r.id for r in reqs}
+    for owner in audit["owners"]:
+        rid = owner.split("#")[0].split("/")[0]
+        if rid in ids:
+            return rid
+    return None
+
+
+def format_report(report: dict) -> str:
+    lines = [f"kvshare doctor: {report['requests']} requests, three settings compared"]
+    names = {"configured": "(a) as configured", "sharing_off": "(b) sharing off"}
+    for name, s in report["settings"].items():
+        status = "matches" if not s["diverged"] and not s["error"] else "DIVERGES"
+        if s["audit"]:
+            status += ", audit finds a violation"
+        lines.append(f"  {names[name]:<20} vs (c) one at a time: {status}")
+        for rid, why in s["diverged"].items():
+            lines.append(f"      request {rid}: {why}")
+        if s["error"]:
+            lines.append(f"      run failed: {s['error']}")
+    lines.append(f"conclusion: {report['conclusion']}")
+    for name, s in report["settings"].items():
+        a = s["audit"]
+        if a:
+            lines.append(f"audit under {names[name]}: invariant {a['invariant']!r} broken at step {a['step']}, "
+                         f"block {a['block']}, owners {a['owners']}: {a['detail']}")
+    if report["repro"]:
+        r = report["repro"]
+        lines.append(f"minimal repro: requests {r['requests']}" + (f" written to {r['path']}" if r["path"] else ""))
+    return "\n".join(lines)

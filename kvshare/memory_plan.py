@@ -1,0 +1,326 @@
+"""Memory planning: how much KV cache a memory budget buys, and how many sequences that holds.
+
+Pure arithmetic over a ModelArchConfig, so it plans any model from its metadata alone (a GGUF
+header, an HF config.json) without loading weights. `kvshare memory` prints it; the engine sizes
+its pool with the same `kv_pool_blocks` and `KVFormat.bytes_per_token`.
+
+The budget, in order:
+  usable       = memory x utilization
+  weights      = parameters (from the shapes the model code needs) x dtype bytes; kvshare holds
+                 weights dequantized to the engine dtype, so a Q4 GGUF costs its float size
+  activations  = a reserve for one step's transient tensors (see `activation_bytes`)
+  KV budget    = usable - weights - activations, cut into blocks of block_size tokens
+
+Requests with n > 1 or beam width w share their prompt's full blocks; each branch owns the
+rest (its copy of a partial prompt block and its output). Beams often share more than that
+(common output prefixes), so the figures for w > 1 are a floor.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+
+from kvshare.config import available_memory_bytes, parse_bytes
+from kvshare.model.config import ModelArchConfig
+from kvshare.model.kv_quant import KVFormat, check_kv_cache_dtype, resolve_kv_format
+
+WEIGHT_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+LOGIT_BUFFERS = 3  # float32 logits, their log-softmax, and the sampler's sorted copy
+
+
+@dataclass
+class PlanConfig:
+    memory: int | str | None = None  # the whole budget (device or host); None: available host memory
+    utilization: float = 0.9
+    dtype: str = "float32"  # weights and activations
+    kv_dtype: str = "auto"  # "auto": same as dtype
+    block_size: int = 16
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    width: int = 1  # n or beam width: branches per request sharing one prompt
+    avg_prompt_len: int | None = None  # None: min(512, max_model_len // 2)
+    avg_output_len: int | None = None  # None: min(256, max_model_len - avg_prompt_len)
+    concurrency: int | None = None  # requests you want in flight at once: warn when they do not fit
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+
+    def __post_init__(self) -> None:
+        self.memory = parse_bytes(self.memory if self.memory is not None else available_memory_bytes(), "memory")
+        if isinstance(self.utilization, bool) or not isinstance(self.utilization, (int, float)) \
+                or not 0.0 < self.utilization <= 1.0:
+            raise ValueError(f"utilization={self.utilization!r} is invalid: must be in (0, 1]")
+        if self.dtype not in WEIGHT_DTYPE_BYTES:
+            raise ValueError(f"dtype={self.dtype!r} is invalid: allowed are {', '.join(map(repr, WEIGHT_DTYPE_BYTES))}")
+        check_kv_cache_dtype(self.kv_dtype, "kv_dtype")
+        minimum = {"block_size": 1, "max_model_len": 2, "width": 1, "avg_prompt_len": 1, "avg_output_len": 1,
+                   "concurrency": 1, "max_num_batched_tokens": 1, "max_num_seqs": 1}
+        for name, low in minimum.items():
+            v = getattr(self, name)
+            if v is None and name in ("max_model_len", "avg_prompt_len", "avg_output_len", "concurrency"):
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"{name}={v!r} is invalid: must be an integer >= {low}")
+
+    @property
+    def kv_format(self) -> KVFormat:
+        return resolve_kv_format(self.kv_dtype, self.dtype, "kv_dtype")
+
+
+# ---- the formulas ---------------------------------------------------------------------------
+def count_parameters(arch: ModelArchConfig) -> int:
+    """Parameters of the tensors the Llama-family model code holds (biases included)."""
+    from kvshare.model.loader import expected_weight_shapes
+
+    total = 0
+    for shape in expected_weight_shapes(arch).values():
+        n = 1
+        for d in shape:
+            n *= d
+        total += n
+    return total
+
+
+def weight_bytes(arch: ModelArchConfig, dtype: str) -> int:
+    return count_parameters(arch) * WEIGHT_DTYPE_BYTES[dtype]
+
+
+def activation_bytes(arch: ModelArchConfig, dtype: str, max_num_batched_tokens: int, max_num_seqs: int,
+                     max_model_len: int) -> int:
+    """Transient memory of one step, reserved before the KV pool:
+
+      b x T x (3 hidden + q + 2 kv + 3 intermediate)   hidden state, norm output, attention output,
+                                                        the fused qkv output, gate+up and silu(gate)*up
+      + 2 x b x kv x max_model_len                      one prefill chunk's K/V context, gathered
+                                                        (and dequantized) one layer at a time
+      + 4 x 3 x R x vocab                               float32 logits, log-softmax, sampler copy
+
+    with b the dtype bytes, T = max_num_batched_tokens, q = heads x head_dim, kv = kv_heads x
+    head_dim, R = min(max_num_seqs, T) rows that sample. An estimate of the large buffers, not
+    a measurement: allocator slack and the pure-PyTorch decode path's padded gathers are not in it.
+    """
+    b = WEIGHT_DTYPE_BYTES[dtype]
+    q = arch.num_heads * arch.head_dim
+    kv = arch.num_kv_heads * arch.head_dim
+    t = max_num_batched_tokens
+    rows = min(max_num_seqs, t)
+    per_token = 3 * arch.hidden_size + q + 2 * kv + 3 * arch.intermediate_size
+    return b * t * per_token + 2 * b * kv * max_model_len + 4 * LOGIT_BUFFERS * rows * arch.vocab_size
+
+
+def kv_pool_blocks(kv_budget_bytes: int, bytes_per_token: int, block_size: int,
+                   field_name: str = "kv_cache_memory") -> int:
+    """Whole blocks of `block_size` tokens that fit in the KV budget; ValueError if not even one."""
+    num_blocks = kv_budget_bytes // (bytes_per_token * block_size)
+    if num_blocks < 1:
+        raise ValueError(
+            f"{field_name}={kv_budget_bytes} bytes is too small: one block of {block_size} tokens needs "
+            f"{bytes_per_token * block_size} bytes"
+        )
+    return num_blocks
+
+
+def blocks_per_request(prompt_len: int, output_len: int, block_size: int, width: int = 1) -> int:
+    """Blocks one request holds at its end: the prompt's full blocks once, then per branch the
+    rest of its sequence (a copy of the partial prompt block, and its own output)."""
+    shared = prompt_len // block_size
+    per_branch = -(-(prompt_len + output_len) // block_size) - shared
+    return shared + width * per_branch
+
+
+# ---- the plan -----------------------------------------------------------------------------
+@dataclass
+class ShapePlan:
+    """The figures for one attention shape: the model's own, or its MHA / GQA / MQA variant."""
+
+    label: str
+    num_kv_heads: int
+    weight_bytes: int
+    activation_bytes: int
+    kv_budget_bytes: int
+    kv_bytes_per_token: int
+    kv_formula: str
+    num_blocks: int = 0
+    token_slots: int = 0
+    kv_pool_bytes: int = 0
+    max_seqs_at_max_len: int = 0  # requests of width 1 filling max_model_len
+    max_requests_at_max_len: int = 0  # average prompt, every branch running to max_model_len
+    max_requests_at_avg: int = 0  # average prompt + average output per branch
+    max_seqs_at_avg: int = 0  # max_requests_at_avg x width
+    error: str | None = None  # set when the shape does not fit at all
+
+
+@dataclass
+class MemoryPlan:
+    model: str
+    architecture: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    num_parameters: int
+    memory_bytes: int
+    utilization: float
+    usable_bytes: int
+    dtype: str
+    kv_dtype: str
+    block_size: int
+    max_model_len: int
+    width: int
+    avg_prompt_len: int
+    avg_output_len: int
+    concurrency: int | None
+    plan: ShapePlan
+    variants: list[ShapePlan] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def attention_variants(num_heads: int, num_kv_heads: int) -> list[tuple[str, int]]:
+    """(label, kv_heads) for MHA, GQA and MQA versions of a shape with `num_heads` query heads.
+    GQA is the model's own grouping if it has one, else the divisor of num_heads nearest
+    num_heads / 4 (32 heads -> 8); a head count with no divisor between 1 and itself has none."""
+    if 1 < num_kv_heads < num_heads:
+        gqa = num_kv_heads
+    else:
+        divisors = [d for d in range(2, num_heads) if num_heads % d == 0]
+        gqa = min(divisors, key=lambda d: (abs(d - num_heads / 4), d)) if divisors else None
+    out = [("MHA", num_heads)]
+    if gqa is not None:
+        out.append(("GQA", gqa))
+    out.append(("MQA", 1))
+    return out
+
+
+def _plan_shape(arch: ModelArchConfig, cfg: PlanConfig, label: str, max_model_len: int, prompt: int,
+                output: int) -> ShapePlan:
+    fmt = cfg.kv_format
+    usable = int(cfg.memory * cfg.utilization)
+    weights = weight_bytes(arch, cfg.dtype)
+    act = activation_bytes(arch, cfg.dtype, cfg.max_num_batched_tokens, cfg.max_num_seqs, max_model_len)
+    bpt = fmt.bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim)
+    sp = ShapePlan(label, arch.num_kv_heads, weights, act, usable - weights - act, bpt,
+                   f"{fmt.formula(arch.num_layers, arch.num_kv_heads, arch.head_dim)} = {bpt:,} bytes")
+    if sp.kv_budget_bytes <= 0:
+        sp.error = (f"memory={cfg.memory} bytes x utilization {cfg.utilization} = {usable:,} bytes does not hold "
+                    f"the weights ({weights:,} bytes, {cfg.dtype}) and the activation reserve ({act:,} bytes)")
+        return sp
+    try:
+        sp.num_blocks = kv_pool_blocks(sp.kv_budget_bytes, bpt, cfg.block_size, "memory")
+    except ValueError as e:
+        sp.error = f"after weights and activations, {e}"
+        return sp
+    bs = cfg.block_size
+    sp.token_slots = sp.num_blocks * bs
+    sp.kv_pool_bytes = sp.token_slots * bpt
+    sp.max_seqs_at_max_len = sp.num_blocks // blocks_per_request(max_model_len, 0, bs)
+    sp.max_requests_at_max_len = sp.num_blocks // blocks_per_request(prompt, max_model_len - prompt, bs, cfg.width)
+    sp.max_requests_at_avg = sp.num_blocks // blocks_per_request(prompt, output, bs, cfg.width)
+    sp.max_seqs_at_avg = sp.max_requests_at_avg * cfg.width
+    return sp
+
+
+def plan_memory(arch: ModelArchConfig, cfg: PlanConfig, model: str = "") -> MemoryPlan:
+    """The plan for `arch` under `cfg`; ValueError, naming the field, when the model's own shape
+    does not fit or the lengths are inconsistent."""
+    max_len = cfg.max_model_len or arch.max_position_embeddings
+    prompt = cfg.avg_prompt_len if cfg.avg_prompt_len is not None else min(512, max_len // 2)
+    output = cfg.avg_output_len if cfg.avg_output_len is not None else min(256, max_len - prompt)
+    if prompt >= max_len:
+        raise ValueError(f"avg_prompt_len={prompt} is invalid: must be below max_model_len={max_len}")
+    if prompt + output > max_len:
+        raise ValueError(f"avg_output_len={output} is invalid: avg_prompt_len {prompt} + avg_output_len {output} "
+                         f"exceeds max_model_len={max_len}")
+    own = _plan_shape(arch, cfg, "model", max_len, prompt, output)
+    if own.error is not None:
+        raise ValueError(f"the model does not fit: {own.error}")
+    variants = []
+    for label, kvh in attention_variants(arch.num_heads, arch.num_kv_heads):
+        if kvh == arch.num_kv_heads:
+            label += " (model)"
+        variants.append(_plan_shape(dataclasses.replace(arch, num_kv_heads=kvh), cfg, label, max_len, prompt, output))
+    plan = MemoryPlan(
+        model=model or arch.name, architecture=arch.architecture, num_layers=arch.num_layers,
+        num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
+        hidden_size=arch.hidden_size, intermediate_size=arch.intermediate_size, vocab_size=arch.vocab_size,
+        num_parameters=count_parameters(arch), memory_bytes=cfg.memory, utilization=cfg.utilization,
+        usable_bytes=int(cfg.memory * cfg.utilization), dtype=cfg.dtype, kv_dtype=cfg.kv_format.name,
+        block_size=cfg.block_size, max_model_len=max_len, width=cfg.width, avg_prompt_len=prompt,
+        avg_output_len=output, concurrency=cfg.concurrency, plan=own, variants=variants,
+    )
+    if own.max_seqs_at_max_len == 0:
+        plan.warnings.append(f"not one sequence of max_model_len={max_len} fits in the KV pool "
+                             f"({own.token_slots} token slots): lower max_model_len or raise memory")
+    if cfg.concurrency is not None and cfg.concurrency > own.max_requests_at_avg:
+        plan.warnings.append(
+            f"requested concurrency {cfg.concurrency} does not fit: at the average length (prompt {prompt} + "
+            f"output {output}, width {cfg.width}) {own.max_requests_at_avg} requests fit, at max length "
+            f"{own.max_requests_at_max_len}; the rest would wait or be preempted"
+        )
+    return plan
+
+
+# ---- reading a model's shape without its weights ------------------------------------------------
+def load_arch_config(model: str | os.PathLike[str] | None) -> tuple[ModelArchConfig, str]:
+    """(architecture, resolved path) from a GGUF file's metadata, an HF directory's config.json,
+    or a bare config.json file; None is the bundled model. No tensor data is read."""
+    from kvshare.model.loader import ModelLoadError, resolve_model_path
+
+    path = os.fspath(model) if model is not None else None
+    if path is not None and os.path.isfile(path) and not _is_gguf(path):
+        return _arch_from_config_json(path), path
+    kind, path = resolve_model_path(model)
+    if kind == "hf":
+        return _arch_from_config_json(os.path.join(path, "config.json")), path
+    from kvshare.model import gguf_loader
+    from kvshare.model.gguf_header import read_gguf_header
+
+    header = read_gguf_header(path)
+    if any(t.name == "rope_freqs.weight" for t in header.tensors):
+        # llama3 rope factors are a tensor: the full reader dequantizes it (and parses the rest).
+        reader = gguf_loader.open_gguf(path)
+        return gguf_loader.config_from_gguf(gguf_loader.read_metadata(reader), reader, path), path
+    return gguf_loader.config_from_gguf(header.metadata, header, path), path
+
+
+def _is_gguf(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def _arch_from_config_json(path: str) -> ModelArchConfig:
+    from kvshare.model.hf_loader import SUPPORTED_MODEL_TYPES, config_from_hf
+    from kvshare.model.loader import ModelLoadError
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"model={path!r} cannot be read as a config.json ({exc}).") from exc
+    if not isinstance(cfg, dict):
+        raise ModelLoadError(f"model={path!r} is JSON but not a config object.")
+    directory = os.path.dirname(os.path.abspath(path))
+    if cfg.get("model_type") in SUPPORTED_MODEL_TYPES:
+        return config_from_hf(cfg, directory)
+    # Planning needs only the shape: other decoder families are read from the common HF keys,
+    # and their weights counted with the Llama layout (an approximation for them).
+    try:
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        return ModelArchConfig(
+            architecture=str(cfg.get("model_type", "unknown")), vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden, intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]), num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            name=str(cfg.get("_name_or_path") or os.path.basename(directory)),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelLoadError(f"model={path!r}: config.json lacks the shape key {exc}.") from exc
