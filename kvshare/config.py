@@ -99,7 +99,8 @@ class EngineConfig:
                 raise ValueError(f"window_tokens={self.window_tokens!r} only applies with kv_policy='sink'")
             return
         bs = self.block_size
-        if isinstance(self.sink_tokens, bool) or not isinstance(self.sink_tokens, int) or not 0 <= self.sink_tokens <= bs:
+        sinks = self.sink_tokens
+        if isinstance(sinks, bool) or not isinstance(sinks, int) or not 0 <= sinks <= bs:
             raise ValueError(f"sink_tokens={self.sink_tokens!r} is invalid: must be an integer in [0, block_size={bs}] "
                              "(the sinks live in the first block)")
         if self.window_tokens is None:

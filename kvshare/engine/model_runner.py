@@ -73,8 +73,8 @@ class ModelRunner:
 
         With a bounded-KV policy, each row attends over the blocks its table still holds, with
         the policy's mask per attention variant (one per distinct layer window), and sink rows
-        take their cache positions. Also records, per row, exactly which blocks it reads
-        (`self.reads`: seq id, block ids, table index of each, keys read) for the audit."""
+        take their cache positions. With the event log on, also records per row exactly which
+        blocks it reads (`self.reads`: seq id, block ids, table index of each, keys read)."""
         bs = self.block_size
         mgr = self.manager
         policy = mgr.policy
@@ -86,6 +86,7 @@ class ModelRunner:
         groups: dict = {v: [] for v in variants}
         prefills: dict = {v: [] for v in variants}
         self.reads = []
+        logged = mgr.events is not None  # audit off costs nothing: no bookkeeping then
         tables = [mgr.block_ids(c.seq.seq_id) for c in decode]
         for c, t in zip(decode, tables):
             ids.append(c.seq.token_ids[c.start])
@@ -95,14 +96,15 @@ class ModelRunner:
         if decode and policy is not None and max(ctx_lens) > policy.plain_until:
             # Some row no longer sees all earlier keys: every row takes the padded groups with
             # the policy's bias (the C++ kernel knows only plain causal attention).
-            self._windowed_decode(decode, tables, groups)
+            self._windowed_decode(decode, tables, groups, logged)
         elif decode:
             width = -(-max(ctx_lens) // bs)
             meta.decode_block_tables = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables],
                                                     dtype=torch.long)
             meta.decode_context_lens = torch.tensor(ctx_lens, dtype=torch.long)
-            rows = meta.decode_block_tables.tolist()
-            self.reads.extend((c.seq.seq_id, r[:-(-n // bs)], n, None) for c, r, n in zip(decode, rows, ctx_lens))
+            if logged:
+                rows = meta.decode_block_tables.tolist()
+                self.reads.extend((c.seq.seq_id, r[:-(-n // bs)], n, None) for c, r, n in zip(decode, rows, ctx_lens))
             plain = group_by_length(ctx_lens, bs) if self.model.backend.wants_decode_groups else []
             for r0, r1 in plain:
                 # Rows are sorted by context length: the group's last row sets its padded width.
@@ -129,7 +131,8 @@ class ModelRunner:
             for v in variants:
                 mask = k_pos <= q_pos if policy is None else policy.visible(q_pos, k_pos, v)
                 prefills[v].append(PrefillChunk(row, c.num_tokens, table_t, mask))
-            self.reads.append((seq_id, table, c.end, index if policy is not None else None))
+            if logged:
+                self.reads.append((seq_id, table, c.end, index if policy is not None else None))
             row += c.num_tokens
         meta.slot_mapping = torch.tensor(slots, dtype=torch.long)
         meta.decode_groups, meta.prefills = groups[variants[0]], prefills[variants[0]]
@@ -139,14 +142,16 @@ class ModelRunner:
             meta.layer_metadata = [by_variant[v] for v in policy.layer_variants]
         return torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta
 
-    def _windowed_decode(self, decode: list[ScheduledChunk], tables: list[list[int | None]], groups: dict) -> None:
+    def _windowed_decode(self, decode: list[ScheduledChunk], tables: list[list[int | None]], groups: dict,
+                         logged: bool) -> None:
         """Decode rows over the blocks each still holds (sorted by how many), padded per group;
         the bias is -inf for padding and for keys the row's window does not cover."""
         bs = self.block_size
         policy = self.manager.policy
         index = [[i for i in range(c.start // bs + 1) if t[i] is not None] for c, t in zip(decode, tables)]
-        for c, t, idx in zip(decode, tables, index):
-            self.reads.append((c.seq.seq_id, [t[i] for i in idx], c.start + 1, idx))
+        if logged:
+            self.reads.extend((c.seq.seq_id, [t[i] for i in idx], c.start + 1, idx)
+                              for c, t, idx in zip(decode, tables, index))
         for r0, r1 in group_by_length([len(idx) * bs for idx in index], bs):
             n, width = r1 - r0, len(index[r1 - 1])
             table = torch.zeros(n, width, dtype=torch.long)
