@@ -5,7 +5,10 @@ Part 1, per KV format (bfloat16, int8, fp8_e4m3; the model in bfloat16): a fixed
 from the planner (`kvshare memory`'s code) and is checked against the engine's own pool; then that
 many requests run at once and throughput is measured. On 2 CPU cores the full 512-token decode
 takes minutes per format, so `--gen-tokens` (default 128) shortens the measured run; the
-concurrency figures are always for the full 4,096 + 512.
+concurrency figures are always for the full 4,096 + 512. The configurations' engines are stepped
+in turn, one step each, so background load on a shared machine hits them alike; times are each
+engine's own step times (prefill-step s: steps that computed prompt tokens; decode tok/s: tokens
+per second over the other steps; output / total tok/s: over all its steps).
 
 Part 2, the seed's claim: KV slot utilization of the paged pool vs contiguous per-request
 allocation at max length (HF static cache), on the mixed workload of benchmarks/offline_throughput.py
@@ -64,45 +67,68 @@ def plan_row(cfg: dict, arch, budget: int, block_size: int, prompt: int, output:
             "concurrency": blocks // per_req if per_req else None}
 
 
-def measure(cfg: dict, plan: dict, concurrency: int, budget: int, prompt_len: int, max_len: int, gen: int) -> dict:
-    llm = LLM(dtype="bfloat16", kv_cache_dtype=cfg["kv_cache_dtype"], kv_cache_memory=budget, max_model_len=max_len,
-              enable_prefix_caching=False, max_num_seqs=max(concurrency, 1), **cfg["engine"])
-    eng = llm.engine
-    assert eng.layout.num_blocks == plan["blocks"], (eng.layout.num_blocks, plan["blocks"])
-    assert eng.layout.bytes_per_token == plan["bytes_per_token"]
-    prompts = token_prompts(eng.tokenizer.encode, [prompt_len] * concurrency, offset_step=37)
-    params = SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": prompts[0][:64]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-    eng.stats.peak_blocks_in_use = 0
-    for i, p in enumerate(prompts):
-        eng.add_request(f"kvmem-{i}", {"prompt_token_ids": p}, params)
-    t0 = time.perf_counter()
-    t_first = None
-    peak_running = 0
-    while eng.has_unfinished_requests():
+class Run:
+    """One configuration's engine and requests. Runs are stepped in turn (one step each, round
+    robin), so every configuration sees the same background load on this shared machine."""
+
+    def __init__(self, cfg: dict, plan: dict, concurrency: int, budget: int, prompt_len: int, max_len: int,
+                 gen: int) -> None:
+        self.llm = LLM(dtype="bfloat16", kv_cache_dtype=cfg["kv_cache_dtype"], kv_cache_memory=budget,
+                       max_model_len=max_len, enable_prefix_caching=False, max_num_seqs=max(concurrency, 1),
+                       **cfg["engine"])
+        eng = self.engine = self.llm.engine
+        # The engine's pool is the planner's: same bytes per token, same block count.
+        assert eng.layout.num_blocks == plan["blocks"], (eng.layout.num_blocks, plan["blocks"])
+        assert eng.layout.bytes_per_token == plan["bytes_per_token"]
+        self.concurrency, self.prompt_len, self.gen = concurrency, prompt_len, gen
+        prompts = token_prompts(eng.tokenizer.encode, [prompt_len] * concurrency, offset_step=37)
+        self.llm.generate([{"prompt_token_ids": prompts[0][:64]}], SamplingParams(max_tokens=4), use_tqdm=False)
+        eng.stats.peak_blocks_in_use = 0
+        params = SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            eng.add_request(f"kvmem-{i}", {"prompt_token_ids": p}, params)
+        self.prefill_s = self.decode_s = 0.0
+        self.decode_tokens = self.peak_running = 0
+
+    @property
+    def done(self) -> bool:
+        return not self.engine.has_unfinished_requests()
+
+    def step(self) -> None:
+        eng = self.engine
+        prompt0, decode0 = eng.stats.prompt_tokens_computed, eng.stats.decode_tokens_computed
+        t0 = time.perf_counter()
         outs = eng.step()
-        peak_running = max(peak_running, len(eng.scheduler.running))
-        if t_first is None and all(s.num_output_tokens >= 1 for s in eng.scheduler.running) \
-                and len(eng.scheduler.running) == concurrency:
-            t_first = time.perf_counter()
+        dt = time.perf_counter() - t0
+        self.peak_running = max(self.peak_running, len(eng.scheduler.running))
+        if eng.stats.prompt_tokens_computed > prompt0:
+            self.prefill_s += dt  # steps computing prompt tokens (decode rows of earlier requests too)
+        else:
+            self.decode_s += dt
+            self.decode_tokens += eng.stats.decode_tokens_computed - decode0
         for o in outs:
             if o.finished:
-                assert len(o.outputs[0].token_ids) == gen
-    t_end = time.perf_counter()
-    preempted = eng.scheduler.num_preemptions
-    res = {
-        "seconds": t_end - t0,
-        "prefill_seconds": (t_first or t_end) - t0,
-        "decode_tok_s": concurrency * (gen - 1) / (t_end - t_first) if t_first and t_end > t_first else float("nan"),
-        "total_tok_s": concurrency * (prompt_len + gen) / (t_end - t0),
-        "output_tok_s": concurrency * gen / (t_end - t0),
-        "peak_running": peak_running,
-        "peak_blocks": eng.stats.peak_blocks_in_use,
-        "preemptions": preempted,
-    }
-    del llm, eng
-    gc.collect()
-    return res
+                assert len(o.outputs[0].token_ids) == self.gen
+
+    def result(self) -> dict:
+        busy = self.prefill_s + self.decode_s
+        return {
+            "prefill_seconds": self.prefill_s,
+            "decode_tok_s": self.decode_tokens / self.decode_s if self.decode_s else float("nan"),
+            "output_tok_s": self.concurrency * self.gen / busy,
+            "total_tok_s": self.concurrency * (self.prompt_len + self.gen) / busy,
+            "peak_running": self.peak_running,
+            "peak_blocks": self.engine.stats.peak_blocks_in_use,
+            "preemptions": self.engine.scheduler.num_preemptions,
+        }
+
+
+def measure_all(runs: list[Run]) -> list[dict]:
+    while not all(r.done for r in runs):
+        for r in runs:
+            if not r.done:
+                r.step()
+    return [r.result() for r in runs]
 
 
 def slot_utilization(block_size: int, static_reserve: int, num: int = 64, seed: int = 0) -> dict:
@@ -168,24 +194,27 @@ def main(argv=None) -> int:
     print(f"KV budget {budget / 2**20:.0f} MiB, requests of {args.prompt_len} prompt + {args.output_len} generated "
           f"tokens, block size {args.block_size}, model in bfloat16; measured runs generate {args.gen_tokens} tokens")
     header = ("config", "KV B/token", "pool blocks", "blocks/request", "max concurrency", "peak running",
-              "preempt", "prefill s", "decode tok/s", "output tok/s", "total tok/s")
+              "preempt", "prefill-step s", "decode tok/s", "output tok/s", "total tok/s")
     print(" | ".join(header))
     print("|".join("---" for _ in header), flush=True)
+    rows, runs = [], []
     for cfg in CONFIGS:
         plan = plan_row(cfg, arch, budget, args.block_size, args.prompt_len, args.output_len)
         conc = args.sink_concurrency if args.sink_concurrency and cfg is CONFIGS[3] else plan["concurrency"]
         row = [cfg["label"], f"{plan['bytes_per_token']:,}", f"{plan['blocks']:,}",
                str(plan["blocks_per_request"] or "hook"), str(plan["concurrency"] or "hook")]
+        rows.append(row)
         if args.skip_throughput or cfg["label"] not in wanted or not conc:
-            print(" | ".join(row + ["-"] * 6))
+            row += ["-"] * 6
             continue
         try:
-            m = measure(cfg, plan, conc, budget, args.prompt_len, max_len, args.gen_tokens)
+            runs.append((row, Run(cfg, plan, conc, budget, args.prompt_len, max_len, args.gen_tokens)))
         except (TypeError, ValueError) as e:  # e.g. an engine option that does not exist yet
-            print(" | ".join(row + [f"not run: {e}"] + ["-"] * 5))
-            continue
+            row += [f"not run: {e}"] + ["-"] * 5
+    for (row, _), m in zip(runs, measure_all([r for _, r in runs])):
         row += [str(m["peak_running"]), str(m["preemptions"]), f"{m['prefill_seconds']:.1f}",
-                f"{m['decode_tok_s']:.1f}", f"{m['output_tok_s']:.1f}", f"{m['total_tok_s']:.1f}"]
+                f"{m['decode_tok_s']:.1f}", f"{m['output_tok_s']:.2f}", f"{m['total_tok_s']:.1f}"]
+    for row in rows:
         print(" | ".join(row), flush=True)
 
     u_model = slot_utilization(args.block_size, arch.max_position_embeddings)

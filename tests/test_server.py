@@ -453,7 +453,8 @@ def test_bench_serve_sweeps_this_server(server, tmp_path):
                      json.dumps({"messages": [{"role": "user", "content": "Hi"}]}) + "\n")
     out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
     runs = (("shared", "completions", ["--concurrency", "1,2"]), (str(jsonl), "chat", ["--concurrency", "1,2"]),
-            ("mixed", "completions", ["--request-rate", "5,10"]))  # the last: Poisson arrivals
+            ("mixed", "completions", ["--request-rate", "5,10", "--prompt-tokens", "16,128"]))  # Poisson arrivals;
+    # the prompt range keeps the mixed prompts inside this server's --max-model-len 512
     for workload, endpoint, load in runs:
         r = subprocess.run([sys.executable, "-m", "kvshare.cli", "bench", "serve", "--base-url", server.url, *load,
                             "--num-requests", "2", "--max-tokens", "4", "--warmup", "0",

@@ -90,9 +90,10 @@ def file_workload(path: str, max_tokens: int) -> list[BenchRequest]:
     return out
 
 
-def make_workload(name: str, num: int, max_tokens: int, tag: str, seed: int = 0) -> list[BenchRequest]:
+def make_workload(name: str, num: int, max_tokens: int, tag: str, seed: int = 0,
+                  prompt_tokens: tuple[int, int] = (32, 512)) -> list[BenchRequest]:
     if name == "mixed":
-        return mixed_workload(num, max_tokens, tag, seed)
+        return mixed_workload(num, max_tokens, tag, seed, prompt_tokens)
     if name == "shared":
         return shared_workload(num, max_tokens, tag, seed)
     reqs = file_workload(name, max_tokens)
@@ -216,6 +217,7 @@ class SweepOptions:
     api_key: str | None = None
     label: str = "server"
     timeout: float = 600.0
+    prompt_tokens: tuple[int, int] = (32, 512)  # the mixed workload's prompt length range
     # Prompt tags: equal tags give equal prompts (two servers compared on the same text); the
     # default is fresh per sweep, so a second sweep on the same server finds nothing cached.
     tag: str | None = None
@@ -256,7 +258,7 @@ async def run_sweep(opts: SweepOptions, log=print) -> dict:
         tag = opts.tag or os.urandom(3).hex()
         for level in opts.levels:
             reqs = make_workload(opts.workload, _num_requests(opts, level), opts.max_tokens, f"{tag}-{level:g}",
-                                 opts.seed)
+                                 opts.seed, opts.prompt_tokens)
             if opts.mode == "concurrency":
                 results, duration = await closed_loop(sender, reqs, int(level))
             else:
@@ -266,6 +268,9 @@ async def run_sweep(opts: SweepOptions, log=print) -> dict:
             log(f"  {opts.label} {opts.workload} {opts.mode}={level:g}: {s['completed']}/{s['num_requests']} ok, "
                 f"{s['total_tok_s']:.1f} total tok/s, {s['output_tok_s']:.1f} out tok/s, "
                 f"TTFT p50 {(s['ttft_p50_s'] or 0) * 1000:.0f} ms")
+            errors = sorted({r.error for r in results if r.error})
+            if errors:  # say why, or a failed sweep is a bare exit status
+                log(f"    failed requests: {'; '.join(errors[:3])}")
     sweep = {"label": opts.label, "base_url": opts.base_url, "model": model, "endpoint": opts.endpoint,
              "workload": opts.workload, "mode": opts.mode, "max_tokens": opts.max_tokens, "levels": levels}
     sweep["knee"] = find_knee(levels)
@@ -282,6 +287,16 @@ def _levels(text: str) -> tuple[float, ...]:
     if not values or any(v <= 0 for v in values):
         raise argparse.ArgumentTypeError(f"{text!r}: levels must be positive numbers")
     return values
+
+
+def _length_range(text: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give MIN,MAX token counts, e.g. 32,512") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"{text!r}: need 1 <= MIN <= MAX")
+    return lo, hi
 
 
 def add_bench_parser(sub) -> None:
@@ -301,6 +316,8 @@ def add_bench_parser(sub) -> None:
                    help="requests per level (default: --requests-per-level x the level, at least 4)")
     p.add_argument("--requests-per-level", type=float, default=3.0)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=_length_range, default=(32, 512),
+                   help="mixed workload: prompt length range MIN,MAX in tokens (default 32,512)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--ignore-eos", action="store_true", help="send vLLM's ignore_eos (servers that know it)")
     p.add_argument("--warmup", type=int, default=2)
@@ -320,7 +337,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         mode="rate" if rate else "concurrency", num_requests=args.num_requests,
         per_level_factor=args.requests_per_level, max_tokens=args.max_tokens, temperature=args.temperature,
         ignore_eos=args.ignore_eos, max_concurrency=args.max_concurrency, warmup=args.warmup, seed=args.seed,
-        api_key=args.api_key, label=args.label,
+        api_key=args.api_key, label=args.label, prompt_tokens=args.prompt_tokens,
     )
     if opts.workload not in ("mixed", "shared") and not os.path.exists(opts.workload):
         raise ValueError(f"--workload {opts.workload!r}: give mixed, shared or an existing JSONL file")
