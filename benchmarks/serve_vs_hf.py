@@ -124,6 +124,9 @@ def main(argv=None) -> int:
     ap.add_argument("--workloads", default="mixed,shared")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--requests-per-level", type=float, default=1.5)
+    ap.add_argument("--prompt-tokens", default="32,512", help="mixed workload: prompt length range MIN,MAX")
+    ap.add_argument("--output-tokens", default=None,
+                    help="mixed workload: output length range MIN,MAX (default: --max-tokens/2,--max-tokens)")
     ap.add_argument("--kvshare-args", default="--kv-cache-memory 1GiB --max-num-seqs 64",
                     help="engine options for kvshare serve")
     ap.add_argument("--hf-dir", default=os.path.join(ROOT, "bench_out", "smol-hf"))
@@ -138,6 +141,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     levels = tuple(float(x) for x in args.levels.split(","))
+    prompt_tokens = tuple(int(x) for x in args.prompt_tokens.split(","))
+    output_tokens = tuple(int(x) for x in args.output_tokens.split(",")) if args.output_tokens else None
     workloads = args.workloads.split(",")
     log_dir = os.path.dirname(os.path.abspath(args.out_json))
     os.makedirs(log_dir, exist_ok=True)
@@ -172,6 +177,7 @@ def main(argv=None) -> int:
                 for name, s in servers.items():
                     opts = SweepOptions(base_url=s.url, workload=wl, levels=(level,), warmup=0,
                                         max_tokens=args.max_tokens, per_level_factor=args.requests_per_level,
+                                        prompt_tokens=prompt_tokens, output_tokens=output_tokens,
                                         label=name, tag=tag)
                     sw = asyncio.run(run_sweep(opts, log=lambda m: print(m, flush=True)))
                     if name in results[wl]:
@@ -187,6 +193,7 @@ def main(argv=None) -> int:
     elapsed = time.monotonic() - t_start
 
     summary = {"elapsed_s": elapsed, "levels": levels, "max_tokens": args.max_tokens, "threads": args.threads,
+               "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
                "command": " ".join(["python", "benchmarks/serve_vs_hf.py", *(argv or sys.argv[1:])]),
                "requests_per_level": args.requests_per_level, "kvshare_args": args.kvshare_args,
                "hf_mode": "continuous-batching" if args.hf_continuous_batching else "default (one generate at a time)",

@@ -453,8 +453,9 @@ def test_bench_serve_sweeps_this_server(server, tmp_path):
                      json.dumps({"messages": [{"role": "user", "content": "Hi"}]}) + "\n")
     out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
     runs = (("shared", "completions", ["--concurrency", "1,2"]), (str(jsonl), "chat", ["--concurrency", "1,2"]),
-            ("mixed", "completions", ["--request-rate", "5,10", "--prompt-tokens", "16,128"]))  # Poisson arrivals;
-    # the prompt range keeps the mixed prompts inside this server's --max-model-len 512
+            ("mixed", "completions", ["--request-rate", "5,10", "--prompt-tokens", "16,128", "--output-tokens", "2,3"]))
+    # the last: Poisson arrivals; its prompt range keeps the mixed prompts inside this server's
+    # --max-model-len 512, its output range overrides --max-tokens
     for workload, endpoint, load in runs:
         r = subprocess.run([sys.executable, "-m", "kvshare.cli", "bench", "serve", "--base-url", server.url, *load,
                             "--num-requests", "2", "--max-tokens", "4", "--warmup", "0",
@@ -469,9 +470,10 @@ def test_bench_serve_sweeps_this_server(server, tmp_path):
         assert sweep["mode"] == ("rate" if "--request-rate" in load else "concurrency")
         for s in sweep["levels"]:
             assert s["completed"] == 2 and s["failed"] == 0
-            # From the server's usage: 3 + 4 (the file's max_tokens), 2 x 4, or mixed's 2-4 each.
+            # From the server's usage: 3 + 4 (the file's max_tokens), 2 x 4, or mixed's 2-3 each
+            # (--output-tokens, not --max-tokens).
             if workload == "mixed":
-                assert 4 <= s["output_tokens"] <= 8
+                assert 4 <= s["output_tokens"] <= 6
             else:
                 assert s["output_tokens"] == (7 if endpoint == "chat" else 8)
             assert s["total_tok_s"] > s["output_tok_s"] > 0 and s["ttft_p50_s"] <= s["e2e_p50_s"]

@@ -44,15 +44,18 @@ def _words(start: int, count: int) -> str:
 
 
 def mixed_workload(num: int, max_tokens: int, tag: str, seed: int = 0,
-                   prompt_tokens: tuple[int, int] = (32, 512)) -> list[BenchRequest]:
-    """Prompts of 32-512 tokens and outputs of max_tokens/2 to max_tokens, uniform; each prompt
-    opens with its own tag so no two requests (nor two levels) share a cached prefix."""
+                   prompt_tokens: tuple[int, int] = (32, 512),
+                   output_tokens: tuple[int, int] | None = None) -> list[BenchRequest]:
+    """Prompts of 32-512 tokens and outputs of max_tokens/2 to max_tokens (or `output_tokens`),
+    uniform; each prompt opens with its own tag so no two requests (nor two levels) share a
+    cached prefix."""
     rng = random.Random(f"{seed}-{tag}")
+    lo, hi = output_tokens or (max(1, max_tokens // 2), max_tokens)
     out = []
     for i in range(num):
         words = int(rng.randint(*prompt_tokens) / TOKENS_PER_WORD)
         text = f"[{tag}/{i}] " + _words(rng.randrange(10_000), words)
-        out.append(BenchRequest(prompt=text, max_tokens=rng.randint(max(1, max_tokens // 2), max_tokens),
+        out.append(BenchRequest(prompt=text, max_tokens=rng.randint(lo, hi),
                                 est_prompt_tokens=int((words + 3) * TOKENS_PER_WORD)))
     return out
 
@@ -91,9 +94,10 @@ def file_workload(path: str, max_tokens: int) -> list[BenchRequest]:
 
 
 def make_workload(name: str, num: int, max_tokens: int, tag: str, seed: int = 0,
-                  prompt_tokens: tuple[int, int] = (32, 512)) -> list[BenchRequest]:
+                  prompt_tokens: tuple[int, int] = (32, 512),
+                  output_tokens: tuple[int, int] | None = None) -> list[BenchRequest]:
     if name == "mixed":
-        return mixed_workload(num, max_tokens, tag, seed, prompt_tokens)
+        return mixed_workload(num, max_tokens, tag, seed, prompt_tokens, output_tokens)
     if name == "shared":
         return shared_workload(num, max_tokens, tag, seed)
     reqs = file_workload(name, max_tokens)
@@ -218,6 +222,7 @@ class SweepOptions:
     label: str = "server"
     timeout: float = 600.0
     prompt_tokens: tuple[int, int] = (32, 512)  # the mixed workload's prompt length range
+    output_tokens: tuple[int, int] | None = None  # ... and its output range (None: max_tokens/2..max_tokens)
     # Prompt tags: equal tags give equal prompts (two servers compared on the same text); the
     # default is fresh per sweep, so a second sweep on the same server finds nothing cached.
     tag: str | None = None
@@ -258,7 +263,7 @@ async def run_sweep(opts: SweepOptions, log=print) -> dict:
         tag = opts.tag or os.urandom(3).hex()
         for level in opts.levels:
             reqs = make_workload(opts.workload, _num_requests(opts, level), opts.max_tokens, f"{tag}-{level:g}",
-                                 opts.seed, opts.prompt_tokens)
+                                 opts.seed, opts.prompt_tokens, opts.output_tokens)
             if opts.mode == "concurrency":
                 results, duration = await closed_loop(sender, reqs, int(level))
             else:
@@ -318,6 +323,8 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompt-tokens", type=_length_range, default=(32, 512),
                    help="mixed workload: prompt length range MIN,MAX in tokens (default 32,512)")
+    p.add_argument("--output-tokens", type=_length_range, default=None,
+                   help="mixed workload: max_tokens range MIN,MAX (default: --max-tokens/2,--max-tokens)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--ignore-eos", action="store_true", help="send vLLM's ignore_eos (servers that know it)")
     p.add_argument("--warmup", type=int, default=2)
@@ -338,6 +345,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         per_level_factor=args.requests_per_level, max_tokens=args.max_tokens, temperature=args.temperature,
         ignore_eos=args.ignore_eos, max_concurrency=args.max_concurrency, warmup=args.warmup, seed=args.seed,
         api_key=args.api_key, label=args.label, prompt_tokens=args.prompt_tokens,
+        output_tokens=args.output_tokens,
     )
     if opts.workload not in ("mixed", "shared") and not os.path.exists(opts.workload):
         raise ValueError(f"--workload {opts.workload!r}: give mixed, shared or an existing JSONL file")
