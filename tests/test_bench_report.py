@@ -45,3 +45,8 @@ def test_workloads_share_exactly_what_they_should():
     assert len(firsts) == 20  # every prompt opens with its own tag: nothing cached across requests
     assert all(16 <= r.max_tokens <= 32 for r in mixed)
     assert make_workload("mixed", 5, 32, "t3")[0].prompt != mixed[0].prompt
+    # --prompt-tokens / --output-tokens: the ranges hold, and they really move the draws.
+    ranged = make_workload("mixed", 40, 32, "t2", prompt_tokens=(64, 80), output_tokens=(100, 128))
+    assert all(100 <= r.max_tokens <= 128 for r in ranged)
+    assert all(60 <= r.est_prompt_tokens <= 90 for r in ranged)
+    assert max(r.est_prompt_tokens for r in mixed) > 200

@@ -257,7 +257,8 @@ async def run_sweep(opts: SweepOptions, log=print) -> dict:
             body = request_body(req, opts.endpoint, model, opts.temperature, extra)
             return send_one(client, url, body, headers, req.est_prompt_tokens)
 
-        for req in make_workload(opts.workload, opts.warmup, opts.max_tokens, "warmup", opts.seed):
+        for req in make_workload(opts.workload, opts.warmup, opts.max_tokens, "warmup", opts.seed,
+                                 opts.prompt_tokens, opts.output_tokens):
             await sender(req)
         levels = []
         tag = opts.tag or os.urandom(3).hex()
