@@ -8,6 +8,7 @@ import torch
 
 from kvshare.engine.scheduler import ScheduledChunk, SchedulerOutput
 from kvshare.kvcache.audit import KVAuditor
+from kvshare.kvcache.block_pool import Block
 from kvshare.kvcache.manager import KVCacheManager
 from kvshare.model.attention import AttentionMetadata, DecodeGroup, KVCache, PrefillChunk
 from kvshare.model.layers import rope_inv_freq
@@ -87,11 +88,11 @@ class ModelRunner:
         prefills: dict = {v: [] for v in variants}
         self.reads = []
         logged = mgr.events is not None  # audit off costs nothing: no bookkeeping then
-        tables = [mgr.block_ids(c.seq.seq_id) for c in decode]
+        tables = [mgr.tables[c.seq.seq_id] for c in decode]  # Blocks, None where released
         for c, t in zip(decode, tables):
             ids.append(c.seq.token_ids[c.start])
             positions.append(c.start - mgr.rope_offset(c.seq.seq_id))
-            slots.append(t[c.start // bs] * bs + c.start % bs)
+            slots.append(t[c.start // bs].block_id * bs + c.start % bs)
         ctx_lens = [c.start + 1 for c in decode]
         if decode and policy is not None and max(ctx_lens) > policy.plain_until:
             # Some row no longer sees all earlier keys: every row takes the padded groups with
@@ -99,8 +100,9 @@ class ModelRunner:
             self._windowed_decode(decode, tables, groups, logged)
         elif decode:
             width = -(-max(ctx_lens) // bs)
-            meta.decode_block_tables = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables],
-                                                    dtype=torch.long)
+            # Nothing is released yet on this path (every row is within every window).
+            meta.decode_block_tables = torch.tensor(
+                [[b.block_id for b in t[:width]] + [0] * (width - len(t[:width])) for t in tables], dtype=torch.long)
             meta.decode_context_lens = torch.tensor(ctx_lens, dtype=torch.long)
             if logged:
                 rows = meta.decode_block_tables.tolist()
@@ -142,15 +144,15 @@ class ModelRunner:
             meta.layer_metadata = [by_variant[v] for v in policy.layer_variants]
         return torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta
 
-    def _windowed_decode(self, decode: list[ScheduledChunk], tables: list[list[int | None]], groups: dict,
+    def _windowed_decode(self, decode: list[ScheduledChunk], tables: list[list[Block | None]], groups: dict,
                          logged: bool) -> None:
         """Decode rows over the blocks each still holds (sorted by how many), padded per group;
         the bias is -inf for padding and for keys the row's window does not cover."""
         bs = self.block_size
         policy = self.manager.policy
-        index = [[i for i in range(c.start // bs + 1) if t[i] is not None] for c, t in zip(decode, tables)]
+        index = [self.manager.held_indices(c.seq.seq_id, c.start // bs + 1) for c in decode]
         if logged:
-            self.reads.extend((c.seq.seq_id, [t[i] for i in idx], c.start + 1, idx)
+            self.reads.extend((c.seq.seq_id, [t[i].block_id for i in idx], c.start + 1, idx)
                               for c, t, idx in zip(decode, tables, index))
         for r0, r1 in group_by_length([len(idx) * bs for idx in index], bs):
             n, width = r1 - r0, len(index[r1 - 1])
@@ -158,7 +160,7 @@ class ModelRunner:
             k_pos = torch.full((n, width * bs), -1, dtype=torch.long)  # -1: padding
             for r in range(r0, r1):
                 idx = index[r]
-                table[r - r0, :len(idx)] = torch.tensor([tables[r][i] for i in idx], dtype=torch.long)
+                table[r - r0, :len(idx)] = torch.tensor([tables[r][i].block_id for i in idx], dtype=torch.long)
                 k_pos[r - r0, :len(idx) * bs] = _key_positions(idx, bs)
             q_pos = torch.tensor([c.start for c in decode[r0:r1]]).unsqueeze(1)
             for v in groups:
@@ -173,7 +175,7 @@ class ModelRunner:
         bs = self.block_size
 
         def live(c: ScheduledChunk) -> int:
-            return sum(1 for b in self.manager.tables[c.seq.seq_id][:c.start // bs + 1] if b is not None)
+            return len(self.manager.held_indices(c.seq.seq_id, c.start // bs + 1))
 
         return sorted(decode, key=lambda c: (live(c), c.start))
 

@@ -32,11 +32,16 @@ class KVCacheManager:
                  events: EventLog | None = None, policy: SlidingWindow | SinkWindow | None = None) -> None:
         self.block_size = block_size
         self.policy = policy
+        # Blocks a sequence may publish to the prefix cache (None: all); fixed by the policy.
+        self.publish_limit = policy.publishable_blocks() if policy is not None else None
         self.events = events
         self.pool = BlockPool(num_blocks, events)
         self.enable_prefix_caching = enable_prefix_caching
         self.hasher = BlockHasher(block_size)
         self.tables: dict[str, list[Block | None]] = {}  # None: released (outside every window)
+        # Released entries always form one run [policy.keep_head, _released[seq]): windows only
+        # move forward. Kept so that per-step work does not grow with the sequence's length.
+        self._released: dict[str, int] = {}
         # Per sequence: chained hashes of its full blocks, and how many of its blocks are registered.
         self._hashes: dict[str, list[bytes]] = {}
         self._registered: dict[str, int] = {}
@@ -61,7 +66,17 @@ class KVCacheManager:
         return [b.block_id if b is not None else None for b in self.tables.get(seq_id, ())]
 
     def num_held_blocks(self, seq_id: str) -> int:
-        return sum(1 for b in self.tables.get(seq_id, ()) if b is not None)
+        return len(self.tables.get(seq_id, ())) - self._num_released(seq_id)
+
+    def _num_released(self, seq_id: str) -> int:
+        if self.policy is None:
+            return 0
+        return max(0, self._released.get(seq_id, 0) - self.policy.keep_head)
+
+    def held_indices(self, seq_id: str, upto: int) -> list[int]:
+        """Table indices below `upto` that still hold a block, in order."""
+        head = self.policy.keep_head if self.policy is not None else 0
+        return list(range(min(head, upto))) + list(range(head + self._num_released(seq_id), upto))
 
     def rope_offset(self, seq_id: str) -> int:
         """Text position minus cache position for this sequence's new tokens (sinks only)."""
@@ -115,7 +130,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return []
         max_blocks = (len(token_ids) - 1) // self.block_size
-        limit = self.policy.publishable_blocks() if self.policy is not None else None
+        limit = self.publish_limit
         if limit is not None:
             max_blocks = min(max_blocks, limit)
         hashes = self._block_hashes(seq_id, token_ids, cache_salt, max_blocks)
@@ -140,7 +155,7 @@ class KVCacheManager:
             return []
         bs = self.block_size
         first, last = -(-start // bs), end // bs
-        limit = self.policy.publishable_blocks() if self.policy is not None else None
+        limit = self.publish_limit
         if limit is not None:
             last = min(last, limit)  # the rest will never be published: nobody should wait for it
         if last <= first:
@@ -162,7 +177,7 @@ class KVCacheManager:
         if not table:
             return
         full = min(num_computed // self.block_size, len(table))
-        limit = self.policy.publishable_blocks() if self.policy is not None else None
+        limit = self.publish_limit
         if limit is not None:
             # Re-rotated keys no longer match their hash position-wise: a sink sequence
             # publishes only blocks computed before any masking, and nothing once it rotated.
@@ -201,6 +216,7 @@ class KVCacheManager:
             self.pool.incref(block, seq_id)
             table.append(block)
         self.tables[seq_id] = table
+        self._released[seq_id] = max((i + 1 for i, b in enumerate(cached) if b is None), default=0)
         self._registered[seq_id] = len(cached)
 
     def allocate_slots(self, seq_id: str, num_computed: int, num_new_tokens: int) -> bool:
@@ -242,6 +258,7 @@ class KVCacheManager:
             if block is not None:
                 self.pool.incref(block, child_id)
         self.tables[child_id] = list(parent)
+        self._released[child_id] = self._released.get(parent_id, 0)
         if parent_id in self._rope_offset:
             self._rope_offset[child_id] = self._rope_offset[parent_id]
         self._hashes[child_id] = list(self._hashes.get(parent_id, []))
@@ -272,11 +289,12 @@ class KVCacheManager:
             return True
         policy = self.policy
         end = min(policy.released_blocks(start), len(table))
-        for i in range(policy.keep_head, end):
+        for i in range(max(policy.keep_head, self._released.get(seq_id, 0)), end):
             block = table[i]
             if block is not None:
                 table[i] = None
                 self.pool.decref(block, seq_id)
+        self._released[seq_id] = max(self._released.get(seq_id, 0), end)
         offset = policy.rope_offset(start)
         old = self._rope_offset.get(seq_id, 0)
         if offset == old:
@@ -312,6 +330,7 @@ class KVCacheManager:
         self._registered.pop(seq_id, None)
         self.salts.pop(seq_id, None)
         self._rope_offset.pop(seq_id, None)
+        self._released.pop(seq_id, None)
         self.pending_rotations.pop(seq_id, None)
         if not table:
             return
