@@ -34,11 +34,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 def engine_options(args: argparse.Namespace) -> dict:
     return dict(
         model=args.model, dtype=args.dtype, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+        kv_cache_dtype=args.kv_cache_dtype,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
-        seed=args.seed, kv_event_log=args.kv_event_log, kv_policy=getattr(args, "kv_policy", None),
-        sink_tokens=getattr(args, "sink_tokens", 4), window_tokens=getattr(args, "window_tokens", None),
+        seed=args.seed, kv_event_log=args.kv_event_log, kv_policy=args.kv_policy,
+        sink_tokens=args.sink_tokens, window_tokens=args.window_tokens,
         # Only an explicit --audit overrides KVSHARE_AUDIT.
         **({"audit": True} if args.audit else {}),
     )

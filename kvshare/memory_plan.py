@@ -269,10 +269,10 @@ def plan_memory(arch: ModelArchConfig, cfg: PlanConfig, model: str = "") -> Memo
 def load_arch_config(model: str | os.PathLike[str] | None) -> tuple[ModelArchConfig, str]:
     """(architecture, resolved path) from a GGUF file's metadata, an HF directory's config.json,
     or a bare config.json file; None is the bundled model. No tensor data is read."""
-    from kvshare.model.loader import ModelLoadError, resolve_model_path
+    from kvshare.model.loader import ModelLoadError, _has_gguf_magic, resolve_model_path
 
     path = os.fspath(model) if model is not None else None
-    if path is not None and os.path.isfile(path) and not _is_gguf(path):
+    if path is not None and os.path.isfile(path) and not _has_gguf_magic(path):
         return _arch_from_config_json(path), path
     kind, path = resolve_model_path(model)
     if kind == "hf":
@@ -286,11 +286,6 @@ def load_arch_config(model: str | os.PathLike[str] | None) -> tuple[ModelArchCon
         reader = gguf_loader.open_gguf(path)
         return gguf_loader.config_from_gguf(gguf_loader.read_metadata(reader), reader, path), path
     return gguf_loader.config_from_gguf(header.metadata, header, path), path
-
-
-def _is_gguf(path: str) -> bool:
-    with open(path, "rb") as f:
-        return f.read(4) == b"GGUF"
 
 
 def _arch_from_config_json(path: str) -> ModelArchConfig:

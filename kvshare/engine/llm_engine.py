@@ -18,7 +18,7 @@ from kvshare.engine.scheduler import Scheduler
 from kvshare.errors import InvalidRequestError
 from kvshare.kvcache.audit import KVAuditor
 from kvshare.kvcache.events import EventLog
-from kvshare.kvcache.kv_policy import SinkWindow, build_kv_policy
+from kvshare.kvcache.kv_policy import build_kv_policy
 from kvshare.kvcache.manager import KVCacheManager
 from kvshare.memory_plan import kv_pool_blocks
 from kvshare.model.attention import KVCache, TorchPagedAttention
@@ -100,7 +100,7 @@ class LLMEngine:
         # The model's own sliding windows, or the opt-in sink policy: what bounds KV per sequence.
         self.kv_policy = build_kv_policy(config, mc, max_model_len)
         # Sink sequences keep cache positions below max_model_len whatever their length.
-        self._length_unbounded = isinstance(self.kv_policy, SinkWindow)
+        self._length_unbounded = self.kv_policy is not None and self.kv_policy.generates_past_max_model_len
         self.layout = KVLayout(bytes_per_token, config.block_size, num_blocks, max_model_len, self.kv_format.name)
         logger.info(self.layout.describe())
         self.manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,

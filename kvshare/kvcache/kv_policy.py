@@ -30,6 +30,8 @@ SINK = "sink"  # the one attention variant of SinkWindow
 class SlidingWindow:
     windows: tuple[int | None, ...]  # per layer
     block_size: int
+    # Positions stay text positions: a sequence still ends at max_model_len.
+    generates_past_max_model_len = False
 
     @property
     def layer_variants(self) -> tuple[int | None, ...]:
@@ -90,6 +92,8 @@ class SinkWindow:
     block_size: int
     max_positions: int  # RoPE table size: cache positions stay below it
     num_layers: int
+    # Cache positions stay below max_model_len however long the sequence grows.
+    generates_past_max_model_len = True
 
     @property
     def layer_variants(self) -> tuple[str, ...]:

@@ -109,12 +109,6 @@ class AttentionBackend:
         raise NotImplementedError
 
 
-def _gather_blocks(cache: torch.Tensor | QuantizedKV, tables: torch.Tensor, block_size: int,
-                   dtype: torch.dtype) -> torch.Tensor:
-    """cache [KVH, slots, D], tables [..., nblk] -> [KVH, ..., nblk * block_size, D] in `dtype`."""
-    return kv_quant.gather_blocks(cache, tables, block_size, dtype)
-
-
 class TorchPagedAttention(AttentionBackend):
     def __init__(self, block_size: int, use_cpp_kernel: bool = True) -> None:
         self.block_size = block_size
@@ -147,8 +141,8 @@ class TorchPagedAttention(AttentionBackend):
         for g in decode_groups:
             # One query row per sequence: plain matmul-softmax-matmul beats SDPA here by far.
             s, n = g.row_start, g.num_rows
-            keys = _gather_blocks(k_cache, g.block_tables, bs, q.dtype)  # [KVH, n, L, D]
-            vals = _gather_blocks(v_cache, g.block_tables, bs, q.dtype)
+            keys = kv_quant.gather_blocks(k_cache, g.block_tables, bs, q.dtype)  # [KVH, n, L, D]
+            vals = kv_quant.gather_blocks(v_cache, g.block_tables, bs, q.dtype)
             qd = q[s:s + n].view(n, num_kv, group, head_dim).transpose(0, 1)  # [KVH, n, G, D]
             scores = torch.matmul(qd, keys.transpose(-1, -2)).float()  # [KVH, n, G, L]
             scores.mul_(scale).add_(g.bias)
@@ -157,8 +151,8 @@ class TorchPagedAttention(AttentionBackend):
             out[s:s + n] = o.transpose(0, 1).reshape(n, num_heads, head_dim)
         for c in meta.prefills:
             s, n = c.query_start, c.query_len
-            keys = _gather_blocks(k_cache, c.block_table, bs, q.dtype)  # [KVH, C, D]
-            vals = _gather_blocks(v_cache, c.block_table, bs, q.dtype)
+            keys = kv_quant.gather_blocks(k_cache, c.block_table, bs, q.dtype)  # [KVH, C, D]
+            vals = kv_quant.gather_blocks(v_cache, c.block_table, bs, q.dtype)
             qc = q[s:s + n].transpose(0, 1)  # [H, n, D]
             o = F.scaled_dot_product_attention(
                 qc.unsqueeze(0), keys.unsqueeze(0), vals.unsqueeze(0), attn_mask=c.mask,

@@ -43,7 +43,3 @@ class ModelArchConfig:
         if self.layer_windows is not None:
             return list(self.layer_windows)
         return [self.sliding_window] * self.num_layers
-
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """2 (K and V) x layers x kv_heads x head_dim x dtype bytes."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes

@@ -55,9 +55,9 @@ class RotaryEmbedding:
         # q: [T, H, D], k: [T, KVH, D]
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from kvshare.model.attention import KVCache
+from kvshare.model.layers import rotate_half
 
 
 def rerotate_keys(kv_cache: KVCache, block_ids: list[int], shift: int, inv_freq: torch.Tensor) -> None:
@@ -25,6 +26,5 @@ def rerotate_keys(kv_cache: KVCache, block_ids: list[int], shift: int, inv_freq:
     angle = shift * inv_freq.double()
     cos = torch.cat((angle.cos(), angle.cos())).float()
     sin = torch.cat((angle.sin(), angle.sin())).float()
-    half = x.shape[-1] // 2
-    rotated = x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+    rotated = x * cos + rotate_half(x) * sin
     keys.index_copy_(2, slots, rotated.to(keys.dtype))
