@@ -26,10 +26,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 CHILD = r"""
-import json, sys, time
+import json, os, sys, time
 sys.path.insert(0, sys.argv[1])
 from kvshare import LLM, SamplingParams
-from kvshare.bench.workloads import mixed_lengths, token_prompts
+sys.path.insert(0, os.path.join(sys.argv[1], "benchmarks"))
+from offline_throughput import build_workload  # the workload as that tree defines it
 num, audit, dtype = int(sys.argv[2]), sys.argv[3] == "on", sys.argv[4]
 opts = dict(kv_cache_memory="1GiB", dtype=dtype)
 if audit:
@@ -48,9 +49,8 @@ if auditor is not None:  # time the invariant checks themselves: a cost figure b
         return run
     for name in ("check_state", "check_io", "check_rotations", "apply_copies"):
         setattr(auditor, name, timed(getattr(auditor, name)))
-pairs = mixed_lengths(num, (64, 512), (32, 128), seed=0)
-prompts = token_prompts(llm.engine.tokenizer.encode, [p for p, _ in pairs])
-params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in pairs]
+prompts, outs = build_workload(llm.engine.tokenizer, num, 0)
+params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outs]
 llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], params[:4], use_tqdm=False)  # warm-up
 audit_s[0] = 0.0
 t0 = time.perf_counter()

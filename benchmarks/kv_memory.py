@@ -33,7 +33,8 @@ import time
 
 from kvshare import LLM, SamplingParams
 from kvshare.bench import agreement as agreement_metrics
-from kvshare.bench.workloads import mixed_lengths, token_prompts
+from kvshare.bench.workloads import token_prompts
+from offline_throughput import mixed_pairs  # this directory: the mixed workload's lengths
 from kvshare.config import parse_bytes
 from kvshare.kvcache.kv_policy import SinkWindow
 from kvshare.memory_plan import blocks_per_request, kv_pool_blocks, load_arch_config
@@ -135,7 +136,7 @@ def slot_utilization(block_size: int, static_reserve: int, num: int = 64, seed: 
     """Used / reserved token slots over every decode step of every request of the mixed workload.
     Paged: a request holds ceil(tokens / block_size) blocks at each step. Contiguous: it holds
     `static_reserve` slots from admission to finish, whatever its length."""
-    pairs = mixed_lengths(num, (64, 512), (32, 128), seed=seed)
+    pairs = mixed_pairs(num, seed)
     used = paged = static = 0
     for p, o in pairs:
         for t in range(p + 1, p + o + 1):  # tokens in the cache while decoding output t - p

@@ -22,8 +22,13 @@ from kvshare.bench.workloads import mixed_lengths, token_prompts
 from kvshare.model.loader import bundled_model_path
 
 
+def mixed_pairs(num: int, seed: int) -> list[tuple[int, int]]:
+    """(prompt, output) lengths of the mixed workload, shared by the other offline benchmarks."""
+    return mixed_lengths(num, (64, 512), (32, 128), seed=seed)
+
+
 def build_workload(tokenizer, num: int, seed: int):
-    pairs = mixed_lengths(num, (64, 512), (32, 128), seed=seed)
+    pairs = mixed_pairs(num, seed)
     prompts = token_prompts(tokenizer.encode, [p for p, _ in pairs])
     return prompts, [o for _, o in pairs]
 

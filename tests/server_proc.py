@@ -6,20 +6,15 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
+from kvshare.testing.ports import free_port
+
 SMALL_ENGINE = ["--kv-cache-memory", "64MiB", "--max-model-len", "512"]
 MODEL = "SmolLM2-135M-Instruct"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 _SAMPLE = re.compile(r'^([a-zA-Z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)$')

@@ -2,7 +2,7 @@
 printed table, the PNG plot."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 KNEE_GAIN = 1.10  # levels within 10% of the best throughput count as saturated
 
@@ -16,7 +16,6 @@ class RequestResult:
     prompt_tokens: int = 0
     output_tokens: int = 0
     error: str | None = None
-    token_times: list[float] = field(default_factory=list)
 
     @property
     def ttft(self) -> float | None:

@@ -146,10 +146,8 @@ async def send_one(client, url: str, body: dict, headers: dict, est_prompt_token
                     if text is None:
                         text = (choice.get("delta") or {}).get("content")
                     if text:
-                        now = time.perf_counter()
                         if res.first_token is None:
-                            res.first_token = now
-                        res.token_times.append(now)
+                            res.first_token = time.perf_counter()
                         chunks += 1
         res.end = time.perf_counter()
         res.ok = res.error is None
@@ -274,7 +272,7 @@ async def run_sweep(opts: SweepOptions, log=print) -> dict:
             log(f"  {opts.label} {opts.workload} {opts.mode}={level:g}: {s['completed']}/{s['num_requests']} ok, "
                 f"{s['total_tok_s']:.1f} total tok/s, {s['output_tok_s']:.1f} out tok/s, "
                 f"TTFT p50 {(s['ttft_p50_s'] or 0) * 1000:.0f} ms")
-            errors = sorted({r.error for r in results if r.error})
+            errors = s["errors"]
             if errors:  # say why, or a failed sweep is a bare exit status
                 log(f"    failed requests: {'; '.join(errors[:3])}")
     sweep = {"label": opts.label, "base_url": opts.base_url, "model": model, "endpoint": opts.endpoint,
@@ -285,7 +283,7 @@ async def run_sweep(opts: SweepOptions, log=print) -> dict:
 
 # ---- command line ----------------------------------------------------------------------------
 
-def _levels(text: str) -> tuple[float, ...]:
+def parse_levels(text: str) -> tuple[float, ...]:
     try:
         values = tuple(float(x) for x in text.split(",") if x.strip())
     except ValueError:
@@ -295,7 +293,7 @@ def _levels(text: str) -> tuple[float, ...]:
     return values
 
 
-def _length_range(text: str) -> tuple[int, int]:
+def parse_length_range(text: str) -> tuple[int, int]:
     try:
         lo, hi = (int(x) for x in text.split(","))
     except ValueError:
@@ -314,17 +312,17 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--model", default=None, help="model id to send (default: the first of /v1/models)")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     load = p.add_mutually_exclusive_group()
-    load.add_argument("--concurrency", type=_levels, default=None, help="closed-loop levels, e.g. 1,2,4,8,16,32")
-    load.add_argument("--request-rate", type=_levels, default=None, help="Poisson arrival rates (req/s), e.g. 1,2,4")
+    load.add_argument("--concurrency", type=parse_levels, default=None, help="closed-loop levels, e.g. 1,2,4,8,16,32")
+    load.add_argument("--request-rate", type=parse_levels, default=None, help="Poisson arrival rates (req/s), e.g. 1,2,4")
     p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight with --request-rate")
     p.add_argument("--workload", default="mixed", help="mixed | shared | FILE.jsonl")
     p.add_argument("--num-requests", type=int, default=None,
                    help="requests per level (default: --requests-per-level x the level, at least 4)")
     p.add_argument("--requests-per-level", type=float, default=3.0)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--prompt-tokens", type=_length_range, default=(32, 512),
+    p.add_argument("--prompt-tokens", type=parse_length_range, default=(32, 512),
                    help="mixed workload: prompt length range MIN,MAX in tokens (default 32,512)")
-    p.add_argument("--output-tokens", type=_length_range, default=None,
+    p.add_argument("--output-tokens", type=parse_length_range, default=None,
                    help="mixed workload: max_tokens range MIN,MAX (default: --max-tokens/2,--max-tokens)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--ignore-eos", action="store_true", help="send vLLM's ignore_eos (servers that know it)")
