@@ -30,6 +30,20 @@ from kvshare.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvshare")
 
+# vLLM's TextPrompt / TokensPrompt keys that a text-only engine can honour, and the multimodal
+# ones it must refuse by name.
+PROMPT_DICT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
+MULTIMODAL_PROMPT_KEYS = frozenset({"multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids"})
+
+
+def _agreed_salt(from_prompt: str | None, from_params: str | None) -> str | None:
+    """The request's tenant salt: given in the prompt dict, in SamplingParams, or in both alike."""
+    if from_prompt is not None and from_params is not None and from_prompt != from_params:
+        raise InvalidRequestError(
+            f"cache_salt differs between the prompt dict ({from_prompt!r}) and SamplingParams "
+            f"({from_params!r}): give it once, or the same in both", "cache_salt")
+    return from_prompt if from_prompt is not None else from_params
+
 
 @dataclass
 class KVLayout:
@@ -159,11 +173,13 @@ class LLMEngine:
             request_id = f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", "request_id")
-        text, token_ids = self._resolve_prompt(prompt)
+        text, token_ids, salt = self._resolve_prompt(prompt)
+        salt = _agreed_salt(salt, params.cache_salt)
         max_tokens = self._check_lengths(token_ids, params)
-        if params.max_tokens != max_tokens:
+        if params.max_tokens != max_tokens or params.cache_salt != salt:
             params = params.clone()
             params.max_tokens = max_tokens
+            params.cache_salt = salt
         now = arrival_time if arrival_time is not None else time.monotonic()
         metrics = RequestMetrics(arrival_time=now, num_prompt_tokens=len(token_ids))
         state = RequestState(request_id, text, token_ids, params, [], metrics, beam=beam)
@@ -199,21 +215,47 @@ class LLMEngine:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._rng))
         return torch.Generator().manual_seed(seed)
 
-    def _resolve_prompt(self, prompt) -> tuple[str | None, list[int]]:
+    def _resolve_prompt(self, prompt) -> tuple[str | None, list[int], str | None]:
+        """(text, token ids, cache_salt from a prompt dict) for a string, a token list, or one of
+        vLLM's prompt dicts: {"prompt": text} or {"prompt_token_ids": ids}, each with an optional
+        "cache_salt". Any other key is an error naming it: a dropped key (a tenant's cache_salt
+        above all) would silently change what the request may share."""
+        salt = None
         if isinstance(prompt, dict):
+            unknown = sorted(set(prompt) - PROMPT_DICT_KEYS)
+            if unknown:
+                mm = [k for k in unknown if k in MULTIMODAL_PROMPT_KEYS]
+                why = (f"{mm[0]!r} is not supported: kvshare serves text-only models" if mm
+                       else f"unknown prompt key(s) {unknown}")
+                raise InvalidRequestError(f"{why}; a prompt dict takes {sorted(PROMPT_DICT_KEYS)}",
+                                          mm[0] if mm else unknown[0])
+            salt = prompt.get("cache_salt")
+            if salt is not None and (not isinstance(salt, str) or salt == ""):
+                raise InvalidRequestError(f"cache_salt={salt!r} is invalid: must be a non-empty string",
+                                          "cache_salt")
             if "prompt_token_ids" in prompt:
-                prompt = list(prompt["prompt_token_ids"])
-            elif "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
+                text = prompt.get("prompt")  # vLLM's TokensPrompt may carry the text it came from
+                if text is not None and not isinstance(text, str):
+                    raise InvalidRequestError(f"prompt must be a string, got {type(text).__name__}", "prompt")
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)):
+                    raise InvalidRequestError(
+                        f"prompt_token_ids must be a list of token ids, got {type(ids).__name__}", "prompt_token_ids")
+                return text, self._resolve_prompt(list(ids))[1], salt
+            if "prompt" not in prompt:
                 raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompt")
+            prompt = prompt["prompt"]
+            if not isinstance(prompt, str):
+                raise InvalidRequestError(
+                    f"a prompt dict's 'prompt' must be a string (token ids go in 'prompt_token_ids'), "
+                    f"got {type(prompt).__name__}", "prompt")
         if isinstance(prompt, str):
             if prompt == "":
                 raise InvalidRequestError("prompt is empty: give at least one token of text", "prompt")
             ids = self.tokenize(prompt)
             if not ids:
                 raise InvalidRequestError("prompt is empty after tokenization", "prompt")
-            return prompt, ids
+            return prompt, ids, salt
         if isinstance(prompt, (list, tuple)):
             if len(prompt) == 0:
                 raise InvalidRequestError("prompt_token_ids is empty: give at least one token id", "prompt")
@@ -223,7 +265,7 @@ class LLMEngine:
                     raise InvalidRequestError(
                         f"prompt_token_ids contains {t!r}: token ids must be integers in [0, {vocab})", "prompt"
                     )
-            return None, list(prompt)
+            return None, list(prompt), salt
         raise InvalidRequestError(
             f"prompt must be a string or a list of token ids, got {type(prompt).__name__}", "prompt"
         )
