@@ -58,16 +58,16 @@ def main() -> None:
 
     # The linear layers alone, as kvshare runs them (fused qkv and gate/up), on 2,048 rows.
     layers = llm.engine.model.layers
-    x = torch.randn(2048, layers[0].qkv_w.shape[1])
+    x = torch.randn(2048, layers[0].qkv.in_features)
 
     def gemm_run() -> float:
         t = time.perf_counter()
         with torch.inference_mode():
             for layer in layers:
-                torch.nn.functional.linear(x, layer.qkv_w)
-                torch.nn.functional.linear(x, layer.o_w)
-                gate_up = torch.nn.functional.linear(x, layer.gate_up_w)
-                torch.nn.functional.linear(gate_up[:, :layer.down_w.shape[1]], layer.down_w)
+                layer.qkv(x)
+                layer.o(x)
+                gate_up = layer.gate_up(x)
+                layer.down(gate_up[:, :layer.down.in_features])
         return 2048 / (time.perf_counter() - t)
 
     for f in (kvshare_run, hf_run, gemm_run):

@@ -13,7 +13,11 @@ from kvshare.memory_cli import add_memory_parser
 def _engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine options")
     g.add_argument("--model", default=None, help="GGUF file or HF directory (default: bundled SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="activations: auto = bfloat16 where the CPU has avx512_bf16, else float32")
+    g.add_argument("--quantization", default="auto", choices=["auto", "none"],
+                   help="auto: GGUF weights stay quantized (fast); none: dequantize (with --dtype float32: "
+                        "the exact reference mode)")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-dtype", default="auto",
                    help="KV storage: auto (= --dtype), float32, bfloat16, float16, int8, fp8_e4m3")
@@ -33,7 +37,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_options(args: argparse.Namespace) -> dict:
     return dict(
-        model=args.model, dtype=args.dtype, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+        model=args.model, dtype=args.dtype, quantization=args.quantization, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
         kv_cache_dtype=args.kv_cache_dtype,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,

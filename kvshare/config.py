@@ -31,6 +31,28 @@ def parse_bytes(value: int | str, field_name: str = "kv_cache_memory") -> int:
     return n
 
 
+def cpu_has_avx512_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (then bfloat16 activations are the fast default)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "avx512_bf16" in line.split()
+    except OSError:
+        pass
+    return False
+
+
+def resolve_dtype(dtype: str) -> str:
+    """"auto": bfloat16 activations where the CPU has avx512_bf16, float32 elsewhere."""
+    if dtype == "auto":
+        return "bfloat16" if cpu_has_avx512_bf16() else "float32"
+    return dtype
+
+
+QUANTIZATION_CHOICES = ("auto", "none")
+
+
 def available_memory_bytes() -> int:
     try:
         with open("/proc/meminfo") as f:
@@ -45,7 +67,12 @@ def available_memory_bytes() -> int:
 @dataclass
 class EngineConfig:
     model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
-    dtype: str = "float32"
+    # Activation dtype: "auto" is bfloat16 where the CPU has avx512_bf16, else float32.
+    dtype: str = "auto"
+    # vLLM's option name. "auto": GGUF tensors stay in their quantized format, each on a kernel
+    # that reads it (kvshare.model.qlinear); None (or "none"): everything dequantized to `dtype`,
+    # the exact reference path (with dtype="float32", what the HF-parity tests run).
+    quantization: str | None = "auto"
     block_size: int = 16
     # How K/V are stored: "auto" (the model dtype), "float32", "bfloat16", "float16", or "int8" /
     # "fp8_e4m3" with one float32 scale per token per kv head (kvshare.model.kv_quant).
@@ -73,8 +100,14 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if isinstance(self.dtype, torch.dtype):
             self.dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(self.dtype, str(self.dtype))
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} is invalid: allowed are 'float32' and 'bfloat16'")
+        if self.dtype not in _DTYPES and self.dtype != "auto":
+            raise ValueError(f"dtype={self.dtype!r} is invalid: allowed are 'auto', 'float32' and 'bfloat16'")
+        self.dtype = resolve_dtype(self.dtype)
+        if isinstance(self.quantization, str) and self.quantization.lower() == "none":
+            self.quantization = None
+        if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"quantization={self.quantization!r} is invalid: allowed are 'auto' (keep GGUF "
+                             "weights quantized) and None / 'none' (dequantize: the exact path)")
         check_kv_cache_dtype(self.kv_cache_dtype)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             v = getattr(self, name)
@@ -112,6 +145,11 @@ class EngineConfig:
             # pile up rounding error on every key.
             raise ValueError(f"kv_policy='sink' needs a float KV cache, not kv_cache_dtype={self.kv_cache_dtype!r}: "
                              "its keys are re-rotated in place at each eviction")
+
+    @property
+    def exact(self) -> bool:
+        """The dequantized float32 path that the HF-parity tests compare against."""
+        return self.quantization is None and self.dtype == "float32"
 
     @property
     def torch_dtype(self) -> torch.dtype:

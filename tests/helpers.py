@@ -67,3 +67,9 @@ def tiny_model(kind: str, tmp_path, **overrides):
     model.eval()
     model.save_pretrained(tmp_path)
     return model
+
+
+# The exact reference mode: weights dequantized, float32 activations. Tests that compare numbers
+# against HF transformers, against other runs of the engine at tight tolerances, or that count
+# float32 KV bytes run in it; the default (kept-quantized) mode has tests of its own.
+EXACT = {"dtype": "float32", "quantization": None}

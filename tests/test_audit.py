@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from helpers import tiny_model
+from helpers import EXACT, tiny_model
 from kvshare import BeamSearchParams, SamplingParams
 from kvshare.config import EngineConfig
 from kvshare.engine.llm_engine import LLMEngine
@@ -30,7 +30,7 @@ def make_engine(model_dir, num_blocks=24, **overrides) -> LLMEngine:
     opts = dict(model=model_dir, kv_cache_memory=num_blocks * 16 * BYTES_PER_TOKEN, block_size=16,
                 max_num_batched_tokens=64, audit=True)
     opts.update(overrides)
-    return LLMEngine(EngineConfig.from_kwargs(**opts))
+    return LLMEngine(EngineConfig.from_kwargs(**EXACT, **opts))
 
 
 def greedy(max_tokens, **kw) -> SamplingParams:
@@ -165,7 +165,7 @@ def test_audit_off_is_the_default_and_builds_nothing(tiny_dir, monkeypatch):
     engine = make_engine(tiny_dir, audit=False)
     assert engine.auditor is None and engine.events is None and engine.manager.pool.events is None
     monkeypatch.setenv("KVSHARE_AUDIT", "1")
-    cfg = EngineConfig.from_kwargs(model=tiny_dir, kv_cache_memory="1MiB")
+    cfg = EngineConfig.from_kwargs(**EXACT, model=tiny_dir, kv_cache_memory="1MiB")
     assert cfg.audit is True
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import english_token_prompts, hf_reference
+from helpers import EXACT, english_token_prompts, hf_reference
 from kvshare import LLM, SamplingParams
 
 LENGTHS = [1, 2, 5, 15, 16, 17, 31, 33, 48, 64, 100, 127, 150, 200, 255, 257, 300, 350, 401, 450, 500, 550, 599, 600]
@@ -29,7 +29,7 @@ def _tokens_and_lps(outs):
 @pytest.fixture(scope="module")
 def alone():
     """Each prompt run by itself, in a fresh engine state (prefix caching off: nothing shared)."""
-    llm = LLM(kv_cache_memory="64MiB", enable_prefix_caching=False, max_num_batched_tokens=1024)
+    llm = LLM(**EXACT, kv_cache_memory="64MiB", enable_prefix_caching=False, max_num_batched_tokens=1024)
     return [_tokens_and_lps(llm.generate([p], PARAMS, use_tqdm=False))[0] for p in _prompts()]
 
 
@@ -53,7 +53,7 @@ def _assert_same(alone, together):
 def test_together_equals_alone(alone, options):
     opts = dict(kv_cache_memory="64MiB", enable_prefix_caching=False, max_num_batched_tokens=1024)
     opts.update(options)
-    llm = LLM(**opts)
+    llm = LLM(**EXACT, **opts)
     outs = llm.generate(_prompts(), PARAMS, use_tqdm=False)
     _assert_same(alone, _tokens_and_lps(outs))
     assert llm.engine.manager.num_used_blocks() == 0
@@ -62,7 +62,7 @@ def test_together_equals_alone(alone, options):
 def test_together_equals_alone_under_preemption(alone):
     # 46080 bytes per token in float32: 50 blocks of 16 = 800 slots, room for one 600-token
     # prompt and a few short ones, so the scheduler must preempt and recompute.
-    llm = LLM(kv_cache_memory=46080 * 16 * 50, enable_prefix_caching=False, max_num_batched_tokens=256)
+    llm = LLM(**EXACT, kv_cache_memory=46080 * 16 * 50, enable_prefix_caching=False, max_num_batched_tokens=256)
     outs = llm.generate(_prompts(), PARAMS, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
     assert sum(o.metrics.num_preemptions for o in outs) > 0
@@ -71,7 +71,7 @@ def test_together_equals_alone_under_preemption(alone):
 
 
 def test_seeded_sampling_is_batch_independent():
-    llm = LLM(kv_cache_memory="64MiB")
+    llm = LLM(**EXACT, kv_cache_memory="64MiB")
     prompts = _prompts()
     seeded = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=16, ignore_eos=True)
     alone_out = llm.generate([prompts[10]], seeded, use_tqdm=False)[0].outputs[0].token_ids

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from helpers import tiny_model
+from helpers import EXACT, tiny_model
 from kvshare import SamplingParams
 from kvshare.cli import main
 from kvshare.config import EngineConfig
@@ -33,7 +33,7 @@ def setup(tmp_path_factory):
         {"id": "abort", "prompt_token_ids": p + [9, 9], "max_tokens": 40, "abort_after_steps": 5, "delay_steps": 1},
     ]
     # A two-turn chat whose first turn ends exactly on a block boundary (30 + 2 tokens).
-    engine = LLMEngine(EngineConfig.from_kwargs(model=str(model), kv_cache_memory=POOL))
+    engine = LLMEngine(EngineConfig.from_kwargs(**EXACT, model=str(model), kv_cache_memory=POOL))
     engine.add_request("t", {"prompt_token_ids": p[:30]}, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     answer = None
     while engine.has_unfinished_requests():
@@ -48,6 +48,7 @@ def setup(tmp_path_factory):
 
 def doctor(capsys, model, workload, *extra):
     argv = ["doctor", "--model", model, "--workload", workload, "--kv-cache-memory", POOL,
+            "--dtype", "float32", "--quantization", "none",
             "--max-num-batched-tokens", "64", "--json", *extra]
     code = main(argv)
     out = capsys.readouterr().out
@@ -100,7 +101,7 @@ def test_usage_errors_exit_2(setup, capsys, tmp_path):
 def test_audit_replay_cli_exit_codes(setup, capsys, tmp_path):
     _, model, _ = setup
     log = tmp_path / "events.jsonl"
-    engine = LLMEngine(EngineConfig.from_kwargs(model=model, kv_cache_memory=POOL, kv_event_log=str(log)))
+    engine = LLMEngine(EngineConfig.from_kwargs(**EXACT, model=model, kv_cache_memory=POOL, kv_event_log=str(log)))
     engine.add_request("a", {"prompt_token_ids": list(range(40))}, SamplingParams(n=2, seed=1, max_tokens=20))
     while engine.has_unfinished_requests():
         engine.step()

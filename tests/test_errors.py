@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from helpers import bundled_path
+from helpers import EXACT, bundled_path
 from kvshare import LLM, SamplingParams
 from kvshare.errors import InvalidRequestError
 from kvshare.model.loader import ModelLoadError
@@ -14,7 +14,7 @@ from kvshare.model.loader import ModelLoadError
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(kv_cache_memory="32MiB", max_model_len=256)
+    return LLM(**EXACT, kv_cache_memory="32MiB", max_model_len=256)
 
 
 def _still_serves(llm):
@@ -68,7 +68,7 @@ def test_one_bad_prompt_in_a_list_leaves_nothing_behind(llm):
 
 def test_request_larger_than_pool_is_rejected():
     # 46080 bytes/token in float32: 4 blocks of 16 tokens = 64 slots.
-    small = LLM(kv_cache_memory=46080 * 16 * 4)
+    small = LLM(**EXACT, kv_cache_memory=46080 * 16 * 4)
     with pytest.raises(InvalidRequestError) as err:
         small.generate(["Hello"], SamplingParams(max_tokens=100), use_tqdm=False)
     assert "KV pool" in str(err.value)

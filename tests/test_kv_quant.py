@@ -21,6 +21,7 @@ from kvshare.config import EngineConfig
 from kvshare.memory_plan import kv_pool_blocks
 from kvshare.model import cpu_kernels, kv_quant
 from kvshare.model.kv_quant import QuantizedKV
+from helpers import EXACT
 
 QUANTIZED = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 NUM_TOKENS = 32
@@ -170,7 +171,7 @@ def _prompts(tokenizer) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference():
-    llm = LLM(kv_cache_memory="128MiB")  # float32 model, float32 cache
+    llm = LLM(**EXACT, kv_cache_memory="128MiB")  # float32 model, float32 cache
     ref = agreement_metrics.reference(llm, _prompts(llm.engine.tokenizer), NUM_TOKENS)
     del llm
     gc.collect()
@@ -179,7 +180,7 @@ def reference():
 
 @pytest.fixture(scope="module")
 def int8_llm():
-    return LLM(kv_cache_memory="128MiB", kv_cache_dtype="int8")
+    return LLM(**EXACT, kv_cache_memory="128MiB", kv_cache_dtype="int8")
 
 
 def _agreement(llm, ref, name):
@@ -194,7 +195,7 @@ def test_int8_and_fp8_agree_with_the_unquantized_cache(reference, int8_llm):
     # The reference's own tokens are its argmax when teacher-forced: the forced path is sound.
     assert all(rank == 1 for row in reference.forced for rank, _ in row)
     int8 = _agreement(int8_llm, reference, "int8")
-    fp8_llm = LLM(kv_cache_memory="128MiB", kv_cache_dtype="fp8_e4m3")
+    fp8_llm = LLM(**EXACT, kv_cache_memory="128MiB", kv_cache_dtype="fp8_e4m3")
     fp8 = _agreement(fp8_llm, reference, "fp8_e4m3")
     del fp8_llm
     gc.collect()

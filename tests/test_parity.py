@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import ENGLISH_TEXT, bundled_path, hf_reference, tiny_model
+from helpers import EXACT, ENGLISH_TEXT, bundled_path, hf_reference, tiny_model
 from kvshare import LLM, SamplingParams
 
 STEPS = 32
@@ -45,7 +45,7 @@ def compare(llm: LLM, model, prompts: list[list[int]], steps: int = STEPS) -> No
 
 def test_bundled_model_matches_hf():
     model, tok = hf_reference()
-    llm = LLM(kv_cache_memory="128MiB", max_num_batched_tokens=512)
+    llm = LLM(**EXACT, kv_cache_memory="128MiB", max_num_batched_tokens=512)
     text_ids = tok(ENGLISH_TEXT).input_ids
     prompts = [text_ids[:7], text_ids[40:140], tok("The capital of France is").input_ids]
     compare(llm, model, prompts)
@@ -65,7 +65,7 @@ def test_bundled_model_matches_hf():
 )
 def test_tiny_models_match_hf(kind, overrides, tmp_path):
     model = tiny_model(kind, tmp_path, **overrides)
-    llm = LLM(model=str(tmp_path), kv_cache_memory="16MiB", block_size=16, max_num_batched_tokens=64)
+    llm = LLM(**EXACT, model=str(tmp_path), kv_cache_memory="16MiB", block_size=16, max_num_batched_tokens=64)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (1, 17, 90)]
     compare(llm, model, prompts)
@@ -78,8 +78,8 @@ def test_bfloat16_tracks_float32():
     _, tok = hf_reference()
     p = tok(ENGLISH_TEXT).input_ids[:200]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, prompt_logprobs=0)
-    f32 = LLM(kv_cache_memory="32MiB").generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0]
-    b16 = LLM(kv_cache_memory="32MiB", dtype="bfloat16").generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0]
+    f32 = LLM(**EXACT, kv_cache_memory="32MiB").generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0]
+    b16 = LLM(kv_cache_memory="32MiB", dtype="bfloat16", quantization=None).generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0]
     diffs = [abs(a[t].logprob - b[t].logprob)
              for a, b, t in zip(f32.prompt_logprobs[1:], b16.prompt_logprobs[1:], p[1:])]
     assert sum(diffs) / len(diffs) < 0.1
@@ -91,7 +91,7 @@ def test_mistral_sliding_window_matches_hf(tmp_path):
     """Contexts well past the window: prompt logprobs (chunked prefill over the window) and
     greedy decoding (HF with its sliding-window cache) agree; max_model_len is the model's own."""
     model = tiny_model("mistral", tmp_path, num_key_value_heads=2, sliding_window=32)
-    llm = LLM(model=str(tmp_path), kv_cache_memory="16MiB", max_num_batched_tokens=64)
+    llm = LLM(**EXACT, model=str(tmp_path), kv_cache_memory="16MiB", max_num_batched_tokens=64)
     assert llm.engine.layout.max_model_len == 256
     g = torch.Generator().manual_seed(2)
     compare(llm, model, [torch.randint(0, 320, (n,), generator=g).tolist() for n in (5, 90)])

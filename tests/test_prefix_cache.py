@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import hf_reference
+from helpers import EXACT, hf_reference
 from kvshare import LLM, BeamSearchParams, SamplingParams
 from kvshare.bench.workloads import ENGLISH_TEXT
 
@@ -33,12 +33,12 @@ def _gen(llm, prompts, params=GREEDY):
 
 @pytest.fixture(scope="module")
 def cached():
-    return LLM(kv_cache_memory="64MiB", enable_prefix_caching=True)
+    return LLM(**EXACT, kv_cache_memory="64MiB", enable_prefix_caching=True)
 
 
 @pytest.fixture(scope="module")
 def uncached():
-    return LLM(kv_cache_memory="64MiB", enable_prefix_caching=False)
+    return LLM(**EXACT, kv_cache_memory="64MiB", enable_prefix_caching=False)
 
 
 @pytest.fixture(autouse=True)
@@ -98,7 +98,7 @@ def test_second_run_reports_cached_tokens(cached):
 
 
 def test_eviction_pressure_on_small_pool(uncached):
-    llm = LLM(kv_cache_memory=BYTES_PER_TOKEN * 16 * 32, max_num_batched_tokens=512)
+    llm = LLM(**EXACT, kv_cache_memory=BYTES_PER_TOKEN * 16 * 32, max_num_batched_tokens=512)
     ids = _ids()
     p = ids[:48]
     big = ids[200:670]  # 470 + 10 output tokens = 30 blocks of 32

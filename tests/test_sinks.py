@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from helpers import ENGLISH_TEXT, tiny_model
+from helpers import EXACT, ENGLISH_TEXT, tiny_model
 from kvshare import LLM, SamplingParams
 from kvshare.config import EngineConfig
 from kvshare.engine.llm_engine import LLMEngine
@@ -31,7 +31,7 @@ def sink_engine(path, **kw) -> LLMEngine:
     opts = dict(model=path, kv_cache_memory="1MiB", block_size=BLOCK, max_num_batched_tokens=64, kv_policy="sink",
                 sink_tokens=SINKS, window_tokens=WINDOW, audit=True)
     opts.update(kw)
-    return LLMEngine(EngineConfig.from_kwargs(**opts))
+    return LLMEngine(EngineConfig.from_kwargs(**EXACT, **opts))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -170,12 +170,12 @@ def test_sink_options_are_validated(llama, tmp_path):
     ]
     for kwargs, message in bad:
         with pytest.raises(ValueError, match=message):
-            EngineConfig.from_kwargs(model=path, **kwargs)
+            EngineConfig.from_kwargs(**EXACT, model=path, **kwargs)
     with pytest.raises(ValueError, match="lower window_tokens to at most 109"):
-        LLM(model=path, kv_cache_memory="1MiB", kv_policy="sink", window_tokens=120)
+        LLM(**EXACT, model=path, kv_cache_memory="1MiB", kv_policy="sink", window_tokens=120)
     tiny_model("mistral", tmp_path, num_key_value_heads=2, sliding_window=32)
     with pytest.raises(ValueError, match="cannot be combined with this model's own sliding window"):
-        LLM(model=str(tmp_path), kv_cache_memory="1MiB", kv_policy="sink", window_tokens=32)
+        LLM(**EXACT, model=str(tmp_path), kv_cache_memory="1MiB", kv_policy="sink", window_tokens=32)
 
 
 def _prompt_logprobs(llm: LLM, tokens: list[int]) -> list[float]:
@@ -208,7 +208,7 @@ def test_sinks_keep_perplexity_near_recompute_while_a_plain_window_degrades(wind
     same way) loses the first tokens the model parks attention on, and is much worse.
     Chunks of 256: within a prefill chunk the sinks sit up to a chunk farther from the queries
     than in token-by-token decoding, which moves this perplexity by well under 1%."""
-    baseline = LLM(kv_cache_memory="32MiB", max_num_batched_tokens=512)
+    baseline = LLM(**EXACT, kv_cache_memory="32MiB", max_num_batched_tokens=512)
     text = baseline.get_tokenizer().encode(ENGLISH_TEXT)
     tokens = (text * (num_tokens // len(text) + 1))[:num_tokens]
     first = window + BLOCK  # the first position whose window has left the start behind
@@ -216,7 +216,7 @@ def test_sinks_keep_perplexity_near_recompute_while_a_plain_window_degrades(wind
     del baseline
     scored = {}
     for sinks in (4, 0):
-        llm = LLM(kv_cache_memory="32MiB", max_num_batched_tokens=256, kv_policy="sink", sink_tokens=sinks,
+        llm = LLM(**EXACT, kv_cache_memory="32MiB", max_num_batched_tokens=256, kv_policy="sink", sink_tokens=sinks,
                   window_tokens=window)
         scored[sinks] = _prompt_logprobs(llm, tokens)[first - 1:]
         del llm

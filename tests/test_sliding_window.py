@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import tiny_model
+from helpers import EXACT, tiny_model
 from kvshare import SamplingParams
 from kvshare.config import EngineConfig
 from kvshare.engine.llm_engine import LLMEngine
@@ -71,7 +71,7 @@ def assert_matches(out, prompt: list[int], ref: torch.Tensor, prompt_logprobs: b
 def test_window_matches_hf_with_prefix_cache_and_bounded_blocks(mistral, chunk, tmp_path):
     model, path = mistral
     log = str(tmp_path / "events.jsonl")
-    engine = LLMEngine(EngineConfig.from_kwargs(model=path, kv_cache_memory="1MiB", block_size=BLOCK,
+    engine = LLMEngine(EngineConfig.from_kwargs(**EXACT, model=path, kv_cache_memory="1MiB", block_size=BLOCK,
                                                 max_num_batched_tokens=chunk, enable_prefix_caching=True,
                                                 audit=True, kv_event_log=log))
     assert engine.layout.max_model_len == 512  # no longer capped at the window
@@ -108,7 +108,7 @@ def test_mixed_local_and_global_layers_match_hf(tmp_path):
     model = tiny_model("qwen2", tmp_path, num_key_value_heads=2, use_sliding_window=True, sliding_window=WINDOW,
                        max_window_layers=1, max_position_embeddings=512)
     assert model.config.layer_types == ["full_attention", "sliding_attention"]
-    engine = LLMEngine(EngineConfig.from_kwargs(model=str(tmp_path), kv_cache_memory="1MiB", block_size=BLOCK,
+    engine = LLMEngine(EngineConfig.from_kwargs(**EXACT, model=str(tmp_path), kv_cache_memory="1MiB", block_size=BLOCK,
                                                 max_num_batched_tokens=16, audit=True))
     assert engine.model_config.layer_windows == [None, WINDOW]
     g = torch.Generator().manual_seed(11)

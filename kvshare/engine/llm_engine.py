@@ -95,13 +95,67 @@ class RequestState:
     next_index: int = 1
 
 
+@dataclass
+class StartupReport:
+    """The start-up block: what was loaded, how it is stored and run, and how long it took."""
+
+    source: str
+    tensor_types: dict[str, str]
+    model: object
+    config: EngineConfig
+    layout: KVLayout
+    load_seconds: float
+    ready_seconds: float
+
+    def format_mix(self) -> dict[str, int]:
+        mix: dict[str, int] = {}
+        for t in self.tensor_types.values():
+            mix[t] = mix.get(t, 0) + 1
+        return dict(sorted(mix.items(), key=lambda kv: -kv[1]))
+
+    def weight_bytes_by_kind(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for lin in self.model.linears():
+            out[lin.kind] = out.get(lin.kind, 0) + lin.nbytes
+        return out
+
+    def kernels(self) -> list[str]:
+        names = {"int4": "int4 packed (torch _weight_int4pack_mm_for_cpu)",
+                 "int8-group": "int8 per-group (kvshare C++ qmatmul)", "dense": "dense (F.linear)"}
+        counts: dict[str, int] = {}
+        for lin in self.model.linears():
+            counts[lin.kind] = counts.get(lin.kind, 0) + 1
+        out = [f"{names.get(k, k)} x{n}" for k, n in counts.items()]
+        backend = self.model.backend
+        out.append("decode attention: " + ("kvshare C++ paged kernel" if getattr(backend, "use_cpp_kernel", False)
+                                           else "PyTorch (C++ kernel not built yet or unavailable)"))
+        return out
+
+    def lines(self) -> list[str]:
+        c = self.config
+        mode = ("exact (dequantized float32)" if c.exact else
+                f"{'kept quantized' if c.quantization == 'auto' else 'dequantized'} weights, {c.dtype} activations")
+        mix = ", ".join(f"{t} x{n}" for t, n in self.format_mix().items()) or "dense checkpoint"
+        by_kind = ", ".join(f"{k} {b / 2**20:.1f} MiB" for k, b in self.weight_bytes_by_kind().items())
+        return [
+            f"model: {self.source}",
+            f"  mode: {mode}",
+            f"  tensor formats: {mix}",
+            f"  resident weights: {self.model.weight_bytes / 2**20:.1f} MiB ({by_kind})",
+            f"  kernels: {'; '.join(self.kernels())}",
+            f"  {self.layout.describe()}",
+            f"  weights loaded in {self.load_seconds:.2f} s; engine ready in {self.ready_seconds:.2f} s",
+        ]
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        t_start = time.perf_counter()
         dtype = config.torch_dtype
-        loaded = load_model(config.model, dtype=dtype)
+        loaded = load_model(config.model, dtype=dtype, quantization=config.quantization)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_source = loaded.source
@@ -116,13 +170,16 @@ class LLMEngine:
         # Sink sequences keep cache positions below max_model_len whatever their length.
         self._length_unbounded = self.kv_policy is not None and self.kv_policy.generates_past_max_model_len
         self.layout = KVLayout(bytes_per_token, config.block_size, num_blocks, max_model_len, self.kv_format.name)
-        logger.info(self.layout.describe())
         self.manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                       policy=self.kv_policy)
         self.kv_cache = KVCache(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
                                 self.kv_format.storage)
         self.model = build_model(mc, loaded.weights, dtype, TorchPagedAttention(config.block_size), max_model_len)
+        self.startup = StartupReport(loaded.source, loaded.tensor_types, self.model, config,
+                                     self.layout, loaded.load_seconds, time.perf_counter() - t_start)
         del loaded
+        for line in self.startup.lines():
+            logger.info(line)
         self.scheduler = Scheduler(config, self.manager)
         self.runner = ModelRunner(self.model, self.kv_cache, self.manager)
         self.events: EventLog | None = None

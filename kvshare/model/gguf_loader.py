@@ -12,6 +12,8 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from kvshare.model.config import ModelArchConfig
+from kvshare.model.gguf_header import open_gguf_file
+from kvshare.model.gguf_quants import GROUP_AFFINE_TYPES, GroupAffine, to_group_affine
 from kvshare.model.loader import ModelLoadError
 from kvshare.model.tokenizer import Tokenizer
 
@@ -116,8 +118,12 @@ def dequantize_tensor(tensor: Any) -> torch.Tensor:
             f"tensor {tensor.name!r} is stored as {tensor.tensor_type.name}, which kvshare cannot dequantize "
             f"(supported: {supported})."
         )
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-    arr = dequantize(tensor.data, tensor.tensor_type)
+    shape = tuple(int(d) for d in reversed(list(tensor.shape)))
+    data = tensor.data
+    if tensor.tensor_type not in (Q.F32, Q.F16, Q.BF16) and data.dtype == np.uint8 and data.ndim == 1:
+        rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+        data = data.reshape(rows, -1)  # gguf.quants dequantizes row by row
+    arr = dequantize(data, tensor.tensor_type)
     # F32 comes back as a view of the read-only memory map; everything else is already a fresh array.
     arr = np.array(arr, dtype=np.float32) if tensor.tensor_type == Q.F32 else np.asarray(arr, dtype=np.float32)
     arr = arr.reshape(shape)
@@ -275,16 +281,23 @@ def config_from_gguf(meta: dict[str, Any], reader: GGUFReader, path: str) -> Mod
 
 
 def load_gguf(
-    path: str, dtype: torch.dtype = torch.float32
-) -> tuple[ModelArchConfig, dict[str, torch.Tensor], Tokenizer | None]:
-    reader = open_gguf(path)
-    meta = read_metadata(reader)
-    config = config_from_gguf(meta, reader, path)
+    path: str, dtype: torch.dtype = torch.float32, quantization: str | None = "auto"
+) -> tuple[ModelArchConfig, dict[str, torch.Tensor | GroupAffine], Tokenizer | None, dict[str, str]]:
+    """Config, weights under HF names, tokenizer, and each weight's GGUF type name.
+
+    quantization="auto" keeps every 2-D tensor of a format in GROUP_AFFINE_TYPES in its affine
+    group form (exactly the file's weights, see gguf_quants); quantization=None dequantizes
+    everything to `dtype`, the exact reference path. The file is memory-mapped: nothing but the
+    header is parsed up front, and each tensor's pages are read once, when converted."""
+    gguf = open_gguf_file(path)
+    meta = gguf.metadata
+    config = config_from_gguf(meta, gguf, path)
     # llama.cpp's llama-family converter interleaves Q/K rows; qwen2's does not (NEOX rope).
     permuted = config.architecture in ("llama", "mistral")
 
-    weights: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
+    weights: dict[str, torch.Tensor | GroupAffine] = {}
+    types: dict[str, str] = {}
+    for t in gguf.tensors:
         try:
             name = hf_tensor_name(t.name)
         except KeyError:
@@ -293,11 +306,22 @@ def load_gguf(
             ) from None
         if name is None:
             continue
-        w = dequantize_tensor(t)
+        heads = None
         if permuted and ".self_attn.q_proj." in name:
-            w = _unpermute_rows(w, config.num_heads)
+            heads = config.num_heads
         elif permuted and ".self_attn.k_proj." in name:
-            w = _unpermute_rows(w, config.num_kv_heads)
+            heads = config.num_kv_heads
+        types[name] = t.type_name
+        if quantization == "auto" and t.tensor_type in GROUP_AFFINE_TYPES and len(t.shape) == 2:
+            w = to_group_affine(t.data, t.tensor_type, t.rows_shape)
+            if heads is not None:
+                order = _unpermute_rows(torch.arange(w.shape[0]).unsqueeze(1), heads).squeeze(1)
+                w = w.select_rows(order)
+            weights[name] = w
+            continue
+        w = dequantize_tensor(t)
+        if heads is not None:
+            w = _unpermute_rows(w, heads)
         weights[name] = w.to(dtype)
 
     tokenizer = None
@@ -308,4 +332,4 @@ def load_gguf(
             raise
         except Exception as exc:  # noqa: BLE001
             raise ModelLoadError(f"{path}: cannot build the tokenizer from GGUF metadata ({exc}).") from exc
-    return config, weights, tokenizer
+    return config, weights, tokenizer, types

@@ -6,17 +6,32 @@ import torch.nn.functional as F
 
 from kvshare.model.attention import AttentionBackend, AttentionMetadata, KVCache
 from kvshare.model.config import ModelArchConfig
+from kvshare.model.gguf_quants import GroupAffine
 from kvshare.model.layers import RotaryEmbedding, rms_norm
+from kvshare.model.qlinear import DequantScratch, make_linear
 
 
 class _Layer:
-    __slots__ = ("in_norm", "qkv_w", "qkv_b", "o_w", "post_norm", "gate_up_w", "down_w")
+    __slots__ = ("in_norm", "qkv", "qkv_b", "o", "post_norm", "gate_up", "down")
+
+
+def _fuse(parts: list) -> torch.Tensor | GroupAffine:
+    """Row-wise concatenation of weights, kept packed when every part is packed alike."""
+    if all(isinstance(p, GroupAffine) for p in parts):
+        try:
+            return GroupAffine.cat(parts)
+        except ValueError:
+            pass  # mixed formats (e.g. Q4_K q/k with a Q6_K v): fuse densely
+    return torch.cat([p.dequantize() if isinstance(p, GroupAffine) else p.float() for p in parts])
 
 
 class LlamaModel:
-    """Plain tensors and functions rather than nn.Modules: inference only, no autograd state."""
+    """Plain tensors and functions rather than nn.Modules: inference only, no autograd state.
 
-    def __init__(self, config: ModelArchConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+    Weights arrive as dense tensors or, kept quantized, as GroupAffine; `make_linear` puts each
+    on its kernel (kvshare.model.qlinear)."""
+
+    def __init__(self, config: ModelArchConfig, weights: dict, dtype: torch.dtype,
                  backend: AttentionBackend, max_positions: int) -> None:
         self.config = config
         self.dtype = dtype
@@ -25,40 +40,68 @@ class LlamaModel:
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
         self.scale = c.head_dim ** -0.5
+        self.scratch = DequantScratch()
 
-        def w(name: str) -> torch.Tensor:
-            return weights[name].to(dtype).contiguous()
+        def dense(name: str) -> torch.Tensor:
+            w = weights.pop(name)
+            return (w.dequantize() if isinstance(w, GroupAffine) else w).to(dtype).contiguous()
 
-        self.embed = w("model.embed_tokens.weight")
-        self.lm_head = w("lm_head.weight") if "lm_head.weight" in weights else self.embed
-        self.norm = w("model.norm.weight")
+        def linear(w):
+            return make_linear(w, dtype, self.scratch)
+
+        # Tied models read token embeddings from the lm_head's own storage (one copy).
+        embed = weights.pop("model.embed_tokens.weight")
+        if "lm_head.weight" in weights:
+            self.lm_head = linear(weights.pop("lm_head.weight"))
+            self.embed = linear(embed)
+        else:
+            self.lm_head = self.embed = linear(embed)
+        self.norm = dense("model.norm.weight")
         self.layers: list[_Layer] = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             layer = _Layer()
-            layer.in_norm = w(p + "input_layernorm.weight")
-            layer.post_norm = w(p + "post_attention_layernorm.weight")
+            layer.in_norm = dense(p + "input_layernorm.weight")
+            layer.post_norm = dense(p + "post_attention_layernorm.weight")
             # One matmul for q, k and v, one for gate and up: fewer, larger GEMMs.
-            layer.qkv_w = torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"]).contiguous()
+            layer.qkv = linear(_fuse([weights.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
             if p + "self_attn.q_proj.bias" in weights:
-                layer.qkv_b = torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"]).contiguous()
+                layer.qkv_b = torch.cat([dense(p + f"self_attn.{n}_proj.bias") for n in "qkv"]).contiguous()
             else:
                 layer.qkv_b = None
-            layer.o_w = w(p + "self_attn.o_proj.weight")
-            layer.gate_up_w = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]).contiguous()
-            layer.down_w = w(p + "mlp.down_proj.weight")
+            layer.o = linear(weights.pop(p + "self_attn.o_proj.weight"))
+            layer.gate_up = linear(_fuse([weights.pop(p + "mlp.gate_proj.weight"), weights.pop(p + "mlp.up_proj.weight")]))
+            layer.down = linear(weights.pop(p + "mlp.down_proj.weight"))
             self.layers.append(layer)
         self.rotary = RotaryEmbedding(config, max_positions, dtype)
+
+    def linears(self) -> list:
+        """Every weight matrix once (the tied embedding is the lm_head)."""
+        out = [self.lm_head] + ([self.embed] if self.embed is not self.lm_head else [])
+        for layer in self.layers:
+            out += [layer.qkv, layer.o, layer.gate_up, layer.down]
+        return out
+
+    @property
+    def weight_bytes(self) -> int:
+        small = self.norm.numel() * self.norm.element_size()
+        for layer in self.layers:
+            small += (layer.in_norm.numel() + layer.post_norm.numel()) * layer.in_norm.element_size()
+            if layer.qkv_b is not None:
+                small += layer.qkv_b.numel() * layer.qkv_b.element_size()
+        return small + sum(lin.nbytes for lin in self.linears())
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: KVCache) -> torch.Tensor:
         c = self.config
         n = input_ids.shape[0]
-        h = F.embedding(input_ids, self.embed)
+        h = self.embed.rows(input_ids)
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.in_norm, c.rms_norm_eps)
-            qkv = F.linear(x, layer.qkv_w, layer.qkv_b)
+            qkv = layer.qkv(x)
+            if layer.qkv_b is not None:
+                qkv = qkv + layer.qkv_b
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(n, c.num_heads, c.head_dim)
             k = k.view(n, c.num_kv_heads, c.head_dim)
@@ -66,10 +109,10 @@ class LlamaModel:
             q, k = self.rotary.apply(q, k, positions)
             k_cache, v_cache = kv_cache.layer(i)
             attn = self.backend.forward(q, k, v, k_cache, v_cache, meta.for_layer(i), self.scale)
-            h = h + F.linear(attn.reshape(n, self.q_size), layer.o_w)
+            h = h + layer.o(attn.reshape(n, self.q_size))
             x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
-            gate, up = F.linear(x, layer.gate_up_w).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.down_w)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            h = h + layer.down(F.silu(gate) * up)
         return h
 
     @torch.inference_mode()
@@ -77,7 +120,7 @@ class LlamaModel:
         # Only the rows that sample or report logprobs come here: the vocab matmul is the
         # single most expensive op at small batch.
         x = rms_norm(hidden, self.norm, self.config.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()
+        return self.lm_head(x).float()
 
 
 def build_model(config: ModelArchConfig, weights, dtype, backend, max_positions):

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,9 +33,11 @@ class ModelLoadError(ValueError):
 @dataclass
 class LoadedModel:
     config: ModelArchConfig
-    weights: dict[str, torch.Tensor]
+    weights: dict  # HF names -> torch.Tensor, or gguf_quants.GroupAffine when kept quantized
     tokenizer: Tokenizer | None
     source: str
+    tensor_types: dict[str, str] = field(default_factory=dict)  # HF name -> GGUF type (GGUF files)
+    load_seconds: float = 0.0
 
 
 def bundled_model_path() -> str:
@@ -97,21 +100,33 @@ def resolve_model_path(model: str | os.PathLike[str] | None) -> tuple[str, str]:
     raise ModelLoadError(f"model={model!r} does not exist. Accepted: {ACCEPTED_DESCRIPTION}.")
 
 
-def load_model(model: str | os.PathLike[str] | None, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load config, weights (HF Llama names, in ``dtype``) and tokenizer for ``model``."""
+QUANTIZATION_CHOICES = ("auto", None)
+
+
+def load_model(model: str | os.PathLike[str] | None, dtype: torch.dtype = torch.float32,
+               quantization: str | None = None) -> LoadedModel:
+    """Load config, weights (HF Llama names) and tokenizer for ``model``.
+
+    quantization=None: every weight dequantized to ``dtype`` (the exact reference path).
+    quantization="auto": GGUF tensors in a format kvshare runs packed stay packed (GroupAffine)."""
     if dtype not in SUPPORTED_DTYPES:
         raise ModelLoadError(f"dtype={dtype} is not supported; use torch.float32 or torch.bfloat16.")
+    if quantization not in QUANTIZATION_CHOICES:
+        raise ModelLoadError(f"quantization={quantization!r} is invalid: allowed are 'auto' and None")
+    t0 = time.perf_counter()
     kind, path = resolve_model_path(model)
+    types: dict[str, str] = {}
     if kind == "gguf":
         from kvshare.model import gguf_loader
 
-        config, weights, tokenizer = gguf_loader.load_gguf(path, dtype=dtype)
+        config, weights, tokenizer, types = gguf_loader.load_gguf(path, dtype=dtype, quantization=quantization)
     else:
         from kvshare.model import hf_loader
 
         config, weights, tokenizer = hf_loader.load_hf_dir(path, dtype=dtype)
     check_weights(config, weights, source=path)
-    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=path)
+    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=path, tensor_types=types,
+                       load_seconds=time.perf_counter() - t0)
 
 
 def expected_weight_shapes(config: ModelArchConfig) -> dict[str, tuple[int, ...]]:

@@ -1,0 +1,155 @@
+"""GGUF quantized blocks -> an affine per-group form, without requantizing.
+
+Every format handled here stores, per group of `group` consecutive weights of a row, integer
+codes q and (after multiplying out the block's super-scales) one scale s and one offset z with
+
+    w = s * q + z          (z = 0 for the symmetric formats)
+
+s and z are products/sums of a float16 and a small integer, so float32 holds them exactly:
+the affine form *is* the file's weights, not an approximation. `GroupAffine` carries that form
+as torch tensors; `qlinear` turns it into what a kernel consumes.
+
+| GGUF type | group | q range | s, z |
+|---|---|---|---|
+| Q4_0 | 32 | 0..15 | d, -8d |
+| Q4_1 | 32 | 0..15 | d, m |
+| Q4_K | 32 | 0..15 | d*sc_j, -dmin*m_j (6-bit sc_j, m_j per 32) |
+| Q5_0 | 32 | -16..15 | d, 0 |
+| Q5_1 | 32 | 0..31 | d, m |
+| Q5_K | 32 | 0..31 | d*sc_j, -dmin*m_j |
+| Q6_K | 16 | -32..31 | d*sc_j (int8 sc_j per 16), 0 |
+| Q8_0 | 32 | -128..127 | d, 0 |
+
+The bit layouts follow ggml's block definitions (ggml-common.h); each decoder is checked
+against `gguf.quants.dequantize` in tests/test_qlinear.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+Q = GGMLQuantizationType
+
+
+@dataclass
+class GroupAffine:
+    q: torch.Tensor  # int8 (signed formats) or uint8 (unsigned) [N, K]
+    scale: torch.Tensor  # float32 [N, K // group]
+    zero: torch.Tensor | None  # float32 [N, K // group]; None for symmetric formats
+    group: int
+    bits: int  # code width: 4 for the Q4 formats (int4 kernels take them), else 5, 6 or 8
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    @property
+    def type_name(self) -> str:
+        return f"int{self.bits}/g{self.group}"
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.q.shape
+        w = self.q.view(n, k // self.group, self.group).float() * self.scale.unsqueeze(-1)
+        if self.zero is not None:
+            w += self.zero.unsqueeze(-1)
+        return w.view(n, k)
+
+    def select_rows(self, rows: torch.Tensor) -> "GroupAffine":
+        return GroupAffine(self.q[rows], self.scale[rows], None if self.zero is None else self.zero[rows],
+                           self.group, self.bits)
+
+    @staticmethod
+    def cat(parts: list["GroupAffine"]) -> "GroupAffine":
+        """Row-wise concatenation (fused q/k/v, gate/up); symmetric parts get zero offsets if mixed."""
+        first = parts[0]
+        if any(p.group != first.group or p.bits != first.bits or p.q.dtype != first.q.dtype for p in parts):
+            raise ValueError("cannot fuse weights of different GGUF formats")
+        if all(p.zero is None for p in parts):
+            zero = None
+        else:
+            zero = torch.cat([p.zero if p.zero is not None else torch.zeros_like(p.scale) for p in parts])
+        return GroupAffine(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), zero,
+                           first.group, first.bits)
+
+
+def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
+    return blocks[:, at:at + 2].copy().view(np.float16).astype(np.float32)  # [nb, 1]
+
+
+def _k_scales(raw12: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 8 six-bit (scale, min) pairs packed into 12 bytes of a Q4_K / Q5_K super-block."""
+    s = raw12.astype(np.uint8)
+    sc = np.empty((s.shape[0], 8), dtype=np.uint8)
+    mn = np.empty((s.shape[0], 8), dtype=np.uint8)
+    sc[:, :4] = s[:, 0:4] & 63
+    mn[:, :4] = s[:, 4:8] & 63
+    sc[:, 4:] = (s[:, 8:12] & 0xF) | ((s[:, 0:4] >> 6) << 4)
+    mn[:, 4:] = (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _nibbles32(qs16: np.ndarray) -> np.ndarray:
+    """16 bytes -> 32 codes: low nibbles are weights 0..15, high nibbles 16..31."""
+    return np.concatenate([qs16 & 0xF, qs16 >> 4], axis=1)
+
+
+def _decode(raw: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int, int]:
+    """raw uint8 [nblocks, type_size] -> (q [nb, block], s [nb, groups], z or None, group, bits)."""
+    if qtype == Q.Q4_0:
+        d = _f16(raw, 0)
+        return _nibbles32(raw[:, 2:18]), d, -8 * d, 32, 4
+    if qtype == Q.Q4_1:
+        return _nibbles32(raw[:, 4:20]), _f16(raw, 0), _f16(raw, 2), 32, 4
+    if qtype == Q.Q8_0:
+        return raw[:, 2:34].view(np.int8), _f16(raw, 0), None, 32, 8
+    if qtype in (Q.Q5_0, Q.Q5_1):
+        base = 2 if qtype == Q.Q5_0 else 4
+        qh = raw[:, base:base + 4].copy().view(np.uint32)  # [nb, 1]
+        high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
+        q = _nibbles32(raw[:, base + 4:base + 20]) | high
+        if qtype == Q.Q5_0:
+            return (q.astype(np.int16) - 16).astype(np.int8), _f16(raw, 0), None, 32, 5
+        return q, _f16(raw, 0), _f16(raw, 2), 32, 5
+    if qtype in (Q.Q4_K, Q.Q5_K):
+        d, dmin = _f16(raw, 0), _f16(raw, 2)
+        sc, mn = _k_scales(raw[:, 4:16])
+        if qtype == Q.Q4_K:
+            qs = raw[:, 16:144].reshape(-1, 4, 32)  # 4 chunks of 64 weights
+            q = np.stack([qs & 0xF, qs >> 4], axis=2).reshape(-1, 256)
+            bits = 4
+        else:
+            qh = raw[:, 16:48]  # bit 2i / 2i+1 of byte l: high bit of weight l of sub-block 2i / 2i+1
+            qs = raw[:, 48:176].reshape(-1, 4, 32)
+            shifts = np.arange(8, dtype=np.uint8).reshape(1, 4, 2, 1)
+            high = ((qh[:, None, None, :] >> shifts) & 1) << 4  # [nb, 4, 2, 32]
+            q = (np.stack([qs & 0xF, qs >> 4], axis=2) | high).reshape(-1, 256)
+            bits = 5
+        return q, d * sc, -(dmin * mn), 32, bits
+    if qtype == Q.Q6_K:
+        ql = raw[:, 0:128].reshape(-1, 2, 64)
+        qh = raw[:, 128:192].reshape(-1, 2, 32)
+        sc = raw[:, 192:208].view(np.int8).astype(np.float32)
+        d = _f16(raw, 208)
+        lo = np.concatenate([ql[:, :, :32] & 0xF, ql[:, :, 32:] & 0xF, ql[:, :, :32] >> 4, ql[:, :, 32:] >> 4], axis=2)
+        hi = np.concatenate([(qh >> s) & 3 for s in (0, 2, 4, 6)], axis=2)
+        q = ((lo | (hi << 4)).astype(np.int16) - 32).astype(np.int8).reshape(-1, 256)
+        return q, d * sc, None, 16, 6
+    raise KeyError(qtype)
+
+
+GROUP_AFFINE_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K, Q.Q8_0})
+
+
+def to_group_affine(data: np.ndarray, qtype: Q, shape: tuple[int, int]) -> GroupAffine:
+    """A 2-D GGUF tensor's raw bytes (rows x bytes per row, row-major) in affine group form."""
+    n, k = shape
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    raw = np.ascontiguousarray(data, dtype=np.uint8).reshape(n * k // block, type_size)
+    q, s, z, group, bits = _decode(raw, qtype)
+    q_t = torch.from_numpy(np.ascontiguousarray(q).reshape(n, k))
+    s_t = torch.from_numpy(np.ascontiguousarray(s, dtype=np.float32).reshape(n, k // group))
+    z_t = None if z is None else torch.from_numpy(np.ascontiguousarray(z, dtype=np.float32).reshape(n, k // group))
+    return GroupAffine(q_t, s_t, z_t, group, bits)

@@ -1,0 +1,132 @@
+"""Kept-quantized weights: GGUF blocks -> affine group form -> packed kernels, format by format.
+
+Every decoder must reproduce gguf's own dequantization bit for bit (the affine form is the
+file's weights, not an approximation). Every kernel must then equal a dense matmul by the
+dequantized weights within the arithmetic's rounding:
+- float32 activations: float32 accumulation over K terms; |err| <= 1e-5 * sum_k |x_k w_k| + 1e-6.
+- bfloat16 activations: the int4 kernel's scale s and offset z' = z + 8s are bfloat16 (8
+  significant bits), as are x and the output, so a weight w = (q - 8) s + z' is off by up to
+  ~2^-8 (|q - 8| |s| + |z'|), which can exceed 2^-8 |w| where the two terms cancel. With
+  m_k = |w_k| + 8|s_k| + |z'_k| (the magnitudes that get rounded):
+  |err| <= 2^-6 * sum_k |x_k| m_k + 1e-3, against a reference fed the same bfloat16 x.
+"""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from kvshare.model import qlinear
+from kvshare.model.gguf_quants import GROUP_AFFINE_TYPES, to_group_affine
+from kvshare.model.qlinear import DequantScratch, GroupInt8Linear, Int4Linear, make_linear, pack_int4, unpack_int4
+from test_loader import random_blocks
+
+_QUANTIZABLE = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1]
+_HAND_LAID = [QT.Q4_K, QT.Q5_K, QT.Q6_K]
+N, K = 96, 512
+
+
+def _raw(qtype: QT, n: int = N, k: int = K, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if qtype in _QUANTIZABLE:
+        x = (rng.standard_normal((n, k)) * rng.uniform(0.05, 2.0, size=(n, 1))).astype(np.float32)
+        return gguf.quants.quantize(x, qtype)
+    block, _ = gguf.GGML_QUANT_SIZES[qtype]
+    return random_blocks(qtype, rows=n, blocks_per_row=k // block, rng=rng)
+
+
+def _reference(raw: np.ndarray, qtype: QT) -> torch.Tensor:
+    return torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float32))
+
+
+@pytest.mark.parametrize("qtype", _QUANTIZABLE + _HAND_LAID, ids=lambda q: q.name)
+def test_group_affine_form_is_the_files_weights(qtype):
+    raw = _raw(qtype)
+    w = to_group_affine(raw, qtype, (N, K))
+    ref = _reference(raw, qtype)
+    assert torch.equal(w.dequantize(), ref)  # bit for bit
+    assert ref.abs().max() > 0
+    assert qtype in GROUP_AFFINE_TYPES
+
+
+def test_int4_packing_matches_torch_and_unpacks():
+    q = torch.randint(0, 16, (96, 256), dtype=torch.int32)
+    packed = pack_int4(q)
+    assert torch.equal(packed, torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+    assert torch.equal(unpack_int4(packed).int(), q)
+    rows = torch.tensor([0, 5, 16, 31, 32, 95, 47])
+    assert torch.equal(unpack_int4(packed, rows).int(), q[rows])
+
+
+def _magnitudes(w) -> torch.Tensor:
+    """Per weight |w| + 8|s| + |z + 8s|: what the kernels' roundings scale with (see the top)."""
+    n, k = w.q.shape
+    s = w.scale.double().repeat_interleave(w.group, dim=1)
+    z = (w.zero.double() if w.zero is not None else torch.zeros_like(w.scale).double()).repeat_interleave(w.group, 1)
+    return w.dequantize().double().abs() + 8 * s.abs() + (z + 8 * s).abs()
+
+
+def _tolerance(x: torch.Tensor, mags: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    mag = x.double().abs() @ mags.T
+    if dtype == torch.float32:
+        return 1e-5 * mag + 1e-6
+    return 2.0**-6 * mag + 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("qtype", _QUANTIZABLE + _HAND_LAID, ids=lambda q: q.name)
+@pytest.mark.parametrize("rows", [1, 5, qlinear.PACKED_MAX_ROWS, qlinear.PACKED_MAX_ROWS + 7])
+def test_kept_quantized_matmul_equals_dequantized_reference(qtype, dtype, rows):
+    raw = _raw(qtype, seed=rows)
+    ref_w = _reference(raw, qtype)
+    affine = to_group_affine(raw, qtype, (N, K))
+    mags = _magnitudes(affine)
+    lin = make_linear(affine, dtype, DequantScratch())
+    expected_kind = "int4" if qtype in (QT.Q4_0, QT.Q4_1, QT.Q4_K) else "int8-group"
+    assert lin.kind == expected_kind
+    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    got = lin(x)
+    assert got.dtype == dtype and got.shape == (rows, N)
+    ref = x.double() @ ref_w.double().T
+    err = (got.double() - ref).abs()
+    assert (err <= _tolerance(x, mags, dtype)).all(), f"max err {err.max().item():.3g}"
+    # Embedding rows come out of the same storage, rounded as the kernel rounds.
+    ids = torch.tensor([0, 3, N - 1, 17])
+    row_err = (lin.rows(ids).double() - ref_w[ids].double()).abs()
+    bound = (2.0**-22 if dtype == torch.float32 else 2.0**-7) * mags[ids]
+    assert (row_err <= bound).all(), f"max row err {row_err.max().item():.3g}"
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q8_0, QT.Q6_K], ids=lambda q: q.name)
+def test_packed_and_scratch_paths_agree(qtype):
+    """Decode-sized calls read packed weights, prefill-sized ones a dequantized scratch: the same
+    rows must get the same answer either way (up to float32 summation order)."""
+    raw = _raw(qtype)
+    scratch = DequantScratch()
+    lin = make_linear(to_group_affine(raw, qtype, (N, K)), torch.float32, scratch)
+    x = torch.randn(qlinear.PACKED_MAX_ROWS + 8, K)
+    big = lin(x)
+    small = torch.cat([lin(x[i:i + 4]) for i in range(0, x.shape[0], 4)])
+    bound = 1e-5 * (x.double().abs() @ _magnitudes(to_group_affine(raw, qtype, (N, K))).T) + 1e-6
+    assert ((big.double() - small.double()).abs() <= bound).all()
+    assert scratch.nbytes == N * K * 4  # one layer's worth, reused
+
+
+def test_dense_formats_stay_dense():
+    w = torch.randn(64, 128)
+    lin = make_linear(w, torch.bfloat16, DequantScratch())
+    assert lin.kind == "dense" and lin.weight.dtype == torch.bfloat16
+    assert torch.equal(lin(torch.ones(1, 128, dtype=torch.bfloat16)),
+                       torch.nn.functional.linear(torch.ones(1, 128, dtype=torch.bfloat16), w.bfloat16()))
+
+
+def test_rows_not_a_multiple_of_32_take_the_int8_kernel():
+    raw = _raw(QT.Q4_0, n=40)
+    lin = make_linear(to_group_affine(raw, QT.Q4_0, (40, K)), torch.float32, DequantScratch())
+    assert isinstance(lin, GroupInt8Linear)
+    x = torch.randn(3, K)
+    ref = x.double() @ _reference(raw, QT.Q4_0).double().T
+    assert ((lin(x).double() - ref).abs() <= 1e-5 * ref.abs().max() + 1e-5).all()
+    assert not isinstance(lin, Int4Linear)
