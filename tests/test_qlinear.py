@@ -18,7 +18,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from kvshare.model import qlinear
+from kvshare.model import cpu_kernels, qlinear
 from kvshare.model.gguf_quants import GROUP_AFFINE_TYPES, to_group_affine
 from kvshare.model.qlinear import DequantScratch, GroupInt8Linear, Int4Linear, make_linear, pack_int4, unpack_int4
 from test_loader import random_blocks
@@ -78,13 +78,16 @@ def _tolerance(x: torch.Tensor, mags: torch.Tensor, dtype: torch.dtype) -> torch
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("qtype", _QUANTIZABLE + _HAND_LAID, ids=lambda q: q.name)
 @pytest.mark.parametrize("rows", [1, 5, qlinear.PACKED_MAX_ROWS, qlinear.PACKED_MAX_ROWS + 7])
-def test_kept_quantized_matmul_equals_dequantized_reference(qtype, dtype, rows):
+@pytest.mark.parametrize("int4", [True, False], ids=["torch-int4", "kvshare-int8"])
+def test_kept_quantized_matmul_equals_dequantized_reference(qtype, dtype, rows, int4):
+    if not int4 and not cpu_kernels.QMATMUL.wait_until_built():
+        pytest.skip(f"kvshare's C++ kernel cannot be built: {cpu_kernels.QMATMUL.unavailable_reason()}")
     raw = _raw(qtype, seed=rows)
     ref_w = _reference(raw, qtype)
     affine = to_group_affine(raw, qtype, (N, K))
     mags = _magnitudes(affine)
-    lin = make_linear(affine, dtype, DequantScratch())
-    expected_kind = "int4" if qtype in (QT.Q4_0, QT.Q4_1, QT.Q4_K) else "int8-group"
+    lin = make_linear(affine, dtype, DequantScratch(), int4=int4)
+    expected_kind = "int4" if int4 and qtype in (QT.Q4_0, QT.Q4_1, QT.Q4_K) else "int8-group"
     assert lin.kind == expected_kind
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows)).to(dtype)
     got = lin(x)
@@ -105,7 +108,8 @@ def test_packed_and_scratch_paths_agree(qtype):
     rows must get the same answer either way (up to float32 summation order)."""
     raw = _raw(qtype)
     scratch = DequantScratch()
-    lin = make_linear(to_group_affine(raw, qtype, (N, K)), torch.float32, scratch)
+    cpu_kernels.QMATMUL.wait_until_built()
+    lin = make_linear(to_group_affine(raw, qtype, (N, K)), torch.float32, scratch, int4=True)
     x = torch.randn(qlinear.PACKED_MAX_ROWS + 8, K)
     big = lin(x)
     small = torch.cat([lin(x[i:i + 4]) for i in range(0, x.shape[0], 4)])
@@ -124,7 +128,7 @@ def test_dense_formats_stay_dense():
 
 def test_rows_not_a_multiple_of_32_take_the_int8_kernel():
     raw = _raw(QT.Q4_0, n=40)
-    lin = make_linear(to_group_affine(raw, QT.Q4_0, (40, K)), torch.float32, DequantScratch())
+    lin = make_linear(to_group_affine(raw, QT.Q4_0, (40, K)), torch.float32, DequantScratch(), int4=True)
     assert isinstance(lin, GroupInt8Linear)
     x = torch.randn(3, K)
     ref = x.double() @ _reference(raw, QT.Q4_0).double().T

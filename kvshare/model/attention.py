@@ -17,6 +17,8 @@ CPU implementation: pure PyTorch, except that decode rows go to the C++ kernel i
 """
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass, field
 
 import torch
@@ -76,11 +78,23 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         # Zeroed, not empty: padded decode reads touch unused slots, and 0 * NaN would leak.
-        self.data = torch.zeros(num_layers, 2, num_kv_heads, num_blocks * block_size, head_dim, dtype=dtype)
+        # Lazily zeroed: the pool is anonymous memory, so a page costs RAM (and time) only once
+        # a block on it is written or read, not at start-up.
+        self._maps: list[mmap.mmap] = []
+        self.data = self._lazy_zeros((num_layers, 2, num_kv_heads, num_blocks * block_size, head_dim), dtype)
         self.scales = None
         if kv_quant.is_quantized_dtype(dtype):
-            self.scales = torch.zeros(num_layers, 2, num_kv_heads, num_blocks * block_size,
-                                      dtype=kv_quant.SCALE_DTYPE)
+            self.scales = self._lazy_zeros((num_layers, 2, num_kv_heads, num_blocks * block_size),
+                                           kv_quant.SCALE_DTYPE)
+
+    def _lazy_zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        count = math.prod(shape)
+        nbytes = count * torch.empty(0, dtype=dtype).element_size()
+        if nbytes == 0:
+            return torch.zeros(shape, dtype=dtype)
+        buf = mmap.mmap(-1, nbytes)  # anonymous: zero-filled by the kernel on first touch
+        self._maps.append(buf)  # the tensor borrows this memory: keep it alive with the cache
+        return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor] | tuple[QuantizedKV, QuantizedKV]:
         if self.scales is None:
@@ -112,9 +126,20 @@ class AttentionBackend:
 class TorchPagedAttention(AttentionBackend):
     def __init__(self, block_size: int, use_cpp_kernel: bool = True) -> None:
         self.block_size = block_size
-        # Decided once: building the kernel (first use only) happens here, not mid-step.
-        self.use_cpp_kernel = use_cpp_kernel and cpu_kernels.available()
-        self.wants_decode_groups = not self.use_cpp_kernel
+        self._want_cpp = use_cpp_kernel
+        if use_cpp_kernel:
+            cpu_kernels.ATTENTION.available()  # loads a cached build, or starts building it in the background
+
+    @property
+    def use_cpp_kernel(self) -> bool:
+        # Asked per step, never waiting: until a background build finishes, steps take the
+        # PyTorch path. It only ever turns True, so a step whose decode groups were built
+        # before the flip still has the full decode tables the kernel reads.
+        return self._want_cpp and cpu_kernels.ATTENTION.available()
+
+    @property
+    def wants_decode_groups(self) -> bool:
+        return not self.use_cpp_kernel
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
         # q: [T, H, D]; k, v: [T, KVH, D]; caches: [KVH, slots, D] (or QuantizedKV of those)
@@ -125,7 +150,7 @@ class TorchPagedAttention(AttentionBackend):
         group = num_heads // num_kv
         out = torch.empty_like(q)
         bs = self.block_size
-        if self.use_cpp_kernel and meta.decode_block_tables is not None:
+        if meta.decode_block_tables is not None and self.use_cpp_kernel:
             if meta.num_decode:
                 nd = meta.num_decode
                 if isinstance(k_cache, QuantizedKV):

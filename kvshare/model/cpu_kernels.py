@@ -1,24 +1,45 @@
-"""Optional C++ CPU kernels, compiled on first use with `torch.utils.cpp_extension.load_inline`.
+"""Optional C++ CPU kernels: plain C ABI shared libraries, compiled with a direct compiler call
+into a per-user cache and called through ctypes. Sources live in `kvshare/model/csrc/`.
 
-`paged_decode_attention` computes attention for decode rows (one query per sequence) straight
-from the paged KV cache: each (row, kv head) task walks its own block table, reads every K and V
-vector of its context exactly once, and keeps an online softmax with float32 accumulation. No
-padded gather, no score matrix in memory. GQA/MQA/MHA, float32 or bfloat16 queries; float32,
-bfloat16 or float16 caches, or int8 / float8 e4m3 caches with one scale per (kv head, slot)
-(applied to the scores and the probabilities, not per element); any block size >= 1, any head_dim. Code paths, picked at run time by CPU features: AVX-512 for
-head_dim <= 128, plus vdpbf16ps dot products where the CPU has AVX512_BF16 and both q and the
-cache are bfloat16; a portable scalar path everywhere else. Rows are spread over torch's thread
-count with OpenMP (the libgomp torch already loaded), longest first; each (row, kv head) is
-computed by one thread, so results do not depend on the thread count.
+Libraries (`LIBRARIES`):
 
-The build is lazy and optional: `available()` compiles (or loads the cached build of) the
-library the first time it is asked, and answers False, with the reason logged once at INFO,
-when it cannot (no compiler, no ninja, non-POSIX, ...). Nothing here raises at import. The
-library has a plain C ABI called through ctypes and includes no torch headers, so a cold build
-takes seconds, not the half minute torch/extension.h costs. Artifacts go to torch's extension
-cache (`TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions), never into the source tree.
+* `ATTENTION` (csrc/paged_attention.cpp): `paged_decode_attention` computes attention for
+  decode rows (one query per sequence) straight from the paged KV cache: each (row, kv head)
+  task walks its own block table, reads every K and V vector of its context exactly once, and
+  keeps an online softmax with float32 accumulation. No padded gather, no score matrix in
+  memory. GQA/MQA/MHA, float32 or bfloat16 queries; float32, bfloat16 or float16 caches, or
+  int8 / float8 e4m3 caches with one scale per (kv head, slot) (applied to the scores and the
+  probabilities, not per element); any block size >= 1, any head_dim. Code paths, picked at run
+  time by CPU features: AVX-512 for head_dim <= 128, plus vdpbf16ps dot products where the CPU
+  has AVX512_BF16 and both q and the cache are bfloat16; a portable scalar path everywhere else.
+  Rows are spread over torch's thread count with OpenMP (the libgomp torch already loaded),
+  longest first; each (row, kv head) is computed by one thread, so results do not depend on the
+  thread count.
+* `QMATMUL` (csrc/qmatmul.cpp): `int8_group_matmul`, x [M, K] times a group-quantized int8
+  weight [N, K] (one float32 scale, and optionally a zero, per group of K), for small M.
 
-Set KVSHARE_DISABLE_CPP_KERNELS=1 to force the pure-PyTorch paths.
+Building never makes a request wait:
+
+* `available()` (per library; the module-level one is the attention library's) never blocks on
+  a compiler. It is True when the library is loaded, or when a cached build exists and loads
+  (milliseconds: one `c++ --version` and a dlopen). Otherwise it starts one background thread
+  that compiles the library and answers False until that finishes. Callers on the serving path
+  just ask again later (it is cheap once decided).
+* `wait_until_built(timeout=None)` blocks until the build is done (tests, benchmarks, setup);
+  `python -m kvshare.model.cpu_kernels --build` prebuilds every library (`make setup`).
+* The compiler is `$CXX` if set, else `c++` or `g++` from PATH, run as
+  `c++ -O3 -fopenmp -fno-math-errno -shared -fPIC src -o lib` (no -march: the code picks its
+  paths with target attributes and runtime CPU checks). The output lands in
+  `$KVSHARE_CACHE_DIR` (default ~/.cache/kvshare/kernels), never in the source tree, named by a
+  hash of the source text, the flags and the compiler's version string. It is compiled in a
+  private temp dir and renamed into place atomically: concurrent processes need no lock (at
+  worst both compile and the second rename wins, with identical content).
+* Nothing here raises at import. A failure (no compiler, compile error, non-POSIX, unwritable
+  cache) makes `available()` False, with the reason logged once at INFO and returned by
+  `unavailable_reason()`; it is not retried in this process.
+
+Set KVSHARE_DISABLE_CPP_KERNELS=1 to force the pure-PyTorch paths (`available()` is then False;
+the kernels themselves still run when called directly).
 """
 from __future__ import annotations
 
@@ -26,860 +47,73 @@ import ctypes
 import hashlib
 import logging
 import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
 import threading
 import time
+from typing import Callable
 
 import torch
 
 logger = logging.getLogger("kvshare")
 
 DISABLE_ENV = "KVSHARE_DISABLE_CPP_KERNELS"
-
-_CPP_SOURCE = r"""
-#include <algorithm>
-#include <cmath>
-#include <cstdio>
-#include <cstdint>
-#include <cstring>
-#include <limits>
-#include <numeric>
-#include <string>
-#include <type_traits>
-#include <vector>
-
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define KVS_X86 1
-#include <immintrin.h>
-#define KVS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
-// Small helpers must inline: a prefetch left in its own function is "pure" to GCC's IPA and its
-// calls get deleted, and an opaque call in a loop pins the accumulators to memory.
-#define KVS_INLINE inline __attribute__((always_inline))
-// Fixed-trip loops over heads and chunks, unrolled early so accumulator arrays become registers.
-#define KVS_UNROLL _Pragma("GCC unroll 16")
-// avx512_bf16 intrinsics: GCC >= 11, clang >= 12.
-#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
-#define KVS_BF16DP 1
-#define KVS_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx512bf16")))
-#else
-#define KVS_BF16DP 0
-#endif
-#else
-#define KVS_X86 0
-#define KVS_BF16DP 0
-#endif
-
-namespace kvs {
-
-constexpr int kTile = 64;  // tokens per online-softmax step (a multiple of 16)
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// bfloat16 tensors are handled as raw uint16_t bit patterns.
-static inline float to_f32(float x) { return x; }
-static inline float to_f32(uint16_t h) {
-  uint32_t u = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-// Round to nearest even, as torch does; NaN stays NaN.
-static inline uint16_t to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return uint16_t(u >> 16);
-}
-
-// float16 and float8 e4m3fn caches, as raw bits; int8 caches are plain int8_t. int8 and fp8
-// caches come with one float scale per (kv head, slot): the stored value times its scale.
-struct f16_t { uint16_t bits; };
-struct fp8_t { uint8_t bits; };
-static inline float to_f32(int8_t x) { return float(x); }
-static inline float to_f32(f16_t h) {
-  const int e = (h.bits >> 10) & 0x1f, m = h.bits & 0x3ff;
-  const float f = e == 0    ? std::ldexp(float(m), -24)
-                  : e == 31 ? (m ? std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::infinity())
-                            : std::ldexp(float(m | 0x400), e - 25);
-  return (h.bits & 0x8000) ? -f : f;
-}
-static inline float to_f32(fp8_t b) {  // e4m3fn: bias 7, no infinities, S.1111.111 is NaN
-  const int e = (b.bits >> 3) & 0xf, m = b.bits & 7;
-  const float f = e == 0                ? std::ldexp(float(m), -9)
-                  : (e == 15 && m == 7) ? std::numeric_limits<float>::quiet_NaN()
-                                        : std::ldexp(float(m | 8), e - 10);
-  return (b.bits & 0x80) ? -f : f;
-}
-
-struct Problem {
-  int64_t n, H, KVH, G, D, bs;
-  float scale;
-  const void* q;
-  int64_t q_s0, q_s1;
-  bool q_bf16;
-  const void* k;
-  const void* v;
-  int64_t k_s0, k_s1, v_s0, v_s1;
-  const float* ks;  // K scales [KVH, slots] (ks_s0 per head, unit stride over slots); null: none
-  const float* vs;
-  int64_t ks_s0, vs_s0;
-  const int64_t* tables;
-  int64_t tbl_s0;
-  const int64_t* ctx;
-  void* out;
-  int64_t o_s0, o_s1;
-};
-
-// Per-thread buffers, reused across tasks. Dp: head_dim padded for the vector code.
-struct Scratch {
-  int64_t Dp;
-  std::vector<float> qf, acc, s, m, l;
-  std::vector<uint16_t> qb, pb;  // bf16 q bits; bf16 probabilities (hi and lo halves)
-  std::vector<int64_t> slots;    // this tile and the next
-  Scratch(int64_t G, int64_t Dp_)
-      : Dp(Dp_), qf(G * Dp_), acc(G * Dp_), s(G * kTile), m(G), l(G), qb(G * Dp_), pb(G * 2 * kTile),
-        slots(2 * kTile) {}
-};
-
-// Quantized caches: the tile's scores (before the softmax) times K's per-slot scale, or its
-// probabilities (after it, so the normalizer is untouched) times V's, folding dequantization
-// into one multiply per (token, head) instead of one per element.
-static inline void apply_slot_scales(const float* sc, const int64_t* slots, int tn, int64_t G, float* s) {
-  if (sc == nullptr) return;
-  for (int j = 0; j < tn; ++j) {
-    const float c = sc[slots[j]];
-    for (int64_t g = 0; g < G; ++g) s[g * kTile + j] *= c;
-  }
-}
-
-// fp32 copy of the task's G query heads, times scale, zero padded to Dp; resets the softmax state.
-static void load_q(const Problem& P, int64_t row, int64_t h, Scratch& S) {
-  std::fill(S.qf.begin(), S.qf.end(), 0.f);
-  for (int64_t g = 0; g < P.G; ++g) {
-    const int64_t off = row * P.q_s0 + (h * P.G + g) * P.q_s1;
-    float* dst = S.qf.data() + g * S.Dp;
-    if (P.q_bf16) {
-      const uint16_t* src = static_cast<const uint16_t*>(P.q) + off;
-      for (int64_t d = 0; d < P.D; ++d) dst[d] = to_f32(src[d]) * P.scale;
-    } else {
-      const float* src = static_cast<const float*>(P.q) + off;
-      for (int64_t d = 0; d < P.D; ++d) dst[d] = src[d] * P.scale;
-    }
-  }
-  std::fill(S.acc.begin(), S.acc.end(), 0.f);
-  std::fill(S.m.begin(), S.m.end(), kNegInf);
-  std::fill(S.l.begin(), S.l.end(), 0.f);
-}
-
-static void store_out(const Problem& P, int64_t row, int64_t h, const Scratch& S) {
-  for (int64_t g = 0; g < P.G; ++g) {
-    const float l = S.l[g];
-    const float inv = l > 0.f ? 1.f / l : 0.f;  // empty context: zeros
-    const float* a = S.acc.data() + g * S.Dp;
-    const int64_t off = row * P.o_s0 + (h * P.G + g) * P.o_s1;
-    if (P.q_bf16) {
-      uint16_t* dst = static_cast<uint16_t*>(P.out) + off;
-      for (int64_t d = 0; d < P.D; ++d) dst[d] = to_bf16(a[d] * inv);
-    } else {
-      float* dst = static_cast<float*>(P.out) + off;
-      for (int64_t d = 0; d < P.D; ++d) dst[d] = a[d] * inv;
-    }
-  }
-}
-
-// Slots of the next tn tokens, walking the row's table; (blk, off) is the cursor. Slots past tn,
-// up to a multiple of 16, repeat the last one: vector code may read them, never another block.
-static int fill_tile(const int64_t* table, int64_t bs, int64_t remaining, int64_t& blk, int64_t& off,
-                     int64_t* slots) {
-  if (remaining <= 0) return 0;
-  const int tn = int(std::min<int64_t>(kTile, remaining));
-  int64_t base = table[blk] * bs;
-  for (int j = 0; j < tn; ++j) {
-    slots[j] = base + off;
-    if (++off == bs) {
-      off = 0;
-      ++blk;
-      if (j + 1 < tn) base = table[blk] * bs;
-    }
-  }
-  for (int j = tn; j < ((tn + 15) & ~15); ++j) slots[j] = slots[tn - 1];
-  return tn;
-}
-
-// ------------------------------------------------------------------------------------------
-// Portable scalar path (any CPU, any head_dim).
-template <typename KT>
-static void task_scalar(const Problem& P, int64_t row, int64_t h, Scratch& S) {
-  const int64_t ctx = P.ctx[row];
-  const int64_t G = P.G, D = P.D, Dp = S.Dp;
-  load_q(P, row, h, S);
-  const int64_t* table = P.tables + row * P.tbl_s0;
-  const KT* kb = static_cast<const KT*>(P.k) + h * P.k_s0;
-  const KT* vb = static_cast<const KT*>(P.v) + h * P.v_s0;
-  const float* ksh = P.ks ? P.ks + h * P.ks_s0 : nullptr;
-  const float* vsh = P.vs ? P.vs + h * P.vs_s0 : nullptr;
-  float* s = S.s.data();
-  int64_t blk = 0, off = 0;
-  for (int64_t t0 = 0; t0 < ctx; t0 += kTile) {
-    const int tn = fill_tile(table, P.bs, ctx - t0, blk, off, S.slots.data());
-    for (int j = 0; j < tn; ++j) {
-      const KT* kp = kb + S.slots[j] * P.k_s1;
-      for (int64_t g = 0; g < G; ++g) {
-        const float* qg = S.qf.data() + g * Dp;
-        float a = 0.f;
-        for (int64_t d = 0; d < D; ++d) a += qg[d] * to_f32(kp[d]);
-        s[g * kTile + j] = a;
-      }
-    }
-    apply_slot_scales(ksh, S.slots.data(), tn, G, s);
-    for (int64_t g = 0; g < G; ++g) {
-      float* sg = s + g * kTile;
-      float mt = kNegInf;
-      for (int j = 0; j < tn; ++j) mt = std::max(mt, sg[j]);
-      const float mnew = std::max(S.m[g], mt);
-      if (mnew > S.m[g]) {
-        const float alpha = std::exp(S.m[g] - mnew);
-        S.l[g] *= alpha;
-        float* a = S.acc.data() + g * Dp;
-        for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
-        S.m[g] = mnew;
-      }
-      float sum = 0.f;
-      for (int j = 0; j < tn; ++j) {
-        sg[j] = std::exp(sg[j] - mnew);
-        sum += sg[j];
-      }
-      S.l[g] += sum;
-    }
-    apply_slot_scales(vsh, S.slots.data(), tn, G, s);
-    for (int j = 0; j < tn; ++j) {
-      const KT* vp = vb + S.slots[j] * P.v_s1;
-      for (int64_t g = 0; g < G; ++g) {
-        const float p = s[g * kTile + j];
-        float* a = S.acc.data() + g * Dp;
-        for (int64_t d = 0; d < D; ++d) a[d] += p * to_f32(vp[d]);
-      }
-    }
-  }
-  store_out(P, row, h, S);
-}
-
-// ------------------------------------------------------------------------------------------
-// AVX-512 path, head_dim <= 128: head_dim in NC chunks of 16 lanes (masked past head_dim), up
-// to GB query heads of the group per pass over the tile. Rows are prefetched into L2 one pass
-// ahead: V rows of the tile while its scores are computed, K rows of the next tile while V is
-// accumulated (blocks are scattered, so the hardware prefetcher alone stalls at every block).
-#if KVS_X86
-KVS_AVX512 static KVS_INLINE __m512 ld16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-KVS_AVX512 static KVS_INLINE __m512 ld16(const uint16_t* p, __mmask16 m) {
-  __m256i x = _mm256_maskz_loadu_epi16(m, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
-}
-KVS_AVX512 static KVS_INLINE __m512 ld16(const f16_t* p, __mmask16 m) {
-  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
-}
-KVS_AVX512 static KVS_INLINE __m512 ld16(const int8_t* p, __mmask16 m) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
-}
-// e4m3's exponent and mantissa bits land in float16's fields (4 of its 5 exponent bits, the top
-// 3 mantissa bits), which reads as the value times 2^-8, subnormals included: widen as float16,
-// then undo the bias difference.
-KVS_AVX512 static KVS_INLINE __m512 ld16(const fp8_t* p, __mmask16 m) {
-  const __m256i x = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(m, p));
-  const __m256i mag = _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7f)), 7);
-  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8);
-  return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(mag, sign)), _mm512_set1_ps(256.f));
-}
-
-template <typename KT>
-KVS_AVX512 static KVS_INLINE void prefetch_row(const KT* p, int64_t row_bytes) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T1);
-}
-
-// Where a loop prefetches: rows slots[0 .. n-1] at base + slot * stride.
-template <typename KT>
-struct Prefetch {
-  const KT* base;
-  int64_t stride;
-  const int64_t* slots;
-  int n;
-  int64_t row_bytes;
-  KVS_AVX512 KVS_INLINE void operator()(int j) const {
-    if (j < n) prefetch_row(base + slots[j] * stride, row_bytes);
-  }
-};
-
-// exp(x), Cephes-style polynomial (~1 ulp); underflows cleanly to 0 for very negative x.
-KVS_AVX512 static KVS_INLINE __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
-  x = _mm512_min_ps(x, _mm512_set1_ps(88.7f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  __m512 r2 = _mm512_mul_ps(r, r);
-  p = _mm512_fmadd_ps(p, r2, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
-
-static inline __mmask16 mask16(int64_t remaining) {
-  return remaining >= 16 ? __mmask16(0xFFFF) : remaining <= 0 ? __mmask16(0) : __mmask16((1u << remaining) - 1);
-}
-
-// a0..a3 -> one vector whose 128-bit lane k holds [a0, a1, a2, a3] each summed over its lane k.
-KVS_AVX512 static KVS_INLINE __m512 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
-  const __m512 t01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
-  const __m512 t23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
-  const __m512d x = _mm512_castps_pd(t01), y = _mm512_castps_pd(t23);
-  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-}
-
-// Four reduce4 results (tokens 0-3, 4-7, 8-11, 12-15) -> the 16 horizontal sums, in token order.
-KVS_AVX512 static KVS_INLINE __m512 reduce16(__m512 u0, __m512 u1, __m512 u2, __m512 u3) {
-  const __m512 v = _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, 0x88), _mm512_shuffle_f32x4(u0, u1, 0xDD));
-  const __m512 w = _mm512_add_ps(_mm512_shuffle_f32x4(u2, u3, 0x88), _mm512_shuffle_f32x4(u2, u3, 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(v, w, 0x88), _mm512_shuffle_f32x4(v, w, 0xDD));
-}
-
-// Scores s[g][j] = q_g . k_j for GB heads and tokens j < tn, 16 tokens at a time (q pre-scaled).
-template <typename KT, int NC, int GB>
-KVS_AVX512 static void qk_f32(const float* qf, int64_t Dp, const KT* kb, int64_t ks1, const int64_t* slots,
-                              int tn, const __mmask16* mk, float* s, Prefetch<KT> pf) {
-  for (int j0 = 0; j0 < tn; j0 += 16) {
-    __m512 u[GB][4];
-    KVS_UNROLL
-    for (int qd = 0; qd < 4; ++qd) {
-      __m512 a[GB][4];
-      KVS_UNROLL
-      for (int t = 0; t < 4; ++t) {
-        const int j = j0 + 4 * qd + t;
-        pf(j);
-        const KT* kp = kb + slots[j] * ks1;
-        __m512 kv[NC];
-        KVS_UNROLL
-        for (int c = 0; c < NC; ++c) kv[c] = ld16(kp + 16 * c, mk[c]);
-        KVS_UNROLL
-        for (int g = 0; g < GB; ++g) {
-          __m512 x = _mm512_mul_ps(_mm512_loadu_ps(qf + g * Dp), kv[0]);
-          KVS_UNROLL
-          for (int c = 1; c < NC; ++c) x = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * Dp + 16 * c), kv[c], x);
-          a[g][t] = x;
-        }
-      }
-      KVS_UNROLL
-      for (int g = 0; g < GB; ++g) u[g][qd] = reduce4(a[g][0], a[g][1], a[g][2], a[g][3]);
-    }
-    KVS_UNROLL
-    for (int g = 0; g < GB; ++g) _mm512_storeu_ps(s + g * kTile + j0, reduce16(u[g][0], u[g][1], u[g][2], u[g][3]));
-  }
-}
-
-// acc[g] += sum_j p[g][j] v_j for GB heads, tokens j < tn.
-template <typename KT, int NC, int GB>
-KVS_AVX512 static void pv_f32(float* acc, int64_t Dp, const KT* vb, int64_t vs1, const int64_t* slots, int tn,
-                              const __mmask16* mk, const float* s, Prefetch<KT> pf) {
-  __m512 ar[GB][NC];
-  KVS_UNROLL
-  for (int g = 0; g < GB; ++g)
-    KVS_UNROLL
-    for (int c = 0; c < NC; ++c) ar[g][c] = _mm512_loadu_ps(acc + g * Dp + 16 * c);
-  for (int j = 0; j < tn; ++j) {
-    pf(j);
-    const KT* vp = vb + slots[j] * vs1;
-    __m512 vv[NC];
-    KVS_UNROLL
-    for (int c = 0; c < NC; ++c) vv[c] = ld16(vp + 16 * c, mk[c]);
-    KVS_UNROLL
-    for (int g = 0; g < GB; ++g) {
-      const __m512 p = _mm512_set1_ps(s[g * kTile + j]);
-      KVS_UNROLL
-      for (int c = 0; c < NC; ++c) ar[g][c] = _mm512_fmadd_ps(p, vv[c], ar[g][c]);
-    }
-  }
-  KVS_UNROLL
-  for (int g = 0; g < GB; ++g)
-    KVS_UNROLL
-    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + g * Dp + 16 * c, ar[g][c]);
-}
-
-// Online softmax over one tile of one head's scores: updates (m, l), rescales acc (Dp floats,
-// any layout), and leaves exp(s - m) in s[0 .. tn-1] and zeros in s[tn .. kTile-1].
-KVS_AVX512 static void softmax_tile(float* sg, int tn, float& m, float& l, float* acc, int64_t Dp) {
-  const __m512 ninf = _mm512_set1_ps(kNegInf);
-  __m512 vmax = ninf;
-  for (int j = 0; j < tn; j += 16)
-    vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(ninf, mask16(tn - j), sg + j));
-  const float mnew = std::max(m, _mm512_reduce_max_ps(vmax));
-  if (mnew > m) {
-    const float alpha = std::exp(m - mnew);
-    const __m512 va = _mm512_set1_ps(alpha);
-    l *= alpha;
-    for (int64_t d = 0; d < Dp; d += 16) _mm512_storeu_ps(acc + d, _mm512_mul_ps(va, _mm512_loadu_ps(acc + d)));
-    m = mnew;
-  }
-  const __m512 vm = _mm512_set1_ps(mnew);
-  __m512 vsum = _mm512_setzero_ps();
-  for (int j = 0; j < kTile; j += 16) {
-    const __mmask16 mk = mask16(tn - j);
-    const __m512 e = _mm512_maskz_mov_ps(mk, exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + j), vm)));
-    _mm512_storeu_ps(sg + j, e);
-    vsum = _mm512_add_ps(vsum, e);
-  }
-  l += _mm512_reduce_add_ps(vsum);
-}
-
-#if KVS_BF16DP
-// bf16 cache and bf16 q on CPUs with avx512_bf16: vdpbf16ps multiplies bf16 pairs exactly and
-// accumulates in fp32, so K/V need no widening. Scores use the unscaled bf16 q (scaled after);
-// probabilities are split into bf16 hi + lo parts (~16 significant bits) for the V sum.
-KVS_AVX512BF16 static KVS_INLINE __m512bh as_bh(__m512i x) { return (__m512bh)x; }
-
-template <int NC2, int GB>
-KVS_AVX512BF16 static void qk_bf16(const uint16_t* qb, int64_t Dp, const uint16_t* kb, int64_t ks1,
-                                   const int64_t* slots, int tn, const __mmask32* mk, float* s, float scale,
-                                   Prefetch<uint16_t> pf) {
-  const __m512 vscale = _mm512_set1_ps(scale);
-  for (int j0 = 0; j0 < tn; j0 += 16) {
-    __m512 u[GB][4];
-    KVS_UNROLL
-    for (int qd = 0; qd < 4; ++qd) {
-      __m512 a[GB][4];
-      KVS_UNROLL
-      for (int t = 0; t < 4; ++t) {
-        const int j = j0 + 4 * qd + t;
-        pf(j);
-        const uint16_t* kp = kb + slots[j] * ks1;
-        __m512i kv[NC2];
-        KVS_UNROLL
-        for (int c = 0; c < NC2; ++c) kv[c] = _mm512_maskz_loadu_epi16(mk[c], kp + 32 * c);
-        KVS_UNROLL
-        for (int g = 0; g < GB; ++g) {
-          __m512 x = _mm512_setzero_ps();
-          KVS_UNROLL
-          for (int c = 0; c < NC2; ++c)
-            x = _mm512_dpbf16_ps(x, as_bh(_mm512_loadu_si512(qb + g * Dp + 32 * c)), as_bh(kv[c]));
-          a[g][t] = x;
-        }
-      }
-      KVS_UNROLL
-      for (int g = 0; g < GB; ++g) u[g][qd] = reduce4(a[g][0], a[g][1], a[g][2], a[g][3]);
-    }
-    KVS_UNROLL
-    for (int g = 0; g < GB; ++g)
-      _mm512_storeu_ps(s + g * kTile + j0, _mm512_mul_ps(vscale, reduce16(u[g][0], u[g][1], u[g][2], u[g][3])));
-  }
-}
-
-// Probabilities s[0 .. kTile-1] (fp32, zero past tn) -> bf16 hi and lo parts, hi + lo ~= s.
-KVS_AVX512BF16 static void split_probs(const float* sg, uint16_t* hi, uint16_t* lo) {
-  for (int j = 0; j < kTile; j += 16) {
-    const __m512 x = _mm512_loadu_ps(sg + j);
-    const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
-    const __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    const __m256i l = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(x, hf));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + j), h);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + j), l);
-  }
-}
-
-// acc[g] += sum_j p[g][j] v_j over token pairs (j, j+1): the two V rows are interleaved so each
-// 32-bit lane holds (v_j[d], v_j+1[d]) and one vdpbf16ps adds p_j v_j[d] + p_j+1 v_j+1[d].
-// Interleaving permutes head_dim inside 128-bit lanes: acc is kept in that order (see unpermute).
-template <int NC2, int GB>
-KVS_AVX512BF16 static void pv_bf16(float* acc, int64_t Dp, const uint16_t* vb, int64_t vs1, const int64_t* slots,
-                                   int tn, const __mmask32* mk, const uint16_t* pb, Prefetch<uint16_t> pf) {
-  __m512 ar[GB][NC2][2];
-  KVS_UNROLL
-  for (int g = 0; g < GB; ++g)
-    KVS_UNROLL
-    for (int c = 0; c < NC2; ++c)
-      KVS_UNROLL
-      for (int e = 0; e < 2; ++e) ar[g][c][e] = _mm512_loadu_ps(acc + g * Dp + 32 * c + 16 * e);
-  for (int j = 0; j < tn; j += 2) {
-    pf(j);
-    pf(j + 1);
-    const uint16_t* v0 = vb + slots[j] * vs1;
-    const uint16_t* v1 = vb + slots[j + 1] * vs1;  // padded slot when j + 1 == tn: its p is 0
-    __m512i lo[NC2], hi[NC2];
-    KVS_UNROLL
-    for (int c = 0; c < NC2; ++c) {
-      const __m512i a = _mm512_maskz_loadu_epi16(mk[c], v0 + 32 * c);
-      const __m512i b = _mm512_maskz_loadu_epi16(mk[c], v1 + 32 * c);
-      lo[c] = _mm512_unpacklo_epi16(a, b);
-      hi[c] = _mm512_unpackhi_epi16(a, b);
-    }
-    KVS_UNROLL
-    for (int g = 0; g < GB; ++g) {
-      int32_t wh, wl;
-      std::memcpy(&wh, pb + g * 2 * kTile + j, 4);
-      std::memcpy(&wl, pb + g * 2 * kTile + kTile + j, 4);
-      const __m512bh ph = as_bh(_mm512_set1_epi32(wh)), pl = as_bh(_mm512_set1_epi32(wl));
-      KVS_UNROLL
-      for (int c = 0; c < NC2; ++c) {
-        ar[g][c][0] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(ar[g][c][0], as_bh(lo[c]), ph), as_bh(lo[c]), pl);
-        ar[g][c][1] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(ar[g][c][1], as_bh(hi[c]), ph), as_bh(hi[c]), pl);
-      }
-    }
-  }
-  KVS_UNROLL
-  for (int g = 0; g < GB; ++g)
-    KVS_UNROLL
-    for (int c = 0; c < NC2; ++c)
-      KVS_UNROLL
-      for (int e = 0; e < 2; ++e) _mm512_storeu_ps(acc + g * Dp + 32 * c + 16 * e, ar[g][c][e]);
-}
-
-// pv_bf16's layout -> head_dim order: chunk c, half e, 128-bit lane k, element i holds
-// d = 32c + 8k + 4e + i.
-static void unpermute(float* acc, int64_t G, int64_t Dp) {
-  float tmp[32];
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t c = 0; c < Dp; c += 32) {
-      float* a = acc + g * Dp + c;
-      KVS_UNROLL
-      for (int e = 0; e < 2; ++e)
-        for (int k = 0; k < 4; ++k)
-          for (int i = 0; i < 4; ++i) tmp[8 * k + 4 * e + i] = a[16 * e + 4 * k + i];
-      std::memcpy(a, tmp, sizeof(tmp));
-    }
-}
-#endif  // KVS_BF16DP
-
-// One (row, kv head) task. BF16DP: the vdpbf16ps variant (bf16 cache and q only).
-template <typename KT, int NC, bool BF16DP>
-static void task_avx512(const Problem& P, int64_t row, int64_t h, Scratch& S) {
-  constexpr int NC2 = (NC + 1) / 2;
-  constexpr int GB = NC <= 4 ? 4 : 2;
-  const int64_t ctx = P.ctx[row];
-  const int64_t G = P.G, Dp = S.Dp;
-  load_q(P, row, h, S);
-  __mmask16 mk[NC];
-  KVS_UNROLL
-  for (int c = 0; c < NC; ++c) mk[c] = mask16(P.D - 16 * c);
-  __mmask32 mk2[NC2];
-  KVS_UNROLL
-  for (int c = 0; c < NC2; ++c) mk2[c] = __mmask32(mk[2 * c]) | (2 * c + 1 < NC ? __mmask32(mk[2 * c + 1]) << 16 : 0);
-  if constexpr (BF16DP) {
-    std::fill(S.qb.begin(), S.qb.end(), uint16_t(0));
-    for (int64_t g = 0; g < G; ++g)
-      std::memcpy(S.qb.data() + g * Dp,
-                  static_cast<const uint16_t*>(P.q) + row * P.q_s0 + (h * G + g) * P.q_s1, P.D * 2);
-  }
-  const int64_t* table = P.tables + row * P.tbl_s0;
-  const KT* kb = static_cast<const KT*>(P.k) + h * P.k_s0;
-  const KT* vb = static_cast<const KT*>(P.v) + h * P.v_s0;
-  const float* ksh = P.ks ? P.ks + h * P.ks_s0 : nullptr;
-  const float* vsh = P.vs ? P.vs + h * P.vs_s0 : nullptr;
-  const int64_t row_bytes = P.D * int64_t(sizeof(KT));
-  int64_t blk = 0, off = 0;
-  int64_t* cur = S.slots.data();
-  int64_t* nxt = cur + kTile;
-  int tn = fill_tile(table, P.bs, ctx, blk, off, cur);
-  for (int64_t t0 = 0; t0 < ctx; t0 += kTile) {
-    const int next_n = fill_tile(table, P.bs, ctx - t0 - kTile, blk, off, nxt);
-    for (int64_t g0 = 0; g0 < G; g0 += GB) {
-      // The first pass over the tile prefetches its V rows.
-      const Prefetch<KT> pf{vb, P.v_s1, cur, g0 == 0 ? tn : 0, row_bytes};
-      const int64_t gb = std::min<int64_t>(GB, G - g0);
-      float* s = S.s.data() + g0 * kTile;
-#if KVS_BF16DP
-      if constexpr (BF16DP) {
-        const uint16_t* qb = S.qb.data() + g0 * Dp;
-#define KVS_QK(N) qk_bf16<NC2, N>(qb, Dp, kb, P.k_s1, cur, tn, mk2, s, P.scale, pf)
-        switch (gb) {
-          case 1: KVS_QK(1); break;
-          case 2: KVS_QK(2); break;
-          case 3: if constexpr (GB >= 3) KVS_QK(3); break;
-          default: if constexpr (GB >= 4) KVS_QK(4); break;
-        }
-#undef KVS_QK
-        continue;
-      }
-#endif
-      const float* qf = S.qf.data() + g0 * Dp;
-#define KVS_QK(N) qk_f32<KT, NC, N>(qf, Dp, kb, P.k_s1, cur, tn, mk, s, pf)
-      switch (gb) {
-        case 1: KVS_QK(1); break;
-        case 2: KVS_QK(2); break;
-        case 3: if constexpr (GB >= 3) KVS_QK(3); break;
-        default: if constexpr (GB >= 4) KVS_QK(4); break;
-      }
-#undef KVS_QK
-    }
-    apply_slot_scales(ksh, cur, tn, G, S.s.data());
-    for (int64_t g = 0; g < G; ++g) {
-      softmax_tile(S.s.data() + g * kTile, tn, S.m[g], S.l[g], S.acc.data() + g * Dp, Dp);
-#if KVS_BF16DP
-      if constexpr (BF16DP) {
-        uint16_t* pb = S.pb.data() + g * 2 * kTile;
-        split_probs(S.s.data() + g * kTile, pb, pb + kTile);
-      }
-#endif
-    }
-    apply_slot_scales(vsh, cur, tn, G, S.s.data());  // bf16 caches (the BF16DP path) have none
-    for (int64_t g0 = 0; g0 < G; g0 += GB) {
-      // The first pass over the tile prefetches the next tile's K rows.
-      const Prefetch<KT> pf{kb, P.k_s1, nxt, g0 == 0 ? next_n : 0, row_bytes};
-      const int64_t gb = std::min<int64_t>(GB, G - g0);
-      float* acc = S.acc.data() + g0 * Dp;
-#if KVS_BF16DP
-      if constexpr (BF16DP) {
-        const uint16_t* pb = S.pb.data() + g0 * 2 * kTile;
-#define KVS_PV(N) pv_bf16<NC2, N>(acc, Dp, vb, P.v_s1, cur, tn, mk2, pb, pf)
-        switch (gb) {
-          case 1: KVS_PV(1); break;
-          case 2: KVS_PV(2); break;
-          case 3: if constexpr (GB >= 3) KVS_PV(3); break;
-          default: if constexpr (GB >= 4) KVS_PV(4); break;
-        }
-#undef KVS_PV
-        continue;
-      }
-#endif
-      const float* s = S.s.data() + g0 * kTile;
-#define KVS_PV(N) pv_f32<KT, NC, N>(acc, Dp, vb, P.v_s1, cur, tn, mk, s, pf)
-      switch (gb) {
-        case 1: KVS_PV(1); break;
-        case 2: KVS_PV(2); break;
-        case 3: if constexpr (GB >= 3) KVS_PV(3); break;
-        default: if constexpr (GB >= 4) KVS_PV(4); break;
-      }
-#undef KVS_PV
-    }
-    std::swap(cur, nxt);
-    tn = next_n;
-  }
-#if KVS_BF16DP
-  if constexpr (BF16DP) unpermute(S.acc.data(), G, Dp);
-#endif
-  store_out(P, row, h, S);
-}
-
-static bool cpu_has_avx512() {
-  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-                         __builtin_cpu_supports("fma");
-  return ok;
-}
-#if KVS_BF16DP
-static bool cpu_has_avx512bf16() {
-  static const bool ok = cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
-  return ok;
-}
-#else
-static bool cpu_has_avx512bf16() { return false; }
-#endif
-#else
-static bool cpu_has_avx512() { return false; }
-static bool cpu_has_avx512bf16() { return false; }
-#endif  // KVS_X86
-
-using TaskFn = void (*)(const Problem&, int64_t, int64_t, Scratch&);
-
-// path: 1 scalar, 2 avx512, 3 avx512 + avx512_bf16 dot products (bf16 cache and q only).
-template <typename KT>
-static TaskFn pick(int64_t D, int path, int64_t& Dp) {
-#if KVS_X86
-  if (path >= 2 && D <= 128) {
-    const int64_t nc = (D + 15) / 16;
-#if KVS_BF16DP
-    if constexpr (std::is_same_v<KT, uint16_t>) {
-      if (path == 3) {
-        if (nc <= 2) { Dp = 32; return &task_avx512<KT, 2, true>; }
-        if (nc <= 4) { Dp = 64; return &task_avx512<KT, 4, true>; }
-        Dp = 128; return &task_avx512<KT, 8, true>;
-      }
-    }
-#endif
-    if (nc <= 1) { Dp = 16; return &task_avx512<KT, 1, false>; }
-    if (nc <= 2) { Dp = 32; return &task_avx512<KT, 2, false>; }
-    if (nc <= 4) { Dp = 64; return &task_avx512<KT, 4, false>; }
-    Dp = 128; return &task_avx512<KT, 8, false>;
-  }
-#endif
-  (void)path;
-  Dp = D;
-  return &task_scalar<KT>;
-}
-
-}  // namespace kvs
-
-// ---- C ABI (called through ctypes: no torch headers, so the build takes seconds) ---------
-
-// Bit mask of the code paths this CPU can run: 1 scalar, 2 avx512, 4 avx512bf16.
-extern "C" int kvs_cpu_paths() {
-  return 1 | (kvs::cpu_has_avx512() ? 2 : 0) | (kvs::cpu_has_avx512bf16() ? 4 : 0);
-}
-
-// Shapes, dtypes and strides are checked by the Python wrapper; the table contents are checked
-// here. Returns 0, or 1 with a message in err. impl: 0 best, 1 scalar, 2 avx512, 3 avx512bf16.
-// cache_kind: 0 float32, 1 bfloat16, 2 float16, 3 int8, 4 float8 e4m3fn (3 and 4 with scales).
-extern "C" int kvs_paged_decode_attention(
-    const void* q, int64_t q_s0, int64_t q_s1, int q_bf16,
-    const void* k, int64_t k_s0, int64_t k_s1, const void* v, int64_t v_s0, int64_t v_s1, int cache_kind,
-    const float* ks, int64_t ks_s0, const float* vs, int64_t vs_s0,
-    const int64_t* tables, int64_t max_blocks, const int64_t* ctx,
-    void* out, int64_t o_s0, int64_t o_s1,
-    int64_t n, int64_t H, int64_t KVH, int64_t D, int64_t block_size, int64_t num_blocks, double scale,
-    int impl, int num_threads, char* err, int64_t err_len) {
-  auto fail = [&](const char* fmt, int64_t a, int64_t b, int64_t c) {
-    std::snprintf(err, size_t(err_len), fmt, (long long)a, (long long)b, (long long)c);
-    return 1;
-  };
-  // Isolation: a row reads table entries 0 .. ceil(ctx / bs) - 1 only, and each must be a real block.
-  for (int64_t r = 0; r < n; ++r) {
-    if (ctx[r] < 0 || ctx[r] > max_blocks * block_size)
-      return fail("row %lld: context length %lld out of range for a table of %lld blocks", r, ctx[r], max_blocks);
-    const int64_t used = (ctx[r] + block_size - 1) / block_size;
-    for (int64_t b = 0; b < used; ++b) {
-      const int64_t id = tables[r * max_blocks + b];
-      if (id < 0 || id >= num_blocks) return fail("row %lld: block id %lld out of range [0, %lld)", r, id, num_blocks);
-    }
-  }
-  if ((impl == 2 && !kvs::cpu_has_avx512()) || (impl == 3 && !kvs::cpu_has_avx512bf16())) {
-    std::snprintf(err, size_t(err_len), "code path %d is not supported by this CPU", impl);
-    return 1;
-  }
-  if (n == 0 || H == 0 || D == 0) return 0;
-
-  kvs::Problem P;
-  P.n = n; P.H = H; P.KVH = KVH; P.G = H / KVH; P.D = D; P.bs = block_size; P.scale = float(scale);
-  P.q = q; P.q_s0 = q_s0; P.q_s1 = q_s1; P.q_bf16 = q_bf16 != 0;
-  P.k = k; P.v = v; P.k_s0 = k_s0; P.k_s1 = k_s1; P.v_s0 = v_s0; P.v_s1 = v_s1;
-  P.ks = ks; P.vs = vs; P.ks_s0 = ks_s0; P.vs_s0 = vs_s0;
-  P.tables = tables; P.tbl_s0 = max_blocks; P.ctx = ctx;
-  P.out = out; P.o_s0 = o_s0; P.o_s1 = o_s1;
-
-  int path = impl == 0 ? (kvs::cpu_has_avx512bf16() ? 3 : kvs::cpu_has_avx512() ? 2 : 1) : impl;
-  if (path == 3 && !(q_bf16 && cache_kind == 1)) path = 2;
-  int64_t Dp = D;
-  kvs::TaskFn fn;
-  switch (cache_kind) {
-    case 0: fn = kvs::pick<float>(D, path, Dp); break;
-    case 1: fn = kvs::pick<uint16_t>(D, path, Dp); break;
-    case 2: fn = kvs::pick<kvs::f16_t>(D, path, Dp); break;
-    case 3: fn = kvs::pick<int8_t>(D, path, Dp); break;
-    case 4: fn = kvs::pick<kvs::fp8_t>(D, path, Dp); break;
-    default:
-      std::snprintf(err, size_t(err_len), "unknown cache kind %d", cache_kind);
-      return 1;
-  }
-
-  // Longest rows first, handed out dynamically: rows arrive sorted by length, and a static split
-  // would give one thread all the long ones.
-  std::vector<int64_t> order(n);
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return ctx[a] > ctx[b]; });
-  const int64_t ntasks = n * KVH;
-  int64_t total = 0;
-  for (int64_t r = 0; r < n; ++r) total += ctx[r];
-  int nt = int(std::max<int64_t>(1, std::min<int64_t>(num_threads, ntasks)));
-  if (total * KVH * D < (int64_t(1) << 15)) nt = 1;  // tiny: not worth waking threads
-#ifdef _OPENMP
-#pragma omp parallel num_threads(nt) if (nt > 1)
-#endif
-  {
-    kvs::Scratch S(P.G, Dp);
-#ifdef _OPENMP
-#pragma omp for schedule(dynamic, 1)
-#endif
-    for (int64_t i = 0; i < ntasks; ++i) fn(P, order[i / KVH], i % KVH, S);
-  }
-  return 0;
-}
-"""
-
-_CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno"]
-_LDFLAGS = ["-fopenmp"]  # libgomp: the copy torch already loaded, so one OpenMP thread pool
-
-_lock = threading.Lock()
-_state: dict = {"tried": False, "lib": None, "error": None, "build_seconds": None}
+CACHE_ENV = "KVSHARE_CACHE_DIR"
+CSRC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+# libgomp: the library links the system libgomp.so.1, whose soname matches the copy torch has
+# already loaded, so there is one OpenMP runtime and one thread pool.
+CXXFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
+_COMPILE_TIMEOUT_S = 900
 
 
 def disabled_by_env() -> bool:
     return os.environ.get(DISABLE_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
-def _ensure_ninja_on_path() -> None:
-    """torch runs `ninja` from PATH; a venv's pip-installed ninja is not there unless activated."""
-    from torch.utils import cpp_extension
-
-    if cpp_extension.is_ninja_available():
-        return
-    try:
-        import ninja  # type: ignore[import-not-found]
-    except ImportError:
-        return
-    bin_dir = getattr(ninja, "BIN_DIR", None)
-    if bin_dir and os.path.isdir(bin_dir):
-        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+def cache_dir() -> str:
+    """Where built libraries go: $KVSHARE_CACHE_DIR, else ~/.cache/kvshare/kernels."""
+    d = os.environ.get(CACHE_ENV, "").strip()
+    return os.path.abspath(os.path.expanduser(d)) if d else os.path.join(
+        os.path.expanduser("~"), ".cache", "kvshare", "kernels")
 
 
-def _build() -> ctypes.CDLL:
-    if os.name != "posix":
-        raise RuntimeError(f"C++ kernels are only built on POSIX systems (os.name={os.name!r})")
-    from torch.utils import cpp_extension
-
-    _ensure_ninja_on_path()
-    if not cpp_extension.is_ninja_available():
-        raise RuntimeError("ninja is not installed (pip install ninja)")
-    # The name carries the source hash: checkouts with different sources never fight over one dir.
-    digest = hashlib.sha256((_CPP_SOURCE + " ".join(_CFLAGS + _LDFLAGS) + torch.__version__).encode()).hexdigest()
-    # A plain shared library with a C ABI, no torch headers (they would make the build ~30 s).
-    path = cpp_extension.load_inline(
-        name=f"kvshare_cpu_kernels_{digest[:12]}",
-        cpp_sources=[_CPP_SOURCE],
-        extra_cflags=_CFLAGS,
-        extra_ldflags=_LDFLAGS,
-        is_python_module=False,
-        no_implicit_headers=True,
-        verbose=False,
-    )
-    lib = ctypes.CDLL(path)  # ctypes releases the GIL during calls
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.kvs_cpu_paths.restype = ctypes.c_int
-    lib.kvs_cpu_paths.argtypes = []
-    f = lib.kvs_paged_decode_attention
-    f.restype = ctypes.c_int
-    f.argtypes = [ptr, i64, i64, ctypes.c_int,  # q
-                  ptr, i64, i64, ptr, i64, i64, ctypes.c_int,  # k, v, cache kind
-                  ptr, i64, ptr, i64,  # k scales, v scales (null for float caches)
-                  ptr, i64, ptr,  # tables, max_blocks, context lengths
-                  ptr, i64, i64,  # out
-                  i64, i64, i64, i64, i64, i64, ctypes.c_double,  # n, H, KVH, D, block_size, num_blocks, scale
-                  ctypes.c_int, ctypes.c_int, ctypes.c_char_p, i64]  # impl, threads, error buffer
-    return lib
+def _compiler_cmd() -> list[str] | None:
+    """$CXX (may carry a wrapper, e.g. "ccache g++"; must resolve), else c++ or g++ from PATH."""
+    cxx = os.environ.get("CXX", "").strip()
+    if cxx:
+        parts = shlex.split(cxx)
+        exe = shutil.which(parts[0])
+        return [exe, *parts[1:]] if exe else None
+    exe = shutil.which("c++") or shutil.which("g++")
+    return [exe] if exe else None
 
 
-def _load() -> ctypes.CDLL | None:
-    if _state["tried"]:
-        return _state["lib"]
-    with _lock:
-        if not _state["tried"]:
-            t0 = time.perf_counter()
+def find_compiler() -> str | None:
+    """The C++ compiler the kernels would be built with, or None when there is none."""
+    cmd = _compiler_cmd()
+    return None if cmd is None else " ".join(cmd)
+
+
+_versions: dict[tuple[str, ...], str] = {}
+_versions_lock = threading.Lock()
+
+
+def _compiler_version(cmd: list[str]) -> str:
+    key = tuple(cmd)
+    with _versions_lock:
+        if key not in _versions:
             try:
-                _state["lib"] = _build()
-                _state["build_seconds"] = time.perf_counter() - t0
-                logger.debug("kvshare C++ CPU kernels ready in %.1f s (paths: %s)", _state["build_seconds"],
-                             ", ".join(_paths(_state["lib"])))
-            except Exception as e:  # noqa: BLE001 - any failure just means "not available"
-                msg = f"{type(e).__name__}: {e}".strip()
-                _state["error"] = msg
-                logger.info("kvshare C++ CPU kernels unavailable, using pure-PyTorch attention: %s", _summary(msg))
-            finally:
-                _state["tried"] = True
-    return _state["lib"]
+                res = subprocess.run([*cmd, "--version"], capture_output=True, text=True, timeout=60)
+            except (OSError, subprocess.SubprocessError) as e:
+                raise RuntimeError(f"C++ compiler {' '.join(cmd)!r} does not run: {e}") from e
+            if res.returncode != 0 or not res.stdout.strip():
+                raise RuntimeError(f"C++ compiler {' '.join(cmd)!r} does not run: `--version` exited "
+                                   f"{res.returncode}: {(res.stderr or res.stdout).strip()[:300]}")
+            _versions[key] = res.stdout.strip()
+        return _versions[key]
 
 
 def _summary(msg: str) -> str:
@@ -887,37 +121,256 @@ def _summary(msg: str) -> str:
     lines = [ln.strip() for ln in msg.splitlines() if ln.strip()]
     if len(lines) <= 1:
         return msg[:500]
-    tail = [ln for ln in lines[1:] if not ln.startswith("ninja:")] or lines[1:]
-    return f"{lines[0][:200]} ... {tail[-1][:300]}"
+    return f"{lines[0][:300]} ... {lines[-1][:300]}"
 
 
-def _lib() -> ctypes.CDLL:
-    lib = _load()
-    if lib is None:
-        raise RuntimeError(f"C++ CPU kernels unavailable: {_state['error']}")
-    return lib
+class KernelLibrary:
+    """One C++ source file built into one shared library, loaded at most once per process."""
+
+    def __init__(self, name: str, source: str, setup: Callable[[ctypes.CDLL], None]) -> None:
+        self.name = name
+        self.source = source  # file name under CSRC_DIR
+        self._setup = setup  # declares the C signatures
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._started = False
+        self._t0: float | None = None
+        self._lib: ctypes.CDLL | None = None
+        self._error: str | None = None
+        self._seconds: float | None = None
+        self._from_cache: bool | None = None
+        self._path: str | None = None
+
+    # -- state ------------------------------------------------------------------------------
+    def available(self) -> bool:
+        """Non-blocking. True when loaded (a cached build is loaded on the spot); otherwise
+        starts the background build once and returns False until it has finished. False when
+        disabled by KVSHARE_DISABLE_CPP_KERNELS=1 (then nothing is built)."""
+        if disabled_by_env():
+            return False
+        if self._lib is not None:
+            return True
+        if not self._started:
+            self._start()
+        return self._lib is not None
+
+    def wait_until_built(self, timeout: float | None = None) -> bool:
+        """Blocking: build (or load) the library, waiting up to `timeout` seconds (None: for
+        as long as it takes). True when it is loaded. Builds even when disabled by the
+        environment variable (prebuilding); `available()` still says False then."""
+        self._start()
+        self._done.wait(timeout)
+        return self._lib is not None
+
+    def is_done(self) -> bool:
+        """The build (or cached load) has finished, successfully or not."""
+        return self._done.is_set()
+
+    def unavailable_reason(self) -> str | None:
+        """Why `available()` is False (disabled, still building, or the failure), else None."""
+        if disabled_by_env():
+            return f"disabled by {DISABLE_ENV}={os.environ.get(DISABLE_ENV)}"
+        if not self._started:
+            self._start()
+        if self._lib is not None:
+            return None
+        if not self._done.is_set():
+            return f"still building in the background ({time.perf_counter() - (self._t0 or 0.0):.0f} s so far)"
+        return self._error or "build failed"
+
+    def build_seconds(self) -> float | None:
+        """Wall time of this process's compile, or of loading the cached build; None until done."""
+        return self._seconds
+
+    def from_cache(self) -> bool | None:
+        """True when a cached build was loaded, False when this process compiled it."""
+        return self._from_cache
+
+    def path(self) -> str | None:
+        """The loaded shared library's path."""
+        return self._path
+
+    def lib(self) -> ctypes.CDLL:
+        """The loaded library, building it first if needed (blocking)."""
+        if self._lib is None and not self.wait_until_built():
+            raise RuntimeError(f"C++ CPU kernels ({self.name}) unavailable: {self._error}")
+        return self._lib  # type: ignore[return-value]
+
+    # -- build ------------------------------------------------------------------------------
+    def _start(self) -> None:
+        """Once per process: load the cached build right here if there is one, else start the
+        background compile. The lock only covers this fast part."""
+        if self._started:
+            return
+        with self._lock:
+            if self._started:
+                return
+            self._started = True
+            self._t0 = t0 = time.perf_counter()
+            try:
+                if os.name != "posix":
+                    raise RuntimeError(f"C++ kernels are only built on POSIX systems (os.name={os.name!r})")
+                cmd = _compiler_cmd()
+                if cmd is None:
+                    cxx = os.environ.get("CXX", "").strip()
+                    raise RuntimeError(f"no C++ compiler found: CXX={cxx!r} does not resolve" if cxx else
+                                       "no C++ compiler found: neither c++ nor g++ is on PATH (install g++ or set CXX)")
+                with open(os.path.join(CSRC_DIR, self.source), encoding="utf-8") as f:
+                    text = f.read()
+                key = "\0".join([text, " ".join(CXXFLAGS), _compiler_version(cmd)])
+                digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+                path = os.path.join(cache_dir(), f"kvshare_{self.name}_{digest}.so")
+            except Exception as e:  # noqa: BLE001 - any failure just means "not available"
+                self._finish(None, e, t0, cached=False)
+                return
+            if os.path.isfile(path):
+                try:
+                    self._finish(self._open(path), None, t0, cached=True, path=path)
+                    return
+                except Exception as e:  # noqa: BLE001 - unloadable cached file: build it again
+                    logger.debug("kvshare: cached %s does not load (%s); rebuilding", path, e)
+            try:
+                threading.Thread(target=self._compile_and_load, args=(cmd, text, path, t0),
+                                 name=f"kvshare-build-{self.name}", daemon=True).start()
+            except Exception as e:  # noqa: BLE001 - e.g. no threads left: never leave waiters hanging
+                self._finish(None, e, t0, cached=False)
+
+    def _open(self, path: str) -> ctypes.CDLL:
+        lib = ctypes.CDLL(path)  # ctypes releases the GIL during calls
+        self._setup(lib)
+        return lib
+
+    def _compile_and_load(self, cmd: list[str], text: str, path: str, t0: float) -> None:
+        try:
+            _compile(cmd, text, self.source, path)
+            lib = self._open(path)
+        except Exception as e:  # noqa: BLE001
+            self._finish(None, e, t0, cached=False)
+        else:
+            self._finish(lib, None, t0, cached=False, path=path)
+
+    def _finish(self, lib: ctypes.CDLL | None, err: Exception | None, t0: float, cached: bool,
+                path: str | None = None) -> None:
+        self._seconds = time.perf_counter() - t0
+        self._from_cache = cached
+        self._path = path
+        if lib is not None:
+            self._lib = lib
+            logger.debug("kvshare C++ kernels %s ready in %.3f s (%s): %s", self.name, self._seconds,
+                         "cached" if cached else "compiled", path)
+        else:
+            self._error = f"{type(err).__name__}: {err}".strip()
+            logger.info("kvshare C++ kernels %s unavailable, using the pure-PyTorch path: %s", self.name,
+                        _summary(self._error))
+        self._done.set()
 
 
+def _remove_stale_builds(out_dir: str, max_age_s: float = 3600.0) -> None:
+    """Temp dirs left by processes that exited mid-compile (the build thread is a daemon)."""
+    now = time.time()
+    try:
+        entries = list(os.scandir(out_dir))
+    except OSError:
+        return
+    for e in entries:
+        try:
+            if e.name.startswith(".build-") and e.is_dir() and now - e.stat().st_mtime > max_age_s:
+                shutil.rmtree(e.path, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def _compile(cmd: list[str], text: str, source_name: str, path: str) -> None:
+    """Compile `text` into `path`, atomically: a private temp dir next to it, then a rename."""
+    out_dir = os.path.dirname(path)
+    os.makedirs(out_dir, exist_ok=True)
+    _remove_stale_builds(out_dir)
+    tmp = tempfile.mkdtemp(prefix=".build-", dir=out_dir)
+    try:
+        src = os.path.join(tmp, source_name)
+        with open(src, "w", encoding="utf-8") as f:  # exactly the hashed text
+            f.write(text)
+        so = os.path.join(tmp, os.path.basename(path))
+        argv = [*cmd, *CXXFLAGS, src, "-o", so]
+        try:
+            res = subprocess.run(argv, capture_output=True, text=True, timeout=_COMPILE_TIMEOUT_S, cwd=tmp)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise RuntimeError(f"compiling {source_name} failed: {' '.join(argv)}: {e}") from e
+        if res.returncode != 0 or not os.path.isfile(so):
+            log = (res.stderr or res.stdout).strip()
+            raise RuntimeError(f"compiling {source_name} failed (exit {res.returncode}): {' '.join(argv)}\n{log[-4000:]}")
+        os.chmod(so, 0o755)
+        os.replace(so, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---- library signatures --------------------------------------------------------------------
+_i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+
+
+def _setup_attention(lib: ctypes.CDLL) -> None:
+    lib.kvs_cpu_paths.restype = _int
+    lib.kvs_cpu_paths.argtypes = []
+    f = lib.kvs_paged_decode_attention
+    f.restype = _int
+    f.argtypes = [_ptr, _i64, _i64, _int,  # q
+                  _ptr, _i64, _i64, _ptr, _i64, _i64, _int,  # k, v, cache kind
+                  _ptr, _i64, _ptr, _i64,  # k scales, v scales (null for float caches)
+                  _ptr, _i64, _ptr,  # tables, max_blocks, context lengths
+                  _ptr, _i64, _i64,  # out
+                  _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_double,  # n, H, KVH, D, block_size, num_blocks, scale
+                  _int, _int, ctypes.c_char_p, _i64]  # impl, threads, error buffer
+
+
+def _setup_qmatmul(lib: ctypes.CDLL) -> None:
+    lib.kvs_qmm_cpu_paths.restype = _int
+    lib.kvs_qmm_cpu_paths.argtypes = []
+    f = lib.kvs_int8_group_matmul
+    f.restype = _int
+    f.argtypes = [_ptr, _i64, _int,  # x, its row stride, bf16?
+                  _ptr, _ptr, _ptr,  # q, scales, zeros (null: none)
+                  _ptr, _i64,  # y, its row stride
+                  _i64, _i64, _i64, _i64,  # M, N, K, group_size
+                  _int, _int, ctypes.c_char_p, _i64]  # impl, threads, error buffer
+
+
+ATTENTION = KernelLibrary("paged_attention", "paged_attention.cpp", _setup_attention)
+QMATMUL = KernelLibrary("qmatmul", "qmatmul.cpp", _setup_qmatmul)
+LIBRARIES = (ATTENTION, QMATMUL)
+
+
+# ---- the attention library's state, module level (kept for existing callers) ----------------
 def available() -> bool:
-    """True when the kernels are built and usable (building them on the first call), and not
-    disabled by KVSHARE_DISABLE_CPP_KERNELS=1."""
-    if disabled_by_env():
-        return False
-    return _load() is not None
+    """Non-blocking: the paged-attention kernel is loaded and not disabled (see
+    `KernelLibrary.available`: the first call loads a cached build or starts the build)."""
+    return ATTENTION.available()
+
+
+def wait_until_built(timeout: float | None = None) -> bool:
+    """Blocking: build or load the paged-attention kernel; True when loaded."""
+    return ATTENTION.wait_until_built(timeout)
 
 
 def unavailable_reason() -> str | None:
     """Why `available()` is False, or None when it is True."""
-    if disabled_by_env():
-        return f"disabled by {DISABLE_ENV}={os.environ.get(DISABLE_ENV)}"
-    if _load() is None:
-        return _state["error"] or "build failed"
-    return None
+    return ATTENTION.unavailable_reason()
 
 
 def build_seconds() -> float | None:
-    """Wall time of the build (or of loading the cached build) in this process."""
-    return _state["build_seconds"]
+    """Wall time of the attention kernel's build (or of loading its cached build) in this process."""
+    return ATTENTION.build_seconds()
+
+
+def start_background_builds() -> None:
+    """Non-blocking: load every cached library, start building the missing ones."""
+    if not disabled_by_env():
+        for lib in LIBRARIES:
+            lib.available()
+
+
+def _lib() -> ctypes.CDLL:
+    return ATTENTION.lib()
 
 
 _IMPLS = {"auto": 0, "scalar": 1, "avx512": 2, "avx512bf16": 3}
@@ -958,7 +411,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     `cpu_paths()` (for tests).
     Raises ValueError on inconsistent inputs or a block id outside the cache.
     """
-    lib = _lib()
+    lib = ATTENTION.lib()
     if q.dim() != 3 or k_cache.dim() != 3 or v_cache.shape != k_cache.shape:
         raise ValueError(f"want q [n, H, D] and caches [KVH, slots, D]; got q {tuple(q.shape)}, "
                          f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
@@ -1018,3 +471,126 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if rc:
         raise ValueError(err.value.decode(errors="replace"))
     return out
+
+
+# ---- group-quantized int8 matmul -------------------------------------------------------------
+_QMM_IMPLS = {"auto": 0, "scalar": 1, "avx512": 2, "avx2": 3}
+
+
+def qmatmul_paths() -> list[str]:
+    """Code paths `int8_group_matmul` can run on this CPU, slowest first ("auto" uses the last
+    one that fits the group size): "scalar" always (any group size); "avx2" (AVX2 + FMA;
+    group_size % 8 == 0); "avx512" (AVX-512 F/BW/VL/DQ; group_size % 16 == 0)."""
+    mask = QMATMUL.lib().kvs_qmm_cpu_paths()
+    return [name for name, bit in (("scalar", 1), ("avx2", 4), ("avx512", 2)) if mask & bit]
+
+
+def int8_group_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                      group_size: int, out: torch.Tensor | None = None, *, impl: str = "auto") -> torch.Tensor:
+    """y = x @ w.T for a group-quantized weight w[n, k] = q[n, k] * scales[n, k // g]
+    (+ zeros[n, k // g]), g = group_size, with float32 accumulation.
+
+    x [M, K] float32 or bfloat16 (unit last stride, any row stride); q int8 [N, K], scales and
+    zeros float32 [N, K // g], contiguous; K % g == 0. Returns [M, N] in x's dtype (written into
+    `out` when given: [M, N], x's dtype, unit last stride). Made for small M (decode batches).
+    The AVX-512 path takes g % 16 == 0 (16, 32, 64, ...), AVX2 g % 8 == 0, the scalar path any
+    g; `impl` forces one of `qmatmul_paths()` (for tests; a vector path that does not fit g
+    falls back to the next one that does). Blocks until the library is built if it is not yet
+    (check `QMATMUL.available()` first on a serving path). Raises ValueError on bad arguments.
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"x must be a 2-D tensor [M, K]; got {_desc(x)}")
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"x must be float32 or bfloat16; got {x.dtype}")
+    if not isinstance(q, torch.Tensor) or q.dim() != 2 or q.dtype != torch.int8:
+        raise ValueError(f"q must be an int8 tensor [N, K]; got {_desc(q)}")
+    m, k = x.shape
+    n = q.shape[0]
+    if q.shape[1] != k:
+        raise ValueError(f"q {tuple(q.shape)} does not fit x {tuple(x.shape)}: want q [N, {k}]")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1 or k % group_size:
+        raise ValueError(f"group_size={group_size!r} must be a positive int dividing K={k}")
+    groups = k // group_size
+    if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32 or tuple(scales.shape) != (n, groups):
+        raise ValueError(f"scales must be float32 [{n}, {groups}] (N, K // group_size); got {_desc(scales)}")
+    if zeros is not None and (not isinstance(zeros, torch.Tensor) or zeros.dtype != torch.float32
+                              or tuple(zeros.shape) != (n, groups)):
+        raise ValueError(f"zeros must be None or float32 [{n}, {groups}] (N, K // group_size); got {_desc(zeros)}")
+    named = [("x", x), ("q", q), ("scales", scales)] + ([("zeros", zeros)] if zeros is not None else [])
+    for name, t in named:
+        if t.device.type != "cpu":
+            raise ValueError(f"{name} must be a CPU tensor; got device {t.device}")
+    if x.stride(1) != 1 and k > 1:
+        raise ValueError(f"x must have contiguous rows (unit last stride); got strides {x.stride()}")
+    for name, t in named[1:]:
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    if impl not in _QMM_IMPLS:
+        raise ValueError(f"impl={impl!r} must be one of {sorted(_QMM_IMPLS)}")
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype)
+    elif (not isinstance(out, torch.Tensor) or tuple(out.shape) != (m, n) or out.dtype != x.dtype
+          or out.device.type != "cpu" or (out.stride(1) != 1 and n > 1)):
+        raise ValueError(f"out must be a CPU tensor [{m}, {n}] of x's dtype {x.dtype} with unit last stride; "
+                         f"got {_desc(out)}")
+    lib = QMATMUL.lib()
+    if m == 0 or n == 0:
+        return out
+    err = ctypes.create_string_buffer(256)
+    rc = lib.kvs_int8_group_matmul(
+        x.data_ptr(), x.stride(0), x.dtype == torch.bfloat16,
+        q.data_ptr(), scales.data_ptr(), zeros.data_ptr() if zeros is not None else None,
+        out.data_ptr(), out.stride(0), m, n, k, group_size,
+        _QMM_IMPLS[impl], torch.get_num_threads(), err, len(err))
+    if rc:
+        raise ValueError(err.value.decode(errors="replace"))
+    return out
+
+
+def _desc(t: object) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"{t.dtype} {tuple(t.shape)} on {t.device}"
+    return type(t).__name__
+
+
+# ---- prebuild CLI: python -m kvshare.model.cpu_kernels --build -------------------------------
+def build_all(timeout: float | None = None) -> list[KernelLibrary]:
+    """Blocking: build (in parallel) or load every library; returns them (check `.path()`,
+    `.unavailable_reason()`)."""
+    for lib in LIBRARIES:
+        lib._start()
+    for lib in LIBRARIES:
+        lib.wait_until_built(timeout)
+    return list(LIBRARIES)
+
+
+def _main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m kvshare.model.cpu_kernels",
+                                description="Build or inspect kvshare's optional C++ CPU kernels.")
+    p.add_argument("--build", action="store_true", help="build every library now (blocking) into the cache")
+    args = p.parse_args(argv)
+    print(f"compiler: {find_compiler() or 'none found'}; cache: {cache_dir()}")
+    if not args.build:
+        p.print_usage()
+        return 0
+    t0 = time.perf_counter()
+    for lib in build_all():
+        secs = lib.build_seconds() or 0.0
+        if lib.path() is not None:
+            how = f"cached build loaded in {secs * 1e3:.0f} ms" if lib.from_cache() else f"compiled in {secs:.1f} s"
+            print(f"{lib.name}: {how} -> {lib.path()}")
+        else:
+            print(f"{lib.name}: NOT BUILT ({secs:.1f} s): {lib._error}")
+    print(f"done in {time.perf_counter() - t0:.1f} s")
+    if disabled_by_env():
+        print(f"note: {DISABLE_ENV}={os.environ.get(DISABLE_ENV)} is set, so kvshare will not use them")
+    return 0  # a missing compiler is not an error: kvshare falls back to pure PyTorch
+
+
+if __name__ == "__main__":
+    # Run through the package module, so the state lives in the one `kvshare.model.cpu_kernels`.
+    from kvshare.model import cpu_kernels as _ck
+
+    sys.exit(_ck._main())

@@ -188,8 +188,8 @@ class GroupInt8Linear:
 
 
 def _qmatmul_ready() -> bool:
-    ready = getattr(cpu_kernels, "qmatmul_ready", None)
-    return bool(ready is not None and ready())
+    # Never waits: False while the kernel is still being built (then the dense fallback runs).
+    return cpu_kernels.QMATMUL.available()
 
 
 def can_int4(w: GroupAffine) -> bool:
@@ -197,10 +197,20 @@ def can_int4(w: GroupAffine) -> bool:
     return w.bits == 4 and w.group == 32 and n % 32 == 0 and k % 64 == 0
 
 
-def make_linear(weight: torch.Tensor | GroupAffine, dtype: torch.dtype, scratch: DequantScratch):
-    """The layer for one (possibly fused) weight: packed when it came packed, else dense."""
+def torch_int4_is_fast(dtype: torch.dtype) -> bool:
+    """torch's int4 CPU kernel is fast only with AVX-512 and bfloat16 activations: on an AVX2
+    CPU it is ~7x slower than a dense float32 matmul at one row (benchmarks/cpu_decode.py
+    --kernels shows it), so there the int4 formats take kvshare's int8-group kernel too."""
+    return dtype == torch.bfloat16 and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
+def make_linear(weight: torch.Tensor | GroupAffine, dtype: torch.dtype, scratch: DequantScratch,
+                int4: bool | None = None):
+    """The layer for one (possibly fused) weight: packed when it came packed, else dense.
+    `int4` forces (True) or refuses (False) torch's int4 kernel for the Q4 formats."""
     if isinstance(weight, GroupAffine):
-        if can_int4(weight):
+        use_int4 = torch_int4_is_fast(dtype) if int4 is None else int4
+        if use_int4 and can_int4(weight):
             return Int4Linear(weight, dtype, scratch)
         return GroupInt8Linear(weight, dtype, scratch)
     return DenseLinear(weight, dtype)
