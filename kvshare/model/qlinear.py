@@ -16,11 +16,15 @@ worth of memory, never the whole model) and multiplied densely.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
 from kvshare.model import cpu_kernels
 from kvshare.model.gguf_quants import GroupAffine
+
+logger = logging.getLogger("kvshare")
 
 # Rows at or below which a step reads the packed weights; above, it dequantizes into a scratch
 # buffer and runs a dense GEMM (benchmarks/cpu_decode.py --crossover measures where they cross).
@@ -149,13 +153,24 @@ class GroupInt8Linear:
         self.q = w.q.to(torch.int8).contiguous()  # codes of 5 and 6 bits fit int8 as they are
         self.scale = w.scale.float().contiguous()
         self.zero = None if w.zero is None else w.zero.float().contiguous()
+        self._fallback: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
+        if self._fallback is not None:
+            return F.linear(x, self._fallback)
         if m <= PACKED_MAX_ROWS and _qmatmul_ready():
             return cpu_kernels.int8_group_matmul(x.contiguous(), self.q, self.scale, self.zero, self.group)
         if m > PACKED_MAX_ROWS and self.out_features * self.in_features > SCRATCH_MAX_ELEMENTS:
             return torch.cat([self(x[i:i + PACKED_MAX_ROWS]) for i in range(0, m, PACKED_MAX_ROWS)])
+        if m <= PACKED_MAX_ROWS and (cpu_kernels.disabled_by_env() or cpu_kernels.QMATMUL.is_done()):
+            # The kernel cannot be built here (no compiler, or disabled): keep a dense copy
+            # rather than dequantizing on every call. Correct, but not kept quantized.
+            logger.warning("kvshare's int8-group kernel is unavailable (%s): weights of %d x %d fall back "
+                           "to dense %s", cpu_kernels.QMATMUL.unavailable_reason(), self.out_features,
+                           self.in_features, self.dtype)
+            self._fallback = self.dense()
+            return F.linear(x, self._fallback)
         if self.out_features * self.in_features > SCRATCH_MAX_ELEMENTS:
             # No kernel (yet, or at all) and no scratch for a weight this large: dequantize in slices.
             step = max(1, SCRATCH_MAX_ELEMENTS // (4 * self.in_features))

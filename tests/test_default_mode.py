@@ -1,0 +1,91 @@
+"""The default mode (kept-quantized GGUF weights, `dtype="auto"`) against the exact mode.
+
+The kept-quantized weights are the file's weights exactly (tests/test_qlinear.py), so what can
+differ from the exact path is only arithmetic: float32 summation order in the kernels, and on
+CPUs with avx512_bf16 bfloat16 activations. Hence the bounds below: tokens identical on at least
+14 of 16 prompts over 32 greedy steps (a near-tie can flip once rounding differs, and one flip
+changes every later token), and, up to the first differing token, chosen-token logprobs within
+LOGPROB_TOL (float32: summation order only, so 1e-3; bfloat16: 8 significant bits, 0.25).
+"""
+from __future__ import annotations
+
+import pytest
+
+from helpers import EXACT, english_token_prompts
+from kvshare import LLM, SamplingParams
+from kvshare.model import cpu_kernels
+
+STEPS = 32
+
+
+@pytest.fixture(scope="module")
+def engines():
+    cpu_kernels.QMATMUL.wait_until_built()  # what `make setup` does; else the first steps run dense
+    default = LLM(kv_cache_memory="64MiB", enable_prefix_caching=False)
+    exact = LLM(**EXACT, kv_cache_memory="64MiB", enable_prefix_caching=False)
+    return default, exact
+
+
+def _tol(llm) -> float:
+    return 1e-3 if llm.config.dtype == "float32" else 0.25
+
+
+def _prompts(llm, lengths):
+    tok = llm.get_tokenizer()
+    return [{"prompt_token_ids": p} for p in english_token_prompts(tok.encode, lengths)]
+
+
+def test_default_mode_keeps_weights_quantized(engines):
+    default, exact = engines
+    assert default.config.quantization == "auto" and default.config.dtype in ("float32", "bfloat16")
+    kinds = {lin.kind for lin in default.engine.model.linears()}
+    assert kinds <= {"int4", "int8-group"}, kinds
+    # Resident weights stay near the file's size (94 MB of Q4_1/Q8_0), far below the float32 copy.
+    assert default.engine.model.weight_bytes < 0.4 * exact.engine.model.weight_bytes
+    assert any("kept quantized" in line for line in default.engine.startup.lines())
+
+
+def test_greedy_tokens_and_logprobs_match_the_exact_path(engines):
+    default, exact = engines
+    prompts = _prompts(default, [5, 12, 20, 33, 47, 64, 80, 100, 128, 150, 200, 256, 300, 350, 400, 480])
+    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=1)
+    got = default.generate(prompts, params, use_tqdm=False)
+    ref = exact.generate(prompts, params, use_tqdm=False)
+    identical = 0
+    worst = 0.0
+    for g, r in zip(got, ref):
+        gt, rt = g.outputs[0].token_ids, r.outputs[0].token_ids
+        identical += gt == rt
+        for i, (a, b) in enumerate(zip(gt, rt)):
+            worst = max(worst, abs(g.outputs[0].logprobs[i][a].logprob - r.outputs[0].logprobs[i][b].logprob))
+            if a != b:
+                break
+    assert identical >= 14, f"only {identical}/16 prompts decode identically"
+    assert worst < _tol(default), worst
+
+
+def test_prompt_logprobs_match_the_exact_path(engines):
+    default, exact = engines
+    prompts = _prompts(default, [40, 130])
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    for g, r in zip(default.generate(prompts, params, use_tqdm=False), exact.generate(prompts, params, use_tqdm=False)):
+        ids = g.prompt_token_ids
+        assert len(g.prompt_logprobs) == len(ids) and g.prompt_logprobs[0] is None
+        diffs = [abs(g.prompt_logprobs[i][ids[i]].logprob - r.prompt_logprobs[i][ids[i]].logprob)
+                 for i in range(1, len(ids))]
+        assert max(diffs) < _tol(default) * (4 if default.config.dtype == "bfloat16" else 1), max(diffs)
+
+
+ISOLATION_LENGTHS = [1, 2, 5, 15, 16, 17, 31, 33, 48, 64, 100, 127, 150, 200, 255, 257, 300, 350, 401, 450,
+                     500, 550, 599, 600]
+
+
+def test_batch_isolation_in_the_default_mode(engines):
+    """24 prompts together == each alone, tokens identical: a prompt's answer must not depend on
+    which kernel its batch's size picked (packed rows vs the dequantized scratch)."""
+    default, _ = engines
+    prompts = _prompts(default, ISOLATION_LENGTHS)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    together = [o.outputs[0].token_ids for o in default.generate(prompts, params, use_tqdm=False)]
+    alone = [default.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert together == alone
