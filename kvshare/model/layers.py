@@ -9,6 +9,9 @@ from kvshare.model.config import ModelArchConfig
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:
+        # One fused op, the same arithmetic as below (x * rsqrt(mean(x^2) + eps) * weight).
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
     # Normalize in float32 whatever the activation dtype, as the reference implementation does.
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -50,6 +53,23 @@ class RotaryEmbedding:
         self.cos = emb.cos().to(dtype)
         self.sin = emb.sin().to(dtype)
         self.max_positions = max_positions
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) for these positions, [T, 1, D], the sin with rotate_half's sign folded in
+        (negative on the first half): gathered once per forward, shared by every layer."""
+        half = self.cos.shape[-1] // 2
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1).clone()
+        sin[..., :half].neg_()
+        return cos, sin
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, D] rotated: x * cos + rotate_half(x) * sin, in four ops (the half swap
+        is one flip of a [.., 2, D/2] view)."""
+        t, heads, dim = x.shape
+        swapped = x.reshape(t, heads, 2, dim // 2).flip(2).reshape(t, heads, dim)
+        return torch.addcmul(x * cos, swapped, signed_sin)
 
     def apply(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [T, H, D], k: [T, KVH, D]

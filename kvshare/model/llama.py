@@ -97,16 +97,17 @@ class LlamaModel:
         c = self.config
         n = input_ids.shape[0]
         h = self.embed.rows(input_ids)
+        cos, sin = self.rotary.tables(positions)
+        heads_qk = c.num_heads + c.num_kv_heads
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.in_norm, c.rms_norm_eps)
             qkv = layer.qkv(x)
             if layer.qkv_b is not None:
                 qkv = qkv + layer.qkv_b
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(n, c.num_heads, c.head_dim)
-            k = k.view(n, c.num_kv_heads, c.head_dim)
-            v = v.view(n, c.num_kv_heads, c.head_dim)
-            q, k = self.rotary.apply(q, k, positions)
+            # q and k sit side by side in qkv: rotate both in one pass.
+            qk = self.rotary.rotate(qkv[:, :self.q_size + self.kv_size].reshape(n, heads_qk, c.head_dim), cos, sin)
+            q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
+            v = qkv[:, self.q_size + self.kv_size:].reshape(n, c.num_kv_heads, c.head_dim)
             k_cache, v_cache = kv_cache.layer(i)
             attn = self.backend.forward(q, k, v, k_cache, v_cache, meta.for_layer(i), self.scale)
             h = h + layer.o(attn.reshape(n, self.q_size))
