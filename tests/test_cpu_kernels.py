@@ -16,8 +16,8 @@ if not cpu_kernels.available():
     pytest.skip(f"C++ CPU kernels unavailable: {cpu_kernels.unavailable_reason()}", allow_module_level=True)
 
 PATHS = cpu_kernels.cpu_paths()  # every code path this CPU can run, the portable scalar one included
-HEADS = [(9, 3), (4, 1), (4, 4)]  # GQA (SmolLM2), MQA, MHA
-HEAD_IDS = ["gqa9-3", "mqa4-1", "mha4-4"]
+HEADS = [(9, 3), (4, 1), (4, 4), (14, 2)]  # GQA (SmolLM2), MQA, MHA, GQA groups of 7 (Qwen2)
+HEAD_IDS = ["gqa9-3", "mqa4-1", "mha4-4", "gqa14-2"]
 BF16_RTOL = 2.0 ** -8  # output rounded to bfloat16 (half an ulp is 2^-9 relative), fp32 math inside
 F32_TOL = 1e-5
 
@@ -86,10 +86,12 @@ def test_matches_float64_reference(dtype, block_size, heads, path):
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("head_dim", [8, 20, 48, 100, 128, 200])
+@pytest.mark.parametrize("head_dim", [3, 8, 20, 48, 100, 128, 200])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_any_head_dim(dtype, head_dim, path):
-    """Masked tails, every vector width, and head dims past the vector path (scalar fallback)."""
+    """Masked tails, every vector width, and head dims past a vector path (AVX-512: > 128 falls
+    back to AVX2 where the CPU has it, else to the scalar path; AVX2 takes any head_dim, a
+    partial last chunk of 8 included)."""
     q, kc, vc, tables, ctx = make_problem(head_dim, 6, 6, 2, head_dim, 16, dtype, max_ctx=150)
     scale = 1 / math.sqrt(head_dim)
     out = cpu_kernels.paged_decode_attention(q, kc, vc, tables, ctx, 16, scale, impl=path)
@@ -97,13 +99,59 @@ def test_any_head_dim(dtype, head_dim, path):
 
 
 @pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_peaked_scores(dtype, path):
+    """Loud queries: scores spread over tens of units, so most probabilities underflow (the vector
+    exp must go cleanly to 0) and the running max moves between tiles."""
+    q, kc, vc, tables, ctx = make_problem(77, 8, 9, 3, 64, 16, dtype, max_ctx=400)
+    q = (q.float() * 6).to(dtype)
+    scale = 64 ** -0.5
+    out = cpu_kernels.paged_decode_attention(q, kc, vc, tables, ctx, 16, scale, impl=path)
+    assert_close(out, reference(q, kc, vc, tables, ctx, 16, scale), dtype)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def test_paths_listed_and_auto_is_the_best():
+    """"avx2" is offered wherever the CPU has AVX2 + FMA + F16C, paths come slowest first, "auto"
+    runs the last one (bit for bit), and a path the CPU lacks is refused."""
+    flags = _cpu_flags()
+    assert PATHS[0] == "scalar"
+    assert PATHS == [p for p in ("scalar", "avx2", "avx512", "avx512bf16") if p in PATHS]
+    if {"avx2", "fma", "f16c"} <= flags:
+        assert "avx2" in PATHS
+    elif flags:
+        assert "avx2" not in PATHS
+    for dtype in (torch.float32, torch.bfloat16):
+        q, kc, vc, tables, ctx = make_problem(9, 6, 9, 3, 64, 16, dtype)
+        auto = cpu_kernels.paged_decode_attention(q, kc, vc, tables, ctx, 16, 0.125)
+        best = cpu_kernels.paged_decode_attention(q, kc, vc, tables, ctx, 16, 0.125, impl=PATHS[-1])
+        assert torch.equal(auto, best)
+    q, kc, vc, tables, ctx = make_problem(9, 2, 4, 2, 64, 16, torch.float32)
+    for name in cpu_kernels._IMPLS:
+        if name != "auto" and name not in PATHS:
+            with pytest.raises(ValueError, match="not supported"):
+                cpu_kernels.paged_decode_attention(q, kc, vc, tables, ctx, 16, 0.125, impl=name)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("head_dim", [64, 20])
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_rows_read_only_their_own_blocks(dtype, block_size, path):
+def test_rows_read_only_their_own_blocks(dtype, block_size, head_dim, path):
     """Poison every slot no row may read (other blocks, the unused tail of each row's last block)
     and fill table entries past each row's last needed block with garbage ids: the output must
-    not change by a single bit."""
-    q, kc, vc, tables, ctx = make_problem(block_size + 5, 10, 9, 3, 64, block_size, dtype)
+    not change by a single bit. head_dim 20: vector tails must not read past a slot's row."""
+    q, kc, vc, tables, ctx = make_problem(block_size + 5, 10, 9, 3, head_dim, block_size, dtype)
     scale = 0.125
     clean = cpu_kernels.paged_decode_attention(q, kc, vc, tables, ctx, block_size, scale, impl=path)
     allowed = torch.zeros(kc.shape[1], dtype=torch.bool)

@@ -628,6 +628,283 @@ static void task_avx512(const Problem& P, int64_t row, int64_t h, Scratch& S) {
   store_out(P, row, h, S);
 }
 
+// ------------------------------------------------------------------------------------------
+// AVX2 + FMA (+ F16C) path, any head_dim: head_dim in chunks of 8 lanes (a last partial chunk
+// goes through a zeroed copy, so no row is read past head_dim), up to 3 query heads of the group
+// per pass over the tile. Same tiles, prefetching and online softmax as the AVX-512 path; the
+// chunk count is a run-time value (the loops over heads, tokens and chunk blocks are unrolled).
+#define KVS_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+KVS_AVX2 static KVS_INLINE __m256 ld8(const float* p) { return _mm256_loadu_ps(p); }
+KVS_AVX2 static KVS_INLINE __m256 ld8(const uint16_t* p) {
+  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16));
+}
+KVS_AVX2 static KVS_INLINE __m256 ld8(const f16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+KVS_AVX2 static KVS_INLINE __m256 ld8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+// e4m3 -> float16 fields -> float, times 2^8 (see the AVX-512 ld16).
+KVS_AVX2 static KVS_INLINE __m256 ld8(const fp8_t* p) {
+  const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i mag = _mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x7f)), 7);
+  const __m128i sign = _mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x80)), 8);
+  return _mm256_mul_ps(_mm256_cvtph_ps(_mm_or_si128(mag, sign)), _mm256_set1_ps(256.f));
+}
+// The first n (< 8) elements at p, zeros after: only those n are read.
+template <typename KT>
+KVS_AVX2 static KVS_INLINE __m256 ld8_part(const KT* p, int n) {
+  KT buf[8];
+  std::memset(static_cast<void*>(buf), 0, sizeof(buf));
+  std::memcpy(static_cast<void*>(buf), p, size_t(n) * sizeof(KT));
+  return ld8(buf);
+}
+
+template <typename KT>
+struct Prefetch2 {  // Prefetch, for AVX2 callers
+  const KT* base;
+  int64_t stride;
+  const int64_t* slots;
+  int n;
+  int64_t row_bytes;
+  KVS_AVX2 KVS_INLINE void operator()(int j) const {
+    if (j < n) {
+      const char* c = reinterpret_cast<const char*>(base + slots[j] * stride);
+      for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T1);
+    }
+  }
+};
+
+// exp(x) for x <= 0 (scores minus their running max), the AVX-512 exp16's polynomial; exactly 0
+// below -87.3 (where 2^n leaves the normal range).
+KVS_AVX2 static KVS_INLINE __m256 exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.33654f);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 r2 = _mm256_mul_ps(r, r);
+  p = _mm256_fmadd_ps(p, r2, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+// Lanes i < n all ones, the rest zero.
+KVS_AVX2 static KVS_INLINE __m256 mask8(int n) {
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+
+KVS_AVX2 static KVS_INLINE float hmax8(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_max_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+KVS_AVX2 static KVS_INLINE float hsum8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+
+// a0..a3 -> one vector whose 128-bit lane k holds [a0, a1, a2, a3] each summed over its lane k.
+KVS_AVX2 static KVS_INLINE __m256 reduce4_8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 t01 = _mm256_add_ps(_mm256_unpacklo_ps(a0, a1), _mm256_unpackhi_ps(a0, a1));
+  const __m256 t23 = _mm256_add_ps(_mm256_unpacklo_ps(a2, a3), _mm256_unpackhi_ps(a2, a3));
+  const __m256d x = _mm256_castps_pd(t01), y = _mm256_castps_pd(t23);
+  return _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)), _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
+}
+// Two reduce4_8 results (tokens 0-3, 4-7) -> the 8 horizontal sums, in token order.
+KVS_AVX2 static KVS_INLINE __m256 reduce8(__m256 u0, __m256 u1) {
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// Scores s[g][j] = q_g . k_j for GB heads and tokens j < tn, 8 at a time (q pre-scaled, zero
+// padded to Dp): nf full chunks of 8, then rem (< 8) elements.
+template <typename KT, int GB>
+KVS_AVX2 static void qk_avx2(const float* qf, int64_t Dp, const KT* kb, int64_t ks1, const int64_t* slots,
+                             int tn, int nf, int rem, float* s, Prefetch2<KT> pf) {
+  for (int j0 = 0; j0 < tn; j0 += 8) {  // tiles are padded to 16 slots: j0 + 7 is a real slot
+    __m256 u[GB][2];
+    KVS_UNROLL
+    for (int hf = 0; hf < 2; ++hf) {
+      const KT* kp[4];
+      KVS_UNROLL
+      for (int t = 0; t < 4; ++t) {
+        const int j = j0 + 4 * hf + t;
+        pf(j);
+        kp[t] = kb + slots[j] * ks1;
+      }
+      __m256 a[GB][4];
+      KVS_UNROLL
+      for (int g = 0; g < GB; ++g)
+        KVS_UNROLL
+        for (int t = 0; t < 4; ++t) a[g][t] = _mm256_setzero_ps();
+      for (int c = 0; c < nf; ++c) {
+        KVS_UNROLL
+        for (int t = 0; t < 4; ++t) {
+          const __m256 kv = ld8(kp[t] + 8 * c);
+          KVS_UNROLL
+          for (int g = 0; g < GB; ++g) a[g][t] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * Dp + 8 * c), kv, a[g][t]);
+        }
+      }
+      if (rem) {
+        KVS_UNROLL
+        for (int t = 0; t < 4; ++t) {
+          const __m256 kv = ld8_part(kp[t] + 8 * nf, rem);
+          KVS_UNROLL
+          for (int g = 0; g < GB; ++g) a[g][t] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * Dp + 8 * nf), kv, a[g][t]);
+        }
+      }
+      KVS_UNROLL
+      for (int g = 0; g < GB; ++g) u[g][hf] = reduce4_8(a[g][0], a[g][1], a[g][2], a[g][3]);
+    }
+    KVS_UNROLL
+    for (int g = 0; g < GB; ++g) _mm256_storeu_ps(s + g * kTile + j0, reduce8(u[g][0], u[g][1]));
+  }
+}
+
+// acc[g][chunks c0 .. c0+CB-1] += sum_j p[g][j] v_j for GB heads, tokens j < tn. PART: one
+// partial chunk of rem elements (CB == 1).
+template <typename KT, int GB, int CB, bool PART>
+KVS_AVX2 static void pv_block(float* acc, int64_t Dp, const KT* vb, int64_t vs1, const int64_t* slots, int tn,
+                              int c0, int rem, const float* s, Prefetch2<KT> pf) {
+  __m256 ar[GB][CB];
+  KVS_UNROLL
+  for (int g = 0; g < GB; ++g)
+    KVS_UNROLL
+    for (int c = 0; c < CB; ++c) ar[g][c] = _mm256_loadu_ps(acc + g * Dp + 8 * (c0 + c));
+  for (int j = 0; j < tn; ++j) {
+    pf(j);
+    const KT* vp = vb + slots[j] * vs1 + 8 * c0;
+    __m256 p[GB];
+    KVS_UNROLL
+    for (int g = 0; g < GB; ++g) p[g] = _mm256_broadcast_ss(s + g * kTile + j);
+    KVS_UNROLL
+    for (int c = 0; c < CB; ++c) {
+      const __m256 vv = PART ? ld8_part(vp, rem) : ld8(vp + 8 * c);
+      KVS_UNROLL
+      for (int g = 0; g < GB; ++g) ar[g][c] = _mm256_fmadd_ps(p[g], vv, ar[g][c]);
+    }
+  }
+  KVS_UNROLL
+  for (int g = 0; g < GB; ++g)
+    KVS_UNROLL
+    for (int c = 0; c < CB; ++c) _mm256_storeu_ps(acc + g * Dp + 8 * (c0 + c), ar[g][c]);
+}
+
+// acc[g] += sum_j p[g][j] v_j over every chunk: blocks of 4 chunks, then single ones, then the
+// partial chunk. Only the first block prefetches.
+template <typename KT, int GB>
+static void pv_avx2(float* acc, int64_t Dp, const KT* vb, int64_t vs1, const int64_t* slots, int tn, int nf,
+                    int rem, const float* s, Prefetch2<KT> pf) {
+  int c0 = 0;
+  for (; c0 + 4 <= nf; c0 += 4, pf.n = 0) pv_block<KT, GB, 4, false>(acc, Dp, vb, vs1, slots, tn, c0, 0, s, pf);
+  for (; c0 < nf; ++c0, pf.n = 0) pv_block<KT, GB, 1, false>(acc, Dp, vb, vs1, slots, tn, c0, 0, s, pf);
+  if (rem) pv_block<KT, GB, 1, true>(acc, Dp, vb, vs1, slots, tn, nf, rem, s, pf);
+}
+
+// The AVX-512 softmax_tile in 8 lanes: updates (m, l), rescales acc (Dp floats, a multiple of
+// 8), leaves exp(s - m) in s[0 .. tn-1] and zeros in s[tn .. kTile-1].
+KVS_AVX2 static void softmax_tile_avx2(float* sg, int tn, float& m, float& l, float* acc, int64_t Dp) {
+  const __m256 ninf = _mm256_set1_ps(kNegInf);
+  __m256 vmax = ninf;
+  for (int j = 0; j < tn; j += 8)
+    vmax = _mm256_max_ps(vmax, _mm256_blendv_ps(ninf, _mm256_loadu_ps(sg + j), mask8(tn - j)));
+  const float mnew = std::max(m, hmax8(vmax));
+  if (mnew > m) {
+    const float alpha = std::exp(m - mnew);
+    const __m256 va = _mm256_set1_ps(alpha);
+    l *= alpha;
+    for (int64_t d = 0; d < Dp; d += 8) _mm256_storeu_ps(acc + d, _mm256_mul_ps(va, _mm256_loadu_ps(acc + d)));
+    m = mnew;
+  }
+  const __m256 vm = _mm256_set1_ps(mnew);
+  __m256 vsum = _mm256_setzero_ps();
+  for (int j = 0; j < kTile; j += 8) {
+    const __m256 e = _mm256_and_ps(mask8(tn - j), exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + j), vm)));
+    _mm256_storeu_ps(sg + j, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  l += hsum8(vsum);
+}
+
+// Heads per pass, up to 3 (12 score accumulators; 12 V accumulators of 4 chunks), in as few
+// passes as possible, as even as possible (4 heads: 2 + 2, not 3 + 1).
+static KVS_INLINE int64_t pass_heads(int64_t G, int64_t g0) {
+  const int64_t passes_left = (G - g0 + 2) / 3;
+  return (G - g0 + passes_left - 1) / passes_left;
+}
+
+// One (row, kv head) task.
+template <typename KT>
+static void task_avx2(const Problem& P, int64_t row, int64_t h, Scratch& S) {
+  const int64_t ctx = P.ctx[row];
+  const int64_t G = P.G, Dp = S.Dp;
+  const int nf = int(P.D / 8), rem = int(P.D % 8);
+  load_q(P, row, h, S);
+  const int64_t* table = P.tables + row * P.tbl_s0;
+  const KT* kb = static_cast<const KT*>(P.k) + h * P.k_s0;
+  const KT* vb = static_cast<const KT*>(P.v) + h * P.v_s0;
+  const float* ksh = P.ks ? P.ks + h * P.ks_s0 : nullptr;
+  const float* vsh = P.vs ? P.vs + h * P.vs_s0 : nullptr;
+  const int64_t row_bytes = P.D * int64_t(sizeof(KT));
+  int64_t blk = 0, off = 0;
+  int64_t* cur = S.slots.data();
+  int64_t* nxt = cur + kTile;
+  int tn = fill_tile(table, P.bs, ctx, blk, off, cur);
+  for (int64_t t0 = 0; t0 < ctx; t0 += kTile) {
+    const int next_n = fill_tile(table, P.bs, ctx - t0 - kTile, blk, off, nxt);
+    for (int64_t g0 = 0, gb; g0 < G; g0 += gb) {
+      gb = pass_heads(G, g0);
+      // The first pass over the tile prefetches its V rows.
+      const Prefetch2<KT> pf{vb, P.v_s1, cur, g0 == 0 ? tn : 0, row_bytes};
+      const float* qf = S.qf.data() + g0 * Dp;
+      float* s = S.s.data() + g0 * kTile;
+      switch (gb) {
+        case 1: qk_avx2<KT, 1>(qf, Dp, kb, P.k_s1, cur, tn, nf, rem, s, pf); break;
+        case 2: qk_avx2<KT, 2>(qf, Dp, kb, P.k_s1, cur, tn, nf, rem, s, pf); break;
+        default: qk_avx2<KT, 3>(qf, Dp, kb, P.k_s1, cur, tn, nf, rem, s, pf); break;
+      }
+    }
+    apply_slot_scales(ksh, cur, tn, G, S.s.data());
+    for (int64_t g = 0; g < G; ++g)
+      softmax_tile_avx2(S.s.data() + g * kTile, tn, S.m[g], S.l[g], S.acc.data() + g * Dp, Dp);
+    apply_slot_scales(vsh, cur, tn, G, S.s.data());
+    for (int64_t g0 = 0, gb; g0 < G; g0 += gb) {
+      gb = pass_heads(G, g0);
+      // The first pass over the tile prefetches the next tile's K rows.
+      const Prefetch2<KT> pf{kb, P.k_s1, nxt, g0 == 0 ? next_n : 0, row_bytes};
+      float* acc = S.acc.data() + g0 * Dp;
+      const float* s = S.s.data() + g0 * kTile;
+      switch (gb) {
+        case 1: pv_avx2<KT, 1>(acc, Dp, vb, P.v_s1, cur, tn, nf, rem, s, pf); break;
+        case 2: pv_avx2<KT, 2>(acc, Dp, vb, P.v_s1, cur, tn, nf, rem, s, pf); break;
+        default: pv_avx2<KT, 3>(acc, Dp, vb, P.v_s1, cur, tn, nf, rem, s, pf); break;
+      }
+    }
+    std::swap(cur, nxt);
+    tn = next_n;
+  }
+  store_out(P, row, h, S);
+}
+
+static bool cpu_has_avx2() {
+  static const bool ok =
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  return ok;
+}
+
 static bool cpu_has_avx512() {
   static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
@@ -643,17 +920,20 @@ static bool cpu_has_avx512bf16() {
 static bool cpu_has_avx512bf16() { return false; }
 #endif
 #else
+static bool cpu_has_avx2() { return false; }
 static bool cpu_has_avx512() { return false; }
 static bool cpu_has_avx512bf16() { return false; }
 #endif  // KVS_X86
 
 using TaskFn = void (*)(const Problem&, int64_t, int64_t, Scratch&);
 
-// path: 1 scalar, 2 avx512, 3 avx512 + avx512_bf16 dot products (bf16 cache and q only).
+// path: 1 scalar, 2 avx512, 3 avx512 + avx512_bf16 dot products (bf16 cache and q only),
+// 4 avx2. A vector path that does not fit falls back to the next one that does: avx512 (head_dim
+// > 128) to avx2 where the CPU has it, avx2 (any head_dim) to nothing, then the scalar path.
 template <typename KT>
 static TaskFn pick(int64_t D, int path, int64_t& Dp) {
 #if KVS_X86
-  if (path >= 2 && D <= 128) {
+  if ((path == 2 || path == 3) && D <= 128) {
     const int64_t nc = (D + 15) / 16;
 #if KVS_BF16DP
     if constexpr (std::is_same_v<KT, uint16_t>) {
@@ -669,6 +949,10 @@ static TaskFn pick(int64_t D, int path, int64_t& Dp) {
     if (nc <= 4) { Dp = 64; return &task_avx512<KT, 4, false>; }
     Dp = 128; return &task_avx512<KT, 8, false>;
   }
+  if (path >= 2 && cpu_has_avx2()) {
+    Dp = (D + 7) / 8 * 8;
+    return &task_avx2<KT>;
+  }
 #endif
   (void)path;
   Dp = D;
@@ -679,13 +963,14 @@ static TaskFn pick(int64_t D, int path, int64_t& Dp) {
 
 // ---- C ABI (called through ctypes: no torch headers, so the build takes seconds) ---------
 
-// Bit mask of the code paths this CPU can run: 1 scalar, 2 avx512, 4 avx512bf16.
+// Bit mask of the code paths this CPU can run: 1 scalar, 2 avx512, 4 avx512bf16, 8 avx2.
 extern "C" int kvs_cpu_paths() {
-  return 1 | (kvs::cpu_has_avx512() ? 2 : 0) | (kvs::cpu_has_avx512bf16() ? 4 : 0);
+  return 1 | (kvs::cpu_has_avx512() ? 2 : 0) | (kvs::cpu_has_avx512bf16() ? 4 : 0) | (kvs::cpu_has_avx2() ? 8 : 0);
 }
 
 // Shapes, dtypes and strides are checked by the Python wrapper; the table contents are checked
-// here. Returns 0, or 1 with a message in err. impl: 0 best, 1 scalar, 2 avx512, 3 avx512bf16.
+// here. Returns 0, or 1 with a message in err. impl: 0 best, 1 scalar, 2 avx512, 3 avx512bf16,
+// 4 avx2.
 // cache_kind: 0 float32, 1 bfloat16, 2 float16, 3 int8, 4 float8 e4m3fn (3 and 4 with scales).
 extern "C" int kvs_paged_decode_attention(
     const void* q, int64_t q_s0, int64_t q_s1, int q_bf16,
@@ -709,7 +994,8 @@ extern "C" int kvs_paged_decode_attention(
       if (id < 0 || id >= num_blocks) return fail("row %lld: block id %lld out of range [0, %lld)", r, id, num_blocks);
     }
   }
-  if ((impl == 2 && !kvs::cpu_has_avx512()) || (impl == 3 && !kvs::cpu_has_avx512bf16())) {
+  if ((impl == 2 && !kvs::cpu_has_avx512()) || (impl == 3 && !kvs::cpu_has_avx512bf16()) ||
+      (impl == 4 && !kvs::cpu_has_avx2()) || impl < 0 || impl > 4) {
     std::snprintf(err, size_t(err_len), "code path %d is not supported by this CPU", impl);
     return 1;
   }
@@ -723,7 +1009,8 @@ extern "C" int kvs_paged_decode_attention(
   P.tables = tables; P.tbl_s0 = max_blocks; P.ctx = ctx;
   P.out = out; P.o_s0 = o_s0; P.o_s1 = o_s1;
 
-  int path = impl == 0 ? (kvs::cpu_has_avx512bf16() ? 3 : kvs::cpu_has_avx512() ? 2 : 1) : impl;
+  int path = impl == 0 ? (kvs::cpu_has_avx512bf16() ? 3 : kvs::cpu_has_avx512() ? 2 : kvs::cpu_has_avx2() ? 4 : 1)
+                       : impl;
   if (path == 3 && !(q_bf16 && cache_kind == 1)) path = 2;
   int64_t Dp = D;
   kvs::TaskFn fn;
