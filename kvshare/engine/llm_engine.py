@@ -2,6 +2,7 @@
 the doctor all drive."""
 from __future__ import annotations
 
+import ctypes
 import itertools
 import logging
 import time
@@ -21,6 +22,7 @@ from kvshare.kvcache.events import EventLog
 from kvshare.kvcache.kv_policy import build_kv_policy
 from kvshare.kvcache.manager import KVCacheManager
 from kvshare.memory_plan import kv_pool_blocks
+from kvshare.model import cpu_kernels
 from kvshare.model.attention import KVCache, TorchPagedAttention
 from kvshare.model.llama import build_model
 from kvshare.model.loader import load_model
@@ -95,6 +97,15 @@ class RequestState:
     next_index: int = 1
 
 
+def _release_freed_heap() -> None:
+    """glibc keeps freed heap pages (here: the GGUF conversion's temporaries, tens of MB) as
+    RSS until asked to return them."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to do
+
+
 @dataclass
 class StartupReport:
     """The start-up block: what was loaded, how it is stored and run, and how long it took."""
@@ -154,6 +165,7 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         t_start = time.perf_counter()
+        cpu_kernels.start_background_builds()  # a missing kernel build overlaps the load, never blocks it
         dtype = config.torch_dtype
         loaded = load_model(config.model, dtype=dtype, quantization=config.quantization)
         self.model_config = loaded.config
@@ -175,6 +187,7 @@ class LLMEngine:
         self.kv_cache = KVCache(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
                                 self.kv_format.storage)
         self.model = build_model(mc, loaded.weights, dtype, TorchPagedAttention(config.block_size), max_model_len)
+        _release_freed_heap()  # the load's temporaries: back to the OS, not kept as RSS
         self.startup = StartupReport(loaded.source, loaded.tensor_types, self.model, config,
                                      self.layout, loaded.load_seconds, time.perf_counter() - t_start)
         del loaded

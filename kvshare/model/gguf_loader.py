@@ -313,11 +313,10 @@ def load_gguf(
             heads = config.num_kv_heads
         types[name] = t.type_name
         if quantization == "auto" and t.tensor_type in GROUP_AFFINE_TYPES and len(t.shape) == 2:
-            w = to_group_affine(t.data, t.tensor_type, t.rows_shape)
-            if heads is not None:
-                order = _unpermute_rows(torch.arange(w.shape[0]).unsqueeze(1), heads).squeeze(1)
-                w = w.select_rows(order)
-            weights[name] = w
+            raw = t.data.reshape(t.rows_shape[0], -1)  # one row of blocks per output row
+            if heads is not None:  # rows of blocks move as a whole: permute the bytes
+                raw = raw[_unpermute_rows(torch.arange(raw.shape[0]).unsqueeze(1), heads).squeeze(1).numpy()]
+            weights[name] = to_group_affine(raw, t.tensor_type, t.rows_shape)
             continue
         w = dequantize_tensor(t)
         if heads is not None:

@@ -178,20 +178,26 @@ class GroupInt8Linear:
                              dim=-1)
         return F.linear(x, self.dense(self.scratch.get(self.out_features, self.in_features, self.dtype)))
 
-    def _affine(self, rows) -> torch.Tensor:
+    def _affine(self, rows, out: torch.Tensor | None = None) -> torch.Tensor:
         q = self.q[rows]
         r = q.shape[0]
-        w = q.view(r, -1, self.group).float() * self.scale[rows].unsqueeze(-1)
+        codes = q.view(r, -1, self.group).float()
+        scale = self.scale[rows].unsqueeze(-1)
+        # Straight into `out` when it is float32 (the prefill scratch): one pass, no temporary.
+        target = out.view(r, -1, self.group) if out is not None and out.dtype == torch.float32 else None
         if self.zero is not None:
-            w += self.zero[rows].unsqueeze(-1)
-        return w.view(r, self.in_features).to(self.dtype)
+            w = torch.addcmul(self.zero[rows].unsqueeze(-1), codes, scale, out=target)
+        else:
+            w = torch.mul(codes, scale, out=target)
+        w = w.view(r, self.in_features)
+        if out is None:
+            return w.to(self.dtype)
+        if target is None:
+            out.copy_(w)
+        return out
 
     def dense(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        w = self._affine(slice(None))
-        if out is None:
-            return w
-        out.copy_(w)
-        return out
+        return self._affine(slice(None), out)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return self._affine(ids)
