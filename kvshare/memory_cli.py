@@ -20,6 +20,9 @@ def add_memory_parser(sub) -> argparse.ArgumentParser:
     m.add_argument("--memory", default=None, help="total budget, e.g. 24GiB (default: available host memory)")
     m.add_argument("--utilization", type=float, default=0.9, help="fraction of --memory to use (default 0.9)")
     m.add_argument("--dtype", default="float32", help="weights and activations: float32, bfloat16, float16")
+    m.add_argument("--quantization", default="auto", choices=["auto", "none"],
+                   help="auto (the engine default): GGUF matrices counted at the bytes kvshare keeps them in; "
+                        "none: every weight dequantized to --dtype")
     m.add_argument("--kv-dtype", default="auto", help="KV cache storage: auto (= --dtype), float32, bfloat16, float16, int8, fp8_e4m3")
     m.add_argument("--block-size", type=int, default=16)
     m.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
@@ -45,12 +48,22 @@ def run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
     )
     arch, path = load_arch_config(args.model)
+    if args.quantization == "auto" and _is_gguf(path):
+        from kvshare.memory_plan import gguf_weight_formats
+
+        cfg.weight_formats = gguf_weight_formats(path)
     plan = plan_memory(arch, cfg, model=path)
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))
     else:
         print(render(plan))
     return 0
+
+
+def _is_gguf(path: str) -> bool:
+    from kvshare.model.loader import _has_gguf_magic
+
+    return _has_gguf_magic(path)
 
 
 def _mib(n: int) -> str:
@@ -66,8 +79,7 @@ def render(p: MemoryPlan) -> str:
                   f"head_dim {p.head_dim}, hidden {p.hidden_size}, intermediate {p.intermediate_size}, "
                   f"vocab {p.vocab_size}"),
         ("memory", f"{p.memory_bytes:,} bytes x utilization {p.utilization} = {_mib(p.usable_bytes)}"),
-        ("weights", f"{p.num_parameters:,} parameters x {s.weight_bytes // p.num_parameters} bytes ({p.dtype}) = "
-                    f"{_mib(s.weight_bytes)}"),
+        ("weights", _weights_line(p)),
         ("activation reserve", _mib(s.activation_bytes)),
         ("KV budget", f"usable - weights - activations = {_mib(s.kv_budget_bytes)}"),
         ("KV bytes per token", s.kv_formula),
@@ -84,6 +96,21 @@ def render(p: MemoryPlan) -> str:
     lines += ["", _variants_table(p)]
     lines += [f"warning: {w}" for w in p.warnings]
     return "\n".join(lines)
+
+
+def _weights_line(p: MemoryPlan) -> str:
+    s = p.plan
+    if not p.weight_formats:
+        return (f"{p.num_parameters:,} parameters x {s.weight_bytes // p.num_parameters} bytes ({p.dtype}) = "
+                f"{_mib(s.weight_bytes)}")
+    from kvshare.model.qlinear import resident_bytes_per_weight
+
+    import torch
+
+    tdtype = getattr(torch, p.dtype)
+    parts = [f"{t} {n:,} x {resident_bytes_per_weight(t, tdtype):.3g} B" for t, n in p.weight_formats.items()]
+    rest = p.num_parameters - sum(p.weight_formats.values())
+    return f"kept quantized: {', '.join(parts)}; dense {max(rest, 0):,} x {p.dtype} = {_mib(s.weight_bytes)}"
 
 
 def _variants_table(p: MemoryPlan) -> str:

@@ -6,8 +6,9 @@ its pool with the same `kv_pool_blocks` and `KVFormat.bytes_per_token`.
 
 The budget, in order:
   usable       = memory x utilization
-  weights      = parameters (from the shapes the model code needs) x dtype bytes; kvshare holds
-                 weights dequantized to the engine dtype, so a Q4 GGUF costs its float size
+  weights      = parameters (from the shapes the model code needs) x dtype bytes, except, for a
+                 GGUF file with quantization="auto" (the engine default), the matrices kvshare
+                 keeps quantized, at their resident bytes per weight (qlinear.resident_bytes_per_weight)
   activations  = a reserve for one step's transient tensors (see `activation_bytes`)
   KV budget    = usable - weights - activations, cut into blocks of block_size tokens
 
@@ -44,6 +45,9 @@ class PlanConfig:
     concurrency: int | None = None  # requests you want in flight at once: warn when they do not fit
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
+    # {GGUF type name: parameters} of the matrices kept quantized (gguf_weight_formats); None or
+    # empty: every weight dense in `dtype` (quantization="none", or an HF checkpoint).
+    weight_formats: dict[str, int] | None = None
 
     def __post_init__(self) -> None:
         self.memory = parse_bytes(self.memory if self.memory is not None else available_memory_bytes(), "memory")
@@ -81,8 +85,40 @@ def count_parameters(arch: ModelArchConfig) -> int:
     return total
 
 
-def weight_bytes(arch: ModelArchConfig, dtype: str) -> int:
-    return count_parameters(arch) * WEIGHT_DTYPE_BYTES[dtype]
+def weight_bytes(arch: ModelArchConfig, dtype: str, formats: dict[str, int] | None = None) -> int:
+    total = count_parameters(arch)
+    if not formats:
+        return total * WEIGHT_DTYPE_BYTES[dtype]
+    import torch
+
+    from kvshare.model.qlinear import resident_bytes_per_weight
+
+    tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    kept = sum(formats.values())
+    packed = sum(n * resident_bytes_per_weight(t, tdtype) for t, n in formats.items())
+    return int(packed + max(0, total - kept) * WEIGHT_DTYPE_BYTES[dtype])
+
+
+def gguf_weight_formats(path: str) -> dict[str, int]:
+    """{GGUF type: parameters} of a GGUF file's matrices that quantization="auto" keeps packed,
+    from the header alone."""
+    from kvshare.model.gguf_header import read_gguf_header
+    from kvshare.model.gguf_loader import hf_tensor_name
+    from kvshare.model.qlinear import resident_bytes_per_weight
+
+    import torch
+
+    out: dict[str, int] = {}
+    for t in read_gguf_header(path).tensors:
+        try:
+            if hf_tensor_name(t.name) is None:
+                continue
+        except KeyError:
+            continue
+        if len(t.shape) != 2 or resident_bytes_per_weight(t.type_name, torch.float32) is None:
+            continue
+        out[t.type_name] = out.get(t.type_name, 0) + int(t.shape[0]) * int(t.shape[1])
+    return out
 
 
 def activation_bytes(arch: ModelArchConfig, dtype: str, max_num_batched_tokens: int, max_num_seqs: int,
@@ -174,6 +210,7 @@ class MemoryPlan:
     avg_output_len: int
     concurrency: int | None
     plan: ShapePlan
+    weight_formats: dict[str, int] = field(default_factory=dict)  # GGUF type -> parameters kept quantized
     variants: list[ShapePlan] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
@@ -198,10 +235,10 @@ def attention_variants(num_heads: int, num_kv_heads: int) -> list[tuple[str, int
 
 
 def _plan_shape(arch: ModelArchConfig, cfg: PlanConfig, label: str, max_model_len: int, prompt: int,
-                output: int) -> ShapePlan:
+                output: int, bytes_per_param: float) -> ShapePlan:
     fmt = cfg.kv_format
     usable = int(cfg.memory * cfg.utilization)
-    weights = weight_bytes(arch, cfg.dtype)
+    weights = int(count_parameters(arch) * bytes_per_param)
     act = activation_bytes(arch, cfg.dtype, cfg.max_num_batched_tokens, cfg.max_num_seqs, max_model_len)
     bpt = fmt.bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim)
     sp = ShapePlan(label, arch.num_kv_heads, weights, act, usable - weights - act, bpt,
@@ -236,14 +273,18 @@ def plan_memory(arch: ModelArchConfig, cfg: PlanConfig, model: str = "") -> Memo
     if prompt + output > max_len:
         raise ValueError(f"avg_output_len={output} is invalid: avg_prompt_len {prompt} + avg_output_len {output} "
                          f"exceeds max_model_len={max_len}")
-    own = _plan_shape(arch, cfg, "model", max_len, prompt, output)
+    # Other attention shapes are costed at the model's own bytes per parameter (exact for the
+    # model; for a variant, its k/v projections are assumed stored like the rest).
+    bytes_per_param = weight_bytes(arch, cfg.dtype, cfg.weight_formats) / count_parameters(arch)
+    own = _plan_shape(arch, cfg, "model", max_len, prompt, output, bytes_per_param)
     if own.error is not None:
         raise ValueError(f"the model does not fit: {own.error}")
     variants = []
     for label, kvh in attention_variants(arch.num_heads, arch.num_kv_heads):
         if kvh == arch.num_kv_heads:
             label += " (model)"
-        variants.append(_plan_shape(dataclasses.replace(arch, num_kv_heads=kvh), cfg, label, max_len, prompt, output))
+        variants.append(_plan_shape(dataclasses.replace(arch, num_kv_heads=kvh), cfg, label, max_len, prompt, output,
+                                    bytes_per_param))
     plan = MemoryPlan(
         model=model or arch.name, architecture=arch.architecture, num_layers=arch.num_layers,
         num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
@@ -252,6 +293,7 @@ def plan_memory(arch: ModelArchConfig, cfg: PlanConfig, model: str = "") -> Memo
         usable_bytes=int(cfg.memory * cfg.utilization), dtype=cfg.dtype, kv_dtype=cfg.kv_format.name,
         block_size=cfg.block_size, max_model_len=max_len, width=cfg.width, avg_prompt_len=prompt,
         avg_output_len=output, concurrency=cfg.concurrency, plan=own, variants=variants,
+        weight_formats=dict(cfg.weight_formats or {}),
     )
     if own.max_seqs_at_max_len == 0:
         plan.warnings.append(f"not one sequence of max_model_len={max_len} fits in the KV pool "

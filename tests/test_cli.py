@@ -26,6 +26,21 @@ def test_info_reports_the_kv_layout():
     assert "KV cache:" in r.stderr and "bytes/token" in r.stderr  # the start-up log line
 
 
+def test_info_reports_resident_weights_per_format():
+    kept = json.loads(_run("info", "--json", "--kv-cache-memory", "16MiB").stdout)
+    exact = json.loads(_run("info", "--json", "--kv-cache-memory", "16MiB", "--dtype", "float32",
+                            "--quantization", "none").stdout)
+    assert kept["quantization"] == "auto" and exact["quantization"] == "none"
+    # The bundled file: 210 Q4_1 matrices, one Q8_0 embedding (tied lm_head), 61 F32 norms.
+    assert kept["tensor_formats"] == exact["tensor_formats"] == {"Q4_1": 210, "F32": 61, "Q8_0": 1}
+    assert sum(kept["resident_weight_bytes_by_kernel"].values()) <= kept["resident_weight_bytes"]
+    assert "dense" not in kept["resident_weight_bytes_by_kernel"]
+    assert set(exact["resident_weight_bytes_by_kernel"]) == {"dense"}
+    # float32 dequantized: ~134.5M parameters x 4 bytes; kept quantized: under a third of that.
+    assert exact["resident_weight_bytes"] > 500 * 2**20
+    assert kept["resident_weight_bytes"] < exact["resident_weight_bytes"] / 3
+
+
 def test_info_bfloat16_halves_bytes_per_token():
     r = _run("info", "--json", "--dtype", "bfloat16", "--kv-cache-memory", "64MiB")
     assert r.returncode == 0, r.stderr

@@ -192,3 +192,18 @@ def test_gguf_header_reader_matches_the_full_reader(tmp_path):
         cut.write_bytes(f.read(5000))  # ends inside the tokenizer arrays
     with pytest.raises(ModelLoadError, match="truncated"):
         load_arch_config(str(cut))
+
+
+def test_planned_weights_are_what_the_engine_holds():
+    """Kept-quantized (the default) and dequantized plans count the bytes the engine really holds."""
+    from kvshare import LLM
+    from kvshare.memory_plan import gguf_weight_formats
+    from helpers import bundled_path
+
+    formats = gguf_weight_formats(bundled_path())
+    assert formats == {"Q8_0": 49152 * 576, "Q4_1": 30 * (576 * (576 + 192 + 192 + 576) + 3 * 576 * 1536)}
+    for quantization, weight_formats in (("auto", formats), (None, None)):
+        llm = LLM(dtype="float32", quantization=quantization, kv_cache_memory="8MiB")
+        arch = llm.engine.model_config
+        plan = plan_memory(arch, PlanConfig(memory="4GiB", weight_formats=weight_formats))
+        assert plan.plan.weight_bytes == llm.engine.model.weight_bytes

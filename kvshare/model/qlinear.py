@@ -235,3 +235,23 @@ def make_linear(weight: torch.Tensor | GroupAffine, dtype: torch.dtype, scratch:
             return Int4Linear(weight, dtype, scratch)
         return GroupInt8Linear(weight, dtype, scratch)
     return DenseLinear(weight, dtype)
+
+
+_ZERO_OFFSET_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q5_1", "Q5_K"})
+_GROUP_16_TYPES = frozenset({"Q6_K"})
+_INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})
+
+
+def resident_bytes_per_weight(type_name: str, dtype: torch.dtype) -> float | None:
+    """Bytes per weight kvshare holds for a 2-D GGUF tensor of this type with
+    quantization='auto' (what make_linear builds), or None for types it dequantizes to dense."""
+    from kvshare.model.gguf_quants import GROUP_AFFINE_TYPES
+
+    if type_name not in {t.name for t in GROUP_AFFINE_TYPES}:
+        return None
+    elsize = torch.empty(0, dtype=dtype).element_size()
+    if type_name in _INT4_TYPES and torch_int4_is_fast(dtype):
+        return 0.5 + 2 * elsize / 32  # nibbles + (scale, zero) per 32 in the activation dtype
+    group = 16 if type_name in _GROUP_16_TYPES else 32
+    per_group = 4 + (4 if type_name in _ZERO_OFFSET_TYPES else 0)  # float32 scale (+ offset)
+    return 1 + per_group / group  # one int8 code per weight
