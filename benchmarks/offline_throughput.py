@@ -68,28 +68,28 @@ def kvshare_decode_latency(llm: LLM, prompt, n: int = 128) -> float:
 
 def decode_breakdown(llm: LLM, prompts, steps: int = 20) -> dict:
     """Where a decode step's time goes, at the batch size of the workload (one row per request)."""
-    import kvshare.model.llama as llama_mod
+    from kvshare.model import qlinear
 
     engine = llm.engine
     timers = {"matmul (layers)": 0.0, "attention": 0.0, "lm_head": 0.0, "sampling": 0.0}
     inside_logits = [False]
-    real_F = llama_mod.F
+    linear_classes = (qlinear.DenseLinear, qlinear.GroupInt8Linear, qlinear.Int4Linear)
+    real_calls = {cls: cls.__call__ for cls in linear_classes}
     backend = engine.model.backend
     real_attn = backend.forward
     real_logits = engine.model.compute_logits
     real_sampler = engine.sampler
 
-    class TimedF:
-        def __getattr__(self, name):
-            return getattr(real_F, name)
+    def timed_call(cls):
+        real = real_calls[cls]
 
-        @staticmethod
-        def linear(*a, **k):
+        def call(self, x):
             t = time.perf_counter()
-            r = real_F.linear(*a, **k)
+            r = real(self, x)
             if not inside_logits[0]:
                 timers["matmul (layers)"] += time.perf_counter() - t
             return r
+        return call
 
     def timed_attn(*a, **k):
         t = time.perf_counter()
@@ -118,14 +118,18 @@ def decode_breakdown(llm: LLM, prompts, steps: int = 20) -> dict:
     while any(s.in_prefill for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     engine.step()
-    llama_mod.F, backend.forward, engine.model.compute_logits, engine.sampler = TimedF(), timed_attn, timed_logits, timed_sampler
+    backend.forward, engine.model.compute_logits, engine.sampler = timed_attn, timed_logits, timed_sampler
+    for cls in linear_classes:
+        cls.__call__ = timed_call(cls)
     try:
         t0 = time.perf_counter()
         for _ in range(steps):
             engine.step()
         total = time.perf_counter() - t0
     finally:
-        llama_mod.F, backend.forward, engine.model.compute_logits, engine.sampler = real_F, real_attn, real_logits, real_sampler
+        backend.forward, engine.model.compute_logits, engine.sampler = real_attn, real_logits, real_sampler
+        for cls, real in real_calls.items():
+            cls.__call__ = real
     batch = len(engine.scheduler.running)
     engine.abort_request(list(engine.requests))
     while engine.has_unfinished_requests():
@@ -182,7 +186,9 @@ def hf_decode_latency(model, prompt, n: int = 64) -> float:
 # ---------------------------------------------------------------------------------------------
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--dtypes", default="float32,bfloat16",
+                    help="kvshare modes: float32 / bfloat16 = weights dequantized (quantization=None), "
+                         "default = LLM()'s defaults (kept-quantized GGUF weights, dtype auto)")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--hf-batch-sizes", default="1,8,16,32",
@@ -199,8 +205,8 @@ def main(argv=None) -> int:
 
     results = {"workload": {}, "runs": []}
     for dtype_name in args.dtypes.split(","):
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
-        llm = LLM(dtype=dtype_name, kv_cache_memory=args.kv_cache_memory,
+        mode = {} if dtype_name == "default" else {"dtype": dtype_name, "quantization": None}
+        llm = LLM(**mode, kv_cache_memory=args.kv_cache_memory,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
         prompts, outs = build_workload(llm.get_tokenizer(), args.num_prompts, args.seed)
         n_prompt, n_out = sum(map(len, prompts)), sum(outs)
@@ -228,6 +234,8 @@ def main(argv=None) -> int:
         print("kvshare  decode step breakdown (ms/step, batch {}): ".format(bd["batch"]) +
               ", ".join(f"{k} {v:.1f}" for k, v in bd.items() if k != "batch"), flush=True)
         results["runs"].append(kv)
+        dtype = llm.engine.model.dtype
+        kv["resolved"] = f"{llm.config.dtype}, quantization={llm.config.quantization}"
         del llm
 
         if args.skip_hf:
