@@ -142,7 +142,7 @@ def kernel_crossover() -> None:
     from kvshare.model.gguf_header import open_gguf_file
     from kvshare.model.gguf_quants import to_group_affine
     from kvshare.model.loader import bundled_model_path
-    from kvshare.model.qlinear import DequantScratch, GroupInt8Linear, Int4Linear
+    from kvshare.model.qlinear import DequantScratch, GroupInt4Linear, GroupInt8Linear, Int4Linear
 
     cpu_kernels.QMATMUL.wait_until_built()
     f = open_gguf_file(bundled_model_path())
@@ -160,18 +160,21 @@ def kernel_crossover() -> None:
 
     print(f"\nkernels on {t.name} {t.rows_shape} ({t.type_name}), torch {torch.__version__}, "
           f"cpu capability {torch.backends.cpu.get_cpu_capability()}, threads {torch.get_num_threads()}")
-    print(f"{'rows':>5} {'dtype':>9} {'kvshare int8':>13} {'torch int4':>11} {'dequant+dense':>14} {'dense only':>11}")
+    print(f"{'rows':>5} {'dtype':>9} {'kvshare int8':>13} {'kvshare int4':>13} {'torch int4':>11} "
+          f"{'dequant+dense':>14} {'dense only':>11}")
     for dtype in (torch.float32, torch.bfloat16):
         i8 = GroupInt8Linear(w, dtype, DequantScratch())
         i4 = Int4Linear(w, dtype, DequantScratch())
+        g4 = GroupInt4Linear(w, dtype, DequantScratch())
         dense = i8.dense()
         for rows in (1, 4, 16, 32, 64, 256):
             x = torch.randn(rows, w.shape[1]).to(dtype)
             a = bench(lambda: cpu_kernels.int8_group_matmul(x, i8.q, i8.scale, i8.zero, i8.group))
+            a4 = bench(lambda: cpu_kernels.int4_group_matmul(x, g4.q, g4.scale, g4.zero, g4.group))
             b = bench(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, i4.packed, 32, i4.scales_zeros))
             c = bench(lambda: torch.nn.functional.linear(x, i8.dense()))
             d = bench(lambda: torch.nn.functional.linear(x, dense))
-            print(f"{rows:>5} {str(dtype).split('.')[-1]:>9} {a:>13.3f} {b:>11.3f} {c:>14.3f} {d:>11.3f}")
+            print(f"{rows:>5} {str(dtype).split('.')[-1]:>9} {a:>13.3f} {a4:>13.3f} {b:>11.3f} {c:>14.3f} {d:>11.3f}")
 
 
 def main(argv=None) -> int:

@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType as QT
 
 from kvshare.model import cpu_kernels, qlinear
 from kvshare.model.gguf_quants import GROUP_AFFINE_TYPES, to_group_affine
-from kvshare.model.qlinear import DequantScratch, GroupInt8Linear, Int4Linear, make_linear, pack_int4, unpack_int4
+from kvshare.model.qlinear import DequantScratch, GroupInt4Linear, Int4Linear, make_linear, pack_int4, unpack_int4
 from test_loader import random_blocks
 
 _QUANTIZABLE = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1]
@@ -87,7 +87,8 @@ def test_kept_quantized_matmul_equals_dequantized_reference(qtype, dtype, rows, 
     affine = to_group_affine(raw, qtype, (N, K))
     mags = _magnitudes(affine)
     lin = make_linear(affine, dtype, DequantScratch(), int4=int4)
-    expected_kind = "int4" if int4 and qtype in (QT.Q4_0, QT.Q4_1, QT.Q4_K) else "int8-group"
+    four_bit = qtype in (QT.Q4_0, QT.Q4_1, QT.Q4_K)
+    expected_kind = ("int4" if int4 else "int4-group") if four_bit else "int8-group"
     assert lin.kind == expected_kind
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows)).to(dtype)
     got = lin(x)
@@ -126,10 +127,10 @@ def test_dense_formats_stay_dense():
                        torch.nn.functional.linear(torch.ones(1, 128, dtype=torch.bfloat16), w.bfloat16()))
 
 
-def test_rows_not_a_multiple_of_32_take_the_int8_kernel():
+def test_rows_not_a_multiple_of_32_take_kvshares_group_kernel():
     raw = _raw(QT.Q4_0, n=40)
     lin = make_linear(to_group_affine(raw, QT.Q4_0, (40, K)), torch.float32, DequantScratch(), int4=True)
-    assert isinstance(lin, GroupInt8Linear)
+    assert isinstance(lin, GroupInt4Linear) and lin.kind == "int4-group"
     x = torch.randn(3, K)
     ref = x.double() @ _reference(raw, QT.Q4_0).double().T
     assert ((lin(x).double() - ref).abs() <= 1e-5 * ref.abs().max() + 1e-5).all()

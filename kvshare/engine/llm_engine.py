@@ -132,7 +132,8 @@ class StartupReport:
 
     def kernels(self) -> list[str]:
         names = {"int4": "int4 packed (torch _weight_int4pack_mm_for_cpu)",
-                 "int8-group": "int8 per-group (kvshare C++ qmatmul)", "dense": "dense (F.linear)"}
+                 "int8-group": "int8 per-group (kvshare C++ qmatmul)",
+                 "int4-group": "int4 per-group (kvshare C++ qmatmul)", "dense": "dense (F.linear)"}
         counts: dict[str, int] = {}
         for lin in self.model.linears():
             counts[lin.kind] = counts.get(lin.kind, 0) + 1

@@ -11,12 +11,14 @@ Libraries (`LIBRARIES`):
   int8 / float8 e4m3 caches with one scale per (kv head, slot) (applied to the scores and the
   probabilities, not per element); any block size >= 1, any head_dim. Code paths, picked at run
   time by CPU features: AVX-512 for head_dim <= 128, plus vdpbf16ps dot products where the CPU
-  has AVX512_BF16 and both q and the cache are bfloat16; a portable scalar path everywhere else.
+  has AVX512_BF16 and both q and the cache are bfloat16; AVX2 + FMA (+ F16C) for any head_dim
+  (and where AVX-512 does not fit); a portable scalar path everywhere else.
   Rows are spread over torch's thread count with OpenMP (the libgomp torch already loaded),
   longest first; each (row, kv head) is computed by one thread, so results do not depend on the
   thread count.
-* `QMATMUL` (csrc/qmatmul.cpp): `int8_group_matmul`, x [M, K] times a group-quantized int8
-  weight [N, K] (one float32 scale, and optionally a zero, per group of K), for small M.
+* `QMATMUL` (csrc/qmatmul.cpp): `int8_group_matmul` / `int4_group_matmul`, x [M, K] times a
+  group-quantized weight [N, K] of int8 codes, or of 4-bit codes packed two per byte
+  (`pack_int4_rows`), with one float32 scale, and optionally a zero, per group of K; for small M.
 
 Building never makes a request wait:
 
@@ -326,13 +328,13 @@ def _setup_attention(lib: ctypes.CDLL) -> None:
 def _setup_qmatmul(lib: ctypes.CDLL) -> None:
     lib.kvs_qmm_cpu_paths.restype = _int
     lib.kvs_qmm_cpu_paths.argtypes = []
-    f = lib.kvs_int8_group_matmul
-    f.restype = _int
-    f.argtypes = [_ptr, _i64, _int,  # x, its row stride, bf16?
-                  _ptr, _ptr, _ptr,  # q, scales, zeros (null: none)
-                  _ptr, _i64,  # y, its row stride
-                  _i64, _i64, _i64, _i64,  # M, N, K, group_size
-                  _int, _int, ctypes.c_char_p, _i64]  # impl, threads, error buffer
+    for f in (lib.kvs_int8_group_matmul, lib.kvs_int4_group_matmul):
+        f.restype = _int
+        f.argtypes = [_ptr, _i64, _int,  # x, its row stride, bf16?
+                      _ptr, _ptr, _ptr,  # q (int8, or packed 4-bit), scales, zeros (null: none)
+                      _ptr, _i64,  # y, its row stride
+                      _i64, _i64, _i64, _i64,  # M, N, K, group_size
+                      _int, _int, ctypes.c_char_p, _i64]  # impl, threads, error buffer
 
 
 ATTENTION = KernelLibrary("paged_attention", "paged_attention.cpp", _setup_attention)
@@ -373,17 +375,18 @@ def _lib() -> ctypes.CDLL:
     return ATTENTION.lib()
 
 
-_IMPLS = {"auto": 0, "scalar": 1, "avx512": 2, "avx512bf16": 3}
+_IMPLS = {"auto": 0, "scalar": 1, "avx512": 2, "avx512bf16": 3, "avx2": 4}
 
 
 def _paths(lib: ctypes.CDLL) -> list[str]:
     mask = lib.kvs_cpu_paths()
-    return [name for name, bit in (("scalar", 1), ("avx512", 2), ("avx512bf16", 4)) if mask & bit]
+    return [name for name, bit in (("scalar", 1), ("avx2", 8), ("avx512", 2), ("avx512bf16", 4)) if mask & bit]
 
 
 def cpu_paths() -> list[str]:
     """Code paths the kernel can run on this CPU, slowest first ("auto" uses the last):
-    "scalar" always; "avx512" (AVX-512 F/BW/VL/DQ); "avx512bf16" (also AVX512_BF16: used when
+    "scalar" always; "avx2" (AVX2 + FMA + F16C, any head_dim); "avx512" (AVX-512 F/BW/VL/DQ,
+    head_dim <= 128, else it falls back to "avx2"); "avx512bf16" (also AVX512_BF16: used when
     both the cache and q are bfloat16)."""
     return _paths(_lib())
 
@@ -473,14 +476,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out
 
 
-# ---- group-quantized int8 matmul -------------------------------------------------------------
+# ---- group-quantized int8 / int4 matmul ------------------------------------------------------
 _QMM_IMPLS = {"auto": 0, "scalar": 1, "avx512": 2, "avx2": 3}
 
 
 def qmatmul_paths() -> list[str]:
-    """Code paths `int8_group_matmul` can run on this CPU, slowest first ("auto" uses the last
-    one that fits the group size): "scalar" always (any group size); "avx2" (AVX2 + FMA;
-    group_size % 8 == 0); "avx512" (AVX-512 F/BW/VL/DQ; group_size % 16 == 0)."""
+    """Code paths `int8_group_matmul` and `int4_group_matmul` can run on this CPU, slowest first
+    ("auto" uses the last one that fits the group size): "scalar" always (any group size);
+    "avx2" (AVX2 + FMA; group_size % 8 == 0 for int8, % 16 for int4); "avx512" (AVX-512
+    F/BW/VL/DQ; group_size % 16 == 0 for int8, % 32 for int4)."""
     mask = QMATMUL.lib().kvs_qmm_cpu_paths()
     return [name for name, bit in (("scalar", 1), ("avx2", 4), ("avx512", 2)) if mask & bit]
 
@@ -498,16 +502,84 @@ def int8_group_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, ze
     falls back to the next one that does). Blocks until the library is built if it is not yet
     (check `QMATMUL.available()` first on a serving path). Raises ValueError on bad arguments.
     """
+    _check_x(x)
+    if not isinstance(q, torch.Tensor) or q.dim() != 2 or q.dtype != torch.int8:
+        raise ValueError(f"q must be an int8 tensor [N, K]; got {_desc(q)}")
+    if q.shape[1] != x.shape[1]:
+        raise ValueError(f"q {tuple(q.shape)} does not fit x {tuple(x.shape)}: want q [N, {x.shape[1]}]")
+    return _group_matmul("kvs_int8_group_matmul", x, "q", q, scales, zeros, group_size, out, impl)
+
+
+def int4_group_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                      group_size: int, out: torch.Tensor | None = None, *, impl: str = "auto") -> torch.Tensor:
+    """y = x @ w.T for a group-quantized 4-bit weight w[n, k] = q[n, k] * scales[n, k // g]
+    (+ zeros[n, k // g]), g = group_size, unsigned codes q in 0..15, float32 accumulation.
+
+    Layout of `packed`: uint8 [N, K // 2], contiguous (K even), two codes per byte, in order
+    along the row: byte j of row n holds q[n, 2j] in its low nibble (bits 0..3) and q[n, 2j + 1]
+    in its high nibble (bits 4..7), i.e. packed[n, j] = q[n, 2j] | q[n, 2j + 1] << 4
+    (`pack_int4_rows(q)` builds it, `unpack_int4_rows` inverts it). Read as a little-endian
+    stream of 4-bit fields, code k is field k of the row. This is not GGUF's Q4_0 / Q4_1 block
+    order (there a 32-code block's 16 bytes hold codes 0..15 in the low nibbles and 16..31 in
+    the high ones): repack GGUF codes with `pack_int4_rows(unpacked codes)`. (The vector paths
+    widen one byte per int32 lane and multiply the low and high nibbles by x's even and odd
+    columns, from a copy of x reordered once per call, so this layout costs them nothing.)
+
+    Everything else as `int8_group_matmul`: x [M, K] float32 or bfloat16 (unit last stride, any
+    row stride), scales and zeros float32 [N, K // g] contiguous, K % g == 0; returns [M, N] in
+    x's dtype (or writes `out`); float32 accumulation; a row's result does not depend on the
+    other rows, the thread count or N. The AVX-512 path takes g % 32 == 0, AVX2 g % 16 == 0
+    (every GGUF 4-bit format's g = 32 runs on both), the scalar path any g dividing K; `impl`
+    forces one of `qmatmul_paths()` (a vector path that does not fit g falls back to the next
+    one that does). Zeros are folded into each dequantized weight (one fma), as in the int8
+    kernel. Blocks until the library is built. Raises ValueError on bad arguments, naming the
+    argument.
+    """
+    _check_x(x)
+    k = x.shape[1]
+    if not isinstance(packed, torch.Tensor) or packed.dim() != 2 or packed.dtype != torch.uint8:
+        raise ValueError(f"packed must be a uint8 tensor [N, K // 2]; got {_desc(packed)}")
+    if k % 2:
+        raise ValueError(f"x has K={k} columns: packed 4-bit rows need an even K")
+    if packed.shape[1] * 2 != k:
+        raise ValueError(f"packed {tuple(packed.shape)} does not fit x {tuple(x.shape)}: want packed [N, {k // 2}]")
+    return _group_matmul("kvs_int4_group_matmul", x, "packed", packed, scales, zeros, group_size, out, impl)
+
+
+def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
+    """Pack 4-bit codes (an integer tensor [..., K] of values 0..15, K even) two per byte into
+    uint8 [..., K // 2], the layout `int4_group_matmul` reads: out[..., j] = q[..., 2j] |
+    q[..., 2j + 1] << 4. Raises ValueError on a non-integer tensor, odd K or codes outside 0..15."""
+    if not isinstance(q, torch.Tensor) or q.dim() < 1 or q.dtype.is_floating_point or q.dtype.is_complex \
+            or q.dtype == torch.bool:
+        raise ValueError(f"q must be an integer tensor [..., K]; got {_desc(q)}")
+    if q.shape[-1] % 2:
+        raise ValueError(f"q must have an even number of columns K; got shape {tuple(q.shape)}")
+    if q.numel() and (q.min().item() < 0 or q.max().item() > 15):
+        raise ValueError(f"q must hold 4-bit codes 0..15; got values in [{q.min().item()}, {q.max().item()}]")
+    q = q.to(torch.uint8)
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).contiguous()
+
+
+def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of `pack_int4_rows`: uint8 [..., K // 2] -> uint8 codes [..., K] (0..15)."""
+    if not isinstance(packed, torch.Tensor) or packed.dim() < 1 or packed.dtype != torch.uint8:
+        raise ValueError(f"packed must be a uint8 tensor [..., K // 2]; got {_desc(packed)}")
+    return torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)
+
+
+def _check_x(x: object) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         raise ValueError(f"x must be a 2-D tensor [M, K]; got {_desc(x)}")
     if x.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"x must be float32 or bfloat16; got {x.dtype}")
-    if not isinstance(q, torch.Tensor) or q.dim() != 2 or q.dtype != torch.int8:
-        raise ValueError(f"q must be an int8 tensor [N, K]; got {_desc(q)}")
+
+
+def _group_matmul(fn: str, x: torch.Tensor, q_name: str, q: torch.Tensor, scales: torch.Tensor,
+                  zeros: torch.Tensor | None, group_size: int, out: torch.Tensor | None, impl: str) -> torch.Tensor:
+    """The checks both formats share (x and the codes' shape checked by the caller), and the call."""
     m, k = x.shape
     n = q.shape[0]
-    if q.shape[1] != k:
-        raise ValueError(f"q {tuple(q.shape)} does not fit x {tuple(x.shape)}: want q [N, {k}]")
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1 or k % group_size:
         raise ValueError(f"group_size={group_size!r} must be a positive int dividing K={k}")
     groups = k // group_size
@@ -516,7 +588,7 @@ def int8_group_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, ze
     if zeros is not None and (not isinstance(zeros, torch.Tensor) or zeros.dtype != torch.float32
                               or tuple(zeros.shape) != (n, groups)):
         raise ValueError(f"zeros must be None or float32 [{n}, {groups}] (N, K // group_size); got {_desc(zeros)}")
-    named = [("x", x), ("q", q), ("scales", scales)] + ([("zeros", zeros)] if zeros is not None else [])
+    named = [("x", x), (q_name, q), ("scales", scales)] + ([("zeros", zeros)] if zeros is not None else [])
     for name, t in named:
         if t.device.type != "cpu":
             raise ValueError(f"{name} must be a CPU tensor; got device {t.device}")
@@ -537,7 +609,7 @@ def int8_group_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, ze
     if m == 0 or n == 0:
         return out
     err = ctypes.create_string_buffer(256)
-    rc = lib.kvs_int8_group_matmul(
+    rc = getattr(lib, fn)(
         x.data_ptr(), x.stride(0), x.dtype == torch.bfloat16,
         q.data_ptr(), scales.data_ptr(), zeros.data_ptr() if zeros is not None else None,
         out.data_ptr(), out.stride(0), m, n, k, group_size,

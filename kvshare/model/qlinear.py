@@ -10,7 +10,8 @@ worth of memory, never the whole model) and multiplied densely.
   over unchanged (exact in float32; in bfloat16 s' and z' are rounded to bfloat16).
 - `GroupInt8Linear`: Q5_0 / Q5_1 / Q5_K / Q6_K / Q8_0: int8 codes with a float32 scale (and
   offset) per 16 or 32 weights, through kvshare's C++ kernel (`cpu_kernels.int8_group_matmul`),
-  exact up to float32 accumulation.
+  exact up to float32 accumulation. `GroupInt4Linear`: the Q4 formats the same way with their
+  codes packed two per byte (`cpu_kernels.int4_group_matmul`), where torch's int4 kernel is slow.
 - `DenseLinear`: everything else (F32, F16, BF16, Q2_K, Q3_K, HF safetensors, or
   quantization=None), a plain tensor in the activation dtype.
 """
@@ -150,7 +151,7 @@ class GroupInt8Linear:
         self.dtype = dtype
         self.scratch = scratch
         self.group = w.group
-        self.q = w.q.to(torch.int8).contiguous()  # codes of 5 and 6 bits fit int8 as they are
+        self._store(w.q)
         self.scale = w.scale.float().contiguous()
         self.zero = None if w.zero is None else w.zero.float().contiguous()
         self._fallback: torch.Tensor | None = None
@@ -160,7 +161,7 @@ class GroupInt8Linear:
         if self._fallback is not None:
             return F.linear(x, self._fallback)
         if m <= PACKED_MAX_ROWS and _qmatmul_ready():
-            return cpu_kernels.int8_group_matmul(x.contiguous(), self.q, self.scale, self.zero, self.group)
+            return self._kernel(x.contiguous())
         if m > PACKED_MAX_ROWS and self.out_features * self.in_features > SCRATCH_MAX_ELEMENTS:
             return torch.cat([self(x[i:i + PACKED_MAX_ROWS]) for i in range(0, m, PACKED_MAX_ROWS)])
         if m <= PACKED_MAX_ROWS and (cpu_kernels.disabled_by_env() or cpu_kernels.QMATMUL.is_done()):
@@ -178,8 +179,17 @@ class GroupInt8Linear:
                              dim=-1)
         return F.linear(x, self.dense(self.scratch.get(self.out_features, self.in_features, self.dtype)))
 
+    def _store(self, q: torch.Tensor) -> None:
+        self.q = q.to(torch.int8).contiguous()  # codes of 4, 5 and 6 bits fit int8 as they are
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.int8_group_matmul(x, self.q, self.scale, self.zero, self.group)
+
+    def _codes(self, rows) -> torch.Tensor:
+        return self.q[rows]
+
     def _affine(self, rows, out: torch.Tensor | None = None) -> torch.Tensor:
-        q = self.q[rows]
+        q = self._codes(rows)
         r = q.shape[0]
         codes = q.view(r, -1, self.group).float()
         scale = self.scale[rows].unsqueeze(-1)
@@ -205,7 +215,23 @@ class GroupInt8Linear:
     @property
     def nbytes(self) -> int:
         zero = 0 if self.zero is None else self.zero.numel() * 4
-        return self.q.numel() + self.scale.numel() * 4 + zero
+        return self.q.numel() * self.q.element_size() + self.scale.numel() * 4 + zero
+
+
+class GroupInt4Linear(GroupInt8Linear):
+    """4-bit codes (Q4_0 / Q4_1 / Q4_K) packed two per byte, through kvshare's C++
+    `int4_group_matmul`: half the bytes per decode step of GroupInt8Linear, same arithmetic."""
+
+    kind = "int4-group"
+
+    def _store(self, q: torch.Tensor) -> None:
+        self.q = cpu_kernels.pack_int4_rows(q)  # [N, K / 2]
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.int4_group_matmul(x, self.q, self.scale, self.zero, self.group)
+
+    def _codes(self, rows) -> torch.Tensor:
+        return cpu_kernels.unpack_int4_rows(self.q[rows])
 
 
 def _qmatmul_ready() -> bool:
@@ -233,6 +259,8 @@ def make_linear(weight: torch.Tensor | GroupAffine, dtype: torch.dtype, scratch:
         use_int4 = torch_int4_is_fast(dtype) if int4 is None else int4
         if use_int4 and can_int4(weight):
             return Int4Linear(weight, dtype, scratch)
+        if weight.bits == 4 and weight.group % 32 == 0:
+            return GroupInt4Linear(weight, dtype, scratch)
         return GroupInt8Linear(weight, dtype, scratch)
     return DenseLinear(weight, dtype)
 
@@ -254,4 +282,5 @@ def resident_bytes_per_weight(type_name: str, dtype: torch.dtype) -> float | Non
         return 0.5 + 2 * elsize / 32  # nibbles + (scale, zero) per 32 in the activation dtype
     group = 16 if type_name in _GROUP_16_TYPES else 32
     per_group = 4 + (4 if type_name in _ZERO_OFFSET_TYPES else 0)  # float32 scale (+ offset)
-    return 1 + per_group / group  # one int8 code per weight
+    code = 0.5 if type_name in _INT4_TYPES else 1  # 4-bit codes two per byte, else one int8
+    return code + per_group / group
