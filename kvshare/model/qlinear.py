@@ -28,8 +28,10 @@ from kvshare.model.gguf_quants import GroupAffine
 logger = logging.getLogger("kvshare")
 
 # Rows at or below which a step reads the packed weights; above, it dequantizes into a scratch
-# buffer and runs a dense GEMM (benchmarks/cpu_decode.py --crossover measures where they cross).
-PACKED_MAX_ROWS = 32
+# buffer and runs a dense GEMM. `benchmarks/cpu_decode.py --kernels` measures where they cross:
+# on this AVX2 CPU kvshare's packed kernels beat dequantize + dense at every row count up to 256
+# (the dequantization alone costs ~6 ms for a 576 x 1536 weight).
+PACKED_MAX_ROWS = 256
 # Weights this large (the vocab projection) never get a dense scratch: their many-row calls are
 # rare (prompt logprobs) and take the packed kernel in slices of PACKED_MAX_ROWS rows.
 SCRATCH_MAX_ELEMENTS = 16 * 2**20
