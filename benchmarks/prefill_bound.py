@@ -33,7 +33,8 @@ def main() -> None:
     from kvshare import LLM, SamplingParams
     from kvshare.bench.workloads import token_prompts
 
-    llm = LLM(dtype="float32", kv_cache_memory="512MiB", enable_prefix_caching=False, num_threads=1)
+    llm = LLM(dtype="float32", quantization=None, kv_cache_memory="512MiB", enable_prefix_caching=False,
+              num_threads=1)  # the dequantized float32 path this profile was recorded on
     prompts = token_prompts(llm.engine.tokenizer.encode, [args.prompt_len] * args.num_prompts, offset_step=7)
     params = SamplingParams(max_tokens=1, temperature=0)
 
