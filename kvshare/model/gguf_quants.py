@@ -57,10 +57,6 @@ class GroupAffine:
             w += self.zero.unsqueeze(-1)
         return w.view(n, k)
 
-    def select_rows(self, rows: torch.Tensor) -> "GroupAffine":
-        return GroupAffine(self.q[rows], self.scale[rows], None if self.zero is None else self.zero[rows],
-                           self.group, self.bits)
-
     @staticmethod
     def cat(parts: list["GroupAffine"]) -> "GroupAffine":
         """Row-wise concatenation (fused q/k/v, gate/up); symmetric parts get zero offsets if mixed."""

@@ -71,12 +71,6 @@ class RotaryEmbedding:
         swapped = x.reshape(t, heads, 2, dim // 2).flip(2).reshape(t, heads, dim)
         return torch.addcmul(x * cos, swapped, signed_sin)
 
-    def apply(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [T, H, D], k: [T, KVH, D]
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
