@@ -141,6 +141,11 @@ class StartupReport:
         backend = self.model.backend
         out.append("decode attention: " + ("kvshare C++ paged kernel" if getattr(backend, "use_cpp_kernel", False)
                                            else "PyTorch (C++ kernel not built yet or unavailable)"))
+        fused = getattr(self.model, "fused_decode", None)
+        if fused is not None:
+            why = fused.model_reason or (None if cpu_kernels.DECODE.available() else "C++ library not built yet")
+            out.append("decode steps: " + ("one C++ call per step (kvshare fused decode)" if why is None
+                                           else f"layer by layer ({why})"))
         return out
 
     def lines(self) -> list[str]:

@@ -19,6 +19,9 @@ Libraries (`LIBRARIES`):
 * `QMATMUL` (csrc/qmatmul.cpp): `int8_group_matmul` / `int4_group_matmul`, x [M, K] times a
   group-quantized weight [N, K] of int8 codes, or of 4-bit codes packed two per byte
   (`pack_int4_rows`), with one float32 scale, and optionally a zero, per group of K; for small M.
+* `DECODE` (qmatmul.cpp + paged_attention.cpp + csrc/decode_step.cpp, one translation unit):
+  `kvs_decode_layers` runs every layer of a decode-only step in one call on the two kernels
+  above (kvshare/model/fused_decode.py says when it applies and builds its arguments).
 
 Building never makes a request wait:
 
@@ -127,11 +130,15 @@ def _summary(msg: str) -> str:
 
 
 class KernelLibrary:
-    """One C++ source file built into one shared library, loaded at most once per process."""
+    """C++ source files built, as one translation unit, into one shared library, loaded at most
+    once per process."""
 
-    def __init__(self, name: str, source: str, setup: Callable[[ctypes.CDLL], None]) -> None:
+    def __init__(self, name: str, sources: str | tuple[str, ...], setup: Callable[[ctypes.CDLL], None]) -> None:
         self.name = name
-        self.source = source  # file name under CSRC_DIR
+        # File names under CSRC_DIR, concatenated in this order (a later file may call what an
+        # earlier one defines); the last one names the compiled file.
+        self.sources = (sources,) if isinstance(sources, str) else tuple(sources)
+        self.source = self.sources[-1]
         self._setup = setup  # declares the C signatures
         self._lock = threading.Lock()
         self._done = threading.Event()
@@ -217,8 +224,10 @@ class KernelLibrary:
                     cxx = os.environ.get("CXX", "").strip()
                     raise RuntimeError(f"no C++ compiler found: CXX={cxx!r} does not resolve" if cxx else
                                        "no C++ compiler found: neither c++ nor g++ is on PATH (install g++ or set CXX)")
-                with open(os.path.join(CSRC_DIR, self.source), encoding="utf-8") as f:
-                    text = f.read()
+                text = ""
+                for name in self.sources:
+                    with open(os.path.join(CSRC_DIR, name), encoding="utf-8") as f:
+                        text += f"// ---- {name} ----\n" + f.read() + "\n"
                 key = "\0".join([text, " ".join(CXXFLAGS), _compiler_version(cmd)])
                 digest = hashlib.sha256(key.encode()).hexdigest()[:16]
                 path = os.path.join(cache_dir(), f"kvshare_{self.name}_{digest}.so")
@@ -337,9 +346,18 @@ def _setup_qmatmul(lib: ctypes.CDLL) -> None:
                       _int, _int, ctypes.c_char_p, _i64]  # impl, threads, error buffer
 
 
+def _setup_decode(lib: ctypes.CDLL) -> None:
+    f = lib.kvs_decode_layers
+    f.restype = _int
+    f.argtypes = [_ptr, _ptr, _i64, _ptr, _ptr,  # model, h, M, cos, signed sin
+                  _ptr, _ptr, _i64, _ptr,  # slots, tables, max_blocks, context lengths
+                  _int, ctypes.c_char_p, _i64]  # threads, error buffer
+
+
 ATTENTION = KernelLibrary("paged_attention", "paged_attention.cpp", _setup_attention)
 QMATMUL = KernelLibrary("qmatmul", "qmatmul.cpp", _setup_qmatmul)
-LIBRARIES = (ATTENTION, QMATMUL)
+DECODE = KernelLibrary("decode_step", ("qmatmul.cpp", "paged_attention.cpp", "decode_step.cpp"), _setup_decode)
+LIBRARIES = (ATTENTION, QMATMUL, DECODE)
 
 
 # ---- the attention library's state, module level (kept for existing callers) ----------------

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from kvshare.model.attention import AttentionBackend, AttentionMetadata, KVCache
 from kvshare.model.config import ModelArchConfig
+from kvshare.model.fused_decode import FusedDecode
 from kvshare.model.gguf_quants import GroupAffine
 from kvshare.model.layers import RotaryEmbedding, rms_norm
 from kvshare.model.qlinear import DequantScratch, make_linear
@@ -74,6 +75,7 @@ class LlamaModel:
             layer.down = linear(weights.pop(p + "mlp.down_proj.weight"))
             self.layers.append(layer)
         self.rotary = RotaryEmbedding(config, max_positions, dtype)
+        self.fused_decode = FusedDecode(self)
 
     def linears(self) -> list:
         """Every weight matrix once (the tied embedding is the lm_head)."""
@@ -98,6 +100,8 @@ class LlamaModel:
         n = input_ids.shape[0]
         h = self.embed.rows(input_ids)
         cos, sin = self.rotary.tables(positions)
+        if self.fused_decode.reason(meta, n, kv_cache) is None:
+            return self.fused_decode.run(h, cos, sin, meta, kv_cache)
         heads_qk = c.num_heads + c.num_kv_heads
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.in_norm, c.rms_norm_eps)

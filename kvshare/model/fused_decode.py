@@ -1,0 +1,140 @@
+"""A decode-only step's whole decoder stack in one C++ call (csrc/decode_step.cpp).
+
+At batch 1 the step-by-step forward issues ~15 small PyTorch ops and 5 kernel calls per layer;
+their dispatch costs about as much as the matmuls themselves. `FusedDecode` hands the same
+work to `kvs_decode_layers`, which runs it on the same int8/int4-group matmul and paged
+attention kernels without returning to Python between ops.
+
+It applies when every piece has a C++ counterpart, and says why not otherwise (`reason`):
+float32 activations, every layer's linears on kvshare's group kernels (int8 or int4 codes),
+a float32 or bfloat16 KV cache, the C++ attention kernel in use, and a step whose rows are all
+decode rows with plain causal attention (`AttentionMetadata.decode_block_tables` set, as the
+runner does whenever no window hides a key). Anything else takes the step-by-step path, which
+stays the reference: tests/test_fused_decode.py checks the two agree.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kvshare.model import cpu_kernels
+from kvshare.model.attention import AttentionMetadata, KVCache, TorchPagedAttention
+from kvshare.model.qlinear import GroupInt4Linear, GroupInt8Linear
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+_CACHE_KINDS = {torch.float32: 0, torch.bfloat16: 1}
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("kind", _i64), ("q", _ptr), ("scales", _ptr), ("zeros", _ptr), ("bias", _ptr),
+                ("N", _i64), ("K", _i64), ("group", _i64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("in_norm", _ptr), ("post_norm", _ptr), ("qkv", _Linear), ("o", _Linear),
+                ("gate_up", _Linear), ("down", _Linear), ("k_cache", _ptr), ("v_cache", _ptr)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("num_layers", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64),
+                ("head_dim", _i64), ("intermediate", _i64), ("slots", _i64), ("block_size", _i64),
+                ("cache_kind", _i64), ("eps", ctypes.c_double), ("scale", ctypes.c_double),
+                ("layers", ctypes.POINTER(_Layer))]
+
+
+def _ptr_of(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _linear(lin, bias: torch.Tensor | None) -> _Linear | None:
+    """The C view of one linear, or None when it is not on a group kernel the C++ side runs."""
+    if type(lin) not in (GroupInt8Linear, GroupInt4Linear):
+        return None
+    kind = 2 if isinstance(lin, GroupInt4Linear) else 1
+    return _Linear(kind, lin.q.data_ptr(), lin.scale.data_ptr(), _ptr_of(lin.zero), _ptr_of(bias),
+                   lin.out_features, lin.in_features, lin.group)
+
+
+class FusedDecode:
+    """Built once per model (weights' pointers), bound once per KV cache (cache pointers)."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.enabled = True  # tests switch it off to run the step-by-step reference
+        self._layers = None
+        self._bound: tuple[int, ctypes.Structure] | None = None
+        # Why this model can never take the fused path (None: it can, step by step permitting).
+        self.model_reason = self._check_model(model)
+        if self.model_reason is None:
+            self._layers = self._layer_views(model)
+            if self._layers is None:
+                self.model_reason = "a layer's linear is not on an int8/int4-group kernel"
+
+    @staticmethod
+    def _check_model(model) -> str | None:
+        if model.dtype != torch.float32:
+            return f"activations are {model.dtype}, not float32"
+        if not isinstance(model.backend, TorchPagedAttention):
+            return f"attention backend is {type(model.backend).__name__}"
+        return None
+
+    @staticmethod
+    def _layer_views(model) -> list[_Layer] | None:
+        views = []
+        for layer in model.layers:
+            parts = [_linear(layer.qkv, layer.qkv_b), _linear(layer.o, None),
+                     _linear(layer.gate_up, None), _linear(layer.down, None)]
+            if any(p is None for p in parts):
+                return None
+            views.append(_Layer(layer.in_norm.data_ptr(), layer.post_norm.data_ptr(), *parts, None, None))
+        return views
+
+    def reason(self, meta: AttentionMetadata, num_rows: int, kv_cache: KVCache) -> str | None:
+        """Why this step cannot take the fused path, or None when it can."""
+        if not self.enabled:
+            return "disabled"
+        if self.model_reason is not None:
+            return self.model_reason
+        if num_rows == 0 or meta.num_decode != num_rows or meta.prefills or meta.decode_block_tables is None:
+            return "not a plain decode-only step"
+        if kv_cache.scales is not None or kv_cache.data.dtype not in _CACHE_KINDS:
+            return f"KV cache dtype {kv_cache.data.dtype} is not float32 or bfloat16"
+        if not self.model.backend.use_cpp_kernel or not cpu_kernels.DECODE.available():
+            return "C++ kernels not available"
+        return None
+
+    def _model_view(self, kv_cache: KVCache) -> ctypes.Structure:
+        if self._bound is not None and self._bound[0] == id(kv_cache):
+            return self._bound[1]
+        m = self.model
+        c = m.config
+        layers = (_Layer * len(self._layers))(*self._layers)
+        for i in range(len(self._layers)):
+            k, v = kv_cache.layer(i)
+            layers[i].k_cache, layers[i].v_cache = k.data_ptr(), v.data_ptr()
+        view = _Model(c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                      m.layers[0].down.in_features, kv_cache.num_blocks * kv_cache.block_size,
+                      kv_cache.block_size, _CACHE_KINDS[kv_cache.data.dtype], c.rms_norm_eps, m.scale, layers)
+        view._keep = (layers, kv_cache)  # the pointers above live as long as these do
+        self._bound = (id(kv_cache), view)
+        return view
+
+    def run(self, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, meta: AttentionMetadata,
+            kv_cache: KVCache) -> torch.Tensor:
+        """h [rows, hidden] float32 (embedded tokens) through every layer, in place."""
+        view = self._model_view(kv_cache)
+        h = h.contiguous()
+        cos = cos.reshape(h.shape[0], -1).contiguous()
+        signed_sin = signed_sin.reshape(h.shape[0], -1).contiguous()
+        slots = meta.slot_mapping.contiguous()
+        tables = meta.decode_block_tables.contiguous()
+        ctx = meta.decode_context_lens.contiguous()
+        err = ctypes.create_string_buffer(256)
+        rc = cpu_kernels.DECODE.lib().kvs_decode_layers(
+            ctypes.byref(view), h.data_ptr(), h.shape[0], cos.data_ptr(), signed_sin.data_ptr(),
+            slots.data_ptr(), tables.data_ptr(), tables.shape[1], ctx.data_ptr(),
+            torch.get_num_threads(), err, len(err))
+        if rc:
+            raise ValueError(err.value.decode(errors="replace"))
+        return h

@@ -1,0 +1,177 @@
+"""The fused decode step (kvshare/model/fused_decode.py, csrc/decode_step.cpp) against the
+step-by-step forward it replaces.
+
+Both paths run the same matmul and attention kernels; only the element-wise ops (RMSNorm,
+RoPE, SiLU, residual adds) are computed by other code, so their float32 results differ by
+rounding alone (measured: chosen-token logprobs within 6e-6 on the bundled model). Hence
+LOGPROB_TOL = 1e-4, and tokens identical on all prompts but at most one over 32 greedy steps (a
+near-tie closer than the rounding could flip one prompt; none does today).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import english_token_prompts
+from kvshare import LLM, SamplingParams
+from kvshare.model import cpu_kernels
+from kvshare.model.attention import AttentionMetadata
+
+LOGPROB_TOL = 1e-4
+STEPS = 32
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    assert cpu_kernels.DECODE.wait_until_built(), cpu_kernels.DECODE.unavailable_reason()
+    cpu_kernels.QMATMUL.wait_until_built()
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    return LLM(kv_cache_memory="64MiB", enable_prefix_caching=False)
+
+
+def _compare(llm, prompts, params, together: bool):
+    """(prompts decoded identically, worst logprob gap up to the first differing token),
+    fused against step-by-step."""
+    fused = llm.engine.model.fused_decode
+
+    def run():
+        if together:
+            return llm.generate(prompts, params, use_tqdm=False)
+        return [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+
+    calls = _count_fused_calls(fused)
+    try:
+        got = run()
+        assert calls[0] > 0, "the fused path never ran"
+        fused.enabled = False
+        n_before = calls[0]
+        ref = run()
+        assert calls[0] == n_before, "the reference run took the fused path"
+    finally:
+        fused.enabled = True
+        del fused.run  # back to the class's method
+    identical, worst = 0, 0.0
+    for g, r in zip(got, ref):
+        gt, rt = g.outputs[0].token_ids, r.outputs[0].token_ids
+        assert len(gt) == len(rt) == params.max_tokens
+        identical += gt == rt
+        for i, (a, b) in enumerate(zip(gt, rt)):
+            worst = max(worst, abs(g.outputs[0].logprobs[i][a].logprob - r.outputs[0].logprobs[i][b].logprob))
+            if a != b:
+                break
+    return identical, worst
+
+
+def _count_fused_calls(fused) -> list[int]:
+    calls = [0]
+    run = fused.run
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return run(*args, **kwargs)
+
+    fused.run = counting
+    return calls
+
+
+@pytest.mark.parametrize("together", [False, True], ids=["alone", "batched"])
+def test_bundled_model_fused_equals_step_by_step(bundled, together):
+    assert bundled.engine.model.fused_decode.reason(
+        AttentionMetadata(slot_mapping=torch.zeros(1, dtype=torch.long), num_decode=1,
+                          decode_block_tables=torch.zeros(1, 1, dtype=torch.long),
+                          decode_context_lens=torch.ones(1, dtype=torch.long)),
+        1, bundled.engine.kv_cache) is None
+    tok = bundled.get_tokenizer()
+    # Alone: a few lengths (each prompt is its own run); batched: 16 rows of mixed lengths.
+    lengths = [5, 100, 260, 480] if not together else [5, 12, 20, 33, 47, 64, 80, 100, 128, 150, 200, 256,
+                                                       300, 350, 400, 480]
+    prompts = [{"prompt_token_ids": p} for p in english_token_prompts(tok.encode, lengths)]
+    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=1)
+    identical, worst = _compare(bundled, prompts, params, together)
+    assert identical >= len(prompts) - 1, f"only {identical}/{len(prompts)} prompts decode identically"
+    assert worst < LOGPROB_TOL, worst
+
+
+def _tiny_gguf(tmp_path, arch: str, types):
+    import transformers
+
+    from test_loader import tiny_gpt2_vocab, tiny_llama, write_tiny_gguf
+
+    if arch == "qwen2":
+        tokens, _, _ = tiny_gpt2_vocab()
+        torch.manual_seed(0)
+        cfg = transformers.Qwen2Config(vocab_size=len(tokens), hidden_size=64, intermediate_size=96,
+                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                       tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+        model = transformers.Qwen2ForCausalLM(cfg)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.ndim == 1:
+                    p.copy_(torch.randn_like(p))  # biases and norms away from 0 and 1, so mix-ups show
+    else:
+        model = tiny_llama(num_key_value_heads=1)  # MQA: every q head reads the one kv head
+    path = tmp_path / f"{arch}.gguf"
+    write_tiny_gguf(path, model, arch, types)
+    return str(path)
+
+
+@pytest.mark.parametrize("arch,kv_dtype,types", [
+    ("qwen2", "auto", {"": "Q8_0"}),  # q/k/v bias, int8-group codes everywhere
+    ("qwen2", "bfloat16", {"": "Q4_1"}),  # int4-group codes with zeros, a bfloat16 cache
+    ("llama", "auto", {"self_attn": "Q4_0", "mlp": "Q8_0", "embed": "Q8_0"}),
+])
+def test_tiny_gguf_models_fused_equals_step_by_step(tmp_path, arch, kv_dtype, types):
+    from gguf import GGMLQuantizationType as QT
+
+    path = _tiny_gguf(tmp_path, arch, {k: QT[v] for k, v in types.items()})
+    llm = LLM(path, kv_cache_memory="4MiB", block_size=4, kv_cache_dtype=kv_dtype, enable_prefix_caching=False)
+    assert llm.engine.model.fused_decode.model_reason is None
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 250 + 3 for j in range(n)]} for i, n in enumerate([1, 3, 9, 17])]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    for together in (False, True):
+        identical, worst = _compare(llm, prompts, params, together)
+        assert identical == len(prompts) and worst < LOGPROB_TOL, (together, identical, worst)
+
+
+def test_fused_path_says_why_it_does_not_apply(bundled):
+    from helpers import EXACT
+
+    exact = LLM(**EXACT, kv_cache_memory="16MiB")
+    assert "int8/int4-group" in exact.engine.model.fused_decode.reason(AttentionMetadata(
+        slot_mapping=torch.zeros(1, dtype=torch.long), num_decode=1), 1, exact.engine.kv_cache)
+    fused = bundled.engine.model.fused_decode
+    prefill = AttentionMetadata(slot_mapping=torch.zeros(3, dtype=torch.long), num_decode=1,
+                                decode_block_tables=torch.zeros(1, 1, dtype=torch.long),
+                                decode_context_lens=torch.ones(1, dtype=torch.long))
+    assert fused.reason(prefill, 3, bundled.engine.kv_cache) == "not a plain decode-only step"
+    windowed = AttentionMetadata(slot_mapping=torch.zeros(1, dtype=torch.long), num_decode=1)
+    assert fused.reason(windowed, 1, bundled.engine.kv_cache) == "not a plain decode-only step"
+    int8 = LLM(kv_cache_memory="16MiB", kv_cache_dtype="int8")
+    plain = AttentionMetadata(slot_mapping=torch.zeros(1, dtype=torch.long), num_decode=1,
+                              decode_block_tables=torch.zeros(1, 1, dtype=torch.long),
+                              decode_context_lens=torch.ones(1, dtype=torch.long))
+    assert "KV cache dtype" in int8.engine.model.fused_decode.reason(plain, 1, int8.engine.kv_cache)
+
+
+@pytest.mark.parametrize("bad", ["slot", "block", "context"])
+def test_bad_indices_are_refused_before_anything_is_written(bundled, bad):
+    model, cache = bundled.engine.model, bundled.engine.kv_cache
+    slots_total = cache.num_blocks * cache.block_size
+    meta = AttentionMetadata(slot_mapping=torch.tensor([5]), num_decode=1,
+                             decode_block_tables=torch.tensor([[0, 1]]), decode_context_lens=torch.tensor([6]))
+    if bad == "slot":
+        meta.slot_mapping = torch.tensor([slots_total])
+    elif bad == "block":
+        meta.decode_block_tables = torch.tensor([[0, cache.num_blocks]])
+        meta.decode_context_lens = torch.tensor([cache.block_size + 1])
+    else:
+        meta.decode_context_lens = torch.tensor([2 * cache.block_size + 1])
+    before = cache.data.clone()
+    h = model.embed.rows(torch.tensor([42]))
+    cos, sin = model.rotary.tables(torch.tensor([5]))
+    with pytest.raises(ValueError, match="out of range"):
+        model.fused_decode.run(h, cos, sin, meta, cache)
+    assert torch.equal(cache.data, before)
