@@ -163,7 +163,7 @@ def test_each_planted_bug_is_caught_in_its_step(tiny_dir, tmp_path, fault):
 def test_audit_off_is_the_default_and_builds_nothing(tiny_dir, monkeypatch):
     monkeypatch.delenv("KVSHARE_AUDIT", raising=False)
     engine = make_engine(tiny_dir, audit=False)
-    assert engine.auditor is None and engine.events is None and engine.manager.pool.events is None
+    assert engine.auditor is None and engine.events is None and not engine.manager.pool.events.enabled
     monkeypatch.setenv("KVSHARE_AUDIT", "1")
     cfg = EngineConfig.from_kwargs(**EXACT, model=tiny_dir, kv_cache_memory="1MiB")
     assert cfg.audit is True

@@ -17,7 +17,7 @@ from kvshare.engine.model_runner import ModelRunner, StepLogits
 from kvshare.engine.request import Sequence, SeqStatus
 from kvshare.engine.scheduler import Scheduler
 from kvshare.errors import InvalidRequestError
-from kvshare.kvcache.audit import KVAuditor
+from kvshare.kvcache.audit import KVAuditor, record_step_io
 from kvshare.kvcache.events import EventLog
 from kvshare.kvcache.kv_policy import build_kv_policy
 from kvshare.kvcache.manager import KVCacheManager
@@ -200,7 +200,7 @@ class LLMEngine:
         for line in self.startup.lines():
             logger.info(line)
         self.scheduler = Scheduler(config, self.manager)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.manager)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.kv_policy)
         self.events: EventLog | None = None
         self.auditor: KVAuditor | None = None
         self.sampler = Sampler()
@@ -228,7 +228,6 @@ class LLMEngine:
             if audit:
                 self.auditor = KVAuditor(self.manager, self.events, self._live_tokens)
         self.manager.events = self.manager.pool.events = self.events
-        self.runner.auditor = self.auditor
 
     # ---- submission ----------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -423,6 +422,7 @@ class LLMEngine:
                 st = self.requests[c.seq.request_id]
                 if st.metrics.first_scheduled_time is None:
                     st.metrics.first_scheduled_time = now
+            record_step_io(self.manager.events, self.auditor, sched)
             logits = self.runner.execute(sched)
             stats = self.stats
             stats.peak_blocks_in_use = max(stats.peak_blocks_in_use, self.manager.num_used_blocks())
@@ -431,10 +431,8 @@ class LLMEngine:
                 in_prompt = max(0, min(c.end, seq.num_prompt_tokens) - c.start)
                 stats.prompt_tokens_computed += in_prompt
                 stats.decode_tokens_computed += c.num_tokens - in_prompt
-                seq.num_computed_tokens = c.end
-                self.manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens,
-                                               seq.params.cache_salt)
                 touched[seq.request_id] = self.requests[seq.request_id]
+            self.scheduler.step_done(sched)
             self._record_prompt_logprobs(logits)
             self._sample(logits)
         if self.auditor is not None:

@@ -8,43 +8,25 @@ the manager's one release path and it is recomputed later from its tokens so far
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvshare.config import EngineConfig
 from kvshare.engine.request import Sequence, SeqStatus
+from kvshare.engine.step_plan import ChunkPlan, StepPlan
 from kvshare.kvcache.manager import KVCacheManager
 
 
 @dataclass
-class ScheduledChunk:
+class _Chunk:
+    """A scheduling decision before it becomes a ChunkPlan: compute [start, start + num_tokens)."""
+
     seq: Sequence
-    start: int  # first position computed this step
+    start: int
     num_tokens: int
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
-
-    @property
-    def samples(self) -> bool:
-        # The chunk reaches the end of the known tokens: its last row yields the next token.
-        return self.end == self.seq.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
-    # Sink sequences' kept keys to re-rotate after the copies: (seq id, block ids, position shift).
-    rotations: list[tuple[str, list[int], int]] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
-
-    def is_empty(self) -> bool:
-        return not self.chunks
 
 
 class Scheduler:
@@ -61,10 +43,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+    def schedule(self) -> StepPlan:
+        out = StepPlan()
         budget = self.config.max_num_batched_tokens
-        scheduled: dict[str, ScheduledChunk] = {}
+        scheduled: dict[str, _Chunk] = {}
 
         decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
         prefills = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
@@ -86,18 +68,46 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                chunk = ScheduledChunk(seq, seq.num_computed_tokens, num_new)
-                scheduled[seq.seq_id] = chunk
+                scheduled[seq.seq_id] = _Chunk(seq, seq.num_computed_tokens, num_new)
                 budget -= num_new
 
         # Admitting new work in a step that had to preempt would only thrash.
         if not out.preempted:
             budget = self._admit_waiting(budget, scheduled)
 
-        out.chunks = list(scheduled.values())
         out.block_copies = self.manager.take_pending_copies()
         out.rotations = self.manager.take_pending_rotations()
+        plans = [self._plan(c) for c in scheduled.values()]
+        # Decode rows by how many blocks they read (padded groups stay tight), then prefills.
+        decode = sorted((p for p in plans if p.is_decode), key=lambda p: (len(p.read_blocks), p.start))
+        out.chunks = decode + [p for p in plans if not p.is_decode]
         return out
+
+    def _plan(self, c: _Chunk) -> ChunkPlan:
+        """What the model computes, reads and writes for this chunk (after this step's copies)."""
+        mgr, bs, seq = self.manager, self.manager.block_size, c.seq
+        ids = mgr.block_ids(seq.seq_id)
+        num_blocks = -(-c.end // bs)
+        index = mgr.held_indices(seq.seq_id, num_blocks)
+        prompt_logits = None
+        if seq.prompt_logprobs is not None and not seq.prompt_logprobs_done():
+            first = max(c.start, len(seq.prompt_logprobs) - 1)  # entry 0 (the first prompt token) is None
+            last = min(c.end, seq.num_prompt_tokens - 1)  # exclusive: position p predicts p + 1
+            if last > first:
+                prompt_logits = (first, last - first)
+        return ChunkPlan(
+            seq=seq, start=c.start, token_ids=seq.token_ids[c.start:c.end],
+            rope_start=c.start - mgr.rope_offset(seq.seq_id),
+            write_slots=[ids[p // bs] * bs + p % bs for p in range(c.start, c.end)],
+            read_blocks=[ids[i] for i in index],
+            read_index=None if len(index) == num_blocks else index,
+            samples=c.end == seq.num_tokens, prompt_logits=prompt_logits)
+
+    def step_done(self, plan: StepPlan) -> None:
+        """After the forward pass: the chunks' KV is written, so their full blocks are published."""
+        for c in plan.chunks:
+            c.seq.num_computed_tokens = c.end
+            self.manager.cache_full_blocks(c.seq.seq_id, c.seq.token_ids, c.end)
 
     def _chunk_size(self, seq: Sequence, start: int, budget: int) -> int:
         num_new = min(seq.num_tokens - start, budget)
@@ -107,7 +117,7 @@ class Scheduler:
     def _peak_blocks(self, seq: Sequence) -> int | None:
         """Most blocks `seq` can hold from now on under a bounded-KV policy (None: unbounded)."""
         policy = self.manager.policy
-        if policy is None or policy.max_blocks_per_seq(1) is None:
+        if policy.max_blocks_per_seq(1) is None:
             return None
         decoding = seq.status is SeqStatus.RUNNING and seq.num_computed_tokens >= seq.num_tokens - 1
         bound = policy.decode_blocks if decoding else policy.max_blocks_per_seq(self.config.max_num_batched_tokens)
@@ -126,14 +136,13 @@ class Scheduler:
         shared = sum(1 for b in cached if b is not None and b.ref_count > 0)  # held already: no new block
         return peak - shared <= mgr.num_free_blocks() - reserve
 
-    def _admit_waiting(self, budget: int, scheduled: dict[str, ScheduledChunk]) -> int:
+    def _admit_waiting(self, budget: int, scheduled: dict[str, _Chunk]) -> int:
         mgr = self.manager
         # Blocks being computed this step are not hits yet (their KV is unwritten). A request
         # that would compute one of them again waits a step and then hits the cache instead.
         inflight: set[bytes] = set()
         for c in scheduled.values():
-            inflight.update(mgr.hashes_completed_by(c.seq.seq_id, c.seq.token_ids, c.seq.params.cache_salt,
-                                                    c.start, c.end))
+            inflight.update(mgr.hashes_completed_by(c.seq.seq_id, c.seq.token_ids, c.start, c.end))
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if seq.pending_forks and len(self.running) + 1 + seq.pending_forks > self.config.max_num_seqs:
@@ -141,31 +150,22 @@ class Scheduler:
             # prompt_logprobs need logits for every prompt position, so such requests compute
             # their whole prompt (they still publish their blocks for others).
             uses_cache = seq.prompt_logprobs is None or seq.prompt_logprobs_done()
-            cached = mgr.find_cached_prefix(seq.seq_id, seq.token_ids, seq.params.cache_salt) if uses_cache else []
-            num_computed = len(cached) * mgr.block_size
-            cached = mgr.unread_hits_dropped(cached, num_computed)
-            num_new = self._chunk_size(seq, num_computed, budget)
-            if uses_cache and inflight and mgr.first_missing_hash(seq.seq_id, seq.token_ids, seq.params.cache_salt,
-                                                   len(cached)) in inflight:
-                break  # FCFS: the head waits one step for its prefix, and nobody overtakes it
-            if not mgr.can_admit(cached, num_computed, num_new) or not self._room_to_peak(seq, cached):
+            plan = mgr.plan_admission(seq.seq_id, seq.token_ids, seq.params.cache_salt, budget,
+                                      use_cache=uses_cache, inflight=inflight)
+            if plan.refusal is not None or not self._room_to_peak(seq, plan.hits):
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
-            if uses_cache and mgr.enable_prefix_caching:
-                mgr.record_lookup(seq.num_tokens, num_computed)
-            mgr.admit(seq.seq_id, cached, seq.params.cache_salt)
-            ok = mgr.allocate_slots(seq.seq_id, num_computed, num_new)
-            assert ok, "can_admit() promised the blocks"
-            seq.num_computed_tokens = num_computed
+            mgr.commit_admission(plan)
+            seq.num_computed_tokens = plan.num_computed
             if not seq.admitted_once:
-                seq.num_cached_tokens = num_computed
+                seq.num_cached_tokens = plan.num_computed
                 seq.admitted_once = True
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            scheduled[seq.seq_id] = ScheduledChunk(seq, num_computed, num_new)
-            inflight.update(mgr.hashes_completed_by(seq.seq_id, seq.token_ids, seq.params.cache_salt,
-                                                    num_computed, num_computed + num_new))
-            budget -= num_new
+            chunk = _Chunk(seq, plan.num_computed, plan.num_new)
+            scheduled[seq.seq_id] = chunk
+            inflight.update(mgr.hashes_completed_by(seq.seq_id, seq.token_ids, chunk.start, chunk.end))
+            budget -= plan.num_new
         return budget
 
     def add_forked(self, parent: Sequence, child: Sequence) -> None:
@@ -178,8 +178,7 @@ class Scheduler:
         self.running.append(child)
 
     def preempt(self, seq: Sequence) -> None:
-        if self.manager.events is not None:
-            self.manager.events.record("preempt", seq=seq.seq_id)
+        self.manager.events.record("preempt", seq=seq.seq_id)
         self.running.remove(seq)
         self.manager.free(seq.seq_id)
         seq.status = SeqStatus.WAITING

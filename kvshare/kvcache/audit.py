@@ -1,6 +1,6 @@
 """Audit mode: prove, step by step, that no request can see or damage another's KV.
 
-The auditor reads the real structures (pool, tables, the slot mapping the runner built), never
+The auditor reads the real structures (pool, tables, the step plan the runner executes), never
 the manager's intentions, and keeps one shadow fact of its own: which slots of each block have
 had KV written since the block was last handed out. Checks:
 
@@ -228,3 +228,27 @@ class KVAuditor:
         for (block_id, _), mask in fresh.items():
             self._mark(blocks[block_id], mask)
         self._gen_at_forward = [b.generation for b in blocks]
+
+
+def record_step_io(events, auditor: KVAuditor | None, plan) -> None:
+    """The engine's one hook before a forward pass: log (and, in audit mode, check) exactly what
+    the step plan says the model will read and write. `plan` is a StepPlan
+    (kvshare/engine/step_plan.py): what the runner executes is exactly what is checked here."""
+    if not events.enabled:
+        return
+    for src, dst in plan.block_copies:
+        events.record("copy", src=src, dst=dst)
+    for seq_id, block_ids, shift in plan.rotations:
+        events.record("rotate", seq=seq_id, blocks=block_ids, shift=shift)
+    for c in plan.chunks:
+        fields = {} if c.read_index is None else {"index": c.read_index}
+        events.record("access", seq=c.seq.seq_id, table=c.read_blocks, ctx=c.num_keys, write_pos=c.start,
+                      write_slots=c.write_slots, **fields)
+    events.record("forward")
+    if auditor is not None:
+        auditor.apply_copies(plan.block_copies)
+        auditor.check_rotations(plan.rotations)
+        auditor.check_io([(c.seq.seq_id, c.start, c.num_tokens) for c in plan.chunks],
+                         [s for c in plan.chunks for s in c.write_slots],
+                         [(c.seq.seq_id, c.read_blocks, c.num_keys, c.read_index) for c in plan.chunks])
+        auditor.check_state()

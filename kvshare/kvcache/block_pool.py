@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from kvshare.kvcache.events import EventLog
+from kvshare.kvcache.events import EventLog, NullEventLog, as_event_log
 
 
 class BlockPoolError(RuntimeError):
@@ -43,6 +43,14 @@ class BlockPool:
         self.events = events
 
     @property
+    def events(self) -> EventLog | NullEventLog:
+        return self._events
+
+    @events.setter
+    def events(self, log: EventLog | NullEventLog | None) -> None:
+        self._events = as_event_log(log)
+
+    @property
     def num_free(self) -> int:
         return len(self._free)
 
@@ -64,8 +72,7 @@ class BlockPool:
         block.salt = salt
         block.generation += 1
         self.num_allocations += 1
-        if self.events is not None:
-            self.events.record("alloc", block=block_id, seq=owner)
+        self.events.record("alloc", block=block_id, seq=owner)
         return block
 
     def _evict(self, block: Block) -> None:
@@ -75,8 +82,7 @@ class BlockPool:
         block.token_ids = None
         block.parent_hash = None
         self.num_evictions += 1
-        if self.events is not None:
-            self.events.record("evict", block=block.block_id)
+        self.events.record("evict", block=block.block_id)
 
     def incref(self, block: Block, owner: str) -> None:
         if block.ref_count == 0:
@@ -84,8 +90,7 @@ class BlockPool:
             self._free.pop(block.block_id, None)
         block.ref_count += 1
         block.owners.add(owner)
-        if self.events is not None:
-            self.events.record("incref", block=block.block_id, seq=owner, ref=block.ref_count)
+        self.events.record("incref", block=block.block_id, seq=owner, ref=block.ref_count)
 
     def decref(self, block: Block, owner: str) -> bool:
         """Drop one reference; returns True when the block went back to the free queue."""
@@ -93,11 +98,9 @@ class BlockPool:
             raise BlockPoolError(f"block {block.block_id}: reference count would go below zero (owner {owner})")
         block.ref_count -= 1
         block.owners.discard(owner)
-        if self.events is not None:
-            self.events.record("decref", block=block.block_id, seq=owner, ref=block.ref_count)
+        self.events.record("decref", block=block.block_id, seq=owner, ref=block.ref_count)
         if block.ref_count == 0:
-            if self.events is not None:
-                self.events.record("free", block=block.block_id)
+            self.events.record("free", block=block.block_id)
             if block.block_hash is None:
                 # Nothing worth keeping: hand it out before any cached block.
                 self._free[block.block_id] = None
@@ -115,10 +118,9 @@ class BlockPool:
         block.token_ids = token_ids
         block.parent_hash = parent_hash
         self.cached[block_hash] = block.block_id
-        if self.events is not None:
-            self.events.record("register", block=block.block_id, hash=block_hash.hex()[:16],
-                               parent=parent_hash.hex()[:16] if parent_hash else None, salt=block.salt,
-                               tokens=list(token_ids))
+        self.events.record("register", block=block.block_id, hash=block_hash.hex()[:16],
+                           parent=parent_hash.hex()[:16] if parent_hash else None, salt=block.salt,
+                           tokens=list(token_ids))
 
     def lookup(self, block_hash: bytes, token_ids: tuple[int, ...]) -> Block | None:
         block_id = self.cached.get(block_hash)

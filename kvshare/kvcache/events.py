@@ -1,7 +1,8 @@
 """Block event log: what happened to each KV block, in order, with step and sequence ids.
 
 Only built when auditing or when a log file is asked for; with neither, the pool and the
-manager hold `None` and pay one `is not None` test per block operation.
+manager hold a `NullEventLog`, whose `record` does nothing (one no-op call per block
+operation, and no `is not None` test anywhere).
 
 Kinds and their fields (every event also has "ev", "step"):
   step       begin of an engine step
@@ -31,6 +32,8 @@ from collections import deque
 
 
 class EventLog:
+    enabled = True
+
     def __init__(self, capacity: int = 4096, path: str | None = None) -> None:
         self.step = 0
         self.recent: deque[dict] = deque(maxlen=capacity)
@@ -63,6 +66,31 @@ class EventLog:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+class NullEventLog:
+    """The recorder when nothing listens: same interface, records nothing."""
+
+    enabled = False
+    step = 0
+    recent: tuple = ()
+    path = None
+
+    def record(self, ev: str, **fields) -> None:
+        pass
+
+    def touching(self, block_id: int, limit: int = 12) -> list[dict]:
+        return []
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def as_event_log(log: "EventLog | NullEventLog | None") -> "EventLog | NullEventLog":
+    return NullEventLog() if log is None else log
 
 
 def read_events(path: str) -> list[dict]:

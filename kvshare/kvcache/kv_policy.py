@@ -27,6 +27,54 @@ SINK = "sink"  # the one attention variant of SinkWindow
 
 
 @dataclass(frozen=True)
+class FullAttention:
+    """The null policy: plain causal attention over every earlier key, nothing ever released.
+    Same interface as the bounded policies below, so no caller special-cases "no policy"."""
+
+    block_size: int
+    num_layers: int = 1
+    generates_past_max_model_len = False
+
+    @property
+    def layer_variants(self) -> tuple[None, ...]:
+        return (None,) * self.num_layers
+
+    @property
+    def variants(self) -> list[None]:
+        return [None]
+
+    @property
+    def plain_until(self) -> float:
+        return float("inf")  # every query sees every earlier key
+
+    @property
+    def keep_head(self) -> int:
+        return 0
+
+    def visible(self, q: torch.Tensor, k: torch.Tensor, variant: None = None) -> torch.Tensor:
+        return k <= q
+
+    def released_blocks(self, start: int) -> int:
+        return 0
+
+    def rope_offset(self, start: int) -> int:
+        return 0
+
+    def chunk_limit(self, start: int) -> int | None:
+        return None
+
+    def publishable_blocks(self) -> int | None:
+        return None
+
+    def max_blocks_per_seq(self, chunk_tokens: int) -> int | None:
+        return None
+
+    @property
+    def decode_blocks(self) -> int | None:
+        return None
+
+
+@dataclass(frozen=True)
 class SlidingWindow:
     windows: tuple[int | None, ...]  # per layer
     block_size: int
@@ -156,11 +204,13 @@ class SinkWindow:
 
 
 def build_kv_policy(config, arch, max_model_len: int):
-    """The policy for an engine (None: plain full attention), or ValueError saying what to change."""
+    """The policy for an engine (FullAttention when nothing bounds the KV), or ValueError
+    saying what to change."""
     windows = tuple(arch.attention_windows())
     has_windows = any(w is not None for w in windows)
     if config.kv_policy is None:
-        return SlidingWindow(windows, config.block_size) if has_windows else None
+        return SlidingWindow(windows, config.block_size) if has_windows else FullAttention(config.block_size,
+                                                                                             arch.num_layers)
     if has_windows:
         raise ValueError(f"kv_policy={config.kv_policy!r} cannot be combined with this model's own sliding "
                          f"window(s) {sorted({w for w in windows if w})}: leave kv_policy unset")

@@ -1,18 +1,20 @@
-"""Block tables, allocation as sequences grow, prefix-cache hits, copy-on-write, and the one
-release path that finish, abort and preemption all go through.
+"""A sequence's KV state in one record, and the life of its blocks: admission (prefix-cache
+hits + new blocks), growth, copy-on-write, fork, sliding release, and the one release path that
+finish, abort and preemption all go through.
 
-With a bounded-KV policy (kv_policy: model sliding windows, attention sinks) a sequence also
-lets go of blocks no later query reads (`slide`): they go back through the pool (still hashed,
+The attention policy (kv_policy: full attention, model sliding windows, attention sinks) says
+which blocks a sequence can let go of (`slide`): they go back through the pool (still hashed,
 so the prefix cache keeps them as freed cached blocks) and leave a `None` placeholder in the
-table, so table index i still means positions [i * block_size, (i + 1) * block_size)."""
+table, so table index i still means positions [i * block_size, (i + 1) * block_size). Under
+full attention nothing is ever released."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvshare.kvcache.block_pool import Block, BlockPool, BlockPoolError
-from kvshare.kvcache.events import EventLog
+from kvshare.kvcache.events import EventLog, NullEventLog, as_event_log
 from kvshare.kvcache.hashing import BlockHasher
-from kvshare.kvcache.kv_policy import SinkWindow, SlidingWindow
+from kvshare.kvcache.kv_policy import FullAttention
 
 
 @dataclass
@@ -27,66 +29,109 @@ class PrefixCacheStats:
         return self.hits / self.queries if self.queries else 0.0
 
 
+@dataclass
+class SeqKV:
+    """Everything the manager knows about one sequence's KV."""
+
+    salt: str | None = None  # the tenant: blocks it allocates carry it, hits must match it
+    blocks: list[Block | None] = field(default_factory=list)  # the table; None: released
+    # Released entries always form one run [policy.keep_head, released): windows only move
+    # forward. Kept so that per-step work does not grow with the sequence's length.
+    released: int = 0
+    hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks, so far
+    registered: int = 0  # leading blocks already published to the prefix cache
+    rope_offset: int = 0  # text position minus cache position of new tokens (sinks)
+    admitted: bool = False
+
+    def copy(self) -> "SeqKV":
+        return SeqKV(self.salt, list(self.blocks), self.released, list(self.hashes), self.registered,
+                     self.rope_offset, self.admitted)
+
+
+@dataclass
+class AdmissionPlan:
+    """What admitting a waiting sequence would do (`KVCacheManager.plan_admission`); commit it
+    with `commit_admission` in the same step, before anything else changes the pool."""
+
+    seq_id: str
+    hits: list[Block | None]  # prefix-cache blocks to share (None: a hit no query reads)
+    num_computed: int  # tokens the hits cover
+    num_new: int  # tokens to compute this step
+    num_lookup_tokens: int  # tokens looked up in the prefix cache (0: the cache is not used)
+    refusal: str | None = None  # why not now (None: it fits)
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 events: EventLog | None = None, policy: SlidingWindow | SinkWindow | None = None) -> None:
+                 events: EventLog | None = None, policy=None) -> None:
         self.block_size = block_size
-        self.policy = policy
+        self.policy = policy if policy is not None else FullAttention(block_size)
         # Blocks a sequence may publish to the prefix cache (None: all); fixed by the policy.
-        self.publish_limit = policy.publishable_blocks() if policy is not None else None
+        self.publish_limit = self.policy.publishable_blocks()
         self.events = events
         self.pool = BlockPool(num_blocks, events)
         self.enable_prefix_caching = enable_prefix_caching
         self.hasher = BlockHasher(block_size)
-        self.tables: dict[str, list[Block | None]] = {}  # None: released (outside every window)
-        # Released entries always form one run [policy.keep_head, _released[seq]): windows only
-        # move forward. Kept so that per-step work does not grow with the sequence's length.
-        self._released: dict[str, int] = {}
-        # Per sequence: chained hashes of its full blocks, and how many of its blocks are registered.
-        self._hashes: dict[str, list[bytes]] = {}
-        self._registered: dict[str, int] = {}
-        self.salts: dict[str, str | None] = {}  # tenant of each live sequence
+        self.seqs: dict[str, SeqKV] = {}  # every sequence looked up or admitted, until freed
         self.stats = PrefixCacheStats()
         # Copies the model runner must perform before the next forward pass: (src, dst) block ids.
         self.pending_copies: list[tuple[int, int]] = []
-        # Sink sequences: how far back their kept keys have been rotated, and the rotations the
-        # runner must apply (after the copies) before the next forward: seq -> (block ids, shift).
-        self._rope_offset: dict[str, int] = {}
+        # Sink sequences' kept keys to re-rotate (after the copies) before the next forward:
+        # seq -> (block ids, shift).
         self.pending_rotations: dict[str, tuple[list[int], int]] = {}
+
+    @property
+    def events(self) -> EventLog | NullEventLog:
+        return self._events
+
+    @events.setter
+    def events(self, log: EventLog | NullEventLog | None) -> None:
+        self._events = as_event_log(log)
 
     # ---- queries -------------------------------------------------------------------------
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
 
+    @property
+    def tables(self) -> dict[str, list[Block | None]]:
+        """Block table of every admitted sequence (a snapshot mapping; the lists are live)."""
+        return {s: r.blocks for s, r in self.seqs.items() if r.admitted}
+
+    @property
+    def salts(self) -> dict[str, str | None]:
+        return {s: r.salt for s, r in self.seqs.items() if r.admitted}
+
+    def record(self, seq_id: str) -> SeqKV:
+        return self.seqs.setdefault(seq_id, SeqKV())
+
     def num_free_blocks(self) -> int:
         return self.pool.num_free
 
     def block_ids(self, seq_id: str) -> list[int | None]:
-        return [b.block_id if b is not None else None for b in self.tables.get(seq_id, ())]
+        rec = self.seqs.get(seq_id)
+        return [] if rec is None else [b.block_id if b is not None else None for b in rec.blocks]
 
     def num_held_blocks(self, seq_id: str) -> int:
-        return len(self.tables.get(seq_id, ())) - self._num_released(seq_id)
+        rec = self.seqs.get(seq_id)
+        return 0 if rec is None else len(rec.blocks) - self._num_released(rec)
 
-    def _num_released(self, seq_id: str) -> int:
-        if self.policy is None:
-            return 0
-        return max(0, self._released.get(seq_id, 0) - self.policy.keep_head)
+    def _num_released(self, rec: SeqKV) -> int:
+        return max(0, rec.released - self.policy.keep_head)
 
     def held_indices(self, seq_id: str, upto: int) -> list[int]:
         """Table indices below `upto` that still hold a block, in order."""
-        head = self.policy.keep_head if self.policy is not None else 0
-        return list(range(min(head, upto))) + list(range(head + self._num_released(seq_id), upto))
+        head = self.policy.keep_head
+        rec = self.seqs.get(seq_id)
+        released = 0 if rec is None else self._num_released(rec)
+        return list(range(min(head, upto))) + list(range(head + released, upto))
 
     def rope_offset(self, seq_id: str) -> int:
-        """Text position minus cache position for this sequence's new tokens (sinks only)."""
-        return self._rope_offset.get(seq_id, 0)
+        rec = self.seqs.get(seq_id)
+        return 0 if rec is None else rec.rope_offset
 
     def num_used_blocks(self) -> int:
         return self.pool.num_blocks - self.pool.num_free
-
-    def usage(self) -> float:
-        return self.num_used_blocks() / self.pool.num_blocks
 
     def num_shared_blocks(self) -> int:
         return sum(1 for b in self.pool.blocks if b.ref_count > 1)
@@ -114,10 +159,10 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     # ---- prefix cache --------------------------------------------------------------------
-    def _block_hashes(self, seq_id: str, token_ids: list[int], cache_salt: str | None, upto_blocks: int) -> list[bytes]:
-        hashes = self._hashes.setdefault(seq_id, [])
+    def _block_hashes(self, rec: SeqKV, token_ids: list[int], upto_blocks: int) -> list[bytes]:
+        hashes = rec.hashes
         bs = self.block_size
-        extra = self.hasher.extra_keys(cache_salt)
+        extra = self.hasher.extra_keys(rec.salt)
         while len(hashes) < upto_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
@@ -130,10 +175,11 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return []
         max_blocks = (len(token_ids) - 1) // self.block_size
-        limit = self.publish_limit
-        if limit is not None:
-            max_blocks = min(max_blocks, limit)
-        hashes = self._block_hashes(seq_id, token_ids, cache_salt, max_blocks)
+        if self.publish_limit is not None:
+            max_blocks = min(max_blocks, self.publish_limit)
+        rec = self.record(seq_id)
+        self._set_salt(rec, cache_salt)
+        hashes = self._block_hashes(rec, token_ids, max_blocks)
         hits: list[Block] = []
         bs = self.block_size
         for i in range(max_blocks):
@@ -143,160 +189,163 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
-    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
-        """Counted once per admission (a request that waits a step is not counted twice)."""
-        self.stats.queries += num_tokens
-        self.stats.hits += num_hit_tokens
+    @staticmethod
+    def _set_salt(rec: SeqKV, salt: str | None) -> None:
+        if rec.admitted and rec.salt != salt:
+            raise BlockPoolError(f"a sequence's cache_salt cannot change while it holds blocks ({rec.salt!r} -> {salt!r})")
+        if rec.salt != salt:  # hashes are salted: another tenant's are no use
+            rec.salt, rec.hashes = salt, []
 
-    def hashes_completed_by(self, seq_id: str, token_ids: list[int], cache_salt: str | None, start: int,
-                            end: int) -> list[bytes]:
+    def hashes_completed_by(self, seq_id: str, token_ids: list[int], start: int, end: int) -> list[bytes]:
         """Hashes of the full blocks that computing tokens [start, end) will complete."""
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size
         first, last = -(-start // bs), end // bs
-        limit = self.publish_limit
-        if limit is not None:
-            last = min(last, limit)  # the rest will never be published: nobody should wait for it
+        if self.publish_limit is not None:
+            last = min(last, self.publish_limit)  # the rest will never be published: nobody should wait for it
         if last <= first:
             return []
-        return self._block_hashes(seq_id, token_ids, cache_salt, last)[first:last]
+        return self._block_hashes(self.record(seq_id), token_ids, last)[first:last]
 
-    def first_missing_hash(self, seq_id: str, token_ids: list[int], cache_salt: str | None,
-                           num_cached_blocks: int) -> bytes | None:
-        """Hash of the block a new admission would compute first, if that block is full."""
-        if not self.enable_prefix_caching or (num_cached_blocks + 1) * self.block_size > len(token_ids) - 1:
-            return None
-        return self._block_hashes(seq_id, token_ids, cache_salt, num_cached_blocks + 1)[num_cached_blocks]
-
-    def cache_full_blocks(self, seq_id: str, token_ids: list[int], num_computed: int, cache_salt: str | None) -> None:
+    def cache_full_blocks(self, seq_id: str, token_ids: list[int], num_computed: int) -> None:
         """Publish blocks whose KV is now written (called after the step that computed them)."""
-        if not self.enable_prefix_caching:
+        rec = self.seqs.get(seq_id)
+        if not self.enable_prefix_caching or rec is None or not rec.blocks:
             return
-        table = self.tables.get(seq_id)
-        if not table:
-            return
-        full = min(num_computed // self.block_size, len(table))
-        limit = self.publish_limit
-        if limit is not None:
+        full = min(num_computed // self.block_size, len(rec.blocks))
+        if self.publish_limit is not None:
             # Re-rotated keys no longer match their hash position-wise: a sink sequence
             # publishes only blocks computed before any masking, and nothing once it rotated.
-            full = 0 if self._rope_offset.get(seq_id, 0) else min(full, limit)
-        done = self._registered.get(seq_id, 0)
-        if full <= done:
+            full = 0 if rec.rope_offset else min(full, self.publish_limit)
+        if full <= rec.registered:
             return
-        hashes = self._block_hashes(seq_id, token_ids, cache_salt, full)
+        hashes = self._block_hashes(rec, token_ids, full)
         bs = self.block_size
-        for i in range(done, full):
-            block = table[i]
+        for i in range(rec.registered, full):
+            block = rec.blocks[i]
             if block is not None and block.block_hash is None:
                 self.pool.register_hash(block, hashes[i], tuple(token_ids[i * bs:(i + 1) * bs]),
                                         hashes[i - 1] if i else None)
-        self._registered[seq_id] = full
+        rec.registered = full
 
-    # ---- allocation ----------------------------------------------------------------------
-    def can_admit(self, cached: list[Block], num_computed: int, num_new_tokens: int) -> bool:
-        needed = self.blocks_needed(num_computed + num_new_tokens) - len(cached)
-        revived = sum(1 for b in cached if b is not None and b.ref_count == 0)
-        return needed <= self.pool.num_free - revived
+    # ---- admission: plan, then commit -----------------------------------------------------
+    def plan_admission(self, seq_id: str, token_ids: list[int], cache_salt: str | None, max_new_tokens: int,
+                       use_cache: bool = True, inflight: set[bytes] | frozenset = frozenset()) -> AdmissionPlan:
+        """What admitting this sequence now would reuse and allocate, or why it must wait:
+        a block it would compute first is being computed by another sequence this step (it
+        waits one step and hits instead), or the pool cannot supply its blocks."""
+        self._set_salt(self.record(seq_id), cache_salt)
+        hits = self.find_cached_prefix(seq_id, token_ids, cache_salt) if use_cache else []
+        num_computed = len(hits) * self.block_size
+        # Hits no query from num_computed on reads become placeholders: neither revived nor
+        # counted against the pool.
+        head, end = self.policy.keep_head, min(self.policy.released_blocks(num_computed), len(hits))
+        hits = [None if head <= i < end else b for i, b in enumerate(hits)]
+        num_new = min(len(token_ids) - num_computed, max_new_tokens)
+        limit = self.policy.chunk_limit(num_computed)
+        if limit is not None:
+            num_new = min(num_new, limit)
+        lookup = len(token_ids) if use_cache and self.enable_prefix_caching else 0
+        plan = AdmissionPlan(seq_id, hits, num_computed, num_new, lookup)
+        if use_cache and inflight and self._first_missing_hash(seq_id, token_ids, len(hits)) in inflight:
+            plan.refusal = "waits a step for a prefix block another sequence is computing"
+            return plan
+        needed = self.blocks_needed(num_computed + num_new) - len(hits)
+        revived = sum(1 for b in hits if b is not None and b.ref_count == 0)
+        if needed > self.pool.num_free - revived:
+            plan.refusal = f"needs {needed} new blocks + {revived} revived, {self.pool.num_free} free"
+        return plan
 
-    def admit(self, seq_id: str, cached: list[Block], salt: str | None = None) -> None:
-        if seq_id in self.tables and self.tables[seq_id]:
-            raise BlockPoolError(f"sequence {seq_id} admitted while it still holds blocks")
-        self.salts[seq_id] = salt
-        if self.events is not None:
-            self.events.record("admit", seq=seq_id, salt=salt)
-        table: list[Block | None] = []
-        for block in cached:
-            if block is None:
-                table.append(None)  # a hit no query of this sequence will read
-                continue
-            if self.events is not None:
-                self.events.record("cache_hit", block=block.block_id, seq=seq_id)
-            self.pool.incref(block, seq_id)
-            table.append(block)
-        self.tables[seq_id] = table
-        self._released[seq_id] = max((i + 1 for i, b in enumerate(cached) if b is None), default=0)
-        self._registered[seq_id] = len(cached)
+    def _first_missing_hash(self, seq_id: str, token_ids: list[int], num_cached_blocks: int) -> bytes | None:
+        """Hash of the block an admission would compute first, if that block is full."""
+        if not self.enable_prefix_caching or (num_cached_blocks + 1) * self.block_size > len(token_ids) - 1:
+            return None
+        return self._block_hashes(self.record(seq_id), token_ids, num_cached_blocks + 1)[num_cached_blocks]
 
+    def commit_admission(self, plan: AdmissionPlan) -> None:
+        if plan.refusal is not None:
+            raise BlockPoolError(f"admission of {plan.seq_id} committed though refused: {plan.refusal}")
+        rec = self.record(plan.seq_id)
+        if rec.admitted:
+            raise BlockPoolError(f"sequence {plan.seq_id} admitted while it still holds blocks")
+        self.stats.queries += plan.num_lookup_tokens
+        self.stats.hits += plan.num_computed if plan.num_lookup_tokens else 0
+        self.events.record("admit", seq=plan.seq_id, salt=rec.salt)
+        for block in plan.hits:
+            if block is not None:
+                self.events.record("cache_hit", block=block.block_id, seq=plan.seq_id)
+                self.pool.incref(block, plan.seq_id)
+        rec.blocks = list(plan.hits)
+        rec.admitted = True
+        rec.released = max((i + 1 for i, b in enumerate(plan.hits) if b is None), default=0)
+        rec.registered = len(plan.hits)
+        if not self.allocate_slots(plan.seq_id, plan.num_computed, plan.num_new):
+            raise BlockPoolError(f"admission of {plan.seq_id}: the pool changed between plan and commit")
+
+    # ---- growth --------------------------------------------------------------------------
     def allocate_slots(self, seq_id: str, num_computed: int, num_new_tokens: int) -> bool:
         """Make room for tokens [num_computed, num_computed + num_new_tokens). False if the pool
         cannot supply the blocks (nothing is changed then)."""
-        table = self.tables.setdefault(seq_id, [])
+        rec = self.record(seq_id)
+        table = rec.blocks
         needed = self.blocks_needed(num_computed + num_new_tokens) - len(table)
         first = num_computed // self.block_size
         cow = first < len(table) and table[first].ref_count > 1
         if max(needed, 0) + (1 if cow else 0) > self.pool.num_free:
             return False
         if cow:
-            self._copy_on_write(seq_id, table, first)
-        salt = self.salts.get(seq_id)
+            self.copy_on_write(seq_id, first)
         for _ in range(needed):
-            table.append(self.pool.allocate(seq_id, salt))
+            table.append(self.pool.allocate(seq_id, rec.salt))
         return True
 
-    def _copy_on_write(self, seq_id: str, table: list[Block], index: int) -> None:
-        # A shared block is about to be written: this sequence gets a private copy first.
-        shared = table[index]
-        private = self.pool.allocate(seq_id, self.salts.get(seq_id))
-        if self.events is not None:
-            self.events.record("cow", seq=seq_id, src=shared.block_id, dst=private.block_id)
+    def copy_on_write(self, seq_id: str, index: int) -> None:
+        """A shared block is about to be written: this sequence gets a private copy first."""
+        rec = self.seqs[seq_id]
+        shared = rec.blocks[index]
+        private = self.pool.allocate(seq_id, rec.salt)
+        self.events.record("cow", seq=seq_id, src=shared.block_id, dst=private.block_id)
         self.pending_copies.append((shared.block_id, private.block_id))
         self.pool.decref(shared, seq_id)
-        table[index] = private
+        rec.blocks[index] = private
         self.stats.cow_copies += 1
         # Hashes registered for this block index stay valid only for the shared original.
-        self._registered[seq_id] = min(self._registered.get(seq_id, 0), index)
+        rec.registered = min(rec.registered, index)
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child shares every parent block; the first write into a shared one copies it."""
-        parent = self.tables.get(parent_id, [])
-        self.salts[child_id] = self.salts.get(parent_id)
-        if self.events is not None:
-            self.events.record("fork", seq=child_id, parent=parent_id)
-        for block in parent:
+        child = self.seqs[parent_id].copy()
+        self.events.record("fork", seq=child_id, parent=parent_id)
+        for block in child.blocks:
             if block is not None:
                 self.pool.incref(block, child_id)
-        self.tables[child_id] = list(parent)
-        self._released[child_id] = self._released.get(parent_id, 0)
-        if parent_id in self._rope_offset:
-            self._rope_offset[child_id] = self._rope_offset[parent_id]
-        self._hashes[child_id] = list(self._hashes.get(parent_id, []))
-        self._registered[child_id] = self._registered.get(parent_id, 0)
+        self.seqs[child_id] = child
         self.stats.forks += 1
 
-    # ---- bounded KV (kv_policy) -------------------------------------------------------------
-    def unread_hits_dropped(self, cached: list[Block], num_computed: int) -> list[Block | None]:
-        """Prefix hits that no query from `num_computed` on reads become placeholders: they are
-        neither revived nor counted against the pool."""
-        if self.policy is None:
-            return cached
-        head = self.policy.keep_head
-        end = min(self.policy.released_blocks(num_computed), len(cached))
-        return [None if head <= i < end else b for i, b in enumerate(cached)]
-
+    # ---- bounded KV (the policy) ----------------------------------------------------------
     def chunk_limit(self, seq_id: str, start: int) -> int | None:
         """Most tokens a chunk from `start` may compute (None: no limit from the policy)."""
-        return self.policy.chunk_limit(start) if self.policy is not None else None
+        return self.policy.chunk_limit(start)
 
     def slide(self, seq_id: str, start: int) -> bool:
         """Before computing positions from `start`: release the blocks no query from there on
         reads and, for sink sequences, queue the re-rotation of the kept keys. False (with the
         releases done, nothing else changed) if a block to re-rotate needs a private copy and
         the pool has no free block for it."""
-        table = self.tables.get(seq_id)
-        if self.policy is None or not table:
+        rec = self.seqs.get(seq_id)
+        if rec is None or not rec.blocks:
             return True
-        policy = self.policy
+        policy, table = self.policy, rec.blocks
         end = min(policy.released_blocks(start), len(table))
-        for i in range(max(policy.keep_head, self._released.get(seq_id, 0)), end):
+        for i in range(max(policy.keep_head, rec.released), end):
             block = table[i]
             if block is not None:
                 table[i] = None
                 self.pool.decref(block, seq_id)
-        self._released[seq_id] = max(self._released.get(seq_id, 0), end)
+        rec.released = max(rec.released, end)
         offset = policy.rope_offset(start)
-        old = self._rope_offset.get(seq_id, 0)
+        old = rec.rope_offset
         if offset == old:
             return True
         # Kept non-sink blocks holding keys written so far (positions < start).
@@ -308,10 +357,9 @@ class KVCacheManager:
         if len(frozen) > self.pool.num_free:
             return False
         for i in frozen:
-            self._copy_on_write(seq_id, table, i)
-        rotate = [table[i].block_id for i in kept]
-        self.pending_rotations[seq_id] = (rotate, old - offset)
-        self._rope_offset[seq_id] = offset
+            self.copy_on_write(seq_id, i)
+        self.pending_rotations[seq_id] = ([table[i].block_id for i in kept], old - offset)
+        rec.rope_offset = offset
         return True
 
     def take_pending_rotations(self) -> list[tuple[str, list[int], int]]:
@@ -325,19 +373,11 @@ class KVCacheManager:
 
     def free(self, seq_id: str) -> None:
         """The one release path: finish, abort and preemption all end here."""
-        table = self.tables.pop(seq_id, None)
-        self._hashes.pop(seq_id, None)
-        self._registered.pop(seq_id, None)
-        self.salts.pop(seq_id, None)
-        self._rope_offset.pop(seq_id, None)
-        self._released.pop(seq_id, None)
+        rec = self.seqs.pop(seq_id, None)
         self.pending_rotations.pop(seq_id, None)
-        if not table:
+        if rec is None:
             return
         # Tail first, so a chain's tail blocks are the first to be evicted later.
-        for block in reversed(table):
+        for block in reversed(rec.blocks):
             if block is not None:
                 self.pool.decref(block, seq_id)
-
-    def reset_hashes(self, seq_id: str) -> None:
-        self._hashes.pop(seq_id, None)

@@ -15,8 +15,6 @@ patches the given engine object alone.
 """
 from __future__ import annotations
 
-import torch
-
 FAULTS = {
     "share_without_incref": "a", "no_copy_on_write": "b", "abort_ignores_refcount": "c",
     "evict_held_block": "d", "lookup_ignores_salt": "e", "slot_off_by_one": "f", "hit_before_written": "g",
@@ -37,23 +35,30 @@ def _fired(engine, blocks) -> None:
 
 def _share_without_incref(engine) -> None:
     mgr = engine.manager
-    admit = mgr.admit
+    commit = mgr.commit_admission
 
-    def buggy_admit(seq_id, cached, salt=None):
-        admit(seq_id, [], salt)
-        mgr.tables[seq_id] = list(cached)  # shared, never counted
-        if cached:
-            _fired(engine, [b.block_id for b in cached])
-        mgr._registered[seq_id] = len(cached)
+    def buggy_commit(plan):
+        pool = mgr.pool
+        incref = pool.incref
+        pool.incref = lambda block, owner: None  # the hits go into the table, never counted
+        try:
+            commit(plan)
+        finally:
+            pool.incref = incref
+        hits = [b.block_id for b in plan.hits if b is not None]
+        if hits:
+            _fired(engine, hits)
 
-    mgr.admit = buggy_admit
+    mgr.commit_admission = buggy_commit
 
 
 def _no_copy_on_write(engine) -> None:
-    def buggy_cow(seq_id, table, index):
-        _fired(engine, [table[index].block_id])  # and writes into the shared block in place
+    mgr = engine.manager
 
-    engine.manager._copy_on_write = buggy_cow
+    def buggy_cow(seq_id, index):
+        _fired(engine, [mgr.seqs[seq_id].blocks[index].block_id])  # and writes into the shared block in place
+
+    mgr.copy_on_write = buggy_cow
 
 
 def _abort_ignores_refcount(engine) -> None:
@@ -65,7 +70,10 @@ def _abort_ignores_refcount(engine) -> None:
         for rid in ids:
             st = engine.requests.get(rid)
             for seq in (st.seqs if st is not None and not st.finished else []):
-                for block in mgr.tables.pop(seq.seq_id, []):
+                rec = mgr.seqs.pop(seq.seq_id, None)
+                for block in (rec.blocks if rec is not None else []):
+                    if block is None:
+                        continue
                     if block.ref_count > 1:
                         _fired(engine, [block.block_id])
                     while block.ref_count > 0:  # "make sure it is really freed"
@@ -87,8 +95,7 @@ def _evict_held_block(engine) -> None:
                 pool._evict(block)
                 block.ref_count, block.owners, block.salt = 1, {owner}, salt
                 block.generation += 1
-                if pool.events is not None:
-                    pool.events.record("alloc", block=bid, seq=owner)
+                pool.events.record("alloc", block=bid, seq=owner)
                 return block
         return allocate(owner, salt)
 
@@ -102,7 +109,7 @@ def _lookup_ignores_salt(engine) -> None:
     def buggy_find(seq_id, token_ids, cache_salt):
         key = seq_id + "\0lookup"
         hits = find(key, token_ids, None)
-        mgr._hashes.pop(key, None)
+        mgr.seqs.pop(key, None)
         foreign = [b.block_id for b in hits if b.salt != cache_salt]
         if foreign:
             _fired(engine, foreign)
@@ -112,19 +119,23 @@ def _lookup_ignores_salt(engine) -> None:
 
 
 def _slot_off_by_one(engine) -> None:
-    runner = engine.runner
-    prepare = runner.prepare
-    bs = runner.block_size
+    schedule = engine.scheduler.schedule
+    bs = engine.manager.block_size
 
-    def buggy_prepare(decode, prefill):
-        input_ids, positions, meta = prepare(decode, prefill)
-        boundary = (positions % bs == 0) & (positions > 0) & (meta.slot_mapping > 0)
-        if bool(boundary.any()):
-            _fired(engine, (meta.slot_mapping[boundary] - 1) // bs)
-        meta.slot_mapping = torch.where(boundary, meta.slot_mapping - 1, meta.slot_mapping)
-        return input_ids, positions, meta
+    def buggy_schedule():
+        plan = schedule()
+        hit = []
+        for c in plan.chunks:
+            for k, pos in enumerate(range(c.start, c.end)):
+                slot = c.write_slots[k]
+                if pos % bs == 0 and pos > 0 and slot > 0:
+                    hit.append((slot - 1) // bs)
+                    c.write_slots[k] = slot - 1
+        if hit:
+            _fired(engine, hit)
+        return plan
 
-    runner.prepare = buggy_prepare
+    engine.scheduler.schedule = buggy_schedule
 
 
 def _hit_before_written(engine) -> None:
@@ -134,7 +145,7 @@ def _hit_before_written(engine) -> None:
     def buggy_append(seq, res, now):
         seq_id, tokens = seq.seq_id, seq.token_ids
         # Publishes by tokens known, not tokens computed: the new token's KV does not exist yet.
-        mgr.cache_full_blocks(seq_id, tokens + [res.token_id], len(tokens) + 1, seq.params.cache_salt)
+        mgr.cache_full_blocks(seq_id, tokens + [res.token_id], len(tokens) + 1)
         if (len(tokens) + 1) % mgr.block_size == 0 and seq_id in mgr.tables:
             _fired(engine, [mgr.tables[seq_id][len(tokens) // mgr.block_size].block_id])
         append(seq, res, now)

@@ -1,0 +1,88 @@
+"""The step plan: the one contract between the scheduler and the model runner.
+
+The scheduler (with the KV manager) decides everything about a step: which sequences compute
+which positions, which blocks each reads and which slots it writes, the block copies and key
+re-rotations to perform first, and which rows' logits are needed. The runner turns this into
+tensors and runs the model; it knows nothing of block tables, the manager or the policy's
+bookkeeping. Plain data only: nothing here imports from `kvshare.kvcache`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvshare.engine.request import Sequence
+
+
+@dataclass
+class ChunkPlan:
+    """One sequence's part of a step."""
+
+    seq: Sequence  # the engine's record of it (the runner reads only the fields below)
+    start: int  # first text position computed
+    token_ids: list[int]  # the tokens computed: positions start .. start + len - 1
+    rope_start: int  # RoPE position of the first (text position minus the sequence's rope offset)
+    write_slots: list[int]  # KV cache slot of each computed token
+    read_blocks: list[int]  # block ids attention walks, in table order (blocks still held only)
+    # Table index of each block read, when the sequence no longer holds all of its blocks
+    # (windows, sinks); None: they are table indices 0 .. len(read_blocks) - 1.
+    read_index: list[int] | None
+    samples: bool  # the last row yields the next token
+    # Rows whose logits score prompt tokens (prompt_logprobs): (first position, count); position
+    # p's logits predict the prompt token at p + 1.
+    prompt_logits: tuple[int, int] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+    @property
+    def num_keys(self) -> int:
+        """Keys visible to the chunk's last row under plain causal attention (its own included)."""
+        return self.end
+
+    @property
+    def is_decode(self) -> bool:
+        return len(self.token_ids) == 1
+
+
+@dataclass
+class StepPlan:
+    # Decode rows first (by how many blocks they read, then position), then prefill chunks.
+    chunks: list[ChunkPlan] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), before the forward
+    # Sink sequences' kept keys to re-rotate after the copies: (seq id, block ids, position shift).
+    rotations: list[tuple[str, list[int], int]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+    def logit_rows(self) -> tuple[list[int], list[tuple[ChunkPlan, int, int, int]], list[ChunkPlan]]:
+        """Rows of the packed batch whose logits are needed: prompt-logprob rows first, then one
+        sampling row per sampling chunk. Returns (rows, prompt spans as (chunk, first position,
+        first row in `rows`, count), sampling chunks in row order)."""
+        rows: list[int] = []
+        spans: list[tuple[ChunkPlan, int, int, int]] = []
+        offset = 0
+        for c in self.chunks:
+            if c.prompt_logits is not None:
+                first, count = c.prompt_logits
+                spans.append((c, first, len(rows), count))
+                rows.extend(range(offset + first - c.start, offset + first - c.start + count))
+            offset += c.num_tokens
+        sampling: list[ChunkPlan] = []
+        offset = 0
+        for c in self.chunks:
+            if c.samples:
+                rows.append(offset + c.num_tokens - 1)
+                sampling.append(c)
+            offset += c.num_tokens
+        return rows, spans, sampling
