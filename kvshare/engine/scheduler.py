@@ -111,7 +111,7 @@ class Scheduler:
 
     def _chunk_size(self, seq: Sequence, start: int, budget: int) -> int:
         num_new = min(seq.num_tokens - start, budget)
-        limit = self.manager.chunk_limit(seq.seq_id, start)
+        limit = self.manager.policy.chunk_limit(start)  # e.g. sinks: RoPE positions left
         return num_new if limit is None else min(num_new, limit)
 
     def _peak_blocks(self, seq: Sequence) -> int | None:
