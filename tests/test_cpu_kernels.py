@@ -173,6 +173,49 @@ def test_rows_read_only_their_own_blocks(dtype, block_size, head_dim, path):
     assert torch.equal(poisoned, clean)
 
 
+def _visible_ranges(ctx, kind: str, block_size: int):
+    """Per-row (sink_end, window_start) as the bounded-KV policies give them."""
+    n = len(ctx)
+    if kind == "window":  # sliding window of 37 positions
+        return torch.zeros(n, dtype=torch.long), torch.clamp(ctx - 37, min=0)
+    sinks = torch.full((n,), 4)  # 4 sinks, then whole recent blocks reaching 40 positions back
+    return sinks, torch.clamp((ctx - 40) // block_size, min=0) * block_size
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("kind", ["window", "sinks"])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_visible_ranges_match_the_reference_and_read_nothing_else(dtype, block_size, kind, path):
+    """A row given (sink_end, window_start) attends to [0, sink_end) and [window_start, ctx)
+    exactly (float64 reference over those positions), never reads a slot outside them (they are
+    poisoned), and never reads the table entries of blocks wholly between them (garbage ids)."""
+    q, kc, vc, tables, ctx = make_problem(block_size + 11, 9, 9, 3, 64, block_size, dtype)
+    sink_end, win_start = _visible_ranges(ctx, kind, block_size)
+    scale = 0.125
+    allowed = torch.zeros(kc.shape[1], dtype=torch.bool)
+    ref = torch.zeros(q.shape, dtype=torch.float64)
+    tp = tables.clone()
+    for r in range(len(ctx)):
+        c, s, w = int(ctx[r]), min(int(sink_end[r]), int(ctx[r])), int(win_start[r])
+        pos = torch.arange(c)
+        pos = pos[(pos < s) | (pos >= w)] if w > s else pos
+        slots = tables[r, pos // block_size] * block_size + pos % block_size
+        allowed[slots] = True
+        one = reference(q[r:r + 1], kc[:, slots], vc[:, slots], torch.arange(len(pos)).unsqueeze(0),
+                        torch.tensor([len(pos)]), 1, scale)
+        ref[r] = one[0]
+        if w > s:
+            tp[r, -(-s // block_size):w // block_size] = -1  # blocks no visible position lives in
+    kp, vp = kc.clone(), vc.clone()
+    kp[:, ~allowed] = float("nan")
+    vp[:, ~allowed] = float("nan")
+    out = cpu_kernels.paged_decode_attention(q, kp, vp, tp, ctx, block_size, scale, impl=path,
+                                             sink_end=sink_end, window_start=win_start)
+    assert_close(out, ref, dtype)
+    assert (win_start > sink_end).any() and (ctx > win_start).all()  # the ranges really cut something
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_int32_tables_out_param_strided_q_and_threads(dtype):
     q, kc, vc, tables, ctx = make_problem(3, 16, 9, 3, 64, 16, dtype)

@@ -88,26 +88,11 @@ class ModelRunner:
         variants = policy.variants
         groups: dict = {v: [] for v in variants}
         prefills: dict = {v: [] for v in variants}
-        ctx_lens = [c.num_keys for c in decode]
-        if decode and max(ctx_lens) > policy.plain_until:
-            # Some row no longer sees all earlier keys: every row takes the padded groups with
-            # the policy's bias (the C++ kernel knows only plain causal attention).
-            self._windowed_decode(decode, groups)
-        elif decode:
-            width = max(len(c.read_blocks) for c in decode)
-            meta.decode_block_tables = torch.tensor(
-                [c.read_blocks + [0] * (width - len(c.read_blocks)) for c in decode], dtype=torch.long)
-            meta.decode_context_lens = torch.tensor(ctx_lens, dtype=torch.long)
-            plain = group_by_length(ctx_lens, bs) if self.model.backend.wants_decode_groups else []
-            for r0, r1 in plain:
-                # Rows are sorted by context length: the group's last row sets its padded width.
-                width = -(-ctx_lens[r1 - 1] // bs)
-                table = meta.decode_block_tables[r0:r1, :width]
-                ctx = meta.decode_context_lens[r0:r1]
-                bias = torch.zeros(r1 - r0, width * bs)
-                bias.masked_fill_(torch.arange(width * bs).unsqueeze(0) >= ctx.unsqueeze(1), _NEG_INF)
-                for v in variants:  # within every window still: all variants agree
-                    groups[v].append(DecodeGroup(r0, r1 - r0, table, bias.view(1, r1 - r0, 1, width * bs)))
+        ranges: dict = {v: (None, None) for v in variants}
+        if decode:
+            ranges = self._decode_tables(decode, meta, variants)
+            if self.model.backend.wants_decode_groups:  # the pure-PyTorch path: padded groups
+                self._decode_groups(decode, groups)
         row = len(decode)
         for c in prefill:
             q_pos = torch.arange(c.start, c.end).unsqueeze(1)
@@ -117,15 +102,44 @@ class ModelRunner:
                 prefills[v].append(PrefillChunk(row, c.num_tokens, table_t, policy.visible(q_pos, k_pos, v)))
             row += c.num_tokens
         meta.decode_groups, meta.prefills = groups[variants[0]], prefills[variants[0]]
+        meta.decode_sink_end, meta.decode_window_start = ranges[variants[0]]
         if len(variants) > 1:
-            by_variant = {v: dataclasses.replace(meta, decode_groups=groups[v], prefills=prefills[v])
+            by_variant = {v: dataclasses.replace(meta, decode_groups=groups[v], prefills=prefills[v],
+                                                 decode_sink_end=ranges[v][0], decode_window_start=ranges[v][1])
                           for v in variants}
             meta.layer_metadata = [by_variant[v] for v in policy.layer_variants]
         return torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta
 
-    def _windowed_decode(self, decode: list[ChunkPlan], groups: dict) -> None:
-        """Decode rows over the blocks each still holds (sorted by how many), padded per group;
-        the bias is -inf for padding and for keys the row's window does not cover."""
+    def _decode_tables(self, decode: list[ChunkPlan], meta: AttentionMetadata, variants: list) -> dict:
+        """Each row's table by table index (0 where a block was released: never read) and its
+        context length, for kernels that walk tables themselves; when some row no longer sees
+        every earlier key, also each variant's visible range per row (sink end, window start)."""
+        bs = self.block_size
+        ctx_lens = [c.num_keys for c in decode]
+        width = -(-max(ctx_lens) // bs)
+        rows = []
+        for c in decode:
+            if c.read_index is None:
+                rows.append(c.read_blocks + [0] * (width - len(c.read_blocks)))
+            else:
+                row = [0] * width
+                for i, b in zip(c.read_index, c.read_blocks):
+                    row[i] = b
+                rows.append(row)
+        meta.decode_block_tables = torch.tensor(rows, dtype=torch.long)
+        meta.decode_context_lens = torch.tensor(ctx_lens, dtype=torch.long)
+        if max(ctx_lens) <= self.policy.plain_until:
+            return {v: (None, None) for v in variants}  # plain causal attention for every row
+        out = {}
+        for v in variants:
+            pairs = [self.policy.decode_range(c.start, v) for c in decode]
+            out[v] = (torch.tensor([p[0] for p in pairs], dtype=torch.long),
+                      torch.tensor([p[1] for p in pairs], dtype=torch.long))
+        return out
+
+    def _decode_groups(self, decode: list[ChunkPlan], groups: dict) -> None:
+        """The pure-PyTorch path: decode rows over the blocks each holds, padded per group of
+        similar length; the bias is -inf for padding and for keys the policy hides from the row."""
         bs = self.block_size
         for r0, r1 in group_by_length([len(c.read_blocks) * bs for c in decode], bs):
             n, width = r1 - r0, len(decode[r1 - 1].read_blocks)

@@ -54,6 +54,10 @@ class FullAttention:
     def visible(self, q: torch.Tensor, k: torch.Tensor, variant: None = None) -> torch.Tensor:
         return k <= q
 
+    def decode_range(self, t: int, variant: None = None) -> tuple[int, int]:
+        """(sink_end, window_start): a query at t sees [0, sink_end) and [window_start, t]."""
+        return 0, 0
+
     def released_blocks(self, start: int) -> int:
         return 0
 
@@ -105,6 +109,9 @@ class SlidingWindow:
     def visible(self, q: torch.Tensor, k: torch.Tensor, variant: int | None) -> torch.Tensor:
         causal = k <= q
         return causal if variant is None else causal & (q - k < variant)
+
+    def decode_range(self, t: int, variant: int | None) -> tuple[int, int]:
+        return 0, 0 if variant is None else max(0, t - variant + 1)
 
     def released_blocks(self, start: int) -> int:
         """Blocks [0, n) hold no key any query at `start` or later sees, in any layer."""
@@ -168,6 +175,9 @@ class SinkWindow:
 
     def visible(self, q: torch.Tensor, k: torch.Tensor, variant: str = SINK) -> torch.Tensor:
         return (k <= q) & ((k < self.sink_tokens) | (k // self.block_size >= self.evicted(q)))
+
+    def decode_range(self, t: int, variant: str = SINK) -> tuple[int, int]:
+        return self.sink_tokens, self.evicted(t) * self.block_size
 
     def released_blocks(self, start: int) -> int:
         return self.evicted(start)  # [keep_head, n): block 0 stays for its sinks

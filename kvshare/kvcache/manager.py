@@ -330,6 +330,11 @@ class KVCacheManager:
         self.pending_rotations.pop(seq_id, None)
         if rec is None:
             return
+        # A copy-on-write queued this step for a sequence preempted in the same step: its
+        # private target goes back to the pool (and may be handed to another sequence), so
+        # the copy must not run.
+        mine = {b.block_id for b in rec.blocks if b is not None}
+        self.pending_copies = [(src, dst) for src, dst in self.pending_copies if dst not in mine]
         # Tail first, so a chain's tail blocks are the first to be evicted later.
         for block in reversed(rec.blocks):
             if block is not None:

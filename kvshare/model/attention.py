@@ -50,12 +50,14 @@ class PrefillChunk:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
     num_decode: int = 0
-    # Built if backend.wants_decode_groups, and always when a row's window hides some earlier key
-    # (sliding windows, sinks): then decode_block_tables is None and every row goes this way.
+    # Built only if backend.wants_decode_groups (the pure-PyTorch path), with the policy's mask.
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     # All decode rows at once, for kernels that walk block tables themselves:
     decode_block_tables: torch.Tensor | None = None  # [num_decode, max_blocks], zero padded
     decode_context_lens: torch.Tensor | None = None  # [num_decode] keys per row (position + 1)
+    # Bounded-KV rows see [0, sink_end) and [window_start, ctx) only; None: every earlier key.
+    decode_sink_end: torch.Tensor | None = None  # [num_decode]
+    decode_window_start: torch.Tensor | None = None  # [num_decode]
     prefills: list[PrefillChunk] = field(default_factory=list)
     # Models mixing sliding-window and global layers: layer i attends with layer_metadata[i]
     # (same slots and tables, its own masks). None when every layer attends alike.
@@ -156,10 +158,13 @@ class TorchPagedAttention(AttentionBackend):
                 if isinstance(k_cache, QuantizedKV):
                     cpu_kernels.paged_decode_attention(
                         q[:nd], k_cache.data, v_cache.data, meta.decode_block_tables, meta.decode_context_lens,
-                        bs, scale, out=out[:nd], k_scale=k_cache.scale, v_scale=v_cache.scale)
+                        bs, scale, out=out[:nd], k_scale=k_cache.scale, v_scale=v_cache.scale,
+                        sink_end=meta.decode_sink_end, window_start=meta.decode_window_start)
                 else:
                     cpu_kernels.paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
-                                                       meta.decode_context_lens, bs, scale, out=out[:nd])
+                                                       meta.decode_context_lens, bs, scale, out=out[:nd],
+                                                       sink_end=meta.decode_sink_end,
+                                                       window_start=meta.decode_window_start)
             decode_groups = []
         else:
             decode_groups = meta.decode_groups

@@ -329,6 +329,7 @@ def _setup_attention(lib: ctypes.CDLL) -> None:
                   _ptr, _i64, _i64, _ptr, _i64, _i64, _int,  # k, v, cache kind
                   _ptr, _i64, _ptr, _i64,  # k scales, v scales (null for float caches)
                   _ptr, _i64, _ptr,  # tables, max_blocks, context lengths
+                  _ptr, _ptr,  # per-row sink end, window start (null: every position visible)
                   _ptr, _i64, _i64,  # out
                   _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_double,  # n, H, KVH, D, block_size, num_blocks, scale
                   _int, _int, ctypes.c_char_p, _i64]  # impl, threads, error buffer
@@ -419,7 +420,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
                            scale: float, *, out: torch.Tensor | None = None, impl: str = "auto",
                            k_scale: torch.Tensor | None = None,
-                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                           v_scale: torch.Tensor | None = None,
+                           sink_end: torch.Tensor | None = None,
+                           window_start: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query per row over that row's paged context.
 
     q [n, H, D]; k_cache, v_cache [KVH, num_blocks * block_size, D] (H % KVH == 0); block_tables
@@ -430,6 +433,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     bfloat16 or float16 caches, or int8 / float8_e4m3fn caches with float32 `k_scale`, `v_scale`
     [KVH, slots] (stored value x its slot's scale); float32 math. `impl` forces one of
     `cpu_paths()` (for tests).
+    Bounded-KV policies pass `sink_end` and `window_start` ([n] integers, both or either): row r
+    then sees positions [0, sink_end[r]) and [window_start[r], context_lens[r]) only (a sliding
+    window: sink_end 0; attention sinks: the sinks, then the recent window); table entries of
+    blocks wholly between the two are never read, nor checked.
     Raises ValueError on inconsistent inputs or a block id outside the cache.
     """
     lib = ATTENTION.lib()
@@ -472,6 +479,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         v_cache = v_cache.contiguous()
     tables = block_tables.to(device="cpu", dtype=torch.int64).contiguous()
     ctx = context_lens.to(device="cpu", dtype=torch.int64).contiguous()
+    ranges = []
+    for name, r in (("sink_end", sink_end), ("window_start", window_start)):
+        if r is not None and (tuple(r.shape) != (n,) or r.is_floating_point()):
+            raise ValueError(f"{name} must be an integer tensor [{n}]; got {_desc(r)}")
+        ranges.append(None if r is None else r.to(device="cpu", dtype=torch.int64).contiguous())
     if out is None:
         out = torch.empty(n, heads, dim, dtype=q.dtype)
     elif out.shape != q.shape or out.dtype != q.dtype or out.device.type != "cpu" or out.stride(2) != 1:
@@ -486,6 +498,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         k_scale.data_ptr() if k_scale is not None else None, k_scale.stride(0) if k_scale is not None else 0,
         v_scale.data_ptr() if v_scale is not None else None, v_scale.stride(0) if v_scale is not None else 0,
         tables.data_ptr(), tables.shape[1], ctx.data_ptr(),
+        *(None if r is None else r.data_ptr() for r in ranges),
         out.data_ptr(), out.stride(0), out.stride(1),
         n, heads, kv_heads, dim, block_size, slots // block_size, float(scale),
         _IMPLS[impl], torch.get_num_threads(), err, len(err))

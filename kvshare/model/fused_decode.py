@@ -8,9 +8,9 @@ attention kernels without returning to Python between ops.
 It applies when every piece has a C++ counterpart, and says why not otherwise (`reason`):
 float32 activations, every layer's linears on kvshare's group kernels (int8 or int4 codes),
 a float32 or bfloat16 KV cache, the C++ attention kernel in use, and a step whose rows are all
-decode rows with plain causal attention (`AttentionMetadata.decode_block_tables` set, as the
-runner does whenever no window hides a key). Anything else takes the step-by-step path, which
-stays the reference: tests/test_fused_decode.py checks the two agree.
+decode rows with plain causal attention (no row's window hides an earlier key). Anything else
+takes the step-by-step path, which stays the reference: tests/test_fused_decode.py checks the
+two agree.
 """
 from __future__ import annotations
 
@@ -98,6 +98,9 @@ class FusedDecode:
             return self.model_reason
         if num_rows == 0 or meta.num_decode != num_rows or meta.prefills or meta.decode_block_tables is None:
             return "not a plain decode-only step"
+        if any(m.decode_sink_end is not None or m.decode_window_start is not None
+               for m in (meta.layer_metadata or [meta])):
+            return "rows whose window hides earlier keys"
         if kv_cache.scales is not None or kv_cache.data.dtype not in _CACHE_KINDS:
             return f"KV cache dtype {kv_cache.data.dtype} is not float32 or bfloat16"
         if not self.model.backend.use_cpp_kernel or not cpu_kernels.DECODE.available():

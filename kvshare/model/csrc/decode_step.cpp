@@ -145,7 +145,7 @@ extern "C" int kvs_decode_layers(const dec::Model* mp, float* h, int64_t M, cons
       }
     }
     if (kvs_paged_decode_attention(qkv.data(), qkv_n, D, 0, L.k_cache, m.slots * D, D, L.v_cache, m.slots * D, D,
-                                   int(m.cache_kind), nullptr, 0, nullptr, 0, tables, max_blocks, ctx, attn.data(),
+                                   int(m.cache_kind), nullptr, 0, nullptr, 0, tables, max_blocks, ctx, nullptr, nullptr, attn.data(),
                                    qs, D, M, H, KVH, D, m.block_size, num_blocks, m.scale, 0, num_threads, err,
                                    err_len))
       return 1;

@@ -92,6 +92,10 @@ struct Problem {
   const int64_t* tables;
   int64_t tbl_s0;
   const int64_t* ctx;
+  // Optional per-row visible range (bounded-KV policies): a row sees positions [0, sink_end)
+  // and [win_start, ctx); null, or win_start <= sink_end: all of [0, ctx).
+  const int64_t* sink_end;
+  const int64_t* win_start;
   void* out;
   int64_t o_s0, o_s1;
 };
@@ -153,19 +157,45 @@ static void store_out(const Problem& P, int64_t row, int64_t h, const Scratch& S
   }
 }
 
-// Slots of the next tn tokens, walking the row's table; (blk, off) is the cursor. Slots past tn,
+// Where a row's walk over its visible positions stands: table entry blk, offset off, text
+// position pos; at position skip_at it jumps to skip_to (from the sinks to the window).
+struct Cursor {
+  int64_t blk = 0, off = 0, pos = 0, skip_at = -1, skip_to = -1;
+};
+
+static inline int64_t clamp_pos(int64_t x, int64_t ctx) { return std::max<int64_t>(0, std::min(x, ctx)); }
+
+// The number of positions the row sees, with the cursor at the first of them.
+static int64_t start_walk(const Problem& P, int64_t row, Cursor& c) {
+  const int64_t ctx = P.ctx[row];
+  const int64_t s = P.sink_end ? clamp_pos(P.sink_end[row], ctx) : 0;
+  const int64_t w = P.win_start ? clamp_pos(P.win_start[row], ctx) : 0;
+  c = Cursor();
+  if (w <= s) return ctx;
+  if (s == 0) {
+    c.pos = w; c.blk = w / P.bs; c.off = w % P.bs;
+    return ctx - w;
+  }
+  c.skip_at = s; c.skip_to = w;
+  return s + ctx - w;
+}
+
+// Slots of the next tn visible tokens, walking the row's table from the cursor. Slots past tn,
 // up to a multiple of 16, repeat the last one: vector code may read them, never another block.
-static int fill_tile(const int64_t* table, int64_t bs, int64_t remaining, int64_t& blk, int64_t& off,
-                     int64_t* slots) {
+// A table entry is read only for a position the row sees.
+static int fill_tile(const int64_t* table, int64_t bs, int64_t remaining, Cursor& c, int64_t* slots) {
   if (remaining <= 0) return 0;
   const int tn = int(std::min<int64_t>(kTile, remaining));
-  int64_t base = table[blk] * bs;
+  int64_t base = table[c.blk] * bs;
   for (int j = 0; j < tn; ++j) {
-    slots[j] = base + off;
-    if (++off == bs) {
-      off = 0;
-      ++blk;
-      if (j + 1 < tn) base = table[blk] * bs;
+    slots[j] = base + c.off;
+    if (++c.pos == c.skip_at) {
+      c.pos = c.skip_to; c.blk = c.skip_to / bs; c.off = c.skip_to % bs;
+      if (j + 1 < tn) base = table[c.blk] * bs;
+    } else if (++c.off == bs) {
+      c.off = 0;
+      ++c.blk;
+      if (j + 1 < tn) base = table[c.blk] * bs;
     }
   }
   for (int j = tn; j < ((tn + 15) & ~15); ++j) slots[j] = slots[tn - 1];
@@ -176,7 +206,8 @@ static int fill_tile(const int64_t* table, int64_t bs, int64_t remaining, int64_
 // Portable scalar path (any CPU, any head_dim).
 template <typename KT>
 static void task_scalar(const Problem& P, int64_t row, int64_t h, Scratch& S) {
-  const int64_t ctx = P.ctx[row];
+  Cursor walk;
+  const int64_t ctx = start_walk(P, row, walk);  // positions this row sees
   const int64_t G = P.G, D = P.D, Dp = S.Dp;
   load_q(P, row, h, S);
   const int64_t* table = P.tables + row * P.tbl_s0;
@@ -185,9 +216,8 @@ static void task_scalar(const Problem& P, int64_t row, int64_t h, Scratch& S) {
   const float* ksh = P.ks ? P.ks + h * P.ks_s0 : nullptr;
   const float* vsh = P.vs ? P.vs + h * P.vs_s0 : nullptr;
   float* s = S.s.data();
-  int64_t blk = 0, off = 0;
   for (int64_t t0 = 0; t0 < ctx; t0 += kTile) {
-    const int tn = fill_tile(table, P.bs, ctx - t0, blk, off, S.slots.data());
+    const int tn = fill_tile(table, P.bs, ctx - t0, walk, S.slots.data());
     for (int j = 0; j < tn; ++j) {
       const KT* kp = kb + S.slots[j] * P.k_s1;
       for (int64_t g = 0; g < G; ++g) {
@@ -523,7 +553,8 @@ template <typename KT, int NC, bool BF16DP>
 static void task_avx512(const Problem& P, int64_t row, int64_t h, Scratch& S) {
   constexpr int NC2 = (NC + 1) / 2;
   constexpr int GB = NC <= 4 ? 4 : 2;
-  const int64_t ctx = P.ctx[row];
+  Cursor walk;
+  const int64_t ctx = start_walk(P, row, walk);  // positions this row sees
   const int64_t G = P.G, Dp = S.Dp;
   load_q(P, row, h, S);
   __mmask16 mk[NC];
@@ -544,12 +575,11 @@ static void task_avx512(const Problem& P, int64_t row, int64_t h, Scratch& S) {
   const float* ksh = P.ks ? P.ks + h * P.ks_s0 : nullptr;
   const float* vsh = P.vs ? P.vs + h * P.vs_s0 : nullptr;
   const int64_t row_bytes = P.D * int64_t(sizeof(KT));
-  int64_t blk = 0, off = 0;
   int64_t* cur = S.slots.data();
   int64_t* nxt = cur + kTile;
-  int tn = fill_tile(table, P.bs, ctx, blk, off, cur);
+  int tn = fill_tile(table, P.bs, ctx, walk, cur);
   for (int64_t t0 = 0; t0 < ctx; t0 += kTile) {
-    const int next_n = fill_tile(table, P.bs, ctx - t0 - kTile, blk, off, nxt);
+    const int next_n = fill_tile(table, P.bs, ctx - t0 - kTile, walk, nxt);
     for (int64_t g0 = 0; g0 < G; g0 += GB) {
       // The first pass over the tile prefetches its V rows.
       const Prefetch<KT> pf{vb, P.v_s1, cur, g0 == 0 ? tn : 0, row_bytes};
@@ -849,7 +879,8 @@ static KVS_INLINE int64_t pass_heads(int64_t G, int64_t g0) {
 // One (row, kv head) task.
 template <typename KT>
 static void task_avx2(const Problem& P, int64_t row, int64_t h, Scratch& S) {
-  const int64_t ctx = P.ctx[row];
+  Cursor walk;
+  const int64_t ctx = start_walk(P, row, walk);  // positions this row sees
   const int64_t G = P.G, Dp = S.Dp;
   const int nf = int(P.D / 8), rem = int(P.D % 8);
   load_q(P, row, h, S);
@@ -859,12 +890,11 @@ static void task_avx2(const Problem& P, int64_t row, int64_t h, Scratch& S) {
   const float* ksh = P.ks ? P.ks + h * P.ks_s0 : nullptr;
   const float* vsh = P.vs ? P.vs + h * P.vs_s0 : nullptr;
   const int64_t row_bytes = P.D * int64_t(sizeof(KT));
-  int64_t blk = 0, off = 0;
   int64_t* cur = S.slots.data();
   int64_t* nxt = cur + kTile;
-  int tn = fill_tile(table, P.bs, ctx, blk, off, cur);
+  int tn = fill_tile(table, P.bs, ctx, walk, cur);
   for (int64_t t0 = 0; t0 < ctx; t0 += kTile) {
-    const int next_n = fill_tile(table, P.bs, ctx - t0 - kTile, blk, off, nxt);
+    const int next_n = fill_tile(table, P.bs, ctx - t0 - kTile, walk, nxt);
     for (int64_t g0 = 0, gb; g0 < G; g0 += gb) {
       gb = pass_heads(G, g0);
       // The first pass over the tile prefetches its V rows.
@@ -976,7 +1006,7 @@ extern "C" int kvs_paged_decode_attention(
     const void* q, int64_t q_s0, int64_t q_s1, int q_bf16,
     const void* k, int64_t k_s0, int64_t k_s1, const void* v, int64_t v_s0, int64_t v_s1, int cache_kind,
     const float* ks, int64_t ks_s0, const float* vs, int64_t vs_s0,
-    const int64_t* tables, int64_t max_blocks, const int64_t* ctx,
+    const int64_t* tables, int64_t max_blocks, const int64_t* ctx, const int64_t* sink_end, const int64_t* win_start,
     void* out, int64_t o_s0, int64_t o_s1,
     int64_t n, int64_t H, int64_t KVH, int64_t D, int64_t block_size, int64_t num_blocks, double scale,
     int impl, int num_threads, char* err, int64_t err_len) {
@@ -984,12 +1014,17 @@ extern "C" int kvs_paged_decode_attention(
     std::snprintf(err, size_t(err_len), fmt, (long long)a, (long long)b, (long long)c);
     return 1;
   };
-  // Isolation: a row reads table entries 0 .. ceil(ctx / bs) - 1 only, and each must be a real block.
+  // Isolation: a row reads only the table entries holding positions it sees (0 .. ceil(ctx / bs)
+  // - 1, less those wholly between its sinks and its window), and each must be a real block.
   for (int64_t r = 0; r < n; ++r) {
     if (ctx[r] < 0 || ctx[r] > max_blocks * block_size)
       return fail("row %lld: context length %lld out of range for a table of %lld blocks", r, ctx[r], max_blocks);
     const int64_t used = (ctx[r] + block_size - 1) / block_size;
+    const int64_t s = sink_end ? std::max<int64_t>(0, std::min(sink_end[r], ctx[r])) : 0;
+    const int64_t w = win_start ? std::max<int64_t>(0, std::min(win_start[r], ctx[r])) : 0;
+    const int64_t gap_first = w > s ? (s + block_size - 1) / block_size : 0, gap_end = w > s ? w / block_size : 0;
     for (int64_t b = 0; b < used; ++b) {
+      if (b >= gap_first && b < gap_end) continue;  // no position it sees lives in this block
       const int64_t id = tables[r * max_blocks + b];
       if (id < 0 || id >= num_blocks) return fail("row %lld: block id %lld out of range [0, %lld)", r, id, num_blocks);
     }
@@ -1006,7 +1041,7 @@ extern "C" int kvs_paged_decode_attention(
   P.q = q; P.q_s0 = q_s0; P.q_s1 = q_s1; P.q_bf16 = q_bf16 != 0;
   P.k = k; P.v = v; P.k_s0 = k_s0; P.k_s1 = k_s1; P.v_s0 = v_s0; P.v_s1 = v_s1;
   P.ks = ks; P.vs = vs; P.ks_s0 = ks_s0; P.vs_s0 = vs_s0;
-  P.tables = tables; P.tbl_s0 = max_blocks; P.ctx = ctx;
+  P.tables = tables; P.tbl_s0 = max_blocks; P.ctx = ctx; P.sink_end = sink_end; P.win_start = win_start;
   P.out = out; P.o_s0 = o_s0; P.o_s1 = o_s1;
 
   int path = impl == 0 ? (kvs::cpu_has_avx512bf16() ? 3 : kvs::cpu_has_avx512() ? 2 : kvs::cpu_has_avx2() ? 4 : 1)
