@@ -7,10 +7,9 @@ step schedules and with how many tokens, block ids per sequence, reference count
 count, prefix-cache stats, evictions, and the copies / rotations / preemptions a step hands the
 runner.
 
-The manager/scheduler API is being refactored (a per-sequence KV record, a two-call admission,
-a step plan). Every call that depends on its shape lives in the helpers right below
-(`schedule`, `finish_step`, `fork`, `table_of`, `released_by`), so adapting this file is an
-edit there, not in the tests.
+Every call that depends on the shape of the manager/scheduler API lives in the helpers right
+below (`schedule`, `finish_step`, `fork`, `table_of`, `released_by`), so a change of that API is
+an edit there, not in the tests.
 """
 from __future__ import annotations
 
@@ -18,7 +17,8 @@ import pytest
 
 from kvshare.config import EngineConfig
 from kvshare.engine.request import Sequence, SeqStatus
-from kvshare.engine.scheduler import Scheduler, SchedulerOutput
+from kvshare.engine.scheduler import Scheduler
+from kvshare.engine.step_plan import StepPlan
 from kvshare.kvcache.block_pool import BlockPoolError
 from kvshare.kvcache.events import EventLog
 from kvshare.kvcache.kv_policy import SinkWindow, SlidingWindow
@@ -53,12 +53,12 @@ def make_scheduler(num_blocks: int, budget: int = 64, max_seqs: int = 8, policy=
 
 # ---- the only places that know the manager/scheduler API's shape ---------------------------
 
-def schedule(sched: Scheduler) -> SchedulerOutput:
+def schedule(sched: Scheduler) -> StepPlan:
     """Plan one step."""
     return sched.schedule()
 
 
-def scheduled(out: SchedulerOutput) -> dict[str, tuple[int, int]]:
+def scheduled(out: StepPlan) -> dict[str, tuple[int, int]]:
     """seq id -> (first position computed, number of tokens), in the order the step lists them."""
     return {c.seq.seq_id: (c.start, c.num_tokens) for c in out.chunks}
 
@@ -68,16 +68,13 @@ def fake_token(seq: Sequence) -> int:
     return 1000 + len(seq.token_ids)
 
 
-def finish_step(sched: Scheduler, out: SchedulerOutput, next_token=fake_token) -> list[Sequence]:
+def finish_step(sched: Scheduler, out: StepPlan, next_token=fake_token) -> list[Sequence]:
     """What the engine does once the model has run a planned step (LLMEngine.step): every
     chunk's positions count as computed, blocks they completed are published, each chunk that
     reached the end of its known tokens appends a sampled token, and a sequence that reached its
     max_tokens finishes. Returns the sequences finished here."""
-    mgr = sched.manager
     sampling = [c.seq for c in out.chunks if c.samples]  # decided before any token is appended
-    for c in out.chunks:
-        c.seq.num_computed_tokens = c.end
-        mgr.cache_full_blocks(c.seq.seq_id, c.seq.token_ids, c.seq.num_computed_tokens, c.seq.params.cache_salt)
+    sched.step_done(out)
     finished = []
     for seq in sampling:
         seq.token_ids.append(next_token(seq))
@@ -118,7 +115,7 @@ def published(manager: KVCacheManager, block_id: int) -> bool:
     return manager.pool.blocks[block_id].block_hash is not None
 
 
-def run_until(sched: Scheduler, seq: Sequence, computed: int, max_steps: int = 200) -> dict[int, SchedulerOutput]:
+def run_until(sched: Scheduler, seq: Sequence, computed: int, max_steps: int = 200) -> dict[int, StepPlan]:
     """Step until `seq` has `computed` positions computed; returns each step's output keyed by
     the first position it computed for `seq`."""
     outs = {}
@@ -340,6 +337,24 @@ def test_fork_shares_every_block_and_the_first_write_copies_the_shared_last_bloc
 
 
 # ---- freeing, eviction, revival ---------------------------------------------------------------------
+
+def test_a_copy_queued_for_a_sequence_freed_in_the_same_step_is_dropped_with_it():
+    # Copy-on-write queues (shared, private) for the runner; if the writer is preempted or
+    # aborted before the step runs, its private block goes back to the pool and may already be
+    # another sequence's: the copy must not reach the runner.
+    sched, mgr = make_scheduler(num_blocks=16)
+    a = make_seq("A", tokens(10, 100))
+    sched.add(a)
+    finish_step(sched, schedule(sched))
+    fork(sched, a, "A.1")
+    assert mgr.allocate_slots("A", 10, 1)  # A writes into the shared block 2: copy queued
+    assert len(mgr.pending_copies) == 1
+    private = mgr.pending_copies[0][1]
+    assert private in table_of(mgr, "A")
+    mgr.free("A")
+    assert mgr.pending_copies == []
+    assert ref(mgr, private) == 0
+
 
 def test_free_returns_blocks_tail_first_so_eviction_takes_a_chains_tail_first():
     log = EventLog()
