@@ -1,14 +1,19 @@
-"""Request state: one Sequence per generated stream (a request with n > 1 has n of them)."""
+"""Request state: one Sequence per generated stream (a request with n > 1 has n of them), and
+the RequestState that groups a request's sequences."""
 from __future__ import annotations
 
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvshare.outputs import Logprob, RequestMetrics
 from kvshare.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvshare.engine.beam_search import BeamRequest
 
 
 class SeqStatus(enum.Enum):
@@ -42,9 +47,6 @@ class Sequence:
     # n > 1: siblings still to be forked off this sequence once its prompt is computed.
     pending_forks: int = 0
     text_delta: str = ""  # stream-safe text produced since the last output was taken
-    # Beam search: running sum of logprobs, and this step's next-token logprobs once computed.
-    beam_score: float = 0.0
-    beam_logprobs: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -68,3 +70,19 @@ class Sequence:
     @property
     def in_prefill(self) -> bool:
         return self.num_computed_tokens < self.num_tokens - 1
+
+
+@dataclass
+class RequestState:
+    """One submitted request: its sequences, its metrics, and how far its outputs have been handed out."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    metrics: RequestMetrics
+    finished: bool = False
+    prompt_logprobs_owner: Sequence | None = None
+    reported_final: bool = False
+    beam: BeamRequest | None = None  # the beam driver's state, for a beam-search request
