@@ -161,14 +161,11 @@ class BeamSearchDriver:
     def take_logits(st: RequestState, seq: Sequence, logits: torch.Tensor) -> None:
         st.beam.step_logprobs[seq.seq_id] = torch.log_softmax(logits.float(), dim=-1)
 
-    def step(self, st: RequestState, now: float) -> None:
+    def step(self, st: RequestState) -> None:
         beam = st.beam
         live = [s for s in st.seqs if not s.is_finished]
         if any(s.seq_id not in beam.step_logprobs for s in live):
             return  # a sibling was preempted or not scheduled: wait until every beam has its logits
-        if st.metrics.first_token_time is None:
-            st.metrics.first_token_time = now
-            st.metrics.time_to_first_token = now - st.metrics.arrival_time
         plan = beam.search.update([beam.score(s) for s in live],
                                   torch.stack([beam.step_logprobs[s.seq_id] for s in live]),
                                   [s.output_token_ids for s in live])

@@ -253,6 +253,14 @@ class LLMEngine:
                     seqs.append(child)
                     row_of.append(r)
         now = time.monotonic()
+        # Time to first token, recorded here only: the first step that samples for a request. For
+        # beam search that is also the step its beams first advance (it starts with a single beam,
+        # so there is no sibling to wait for).
+        for c in step.sample_chunks:
+            m = self.requests[c.seq.request_id].metrics
+            if m.first_token_time is None:
+                m.first_token_time = now
+                m.time_to_first_token = now - m.arrival_time
         if seqs:
             logits = step.sample_logits
             if row_of != list(range(logits.shape[0])):
@@ -265,7 +273,7 @@ class LLMEngine:
             for seq, res in zip(seqs, self.sampler(logits, rows)):
                 self._append_token(seq, res, now)
         for st in beam_requests.values():
-            self.beams.step(st, now)
+            self.beams.step(st)
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         state = self.requests[parent.request_id]
@@ -280,5 +288,5 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, res, now: float) -> None:
         # An engine method, not a direct call into the output processor, so that a fault
-        # (kvshare.testing.faults) can wrap it.
-        self.outputs.append_token(self.requests[seq.request_id], seq, res, now)
+        # (kvshare.testing.faults) can wrap it. `now` is the step's sampling time.
+        self.outputs.append_token(self.requests[seq.request_id], seq, res)

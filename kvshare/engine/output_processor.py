@@ -43,12 +43,9 @@ class OutputProcessor:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     # ---- tokens and stop checks ----------------------------------------------------------
-    def append_token(self, st: RequestState, seq: Sequence, res, now: float) -> None:
+    def append_token(self, st: RequestState, seq: Sequence, res) -> None:
         params = seq.params
         seq.token_ids.append(res.token_id)
-        if st.metrics.first_token_time is None:
-            st.metrics.first_token_time = now
-            st.metrics.time_to_first_token = now - st.metrics.arrival_time
         if params.logprobs is not None:
             seq.output_logprobs.append(self.logprob_dict(res, params.logprobs))
             seq.cumulative_logprob += res.logprob

@@ -41,7 +41,6 @@ class Sequence:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    metrics: RequestMetrics | None = None
     num_preemptions: int = 0
     admitted_once: bool = False
     # n > 1: siblings still to be forked off this sequence once its prompt is computed.
