@@ -13,7 +13,7 @@ Rules (transformers' `_beam_search`, do_sample=False):
 BeamState applies those rules to plain numbers. BeamSearchDriver runs them on the engine's
 sequences: beams fork (sharing blocks, copy-on-write on the partial tail), pruned beams go through
 the normal release path. Per-beam figures (running score, this step's logprobs) live in the
-driver's BeamRequest, keyed by seq id, not on the sequences.
+driver's BeamRequest (one per request), keyed by seq id, not on the sequences.
 """
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ import torch
 from kvshare.engine.request import RequestState, Sequence, SeqStatus
 
 if TYPE_CHECKING:
-    from kvshare.engine.output_processor import OutputProcessor
     from kvshare.engine.scheduler import Scheduler
 
 
@@ -133,7 +132,8 @@ class BeamRequest:
     def score(self, seq: Sequence) -> float:
         return self.scores.get(seq.seq_id, 0.0)
 
-    def hypotheses(self, seqs: list[Sequence], request_finished: bool) -> list[tuple[list[int], float, str | None, float]]:
+    def hypotheses(self, seqs: list[Sequence],
+                   request_finished: bool) -> list[tuple[list[int], float, str | None, float]]:
         """(generated token ids, cumulative logprob, finish reason, score) per hypothesis, best
         first: the finished set once the request is done, else the live beams."""
         if request_finished and self.search.finished:
@@ -145,24 +145,36 @@ class BeamRequest:
 class BeamSearchDriver:
     """Beam search on top of fork: each step, once every live beam has its logits, the search
     picks the continuations; a parent with several forks off children, a parent with none is
-    finished (its blocks go back to the pool)."""
+    finished (its blocks go back to the pool). The driver owns every beam request's state, by
+    request id, from add_request until the engine hands out its final output."""
 
-    def __init__(self, scheduler: Scheduler, outputs: OutputProcessor,
-                 new_seq: Callable[[RequestState, int, list[int], float], Sequence]) -> None:
+    def __init__(self, scheduler: Scheduler, new_seq: Callable[[RequestState, int, list[int], float], Sequence],
+                 finish_seq: Callable[[Sequence, str], None],
+                 maybe_finish_request: Callable[[RequestState], None]) -> None:
         self.scheduler = scheduler
-        self.outputs = outputs
         self.new_seq = new_seq
+        self.finish_seq = finish_seq
+        self.maybe_finish_request = maybe_finish_request
+        self.requests: dict[str, BeamRequest] = {}
 
-    @staticmethod
-    def start(params: BeamSearchParams, eos_token_ids: list[int]) -> BeamRequest:
-        return BeamRequest(BeamState(params, list(eos_token_ids)))
+    def start(self, request_id: str, params: BeamSearchParams, eos_token_ids: list[int]) -> None:
+        self.requests[request_id] = BeamRequest(BeamState(params, list(eos_token_ids)))
 
-    @staticmethod
-    def take_logits(st: RequestState, seq: Sequence, logits: torch.Tensor) -> None:
-        st.beam.step_logprobs[seq.seq_id] = torch.log_softmax(logits.float(), dim=-1)
+    def drives(self, request_id: str) -> bool:
+        return request_id in self.requests
+
+    def get(self, request_id: str) -> BeamRequest | None:
+        return self.requests.get(request_id)
+
+    def forget(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+    def take_logits(self, seq: Sequence, logits: torch.Tensor) -> None:
+        beam = self.requests[seq.request_id]
+        beam.step_logprobs[seq.seq_id] = torch.log_softmax(logits.float(), dim=-1)
 
     def step(self, st: RequestState) -> None:
-        beam = st.beam
+        beam = self.requests[st.request_id]
         live = [s for s in st.seqs if not s.is_finished]
         if any(s.seq_id not in beam.step_logprobs for s in live):
             return  # a sibling was preempted or not scheduled: wait until every beam has its logits
@@ -173,8 +185,8 @@ class BeamSearchDriver:
             del beam.step_logprobs[s.seq_id]
         if beam.search.done:
             for s in live:
-                self.outputs.finish_seq(s, "length")
-            self.outputs.maybe_finish_request(st)
+                self.finish_seq(s, "length")
+            self.maybe_finish_request(st)
             return
         by_parent: dict[int, list[Continuation]] = {}
         for cont in plan:
@@ -182,7 +194,7 @@ class BeamSearchDriver:
         for i, parent in enumerate(live):
             conts = by_parent.get(i)
             if not conts:
-                self.outputs.finish_seq(parent, "abort")  # pruned: its blocks go back to the pool
+                self.finish_seq(parent, "abort")  # pruned: its blocks go back to the pool
                 beam.scores.pop(parent.seq_id, None)
                 continue
             # Forks copy the parent's tokens before the parent takes its own continuation.

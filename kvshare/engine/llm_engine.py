@@ -88,7 +88,8 @@ class LLMEngine:
                                     config.max_num_batched_tokens, length_unbounded)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler, self.eos_token_ids, max_model_len,
                                        length_unbounded)
-        self.beams = BeamSearchDriver(self.scheduler, self.outputs, self._new_seq)
+        self.beams = BeamSearchDriver(self.scheduler, self._new_seq, self.outputs.finish_seq,
+                                      self.outputs.maybe_finish_request)
         self._rng = torch.Generator().manual_seed(config.seed)
         self._ids = itertools.count()
         self.step_count = 0
@@ -121,10 +122,10 @@ class LLMEngine:
                     params: SamplingParams | BeamSearchParams | None = None,
                     arrival_time: float | None = None) -> str:
         params = params or SamplingParams()
-        beam = None
+        beam_params = None
         if isinstance(params, BeamSearchParams):
             # Beams stop themselves (EOS, length); the sequences underneath just decode.
-            beam = self.beams.start(params, self.eos_token_ids)
+            beam_params = params
             params = SamplingParams(temperature=0, max_tokens=params.max_tokens, ignore_eos=True)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
@@ -133,7 +134,9 @@ class LLMEngine:
         text, token_ids, params = self.intake.prepare(prompt, params)
         now = arrival_time if arrival_time is not None else time.monotonic()
         metrics = RequestMetrics(arrival_time=now, num_prompt_tokens=len(token_ids))
-        state = RequestState(request_id, text, token_ids, params, [], metrics, beam=beam)
+        state = RequestState(request_id, text, token_ids, params, [], metrics)
+        if beam_params is not None:
+            self.beams.start(request_id, beam_params, self.eos_token_ids)
         # n > 1: one sequence computes the prompt; the others fork off it when it samples.
         first = self._new_seq(state, 0, list(token_ids), now)
         first.pending_forks = params.n - 1
@@ -147,8 +150,9 @@ class LLMEngine:
 
     def _new_seq(self, state: RequestState, index: int, token_ids: list[int], now: float) -> Sequence:
         params = state.params
+        several = params.n > 1 or self.beams.drives(state.request_id)  # then each seq id names its index
         seq = Sequence(
-            seq_id=f"{state.request_id}#{index}" if params.n > 1 or state.beam is not None else state.request_id,
+            seq_id=f"{state.request_id}#{index}" if several else state.request_id,
             request_id=state.request_id, index=index, token_ids=token_ids,
             num_prompt_tokens=len(state.prompt_token_ids), params=params, arrival_time=now,
         )
@@ -226,11 +230,12 @@ class LLMEngine:
         for st in self.requests.values():
             if st.finished and not st.reported_final:
                 touched[st.request_id] = st
-        outputs = [self.outputs.make_output(st) for st in touched.values()]
+        outputs = [self.outputs.make_output(st, self.beams.get(st.request_id)) for st in touched.values()]
         for st in touched.values():
             if st.finished:
                 st.reported_final = True
                 del self.requests[st.request_id]
+                self.beams.forget(st.request_id)
         return outputs
 
     def _sample(self, step: StepLogits) -> None:
@@ -240,10 +245,9 @@ class LLMEngine:
         row_of: list[int] = []
         beam_requests: dict[str, RequestState] = {}
         for r, c in enumerate(step.sample_chunks):
-            st = self.requests[c.seq.request_id]
-            if st.beam is not None:
-                self.beams.take_logits(st, c.seq, step.sample_logits[r])
-                beam_requests[st.request_id] = st
+            if self.beams.drives(c.seq.request_id):
+                self.beams.take_logits(c.seq, step.sample_logits[r])
+                beam_requests[c.seq.request_id] = self.requests[c.seq.request_id]
                 continue
             seqs.append(c.seq)
             row_of.append(r)

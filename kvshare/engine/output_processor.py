@@ -3,12 +3,16 @@ dicts, finishing sequences and requests, and building the RequestOutputs callers
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from kvshare.engine.model_runner import StepLogits
 from kvshare.engine.request import RequestState, Sequence
 from kvshare.engine.scheduler import Scheduler
 from kvshare.model.sampler import logprobs_of
 from kvshare.outputs import CompletionOutput, Logprob, RequestOutput
+
+if TYPE_CHECKING:
+    from kvshare.engine.beam_search import BeamRequest
 
 
 class OutputProcessor:
@@ -85,9 +89,10 @@ class OutputProcessor:
             st.metrics.finished_time = time.monotonic()
 
     # ---- outputs -------------------------------------------------------------------------
-    def make_output(self, st: RequestState) -> RequestOutput:
-        if st.beam is not None:
-            return self.make_beam_output(st)
+    def make_output(self, st: RequestState, beam: BeamRequest | None = None) -> RequestOutput:
+        """The request's output so far; `beam`: the beam driver's state for a beam-search request."""
+        if beam is not None:
+            return self.make_beam_output(st, beam)
         outs = []
         for seq in st.seqs:
             text = ""
@@ -111,8 +116,8 @@ class OutputProcessor:
             outputs=outs, finished=st.finished, metrics=m, num_cached_tokens=m.num_cached_tokens,
         )
 
-    def make_beam_output(self, st: RequestState) -> RequestOutput:
-        hyps = st.beam.hypotheses(st.seqs, st.finished)
+    def make_beam_output(self, st: RequestState, beam: BeamRequest) -> RequestOutput:
+        hyps = beam.hypotheses(st.seqs, st.finished)
         outs = []
         for i, (ids, cum, reason, score) in enumerate(hyps):
             text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""

@@ -1,19 +1,16 @@
 """Request state: one Sequence per generated stream (a request with n > 1 has n of them), and
-the RequestState that groups a request's sequences."""
+the RequestState that groups a request's sequences. Beam-search state is the beam driver's own
+(kvshare.engine.beam_search)."""
 from __future__ import annotations
 
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from kvshare.outputs import Logprob, RequestMetrics
 from kvshare.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from kvshare.engine.beam_search import BeamRequest
 
 
 class SeqStatus(enum.Enum):
@@ -84,4 +81,3 @@ class RequestState:
     finished: bool = False
     prompt_logprobs_owner: Sequence | None = None
     reported_final: bool = False
-    beam: BeamRequest | None = None  # the beam driver's state, for a beam-search request
