@@ -43,6 +43,7 @@ class EngineStats:
     decode_tokens_computed: int = 0
     peak_blocks_in_use: int = 0
 
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
