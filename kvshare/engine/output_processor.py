@@ -3,16 +3,13 @@ dicts, finishing sequences and requests, and building the RequestOutputs callers
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
+from kvshare.engine.beam_search import BeamRequest
 from kvshare.engine.model_runner import StepLogits
 from kvshare.engine.request import RequestState, Sequence
 from kvshare.engine.scheduler import Scheduler
 from kvshare.model.sampler import logprobs_of
 from kvshare.outputs import CompletionOutput, Logprob, RequestOutput
-
-if TYPE_CHECKING:
-    from kvshare.engine.beam_search import BeamRequest
 
 
 class OutputProcessor:
