@@ -6,46 +6,11 @@ import json
 import logging
 import sys
 
+from kvshare.bench.serve import add_bench_parser
 from kvshare.doctor_cli import add_doctor_parsers
+from kvshare.engine_args import add_engine_args, engine_options
 from kvshare.memory_cli import add_memory_parser
-
-
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine options")
-    g.add_argument("--model", default=None, help="GGUF file or HF directory (default: bundled SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="activations: auto = bfloat16 where the CPU has avx512_bf16, else float32")
-    g.add_argument("--quantization", default="auto", choices=["auto", "none"],
-                   help="auto: GGUF weights stay quantized (fast); none: dequantize (with --dtype float32: "
-                        "the exact reference mode)")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--kv-cache-dtype", default="auto",
-                   help="KV storage: auto (= --dtype), float32, bfloat16, float16, int8, fp8_e4m3")
-    g.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 512MiB (default: 5%% of free memory)")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=128)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
-    g.add_argument("--kv-policy", default=None, choices=["sink"],
-                   help="sink: keep --sink-tokens first tokens + --window-tokens recent ones (docs/kv_policies.md)")
-    g.add_argument("--sink-tokens", type=int, default=4)
-    g.add_argument("--window-tokens", type=int, default=None)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--audit", action="store_true", help="check KV isolation invariants after every step")
-    g.add_argument("--kv-event-log", default=None, help="write block events as JSONL (see kvshare audit replay)")
-
-
-def engine_options(args: argparse.Namespace) -> dict:
-    return dict(
-        model=args.model, dtype=args.dtype, quantization=args.quantization, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-        kv_cache_dtype=args.kv_cache_dtype,
-        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
-        seed=args.seed, kv_event_log=args.kv_event_log, kv_policy=args.kv_policy,
-        sink_tokens=args.sink_tokens, window_tokens=args.window_tokens,
-        # Only an explicit --audit overrides KVSHARE_AUDIT.
-        **({"audit": True} if args.audit else {}),
-    )
+from kvshare.server.cli import add_serve_parser
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -123,20 +88,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[])
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
-    _engine_args(g)
+    add_engine_args(g)
     g.set_defaults(func=cmd_generate)
 
     i = sub.add_parser("info", help="model shape, KV layout and memory figures")
     i.add_argument("--json", action="store_true")
-    _engine_args(i)
+    add_engine_args(i)
     i.set_defaults(func=cmd_info)
 
     add_memory_parser(sub)
     add_doctor_parsers(sub)
-    from kvshare.bench.serve import add_bench_parser
-    from kvshare.server.cli import add_serve_parser
-
-    add_serve_parser(sub, _engine_args)
+    add_serve_parser(sub)
     add_bench_parser(sub)
     return parser
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -176,3 +176,12 @@ class EngineConfig:
         if env_threads and "num_threads" not in kwargs:
             kwargs["num_threads"] = int(env_threads)
         return cls(**kwargs)
+
+
+def engine_default(name: str):
+    """EngineConfig's declared default for the field `name`. Command lines and the memory planner
+    take their defaults from here, so each is written once, in EngineConfig."""
+    for f in fields(EngineConfig):
+        if f.name == name:
+            return f.default
+    raise KeyError(f"EngineConfig has no field {name!r}")

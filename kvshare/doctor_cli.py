@@ -6,10 +6,10 @@ import argparse
 import json
 import sys
 
+from kvshare.engine_args import add_engine_args, engine_options
+
 
 def add_doctor_parsers(sub) -> None:
-    from kvshare.cli import _engine_args
-
     d = sub.add_parser("doctor", help="find cross-request KV contamination by bisection (exit 1 if found)")
     d.add_argument("--workload", default=None,
                    help="JSONL, one request per line: prompt or prompt_token_ids, max_tokens, n, temperature, seed, "
@@ -19,7 +19,7 @@ def add_doctor_parsers(sub) -> None:
     d.add_argument("--json", action="store_true")
     # Test-only: plant a known bug class (kvshare.testing.faults) to prove the doctor finds it.
     d.add_argument("--inject-fault", action="append", default=[], help=argparse.SUPPRESS)
-    _engine_args(d)
+    add_engine_args(d)
     d.set_defaults(func=cmd_doctor)
 
     a = sub.add_parser("audit", help="offline audit tools")
@@ -31,7 +31,6 @@ def add_doctor_parsers(sub) -> None:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from kvshare.cli import engine_options
     from kvshare.config import EngineConfig
     from kvshare.doctor import Doctor, DoctorUsageError, builtin_workload, format_report, load_workload
     from kvshare.testing.faults import FAULTS

@@ -1,7 +1,7 @@
 """`kvshare memory`: the memory planner on the command line (figures in kvshare.memory_plan).
 
-The planner is imported when the command runs, not when the parser is built: it pulls in torch,
-which `kvshare --help` should not wait for.
+The planner is imported when the command runs, not when the parser is built. The defaults the
+planner shares with the engine (block size, KV dtype, batch limits) come from EngineConfig.
 """
 from __future__ import annotations
 
@@ -9,30 +9,32 @@ import argparse
 import json
 from typing import TYPE_CHECKING
 
+from kvshare.config import engine_default
+
 if TYPE_CHECKING:
     from kvshare.memory_plan import MemoryPlan
 
 
 def add_memory_parser(sub) -> argparse.ArgumentParser:
     m = sub.add_parser("memory", help="plan KV memory: weights, activations, KV pool, sequences that fit")
-    m.add_argument("--model", default=None,
+    m.add_argument("--model", default=engine_default("model"),
                    help="GGUF file, HF directory or bare config.json (default: bundled SmolLM2-135M-Instruct)")
     m.add_argument("--memory", default=None, help="total budget, e.g. 24GiB (default: available host memory)")
     m.add_argument("--utilization", type=float, default=0.9, help="fraction of --memory to use (default 0.9)")
     m.add_argument("--dtype", default="float32", help="weights and activations: float32, bfloat16, float16")
-    m.add_argument("--quantization", default="auto", choices=["auto", "none"],
+    m.add_argument("--quantization", default=engine_default("quantization"), choices=["auto", "none"],
                    help="auto (the engine default): GGUF matrices counted at the bytes kvshare keeps them in; "
                         "none: every weight dequantized to --dtype")
-    m.add_argument("--kv-dtype", default="auto", help="KV cache storage: auto (= --dtype), float32, bfloat16, float16, int8, fp8_e4m3")
-    m.add_argument("--block-size", type=int, default=16)
-    m.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
+    m.add_argument("--kv-dtype", default=engine_default("kv_cache_dtype"), help="KV cache storage: auto (= --dtype), float32, bfloat16, float16, int8, fp8_e4m3")
+    m.add_argument("--block-size", type=int, default=engine_default("block_size"))
+    m.add_argument("--max-model-len", type=int, default=engine_default("max_model_len"), help="default: the model's context length")
     m.add_argument("--n", "--beam-width", dest="width", type=int, default=1,
                    help="branches per request sharing one prompt (n > 1 or beam width)")
     m.add_argument("--avg-prompt-len", type=int, default=None)
     m.add_argument("--avg-output-len", type=int, default=None)
     m.add_argument("--concurrency", type=int, default=None, help="requests wanted in flight: warn if they do not fit")
-    m.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    m.add_argument("--max-num-seqs", type=int, default=128)
+    m.add_argument("--max-num-batched-tokens", type=int, default=engine_default("max_num_batched_tokens"))
+    m.add_argument("--max-num-seqs", type=int, default=engine_default("max_num_seqs"))
     m.add_argument("--json", action="store_true")
     m.set_defaults(func=run)
     return m

@@ -23,7 +23,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from kvshare.config import available_memory_bytes, parse_bytes
+from kvshare.config import available_memory_bytes, engine_default, parse_bytes
 from kvshare.model.config import ModelArchConfig
 from kvshare.model.kv_quant import KVFormat, check_kv_cache_dtype, resolve_kv_format
 
@@ -36,15 +36,15 @@ class PlanConfig:
     memory: int | str | None = None  # the whole budget (device or host); None: available host memory
     utilization: float = 0.9
     dtype: str = "float32"  # weights and activations
-    kv_dtype: str = "auto"  # "auto": same as dtype
-    block_size: int = 16
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    kv_dtype: str = engine_default("kv_cache_dtype")  # "auto": same as dtype
+    block_size: int = engine_default("block_size")
+    max_model_len: int | None = engine_default("max_model_len")  # None: the model's max_position_embeddings
     width: int = 1  # n or beam width: branches per request sharing one prompt
     avg_prompt_len: int | None = None  # None: min(512, max_model_len // 2)
     avg_output_len: int | None = None  # None: min(256, max_model_len - avg_prompt_len)
     concurrency: int | None = None  # requests you want in flight at once: warn when they do not fit
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 128
+    max_num_batched_tokens: int = engine_default("max_num_batched_tokens")
+    max_num_seqs: int = engine_default("max_num_seqs")
     # {GGUF type name: parameters} of the matrices kept quantized (gguf_weight_formats); None or
     # empty: every weight dense in `dtype` (quantization="none", or an HF checkpoint).
     weight_formats: dict[str, int] | None = None

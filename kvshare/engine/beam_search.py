@@ -10,14 +10,22 @@ Rules (transformers' `_beam_search`, do_sample=False):
 - early_stopping: True stops once `width` hypotheses are finished; False stops when the best
   live score / current generated_len ** length_penalty cannot beat the worst finished one;
   "never" uses max_tokens as the hypothetical length when length_penalty > 0.
-The KV side lives in the engine: beams fork (sharing blocks, copy-on-write on the partial
-tail), pruned beams go through the normal release path.
+BeamState applies those rules to plain numbers. BeamSearchDriver runs them on the engine's
+sequences: beams fork (sharing blocks, copy-on-write on the partial tail), pruned beams go through
+the normal release path. Per-beam figures (running score, this step's logprobs) live in the
+driver's BeamRequest (one per request), keyed by seq id, not on the sequences.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
 
 import torch
+
+from kvshare.engine.request import RequestState, Sequence, SeqStatus
+
+if TYPE_CHECKING:
+    from kvshare.engine.scheduler import Scheduler
 
 
 @dataclass
@@ -108,3 +116,97 @@ class BeamState:
         all_finished_early = len(self.finished) >= width and p.early_stopping is True
         self.done = (not self.improvable) or all_finished_early or all(stops) or not running
         return [] if self.done else running
+
+
+@dataclass
+class BeamRequest:
+    """The driver's state for one beam-search request."""
+
+    search: BeamState
+    # Running sum of logprobs per live beam, by seq id; a beam not listed has scored nothing yet.
+    scores: dict[str, float] = field(default_factory=dict)
+    # This step's next-token logprobs, by seq id, for the beams whose logits have come in.
+    step_logprobs: dict[str, torch.Tensor] = field(default_factory=dict)
+    next_index: int = 1  # choice index of the next forked beam
+
+    def score(self, seq: Sequence) -> float:
+        return self.scores.get(seq.seq_id, 0.0)
+
+    def hypotheses(self, seqs: list[Sequence],
+                   request_finished: bool) -> list[tuple[list[int], float, str | None, float]]:
+        """(generated token ids, cumulative logprob, finish reason, score) per hypothesis, best
+        first: the finished set once the request is done, else the live beams."""
+        if request_finished and self.search.finished:
+            return [(h.token_ids, h.cum_logprob, h.finish_reason, h.score) for h in self.search.finished]
+        live = sorted((s for s in seqs if not s.is_finished), key=lambda s: -self.score(s))
+        return [(s.output_token_ids, self.score(s), None, self.score(s)) for s in live]
+
+
+class BeamSearchDriver:
+    """Beam search on top of fork: each step, once every live beam has its logits, the search
+    picks the continuations; a parent with several forks off children, a parent with none is
+    finished (its blocks go back to the pool). The driver owns every beam request's state, by
+    request id, from add_request until the engine hands out its final output."""
+
+    def __init__(self, scheduler: Scheduler, new_seq: Callable[[RequestState, int, list[int], float], Sequence],
+                 finish_seq: Callable[[Sequence, str], None],
+                 maybe_finish_request: Callable[[RequestState], None]) -> None:
+        self.scheduler = scheduler
+        self.new_seq = new_seq
+        self.finish_seq = finish_seq
+        self.maybe_finish_request = maybe_finish_request
+        self.requests: dict[str, BeamRequest] = {}
+
+    def start(self, request_id: str, params: BeamSearchParams, eos_token_ids: list[int]) -> None:
+        self.requests[request_id] = BeamRequest(BeamState(params, list(eos_token_ids)))
+
+    def drives(self, request_id: str) -> bool:
+        return request_id in self.requests
+
+    def get(self, request_id: str) -> BeamRequest | None:
+        return self.requests.get(request_id)
+
+    def forget(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+    def take_logits(self, seq: Sequence, logits: torch.Tensor) -> None:
+        beam = self.requests[seq.request_id]
+        beam.step_logprobs[seq.seq_id] = torch.log_softmax(logits.float(), dim=-1)
+
+    def step(self, st: RequestState) -> None:
+        beam = self.requests[st.request_id]
+        live = [s for s in st.seqs if not s.is_finished]
+        if any(s.seq_id not in beam.step_logprobs for s in live):
+            return  # a sibling was preempted or not scheduled: wait until every beam has its logits
+        plan = beam.search.update([beam.score(s) for s in live],
+                                  torch.stack([beam.step_logprobs[s.seq_id] for s in live]),
+                                  [s.output_token_ids for s in live])
+        for s in live:
+            del beam.step_logprobs[s.seq_id]
+        if beam.search.done:
+            for s in live:
+                self.finish_seq(s, "length")
+            self.maybe_finish_request(st)
+            return
+        by_parent: dict[int, list[Continuation]] = {}
+        for cont in plan:
+            by_parent.setdefault(cont.parent, []).append(cont)
+        for i, parent in enumerate(live):
+            conts = by_parent.get(i)
+            if not conts:
+                self.finish_seq(parent, "abort")  # pruned: its blocks go back to the pool
+                beam.scores.pop(parent.seq_id, None)
+                continue
+            # Forks copy the parent's tokens before the parent takes its own continuation.
+            for cont in conts[1:]:
+                child = self.new_seq(st, beam.next_index, list(parent.token_ids), parent.arrival_time)
+                beam.next_index += 1
+                st.seqs.append(child)
+                if parent.status is SeqStatus.RUNNING:
+                    self.scheduler.add_forked(parent, child)
+                else:
+                    self.scheduler.waiting.appendleft(child)  # parent was preempted: recompute
+                child.token_ids.append(cont.token_id)
+                beam.scores[child.seq_id] = cont.score
+            parent.token_ids.append(conts[0].token_id)
+            beam.scores[parent.seq_id] = conts[0].score

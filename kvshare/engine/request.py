@@ -1,4 +1,6 @@
-"""Request state: one Sequence per generated stream (a request with n > 1 has n of them)."""
+"""Request state: one Sequence per generated stream (a request with n > 1 has n of them), and
+the RequestState that groups a request's sequences. Beam-search state is the beam driver's own
+(kvshare.engine.beam_search)."""
 from __future__ import annotations
 
 import enum
@@ -36,15 +38,11 @@ class Sequence:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    metrics: RequestMetrics | None = None
     num_preemptions: int = 0
     admitted_once: bool = False
     # n > 1: siblings still to be forked off this sequence once its prompt is computed.
     pending_forks: int = 0
     text_delta: str = ""  # stream-safe text produced since the last output was taken
-    # Beam search: running sum of logprobs, and this step's next-token logprobs once computed.
-    beam_score: float = 0.0
-    beam_logprobs: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -68,3 +66,18 @@ class Sequence:
     @property
     def in_prefill(self) -> bool:
         return self.num_computed_tokens < self.num_tokens - 1
+
+
+@dataclass
+class RequestState:
+    """One submitted request: its sequences, its metrics, and how far its outputs have been handed out."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    metrics: RequestMetrics
+    finished: bool = False
+    prompt_logprobs_owner: Sequence | None = None
+    reported_final: bool = False

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from kvshare.model.loader import ModelLoadError
+from kvshare.model.load_error import ModelLoadError
 
 MAX_ARRAY = 1024  # read_gguf_header skips longer metadata arrays (vocabularies, merges, scores)
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}

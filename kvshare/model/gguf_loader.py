@@ -14,7 +14,7 @@ from gguf.quants import dequantize
 from kvshare.model.config import ModelArchConfig
 from kvshare.model.gguf_header import open_gguf_file
 from kvshare.model.gguf_quants import GROUP_AFFINE_TYPES, GroupAffine, to_group_affine
-from kvshare.model.loader import ModelLoadError
+from kvshare.model.load_error import ModelLoadError
 from kvshare.model.tokenizer import Tokenizer
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")

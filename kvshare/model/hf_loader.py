@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from kvshare.model.config import ModelArchConfig
-from kvshare.model.loader import ModelLoadError
+from kvshare.model.load_error import ModelLoadError
 from kvshare.model.tokenizer import Tokenizer
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")

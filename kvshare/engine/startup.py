@@ -1,0 +1,107 @@
+"""What the engine reports about itself at start-up: the KV pool's layout and the start-up block
+(what was loaded, how it is stored and run, how long it took)."""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+from kvshare.config import EngineConfig
+from kvshare.model import cpu_kernels
+
+
+@dataclass
+class KVLayout:
+    """The KV pool as sized at start-up: bytes per token, blocks, and the length limit."""
+
+    bytes_per_token: int
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+    dtype: str
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.num_slots * self.bytes_per_token
+
+    @property
+    def max_len_seqs(self) -> float:
+        return self.num_slots / self.max_model_len
+
+    def describe(self) -> str:
+        return (
+            f"KV cache: {self.bytes_per_token} bytes/token ({self.dtype}), {self.num_blocks} blocks x "
+            f"{self.block_size} tokens = {self.num_slots} token slots ({self.pool_bytes / 2**20:.1f} MiB); "
+            f"{self.max_len_seqs:.2f} sequences of max_model_len={self.max_model_len} fit"
+        )
+
+
+@dataclass
+class StartupReport:
+    """The start-up block: what was loaded, how it is stored and run, and how long it took."""
+
+    source: str
+    tensor_types: dict[str, str]
+    model: object
+    config: EngineConfig
+    layout: KVLayout
+    load_seconds: float
+    ready_seconds: float
+
+    def format_mix(self) -> dict[str, int]:
+        mix: dict[str, int] = {}
+        for t in self.tensor_types.values():
+            mix[t] = mix.get(t, 0) + 1
+        return dict(sorted(mix.items(), key=lambda kv: -kv[1]))
+
+    def weight_bytes_by_kind(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for lin in self.model.linears():
+            out[lin.kind] = out.get(lin.kind, 0) + lin.nbytes
+        return out
+
+    def kernels(self) -> list[str]:
+        names = {"int4": "int4 packed (torch _weight_int4pack_mm_for_cpu)",
+                 "int8-group": "int8 per-group (kvshare C++ qmatmul)",
+                 "int4-group": "int4 per-group (kvshare C++ qmatmul)", "dense": "dense (F.linear)"}
+        counts: dict[str, int] = {}
+        for lin in self.model.linears():
+            counts[lin.kind] = counts.get(lin.kind, 0) + 1
+        out = [f"{names.get(k, k)} x{n}" for k, n in counts.items()]
+        backend = self.model.backend
+        out.append("decode attention: " + ("kvshare C++ paged kernel" if getattr(backend, "use_cpp_kernel", False)
+                                           else "PyTorch (C++ kernel not built yet or unavailable)"))
+        fused = getattr(self.model, "fused_decode", None)
+        if fused is not None:
+            why = fused.model_reason or (None if cpu_kernels.DECODE.available() else "C++ library not built yet")
+            out.append("decode steps: " + ("one C++ call per step (kvshare fused decode)" if why is None
+                                           else f"layer by layer ({why})"))
+        return out
+
+    def lines(self) -> list[str]:
+        c = self.config
+        mode = ("exact (dequantized float32)" if c.exact else
+                f"{'kept quantized' if c.quantization == 'auto' else 'dequantized'} weights, {c.dtype} activations")
+        mix = ", ".join(f"{t} x{n}" for t, n in self.format_mix().items()) or "dense checkpoint"
+        by_kind = ", ".join(f"{k} {b / 2**20:.1f} MiB" for k, b in self.weight_bytes_by_kind().items())
+        return [
+            f"model: {self.source}",
+            f"  mode: {mode}",
+            f"  tensor formats: {mix}",
+            f"  resident weights: {self.model.weight_bytes / 2**20:.1f} MiB ({by_kind})",
+            f"  kernels: {'; '.join(self.kernels())}",
+            f"  {self.layout.describe()}",
+            f"  weights loaded in {self.load_seconds:.2f} s; engine ready in {self.ready_seconds:.2f} s",
+        ]
+
+
+def release_freed_heap() -> None:
+    """glibc keeps freed heap pages (here: the GGUF conversion's temporaries, tens of MB) as
+    RSS until asked to return them."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to do

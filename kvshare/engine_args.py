@@ -1,0 +1,50 @@
+"""The engine options shared by every command that builds an engine (`generate`, `info`,
+`serve`, `doctor`): their argparse flags, and the EngineConfig keyword arguments they map to.
+Defaults come from EngineConfig, so the flags cannot drift from the Python API."""
+from __future__ import annotations
+
+import argparse
+
+from kvshare.config import engine_default
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine options")
+    g.add_argument("--model", default=engine_default("model"),
+                   help="GGUF file or HF directory (default: bundled SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default=engine_default("dtype"), choices=["auto", "float32", "bfloat16"],
+                   help="activations: auto = bfloat16 where the CPU has avx512_bf16, else float32")
+    g.add_argument("--quantization", default=engine_default("quantization"), choices=["auto", "none"],
+                   help="auto: GGUF weights stay quantized (fast); none: dequantize (with --dtype float32: "
+                        "the exact reference mode)")
+    g.add_argument("--block-size", type=int, default=engine_default("block_size"))
+    g.add_argument("--kv-cache-dtype", default=engine_default("kv_cache_dtype"),
+                   help="KV storage: auto (= --dtype), float32, bfloat16, float16, int8, fp8_e4m3")
+    fraction = engine_default("kv_cache_memory_fraction")
+    g.add_argument("--kv-cache-memory", default=engine_default("kv_cache_memory"),
+                   help=f"KV pool size, e.g. 512MiB (default: {fraction * 100:g}%% of free memory)")
+    g.add_argument("--max-model-len", type=int, default=engine_default("max_model_len"))
+    g.add_argument("--max-num-seqs", type=int, default=engine_default("max_num_seqs"))
+    g.add_argument("--max-num-batched-tokens", type=int, default=engine_default("max_num_batched_tokens"))
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
+    g.add_argument("--kv-policy", default=engine_default("kv_policy"), choices=["sink"],
+                   help="sink: keep --sink-tokens first tokens + --window-tokens recent ones (docs/kv_policies.md)")
+    g.add_argument("--sink-tokens", type=int, default=engine_default("sink_tokens"))
+    g.add_argument("--window-tokens", type=int, default=engine_default("window_tokens"))
+    g.add_argument("--seed", type=int, default=engine_default("seed"))
+    g.add_argument("--audit", action="store_true", help="check KV isolation invariants after every step")
+    g.add_argument("--kv-event-log", default=engine_default("kv_event_log"),
+                   help="write block events as JSONL (see kvshare audit replay)")
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    return dict(
+        model=args.model, dtype=args.dtype, quantization=args.quantization, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+        kv_cache_dtype=args.kv_cache_dtype,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
+        seed=args.seed, kv_event_log=args.kv_event_log, kv_policy=args.kv_policy,
+        sink_tokens=args.sink_tokens, window_tokens=args.window_tokens,
+        # Only an explicit --audit overrides KVSHARE_AUDIT.
+        **({"audit": True} if args.audit else {}),
+    )
