@@ -27,7 +27,7 @@ from kvshare.kvcache.kv_policy import build_kv_policy
 from kvshare.kvcache.manager import KVCacheManager
 from kvshare.memory_plan import kv_pool_blocks
 from kvshare.model import cpu_kernels
-from kvshare.model.attention import KVCache, TorchPagedAttention
+from kvshare.model.attention import PagedKVStorage, TorchPagedAttention
 from kvshare.model.llama import build_model
 from kvshare.model.loader import load_model
 from kvshare.model.sampler import Sampler, SamplingRow
@@ -69,7 +69,7 @@ class LLMEngine:
         self.layout = KVLayout(bytes_per_token, config.block_size, num_blocks, max_model_len, self.kv_format.name)
         self.manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                       policy=self.kv_policy)
-        self.kv_cache = KVCache(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
+        self.kv_cache = PagedKVStorage(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
                                 self.kv_format.storage)
         self.model = build_model(mc, loaded.weights, dtype, TorchPagedAttention(config.block_size), max_model_len)
         release_freed_heap()  # the load's temporaries: back to the OS, not kept as RSS

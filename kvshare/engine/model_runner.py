@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kvshare.engine.step_plan import ChunkPlan, StepPlan
-from kvshare.model.attention import AttentionMetadata, DecodeGroup, KVCache, PrefillChunk
+from kvshare.model.attention import AttentionMetadata, DecodeGroup, PagedKVStorage, PrefillChunk
 from kvshare.model.layers import rope_inv_freq
 from kvshare.model.rerotate import rerotate_keys
 
@@ -61,7 +61,7 @@ def group_by_length(ctx_lens: list[int], block_size: int) -> list[tuple[int, int
 
 
 class ModelRunner:
-    def __init__(self, model, kv_cache: KVCache, policy) -> None:
+    def __init__(self, model, kv_cache: PagedKVStorage, policy) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.policy = policy

@@ -107,7 +107,7 @@ class Scheduler:
         """After the forward pass: the chunks' KV is written, so their full blocks are published."""
         for c in plan.chunks:
             c.seq.num_computed_tokens = c.end
-            self.manager.cache_full_blocks(c.seq.seq_id, c.seq.token_ids, c.end)
+            self.manager.publish_full_blocks(c.seq.seq_id, c.seq.token_ids, c.end)
 
     def _chunk_size(self, seq: Sequence, start: int, budget: int) -> int:
         num_new = min(seq.num_tokens - start, budget)

@@ -110,8 +110,10 @@ class BlockPool:
             return True
         return False
 
-    def register_hash(self, block: Block, block_hash: bytes, token_ids: tuple[int, ...],
-                      parent_hash: bytes | None = None) -> None:
+    def publish(self, block: Block, block_hash: bytes, token_ids: tuple[int, ...],
+                parent_hash: bytes | None = None) -> None:
+        """Make a full, written block a prefix-cache hit for later requests ("publish" is the
+        one word for it; the event log calls it "register")."""
         if block_hash in self.cached:
             return  # an identical block is already cached; this copy stays private
         block.block_hash = block_hash

@@ -165,7 +165,7 @@ class KVCacheManager:
             return []
         return self._block_hashes(self.record(seq_id), token_ids, last)[first:last]
 
-    def cache_full_blocks(self, seq_id: str, token_ids: list[int], num_computed: int) -> None:
+    def publish_full_blocks(self, seq_id: str, token_ids: list[int], num_computed: int) -> None:
         """Publish blocks whose KV is now written (called after the step that computed them)."""
         rec = self.seqs.get(seq_id)
         if not self.enable_prefix_caching or rec is None or not rec.blocks:
@@ -182,7 +182,7 @@ class KVCacheManager:
         for i in range(rec.registered, full):
             block = rec.blocks[i]
             if block is not None and block.block_hash is None:
-                self.pool.register_hash(block, hashes[i], tuple(token_ids[i * bs:(i + 1) * bs]),
+                self.pool.publish(block, hashes[i], tuple(token_ids[i * bs:(i + 1) * bs]),
                                         hashes[i - 1] if i else None)
         rec.registered = full
 

@@ -67,7 +67,7 @@ class AttentionMetadata:
         return self.layer_metadata[i] if self.layer_metadata is not None else self
 
 
-class KVCache:
+class PagedKVStorage:
     """K and V for every layer; slot = block_id * block_size + offset.
 
     `dtype` is the storage dtype (see kv_quant): int8 and float8_e4m3fn caches also hold one

@@ -19,7 +19,7 @@ import ctypes
 import torch
 
 from kvshare.model import cpu_kernels
-from kvshare.model.attention import AttentionMetadata, KVCache, TorchPagedAttention
+from kvshare.model.attention import AttentionMetadata, PagedKVStorage, TorchPagedAttention
 from kvshare.model.qlinear import GroupInt4Linear, GroupInt8Linear
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
@@ -90,7 +90,7 @@ class FusedDecode:
             views.append(_Layer(layer.in_norm.data_ptr(), layer.post_norm.data_ptr(), *parts, None, None))
         return views
 
-    def reason(self, meta: AttentionMetadata, num_rows: int, kv_cache: KVCache) -> str | None:
+    def reason(self, meta: AttentionMetadata, num_rows: int, kv_cache: PagedKVStorage) -> str | None:
         """Why this step cannot take the fused path, or None when it can."""
         if not self.enabled:
             return "disabled"
@@ -107,7 +107,7 @@ class FusedDecode:
             return "C++ kernels not available"
         return None
 
-    def _model_view(self, kv_cache: KVCache) -> ctypes.Structure:
+    def _model_view(self, kv_cache: PagedKVStorage) -> ctypes.Structure:
         if self._bound is not None and self._bound[0] == id(kv_cache):
             return self._bound[1]
         m = self.model
@@ -124,7 +124,7 @@ class FusedDecode:
         return view
 
     def run(self, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, meta: AttentionMetadata,
-            kv_cache: KVCache) -> torch.Tensor:
+            kv_cache: PagedKVStorage) -> torch.Tensor:
         """h [rows, hidden] float32 (embedded tokens) through every layer, in place."""
         view = self._model_view(kv_cache)
         h = h.contiguous()

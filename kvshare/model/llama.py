@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvshare.model.attention import AttentionBackend, AttentionMetadata, KVCache
+from kvshare.model.attention import AttentionBackend, AttentionMetadata, PagedKVStorage
 from kvshare.model.config import ModelArchConfig
 from kvshare.model.fused_decode import FusedDecode
 from kvshare.model.gguf_quants import GroupAffine
@@ -95,7 +95,7 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: KVCache) -> torch.Tensor:
+                kv_cache: PagedKVStorage) -> torch.Tensor:
         c = self.config
         n = input_ids.shape[0]
         h = self.embed.rows(input_ids)

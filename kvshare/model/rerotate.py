@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from kvshare.model.attention import KVCache
+from kvshare.model.attention import PagedKVStorage
 from kvshare.model.layers import rotate_half
 
 
-def rerotate_keys(kv_cache: KVCache, block_ids: list[int], shift: int, inv_freq: torch.Tensor) -> None:
+def rerotate_keys(kv_cache: PagedKVStorage, block_ids: list[int], shift: int, inv_freq: torch.Tensor) -> None:
     """Rotate every layer's keys in these blocks by `shift` positions (rotate-half layout)."""
     if not block_ids or shift == 0:
         return

@@ -145,7 +145,7 @@ def _hit_before_written(engine) -> None:
     def buggy_append(seq, res, now):
         seq_id, tokens = seq.seq_id, seq.token_ids
         # Publishes by tokens known, not tokens computed: the new token's KV does not exist yet.
-        mgr.cache_full_blocks(seq_id, tokens + [res.token_id], len(tokens) + 1)
+        mgr.publish_full_blocks(seq_id, tokens + [res.token_id], len(tokens) + 1)
         if (len(tokens) + 1) % mgr.block_size == 0 and seq_id in mgr.tables:
             _fired(engine, [mgr.tables[seq_id][len(tokens) // mgr.block_size].block_id])
         append(seq, res, now)
