@@ -144,6 +144,9 @@ class IsolationChecker:
     def _cache_hit(self, e: dict) -> None:
         # The hit goes into the table whether or not its reference is counted (the incref follows).
         b, seq = e["block"], e["seq"]
+        if b not in self.published:  # nothing vouches for its content: no register, or evicted since
+            self._pending.append(("cached_block_matches_hash", b, f"{seq} hit a block not published for reuse",
+                                  (seq,)))
         if self.block_salt.get(b) != self.seq_salt.get(seq):
             self._pending.append(("salt_isolation", b, f"{seq} (salt {self.seq_salt.get(seq)!r}) hit a block of "
                                                        f"salt {self.block_salt.get(b)!r}", (seq,)))
