@@ -17,7 +17,8 @@ Invariants:
                             in use + free uncached + free cached = total.
   salt_isolation            every holder of a block has the block's tenant salt.
   cached_block_matches_hash a cached block's hash recomputes from (parent hash, salt, its token
-                            ids), and a sequence holding it has those tokens at that position.
+                            ids), and a sequence holding it has those tokens at that position;
+                            a prefix-cache hit is on a block published for reuse, under its salt.
   cached_block_written      a block published for reuse has KV in every slot.
   write_outside_own_blocks  each slot written this step is the slot of that token's position
                             in the writer's own table.
