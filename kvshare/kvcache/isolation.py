@@ -193,6 +193,8 @@ class IsolationChecker:
             raise self._found("write_into_shared_block", dst, f"copy-on-write target has {self._num_holders(dst)} "
                                                               f"holders")
         self.written[dst] = self._before_reuse.get(src, self.written.get(src, 0))
+        if dst in self.published:  # its written slots changed while published: check them again
+            self._new_published.append(dst)
 
     def _rotate(self, e: dict) -> None:
         seq = e["seq"]
@@ -286,7 +288,8 @@ class IsolationChecker:
                                  f"{self.seq_salt.get(foreign[0])!r}, the block's data belongs to salt {salt!r}",
                                  tuple(foreign)))
         # A published block's written slots only change when it is handed out again, which
-        # unpublishes it: checking each publication once is checking them all.
+        # unpublishes it, or by a copy into it (_copy queues it again): checking each
+        # publication once is checking them all.
         full = (1 << self.block_size) - 1
         for b in self._new_published:
             if b in self.published and self.written.get(b, 0) != full:
