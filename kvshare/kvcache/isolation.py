@@ -238,9 +238,10 @@ class IsolationChecker:
                 pos = a["write_pos"] + k
                 b = slot // bs
                 if b not in mine or at.get(pos // bs) != b or slot % bs != pos % bs:
+                    where = "a block its table does not hold" if b not in mine else \
+                        f"offset {slot % bs}; its table has {at.get(pos // bs)} there"
                     raise self._found("write_outside_own_blocks", b, f"{seq} writes position {pos} into slot {slot} "
-                                      f"(block {b} offset {slot % bs}); its table has {at.get(pos // bs)} there",
-                                      (seq,))
+                                      f"(block {b}, {where})", (seq,))
                 if b != last and self._num_holders(b) > 1:
                     raise self._found("write_into_shared_block", b, f"{seq} writes position {pos} into a block with "
                                                                     f"{self._num_holders(b)} holders", (seq,))
