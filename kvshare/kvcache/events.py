@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 from collections import deque
+from typing import Callable
 
 
 class EventLog:
@@ -39,6 +40,9 @@ class EventLog:
         self.recent: deque[dict] = deque(maxlen=capacity)
         self.path = path
         self._file = open(path, "w", encoding="utf-8") if path else None
+        # Called with each event once it is stored and written, so that what a live consumer
+        # (the audit's isolation checker) raises on is already in the file for the replay.
+        self.listener: Callable[[dict], None] | None = None
 
     def record(self, ev: str, **fields) -> None:
         fields["ev"] = ev
@@ -46,6 +50,8 @@ class EventLog:
         self.recent.append(fields)
         if self._file is not None:
             self._file.write(json.dumps(fields, separators=(",", ":")) + "\n")
+        if self.listener is not None:
+            self.listener(fields)
 
     def touching(self, block_id: int, limit: int = 12) -> list[dict]:
         """The last events that name this block (as block, src, dst, or inside a table)."""
