@@ -86,9 +86,8 @@ class Scheduler:
     def _plan(self, c: _Chunk) -> ChunkPlan:
         """What the model computes, reads and writes for this chunk (after this step's copies)."""
         mgr, bs, seq = self.manager, self.manager.block_size, c.seq
-        ids = mgr.block_ids(seq.seq_id)
-        num_blocks = -(-c.end // bs)
-        index = mgr.held_indices(seq.seq_id, num_blocks)
+        read, index = mgr.blocks_read(seq.seq_id, -(-c.end // bs))
+        table = mgr.seqs[seq.seq_id].blocks
         prompt_logits = None
         if seq.prompt_logprobs is not None and not seq.prompt_logprobs_done():
             first = max(c.start, len(seq.prompt_logprobs) - 1)  # entry 0 (the first prompt token) is None
@@ -98,9 +97,8 @@ class Scheduler:
         return ChunkPlan(
             seq=seq, start=c.start, token_ids=seq.token_ids[c.start:c.end],
             rope_start=c.start - mgr.rope_offset(seq.seq_id),
-            write_slots=[ids[p // bs] * bs + p % bs for p in range(c.start, c.end)],
-            read_blocks=[ids[i] for i in index],
-            read_index=None if len(index) == num_blocks else index,
+            write_slots=[table[p // bs].block_id * bs + p % bs for p in range(c.start, c.end)],
+            read_blocks=read, read_index=index,
             samples=c.end == seq.num_tokens, prompt_logits=prompt_logits)
 
     def step_done(self, plan: StepPlan) -> None:

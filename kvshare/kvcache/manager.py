@@ -83,6 +83,15 @@ class KVCacheManager:
         released = 0 if rec is None else self._num_released(rec)
         return list(range(min(head, upto))) + list(range(head + released, upto))
 
+    def blocks_read(self, seq_id: str, upto: int) -> tuple[list[int], list[int] | None]:
+        """Block ids a query reading table entries below `upto` walks (those still held), and
+        their table indices when some were released (None: they are 0 .. upto - 1)."""
+        rec = self.seqs[seq_id]
+        if self._num_released(rec) == 0:
+            return [b.block_id for b in rec.blocks[:upto]], None
+        index = self.held_indices(seq_id, upto)
+        return [rec.blocks[i].block_id for i in index], index
+
     def rope_offset(self, seq_id: str) -> int:
         rec = self.seqs.get(seq_id)
         return 0 if rec is None else rec.rope_offset
