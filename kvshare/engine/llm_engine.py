@@ -179,8 +179,8 @@ class LLMEngine:
             if state is None or state.finished:
                 continue  # unknown or already done: aborting twice is a no-op
             for seq in state.seqs:
-                if self.events is not None and not seq.is_finished:
-                    self.events.record("abort", seq=seq.seq_id)
+                if not seq.is_finished:
+                    self.manager.events.record("abort", seq=seq.seq_id)
                 self.outputs.finish_seq(seq, "abort")
             self.outputs.maybe_finish_request(state)
             if self.auditor is not None:
@@ -198,9 +198,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         touched: dict[str, RequestState] = {}
         self.step_count += 1
-        if self.events is not None:
-            self.events.step = self.step_count
-            self.events.record("step")
+        events = self.manager.events  # the log, or a recorder that records nothing
+        events.step = self.step_count
+        events.record("step")
         sched = self.scheduler.schedule()
         if not sched.is_empty():
             now = time.monotonic()
@@ -223,8 +223,7 @@ class LLMEngine:
             self._sample(logits)
         if self.auditor is not None:
             self.auditor.check_state()
-        if self.events is not None:
-            self.events.flush()
+        events.flush()
         # Requests finished outside a step (aborts) still owe their final output.
         for st in self.requests.values():
             if st.finished and not st.reported_final:
