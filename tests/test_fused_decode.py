@@ -96,21 +96,10 @@ def test_bundled_model_fused_equals_step_by_step(bundled, together):
 
 
 def _tiny_gguf(tmp_path, arch: str, types):
-    import transformers
-
-    from test_loader import tiny_gpt2_vocab, tiny_llama, write_tiny_gguf
+    from test_loader import tiny_llama, tiny_qwen2, write_tiny_gguf
 
     if arch == "qwen2":
-        tokens, _, _ = tiny_gpt2_vocab()
-        torch.manual_seed(0)
-        cfg = transformers.Qwen2Config(vocab_size=len(tokens), hidden_size=64, intermediate_size=96,
-                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                       tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-        model = transformers.Qwen2ForCausalLM(cfg)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if p.ndim == 1:
-                    p.copy_(torch.randn_like(p))  # biases and norms away from 0 and 1, so mix-ups show
+        model = tiny_qwen2(randomize="vectors")
     else:
         model = tiny_llama(num_key_value_heads=1)  # MQA: every q head reads the one kv head
     path = tmp_path / f"{arch}.gguf"

@@ -448,7 +448,10 @@ def test_tiny_gguf_bfloat16(tmp_path):
         assert torch.equal(got, want.to(torch.bfloat16)), name
 
 
-def test_tiny_qwen2_gguf_is_not_unpermuted(tmp_path):
+def tiny_qwen2(randomize: str = "biases"):
+    """A tiny random Qwen2 (q/k/v biases) on the tiny vocabulary. `randomize` says which 1-D
+    weights get random values: "biases" (zero-initialised ones would compare equal to anything)
+    or "vectors" (norms too, away from exactly 1, so a mix-up between them shows)."""
     tokens, _, _ = tiny_gpt2_vocab()
     torch.manual_seed(0)
     cfg = transformers.Qwen2Config(vocab_size=len(tokens), hidden_size=64, intermediate_size=96,
@@ -457,8 +460,13 @@ def test_tiny_qwen2_gguf_is_not_unpermuted(tmp_path):
     model = transformers.Qwen2ForCausalLM(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.copy_(torch.randn_like(p))  # zero-initialised biases would compare equal to anything
+            if name.endswith("bias") or (randomize == "vectors" and p.ndim == 1):
+                p.copy_(torch.randn_like(p))
+    return model
+
+
+def test_tiny_qwen2_gguf_is_not_unpermuted(tmp_path):
+    model = tiny_qwen2()
     path = tmp_path / "qwen.gguf"
     expected = write_tiny_gguf(path, model, "qwen2")
     loaded = load_model(str(path))

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from kvshare.kvcache.events import EventLog, NullEventLog, as_event_log
+from kvshare.kvcache.events import EventLog, Recorder
 
 
 class BlockPoolError(RuntimeError):
@@ -30,6 +30,8 @@ class Block:
 
 
 class BlockPool:
+    events = Recorder()  # the block event log, or a NullEventLog
+
     def __init__(self, num_blocks: int, events: EventLog | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks} is invalid: the KV pool needs at least one block")
@@ -41,14 +43,6 @@ class BlockPool:
         self.num_evictions = 0
         self.num_allocations = 0
         self.events = events
-
-    @property
-    def events(self) -> EventLog | NullEventLog:
-        return self._events
-
-    @events.setter
-    def events(self, log: EventLog | NullEventLog | None) -> None:
-        self._events = as_event_log(log)
 
     @property
     def num_free(self) -> int:

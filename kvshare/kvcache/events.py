@@ -99,6 +99,20 @@ def as_event_log(log: "EventLog | NullEventLog | None") -> "EventLog | NullEvent
     return NullEventLog() if log is None else log
 
 
+class Recorder:
+    """A class attribute holding an object's event log; setting it to None installs a
+    NullEventLog, so the owner records unconditionally."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.slot = "_" + name
+
+    def __get__(self, obj, objtype=None):
+        return self if obj is None else getattr(obj, self.slot)
+
+    def __set__(self, obj, log) -> None:
+        setattr(obj, self.slot, as_event_log(log))
+
+
 def read_events(path: str) -> list[dict]:
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]

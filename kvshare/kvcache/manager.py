@@ -10,7 +10,7 @@ full attention nothing is ever released."""
 from __future__ import annotations
 
 from kvshare.kvcache.block_pool import Block, BlockPool, BlockPoolError
-from kvshare.kvcache.events import EventLog, NullEventLog, as_event_log
+from kvshare.kvcache.events import EventLog, Recorder
 from kvshare.kvcache.hashing import BlockHasher
 from kvshare.kvcache.kv_policy import FullAttention
 from kvshare.kvcache.seq_kv import AdmissionPlan, PrefixCacheStats, SeqKV
@@ -19,6 +19,8 @@ __all__ = ["AdmissionPlan", "KVCacheManager", "PrefixCacheStats", "SeqKV"]
 
 
 class KVCacheManager:
+    events = Recorder()  # the block event log, or a NullEventLog
+
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  events: EventLog | None = None, policy=None) -> None:
         self.block_size = block_size
@@ -37,13 +39,6 @@ class KVCacheManager:
         # seq -> (block ids, shift).
         self.pending_rotations: dict[str, tuple[list[int], int]] = {}
 
-    @property
-    def events(self) -> EventLog | NullEventLog:
-        return self._events
-
-    @events.setter
-    def events(self, log: EventLog | NullEventLog | None) -> None:
-        self._events = as_event_log(log)
 
     # ---- queries -------------------------------------------------------------------------
     @property
