@@ -100,7 +100,7 @@ def _grid_case(m, k, n, group, with_zeros, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("with_zeros", [False, True], ids=["sym", "zeros"])
 @pytest.mark.parametrize("group", [16, 32])
-@pytest.mark.parametrize("n", [192, 576, 1000])
+@pytest.mark.parametrize("n", [192, 1000])  # whole 16-row blocks only, and a ragged last block
 @pytest.mark.parametrize("k", [576, 1536, 64])
 @pytest.mark.parametrize("m", [1, 3, 4, 7, 16])
 def test_matches_float64_reference(m, k, n, group, with_zeros, dtype, path):
