@@ -27,6 +27,7 @@ from kvshare.server.errors import APIError
 from kvshare.server.formatting import BaseFormatter, Job, PromptInput
 from kvshare.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvshare.server.state import ServerState
+from kvshare.server.structured import compile_off_loop, structured_params
 
 logger = logging.getLogger("kvshare.server")
 
@@ -79,9 +80,6 @@ class OpenAIServing:
         self._check_common(req)
         if req.tools:
             raise InvalidRequestError("tools are not supported by kvshare yet; omit them", "tools")
-        if req.response_format is not None and req.response_format != {"type": "text"}:
-            raise InvalidRequestError("response_format: only {\"type\": \"text\"} is supported (no structured "
-                                      "output yet)", "response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs: true", "top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -124,7 +122,7 @@ class OpenAIServing:
                 min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
                 ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
                 logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
-                cache_salt=req.cache_salt,
+                cache_salt=req.cache_salt, structured_outputs=structured_params(req),
             )
         except InvalidRequestError as e:
             param = rename.get(e.param, e.param)
@@ -153,6 +151,9 @@ class OpenAIServing:
     async def _run(self, job: Job, params: SamplingParams, fmt: BaseFormatter, arrival: float, raw: Request,
                    rename: dict):
         self._log(job, params)
+        if params.structured_outputs is not None:
+            await compile_off_loop(self.engine.engine.structured, params.structured_outputs,
+                                   self.state.config.grammar_compile_timeout)
         requests = [EngineRequest(job.engine_id(i), p.token_ids, params) for i, p in enumerate(job.prompts)]
         try:
             stream = await self.engine.submit(requests, arrival)
