@@ -186,3 +186,54 @@ def test_beam_search_beams_each_follow_the_grammar(llm):
     assert len(texts) == 2
     for t in texts:
         jsonschema.validate(json.loads(t), SCHEMA)
+
+
+def test_stop_strings_and_min_tokens_keep_their_meaning(llm):
+    p = {"prompt_token_ids": _chat(llm, "Say hello.")}
+    choice = StructuredOutputsParams(choice=["hello big world", "hello big moon"])
+    stopped = llm.generate([p], SamplingParams(temperature=0, max_tokens=20, stop=[" big"], structured_outputs=choice),
+                           use_tqdm=False)[0].outputs[0]
+    assert stopped.text == "hello" and stopped.finish_reason == "stop" and stopped.stop_reason == " big"
+    # min_tokens holds end-of-sequence back while the grammar still has somewhere to go.
+    answer = StructuredOutputsParams(regex=r"(Yes|No)[A-Za-z ,.]{0,40}")
+    p = {"prompt_token_ids": _chat(llm, "Is the sky blue? Answer yes or no.")}
+    short = llm.generate([p], SamplingParams(temperature=0, max_tokens=30, structured_outputs=answer),
+                         use_tqdm=False)[0].outputs[0]
+    assert short.finish_reason == "stop" and short.token_ids[-1] in llm.engine.eos_token_ids  # the model chose EOS
+    longer = llm.generate([p], SamplingParams(temperature=0, max_tokens=30, min_tokens=len(short.token_ids) + 2,
+                                              structured_outputs=answer), use_tqdm=False)[0].outputs[0]
+    assert re.fullmatch(r"(Yes|No)[A-Za-z ,.]{0,40}", longer.text)
+    assert len(longer.token_ids) >= len(short.token_ids) + 2
+
+
+def test_a_slow_compile_is_refused_and_the_loop_keeps_running():
+    import asyncio
+    import threading
+
+    from kvshare.server.structured import compile_off_loop
+
+    release = threading.Event()
+
+    class SlowCompiler:
+        def compile(self, spec):
+            release.wait(5)
+
+    async def main():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while not release.is_set():
+                ticks += 1
+                await asyncio.sleep(0.005)
+
+        t = asyncio.create_task(ticker())
+        with pytest.raises(InvalidRequestError) as e:
+            await compile_off_loop(SlowCompiler(), StructuredOutputsParams(regex="a+"), timeout=0.2)
+        release.set()
+        await t
+        return e.value, ticks
+
+    err, ticks = asyncio.run(main())
+    assert err.param == "structured_outputs" and "0.2 s" in str(err)
+    assert ticks >= 10  # the event loop ran on while the compile was pending
