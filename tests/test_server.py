@@ -336,6 +336,7 @@ def test_a_35_mb_prompt_does_not_hold_the_event_loop(server):
         assert server.request("GET", "/health")[0] == 200
         if thread.is_alive():
             slowest, answered = max(slowest, time.monotonic() - t0), answered + 1
+        time.sleep(0.1)  # a probe's pace: hammering the 2-core machine would slow the big request itself
     thread.join()
     assert done["status"] == 400
     assert answered >= 3 and slowest < done["seconds"] / 3, (answered, slowest, done["seconds"])
