@@ -74,7 +74,10 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvshare import __version__
+
     parser = argparse.ArgumentParser(prog="kvshare", description="kvshare LLM inference engine")
+    parser.add_argument("--version", action="version", version=__version__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text for one or more prompts")

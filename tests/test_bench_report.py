@@ -1,7 +1,7 @@
 """`kvshare bench serve`'s arithmetic: percentiles, the knee, workloads (no server needed)."""
 from __future__ import annotations
 
-from kvshare.bench.report import RequestResult, find_knee, percentile, summarize
+from kvshare.bench.report import RequestResult, build_figure, find_knee, percentile, summarize
 from kvshare.bench.serve import make_workload
 
 
@@ -18,9 +18,9 @@ def test_percentile_interpolates_like_numpy():
 
 def test_knee_is_the_first_level_near_the_best_throughput():
     rising = [_level(1, 100), _level(2, 190), _level(4, 350)]
-    assert find_knee(rising) == {"level": 4, "why": "still rising at the last level"}
+    assert find_knee(rising) == {"level": 4, "found": False, "why": "still rising at the last level"}
     flat = [_level(1, 100), _level(2, 180), _level(4, 300), _level(8, 310), _level(16, 305)]
-    assert find_knee(flat)["level"] == 4
+    assert find_knee(flat)["level"] == 4 and find_knee(flat)["found"] is True
     noisy_dip = [_level(1, 100), _level(2, 150), _level(4, 140), _level(8, 260), _level(16, 270)]
     assert find_knee(noisy_dip)["level"] == 8  # an early dip is not the knee
 
@@ -50,3 +50,53 @@ def test_workloads_share_exactly_what_they_should():
     assert all(100 <= r.max_tokens <= 128 for r in ranged)
     assert all(60 <= r.est_prompt_tokens <= 90 for r in ranged)
     assert max(r.est_prompt_tokens for r in mixed) > 200
+
+
+def _sweep(label: str, tok_s: list[float], levels=(1, 2, 4, 8)) -> dict:
+    rows = [{"level": float(x), "num_requests": 4, "total_tok_s": t, "output_tok_s": t / 4, "ttft_p50_s": 0.1 * x,
+             "ttft_p99_s": 0.2 * x, "tpot_p50_s": 0.01, "tpot_p99_s": 0.02} for x, t in zip(levels, tok_s)]
+    return {"label": label, "model": "SmolLM2-135M-Instruct", "workload": "shared", "mode": "concurrency",
+            "levels": rows, "knee": find_knee(rows)}
+
+
+def _stars(ax) -> int:
+    return sum(1 for line in ax.get_lines() if line.get_marker() == "*")
+
+
+def test_plot_names_the_run_shows_the_levels_and_marks_only_a_found_knee():
+    flat = _sweep("kv", [100, 190, 300, 310])
+    fig = build_figure([flat])
+    title = fig._suptitle.get_text()
+    assert "SmolLM2-135M-Instruct" in title and "shared" in title and "16 requests" in title
+    axes = fig.axes
+    assert len(axes) == 4
+    fig.canvas.draw()  # tick labels as drawn
+    for ax in axes:
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["1", "2", "4", "8"]  # plain numbers
+        assert ax.get_xticklabels(minor=True) == [] or all(not t.get_text() for t in ax.get_xticklabels(minor=True))
+        assert ax.get_ylim()[0] == 0
+        assert _stars(ax) == 1  # the knee (at 4) on every panel
+    for ax in axes[2:]:  # latency panels: p50 solid, p99 dashed in the same colour
+        styles = {line.get_label(): line for line in ax.get_lines() if line.get_marker() != "*"}
+        p50, p99 = styles["kv (shared) p50"], styles["kv (shared) p99"]
+        assert p50.get_linestyle() == "-" and p99.get_linestyle() == "--" and p50.get_color() == p99.get_color()
+        assert list(p99.get_ydata()) > list(p50.get_ydata())
+    assert not any("still rising" in t.get_text() for ax in axes for t in ax.texts)
+
+    rising = build_figure([_sweep("kv", [100, 190, 350, 700])], title="kvshare vs HF")
+    assert rising._suptitle.get_text().startswith("kvshare vs HF\n")
+    for ax in rising.axes:
+        assert _stars(ax) == 0  # no knee found: none marked...
+    notes = [t.get_text() for ax in rising.axes[:2] for t in ax.texts]
+    assert notes and all("still rising" in n for n in notes)  # ...and said so
+
+
+def test_bench_against_an_unreachable_server_is_one_clear_line(capsys):
+    from kvshare.cli import main
+    from kvshare.testing.ports import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    rc = main(["bench", "serve", "--base-url", url, "--concurrency", "1", "--num-requests", "1", "--warmup", "0"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc != 0
+    assert len(err) == 1 and "cannot reach" in err[0] and url in err[0] and "Traceback" not in err[0]

@@ -66,3 +66,15 @@ def test_bad_option_is_a_clear_error():
     r = _run("generate", "hi", "--model", "/no/such/model.gguf")
     assert r.returncode == 2
     assert "model" in r.stderr
+
+
+def test_version_prints_the_version(capsys):
+    import pytest
+
+    import kvshare
+    from kvshare.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == kvshare.__version__

@@ -110,3 +110,20 @@ def test_token_prompt_may_carry_its_text(llm):
     out = _one(llm, {"prompt_token_ids": ids, "prompt": "Hello there, how are you?"})
     assert out.prompt == "Hello there, how are you?"
     assert list(out.prompt_token_ids) == ids
+
+
+def test_get_tokenizer_works_as_vllm_code_uses_it(llm):
+    tok = llm.get_tokenizer()
+    text = "Hello there, how are you?"
+    ids = tok(text)["input_ids"]
+    assert ids == tok.encode(text) and tok([text, text]).input_ids == [ids, ids]
+    assert tok.decode(ids) == text and len(tok) == tok.vocab_size == len(tok.get_vocab())
+    assert tok.convert_ids_to_tokens(ids)[1].startswith("Ġ") and tok.eos_token_id is not None
+    chat = [{"role": "user", "content": "Hi"}]
+    rendered = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    chat_ids = tok.apply_chat_template(chat, tokenize=True, add_generation_prompt=True)
+    assert chat_ids == tok.encode(rendered, add_special_tokens=False)
+    # What vLLM code does with it: tokenize, generate from the ids, decode.
+    out = _one(llm, {"prompt_token_ids": chat_ids})
+    assert out.prompt_token_ids == chat_ids and llm.chat(chat, PARAMS, use_tqdm=False)[0].outputs[0].token_ids == \
+        out.outputs[0].token_ids

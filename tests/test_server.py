@@ -63,8 +63,19 @@ def test_probes_version_models_and_metric_names(server, client):
                  "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
                  "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
                  "kvshare:aborted_requests_total", "vllm:time_to_first_token_seconds_bucket",
-                 "vllm:inter_token_latency_seconds_count", "vllm:e2e_request_latency_seconds_sum"):
+                 "vllm:inter_token_latency_seconds_count", "vllm:e2e_request_latency_seconds_sum",
+                 "process_resident_memory_bytes", "process_cpu_seconds_total"):
         assert name in names, name
+    assert server.metric("process_resident_memory_bytes") > 50 * 2**20  # the process collector, not a stub
+    # HEAD on every probe: the GET's status and headers, no body.
+    for path in ("/health", "/ready", "/version", "/v1/models", "/metrics"):
+        status, headers, body = server.request("HEAD", path)
+        assert (status, body) == (200, b""), path
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.object == "model"
+    status, _, body = server.request("GET", "/v1/models/gpt-4o")
+    err = json.loads(body)["error"]
+    assert status == 404 and "'gpt-4o'" in err["message"] and err["code"] == "model_not_found"
 
 
 def test_completion_and_chat_answer_with_usage(server, client):
@@ -225,6 +236,112 @@ def test_vllm_extras_are_honoured(client):
     assert top1 == greedy  # top_k=1 leaves only the most likely token
 
 
+IGNORED_OPENAI_FIELDS = {"metadata": {"k": "v"}, "store": False, "service_tier": "auto", "reasoning_effort": "low",
+                         "prediction": {"type": "content", "content": "x"}, "modalities": ["text"],
+                         "audio": {"voice": "alloy", "format": "wav"}, "web_search_options": {},
+                         "safety_identifier": "s1", "prompt_cache_key": "k1", "verbosity": "low",
+                         "functions": [], "function_call": "none", "user": "u1"}
+
+
+def test_openai_fields_are_accepted_ignored_and_logged_once(server, client):
+    kw = dict(model=MODEL, messages=CHAT, max_tokens=4, temperature=0)
+    plain = client.chat.completions.create(**kw).choices[0].message.content
+    for _ in range(2):
+        r = client.chat.completions.create(**kw, extra_body=IGNORED_OPENAI_FIELDS)
+        assert r.choices[0].message.content == plain  # ignored: the answer is the same
+    log = server.log_text()
+    for name in IGNORED_OPENAI_FIELDS:
+        if name != "user":
+            assert log.count(f"request field '{name}' is accepted and ignored") == 1, name
+
+
+def test_prompt_logprobs_as_vllm_returns_them(server, client):
+    ids = [504, 3458, 282, 4649, 314]
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0, echo=True, logprobs=1,
+                                  extra_body={"prompt_logprobs": 2})
+    plps = r.choices[0].model_extra["prompt_logprobs"]
+    assert len(plps) == len(ids) and plps[0] is None
+    echoed = r.choices[0].logprobs.token_logprobs
+    for i, (tid, entries) in enumerate(zip(ids[1:], plps[1:]), 1):
+        assert 2 <= len(entries) <= 3 and str(tid) in entries  # top-2 plus the prompt's own token
+        own = entries[str(tid)]
+        assert set(own) == {"logprob", "rank", "decoded_token"} and own["rank"] >= 1
+        assert abs(own["logprob"] - echoed[i]) < 1e-5  # the same numbers the echo reports
+        assert sorted(e["rank"] for e in entries.values())[:2] == [1, 2]
+    chat_r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, temperature=0,
+                                            extra_body={"prompt_logprobs": 0})
+    plps = chat_r.model_extra["prompt_logprobs"]
+    assert len(plps) == chat_r.usage.prompt_tokens and plps[0] is None and all(len(e) >= 1 for e in plps[1:])
+    assert client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1).model_extra[
+        "prompt_logprobs"] is None
+
+
+def test_continue_final_message_echo_and_tokenize(server, client):
+    messages = CHAT + [{"role": "assistant", "content": "The capital of France is"}]
+    extra = {"add_generation_prompt": False, "continue_final_message": True}
+    status, tok = server.post_json("/tokenize", {"model": MODEL, "messages": messages, **extra,
+                                                 "return_token_strs": True})
+    assert status == 200 and tok["count"] == len(tok["tokens"]) == len(tok["token_strs"])
+    assert tok["max_model_len"] == 512
+    status, detok = server.post_json("/detokenize", {"tokens": tok["tokens"]})
+    assert status == 200 and detok["prompt"].endswith("<|im_start|>assistant\nThe capital of France is")
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                       extra_body={**extra, "echo": True})
+    assert r.usage.prompt_tokens == tok["count"]
+    # The rendered prompt is exactly what /tokenize gave: the same tokens as a completion continue it.
+    same = client.completions.create(model=MODEL, prompt=tok["tokens"], max_tokens=6, temperature=0)
+    assert r.choices[0].message.content == "The capital of France is" + same.choices[0].text
+    assert "Paris" in same.choices[0].text
+    texts, _, _ = _collect_stream(client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0, stream=True, extra_body={**extra, "echo": True}),
+        chat=True)
+    assert texts == {0: r.choices[0].message.content}
+    # chat_template_kwargs reach the renderer (this template reads none of them: same tokens).
+    status, again = server.post_json("/tokenize", {"messages": messages, **extra,
+                                                   "chat_template_kwargs": {"enable_thinking": False}})
+    assert status == 200 and again["tokens"] == tok["tokens"]
+
+
+def test_tokenize_prompt_matches_the_served_prompt(server, client):
+    status, tok = server.post_json("/tokenize", {"prompt": FRANCE})
+    r = client.completions.create(model=MODEL, prompt=FRANCE, max_tokens=1)
+    assert status == 200 and tok["count"] == r.usage.prompt_tokens and tok["token_strs"] is None
+    assert server.post_json("/detokenize", {"tokens": tok["tokens"]}) == (200, {"prompt": FRANCE})
+    status, chat_tok = server.post_json("/tokenize", {"messages": CHAT})
+    assert chat_tok["count"] == client.chat.completions.create(model=MODEL, messages=CHAT,
+                                                               max_tokens=1).usage.prompt_tokens
+
+
+def test_a_35_mb_prompt_does_not_hold_the_event_loop(server):
+    """/health keeps answering while a 3.5 MB prompt is parsed and tokenized (it is then refused:
+    far beyond max_model_len); measured against the big request's own duration."""
+    import threading
+    import time
+
+    body = json.dumps({"prompt": "It is a truth universally acknowledged, that a single man. " * 60_000,
+                       "max_tokens": 1}).encode()
+    assert 3.3e6 < len(body) < 3.8e6
+    done = {}
+
+    def big():
+        t0 = time.monotonic()
+        done["status"] = server.request("POST", CMPL, body, {"Content-Type": "application/json"})[0]
+        done["seconds"] = time.monotonic() - t0
+
+    thread = threading.Thread(target=big)
+    thread.start()
+    slowest, answered = 0.0, 0
+    while thread.is_alive():
+        t0 = time.monotonic()
+        assert server.request("GET", "/health")[0] == 200
+        if thread.is_alive():
+            slowest, answered = max(slowest, time.monotonic() - t0), answered + 1
+        time.sleep(0.1)  # a probe's pace: hammering the 2-core machine would slow the big request itself
+    thread.join()
+    assert done["status"] == 400
+    assert answered >= 3 and slowest < done["seconds"] / 3, (answered, slowest, done["seconds"])
+
+
 # ---- bad requests ----------------------------------------------------------------------------
 
 OK = {"prompt": "Hi", "max_tokens": 2}
@@ -302,6 +419,23 @@ BAD_REQUESTS = [
     ("oversized_body", "POST", CMPL, b'{"prompt": "' + b"a" * (5 * 2**20) + b'"}', 413, None, "limit"),
     ("oversized_chunked_body", "POST", CMPL, ("chunked", b'{"prompt": "' + b"a" * (5 * 2**20) + b'"}'), 413, None,
      "limit"),
+    ("ignored_field_typo", "POST", CHATP, chat(metdata={"k": "v"}), 400, "metdata", "unknown field"),
+    ("ignored_field_wrong_type", "POST", CHATP, chat(store="yes"), 400, "store", "valid boolean"),
+    ("openai_field_not_on_completions", "POST", CMPL, c(metadata={"k": "v"}), 400, "metadata", "unknown field"),
+    ("functions_deprecated", "POST", CHATP, chat(functions=[{"name": "f"}]), 400, "functions", "use 'tools'"),
+    ("function_call_deprecated", "POST", CHATP, chat(function_call="auto"), 400, "function_call", "tool_choice"),
+    ("prompt_logprobs_stream", "POST", CMPL, c(prompt_logprobs=1, stream=True), 400, "prompt_logprobs", "stream"),
+    ("prompt_logprobs_huge", "POST", CHATP, chat(prompt_logprobs=50), 400, "prompt_logprobs", "less than or equal"),
+    ("continue_with_generation_prompt", "POST", CHATP, chat(continue_final_message=True, add_generation_prompt=True),
+     400, "continue_final_message", "cannot both"),
+    ("chat_template_kwargs_reserved", "POST", CHATP, chat(chat_template_kwargs={"messages": []}), 400,
+     "chat_template_kwargs", "'messages'"),
+    ("tokenize_bad_field", "POST", "/tokenize", {"prompt": "Hi", "add_special_token": True}, 400,
+     "add_special_token", "unknown field"),
+    ("tokenize_unknown_model", "POST", "/tokenize", {"prompt": "Hi", "model": "gpt-4o"}, 404, "model",
+     "does not exist"),
+    ("detokenize_out_of_vocab", "POST", "/detokenize", {"tokens": [1, 10**9]}, 400, "tokens", "tokens[1]"),
+    ("detokenize_not_ids", "POST", "/detokenize", {"tokens": ["a"]}, 400, "tokens[0]", "valid integer"),
     ("wrong_method", "GET", CMPL, None, 405, None, "not allowed"),
     ("unknown_route", "POST", "/v1/embeddings", c(), 404, None, "no route"),
 ]

@@ -250,3 +250,49 @@ def test_hf_model_directory_gets_its_tokenizer(hf_saved_dir, tmp_path):
     hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
     assert loaded.tokenizer.encode("<|im_start|>user\nhi 42") == hf.encode("<|im_start|>user\nhi 42")
     assert loaded.tokenizer.chat_template == hf.chat_template
+
+
+def test_hf_call_surface_matches_transformers(ours, hf):
+    """What vLLM code calls on a tokenizer: tok(text), tok([texts]), len(), get_vocab()."""
+    for add_special in (True, False):
+        got, want = ours(TEXTS[1], add_special_tokens=add_special), hf(TEXTS[1], add_special_tokens=add_special)
+        assert got["input_ids"] == want["input_ids"] and got.attention_mask == want["attention_mask"]
+    texts = [t for t in TEXTS[:6]]
+    assert ours(texts)["input_ids"] == hf(texts)["input_ids"]
+    assert ours(TEXTS[1], truncation=True, max_length=5).input_ids == hf(TEXTS[1], truncation=True,
+                                                                         max_length=5)["input_ids"]
+    assert len(ours) == len(hf)
+    assert ours.get_vocab() == hf.get_vocab()
+    assert ours.convert_tokens_to_ids(["<|im_end|>", "Hello"]) == hf.convert_tokens_to_ids(["<|im_end|>", "Hello"])
+
+
+def test_long_text_takes_the_gil_free_path_with_the_same_ids(ours, hf):
+    from kvshare.model.tokenizer import GIL_FREE_LENGTH
+
+    text = " ".join(TEXTS) * (GIL_FREE_LENGTH // 200)
+    assert len(text) > GIL_FREE_LENGTH
+    ids = ours.encode(text)
+    assert ids == hf.encode(text)
+    assert len(ids) > GIL_FREE_LENGTH and ours.decode(ids, skip_special_tokens=False) == text
+    assert ours.encode_batch([text, "Hi"]) == [ids, hf.encode("Hi")]
+
+
+@pytest.mark.parametrize("final", ["The answer is", "Sure:  \n"])
+def test_continue_final_message_matches_transformers(ours, hf, final):
+    messages = CONVERSATIONS[0] + [{"role": "assistant", "content": final}]
+    kw = dict(add_generation_prompt=False, continue_final_message=True)
+    want = hf.apply_chat_template(messages, tokenize=False, **kw)
+    assert ours.apply_chat_template(messages, tokenize=False, **kw) == want
+    assert not want.endswith("<|im_end|>\n")  # the message stays open
+    assert ours.apply_chat_template(messages, tokenize=True, **kw) == _ids(hf.apply_chat_template(
+        messages, tokenize=True, **kw))
+    with pytest.raises(ValueError, match="cannot both"):
+        ours.apply_chat_template(messages, add_generation_prompt=True, continue_final_message=True)
+
+
+def test_template_kwargs_and_template_override_reach_the_template(ours, hf):
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if shout %}!{% endif %}"
+    messages = CONVERSATIONS[0]
+    got = ours.apply_chat_template(messages, chat_template=template, add_generation_prompt=False, shout=True)
+    assert got == hf.apply_chat_template(messages, chat_template=template, tokenize=False, shout=True)
+    assert got.endswith("!") and ours.chat_template != template

@@ -70,12 +70,12 @@ def find_knee(levels: list[dict]) -> dict:
     buys little throughput and, in a closed loop, only latency (Little's law). A first-flat-step
     rule would stop at the first noisy dip, which on a shared machine comes early."""
     if not levels:
-        return {"level": None, "why": "no levels"}
+        return {"level": None, "found": False, "why": "no levels"}
     best = max(levels, key=lambda s: s["total_tok_s"])
     knee = next(s for s in levels if s["total_tok_s"] >= best["total_tok_s"] / KNEE_GAIN)
     if knee is levels[-1]:
-        return {"level": knee["level"], "why": "still rising at the last level"}
-    return {"level": knee["level"],
+        return {"level": knee["level"], "found": False, "why": "still rising at the last level"}
+    return {"level": knee["level"], "found": True,
             "why": f"within 10% of the best throughput ({best['total_tok_s']:.0f} tok/s at {best['level']:g})"}
 
 
@@ -98,31 +98,61 @@ def format_table(sweep: dict) -> str:
     return "\n".join(rows)
 
 
-def plot(sweeps: list[dict], path: str, title: str | None = None) -> None:
-    """Throughput and latency against load; several sweeps (engines) share the axes."""
-    import matplotlib
+def _describe_runs(sweeps: list[dict]) -> str:
+    def joined(key: str) -> str:
+        return ", ".join(dict.fromkeys(str(sw.get(key)) for sw in sweeps))
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    requests = sum(s["num_requests"] for sw in sweeps for s in sw["levels"])
+    return f"model {joined('model')} | workload {joined('workload')} | {requests} requests"
 
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
-    panels = [("total_tok_s", "total tok/s", 1), ("output_tok_s", "output tok/s", 1),
-              ("ttft_p50_s", "TTFT p50 (s)", 1), ("tpot_p50_s", "TPOT p50 (ms)", 1000)]
-    for ax, (key, label, scale) in zip(axes.flat, panels):
+
+def build_figure(sweeps: list[dict], title: str | None = None):
+    """Throughput and latency against load; several sweeps (engines) share the axes. A bare
+    matplotlib Figure (no pyplot state): the title names the model, workload and request count,
+    the x ticks are the levels themselves, every y axis starts at 0, p99 is dashed beside p50, and
+    the knee is starred where one was found ("still rising" written where none was)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 8))
+    axes = fig.subplots(2, 2)
+    panels = [("total_tok_s", None, "total tok/s", 1), ("output_tok_s", None, "output tok/s", 1),
+              ("ttft_p50_s", "ttft_p99_s", "TTFT (s)", 1), ("tpot_p50_s", "tpot_p99_s", "TPOT (ms)", 1000)]
+    levels = sorted({s["level"] for sw in sweeps for s in sw["levels"]})
+    rate = sweeps[0]["mode"] != "concurrency"
+    for ax, (key, p99_key, label, scale) in zip(axes.flat, panels):
+        notes = []
         for sw in sweeps:
-            xs = [s["level"] for s in sw["levels"] if s[key] is not None]
-            ys = [s[key] * scale for s in sw["levels"] if s[key] is not None]
-            line, = ax.plot(xs, ys, marker="o", label=f"{sw['label']} ({sw['workload']})")
-            knee = sw["knee"]["level"]
-            for x, y in zip(xs, ys):
-                if x == knee:
-                    ax.plot([x], [y], marker="*", markersize=16, color=line.get_color())
+            name = f"{sw['label']} ({sw['workload']})"
+            pts = [(s["level"], s[key] * scale) for s in sw["levels"] if s[key] is not None]
+            line, = ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o",
+                            label=name + (" p50" if p99_key else ""))
+            if p99_key:
+                p99 = [(s["level"], s[p99_key] * scale) for s in sw["levels"] if s[p99_key] is not None]
+                ax.plot([x for x, _ in p99], [y for _, y in p99], marker="o", linestyle="--", color=line.get_color(),
+                        label=name + " p99")
+            knee = sw["knee"]
+            if knee.get("found"):
+                for x, y in pts:
+                    if x == knee["level"]:
+                        ax.plot([x], [y], marker="*", markersize=16, linestyle="none", color=line.get_color())
+            elif p99_key is None:
+                notes.append(f"{sw['label']}: still rising (no knee)")
+        if notes:
+            ax.text(0.02, 0.97, "\n".join(notes), transform=ax.transAxes, va="top", fontsize=8)
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrency" if sweeps[0]["mode"] == "concurrency" else "request rate (req/s)")
+        ax.set_xticks(levels, labels=[f"{x:g}" for x in levels])
+        ax.minorticks_off()
+        ax.set_xlabel("request rate (req/s)" if rate else "concurrency")
         ax.set_ylabel(label)
+        ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
-    axes[0][0].legend(fontsize=8)
-    fig.suptitle(title or "kvshare bench serve (star = knee)")
+        ax.legend(fontsize=7, loc="best")
+    fig.suptitle(f"{title or 'kvshare bench serve (star = knee)'}\n{_describe_runs(sweeps)}")
     fig.tight_layout()
+    return fig
+
+
+def plot(sweeps: list[dict], path: str, title: str | None = None):
+    fig = build_figure(sweeps, title)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig

@@ -232,10 +232,26 @@ def _num_requests(opts: SweepOptions, level: float) -> int:
     return max(opts.min_requests, math.ceil(opts.per_level_factor * level))
 
 
-async def _discover_model(client, base: str, headers: dict) -> str:
-    resp = await client.get(f"{base}/models", headers=headers)
-    resp.raise_for_status()
-    return resp.json()["data"][0]["id"]
+class BenchError(Exception):
+    """A sweep that cannot start (server unreachable, no model to send): one line, no traceback."""
+
+
+async def _discover_model(client, base: str, headers: dict, model: str | None) -> str:
+    """The model to send (--model, else the first of /v1/models), after checking the server answers."""
+    import httpx2
+
+    try:
+        resp = await client.get(f"{base}/models", headers=headers)
+    except httpx2.TransportError as e:
+        raise BenchError(f"cannot reach the server at {base} ({type(e).__name__}: {e})") from None
+    if model:
+        return model
+    try:
+        resp.raise_for_status()
+        return resp.json()["data"][0]["id"]
+    except (httpx2.HTTPStatusError, ValueError, KeyError, IndexError, TypeError) as e:
+        raise BenchError(f"{base}/models did not name a model ({type(e).__name__}: {str(e)[:120]}); "
+                         f"give --model") from None
 
 
 async def run_sweep(opts: SweepOptions, log=print) -> dict:
@@ -248,7 +264,7 @@ async def run_sweep(opts: SweepOptions, log=print) -> dict:
     limits = httpx2.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx2.Timeout(opts.timeout, connect=30.0)
     async with httpx2.AsyncClient(limits=limits, timeout=timeout) as client:
-        model = opts.model or await _discover_model(client, base, headers)
+        model = await _discover_model(client, base, headers, opts.model)
         extra = {"ignore_eos": True} if opts.ignore_eos else {}
 
         def sender(req: BenchRequest):
@@ -349,7 +365,11 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     if opts.workload not in ("mixed", "shared") and not os.path.exists(opts.workload):
         raise ValueError(f"--workload {opts.workload!r}: give mixed, shared or an existing JSONL file")
     logging.getLogger("httpx2").setLevel(logging.WARNING)  # one INFO line per request drowns the table
-    sweep = asyncio.run(run_sweep(opts, log=lambda m: print(m, file=sys.stderr, flush=True)))
+    try:
+        sweep = asyncio.run(run_sweep(opts, log=lambda m: print(m, file=sys.stderr, flush=True)))
+    except BenchError as e:
+        print(f"kvshare bench serve: {e}", file=sys.stderr)
+        return 2
     print(format_table(sweep))
     if args.out_json:
         os.makedirs(os.path.dirname(os.path.abspath(args.out_json)), exist_ok=True)

@@ -20,6 +20,11 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as _BackendTokenizer
 
+# Texts (characters) and id lists longer than this go through the backend's batch calls, which
+# release the GIL: its single-text encode holds it throughout, and a server thread tokenizing a
+# 3.5 MB prompt would stop the event loop for seconds.
+GIL_FREE_LENGTH = 4096
+
 # llama.cpp's token_type values (gguf.TokenType).
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
@@ -138,8 +143,22 @@ def _token_content(value: Any) -> str | None:
     return None
 
 
+class BatchEncoding(dict):
+    """What calling a tokenizer returns, as in transformers: a dict whose keys are also attributes."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
 class Tokenizer:
-    """Text <-> token ids, special tokens and chat template for one model."""
+    """Text <-> token ids, special tokens and chat template for one model.
+
+    The surface vLLM code uses of a Hugging Face tokenizer is here too: calling it, ``encode``,
+    ``decode``, ``apply_chat_template``, ``convert_ids_to_tokens``, ``get_vocab``, ``len()``.
+    """
 
     def __init__(
         self,
@@ -287,10 +306,44 @@ class Tokenizer:
 
         Special tokens written in ``text`` (e.g. ``<|im_start|>``) always become their single id.
         """
+        if len(text) > GIL_FREE_LENGTH:
+            return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """Several texts at once, without holding the GIL."""
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        ids = [int(i) for i in ids]
+        if len(ids) > GIL_FREE_LENGTH:
+            return self._tok.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def __call__(self, text: str | Sequence[str], add_special_tokens: bool = True, truncation: bool = False,
+                 max_length: int | None = None) -> BatchEncoding:
+        """``tok(text)`` / ``tok([texts])`` as in transformers: ``input_ids`` and ``attention_mask``."""
+        single = isinstance(text, str)
+        texts = [text] if single else list(text)
+        if not all(isinstance(t, str) for t in texts):
+            raise TypeError("text must be a string or a list of strings")
+        ids = self.encode_batch(texts, add_special_tokens=add_special_tokens)
+        if truncation and max_length is not None:
+            ids = [x[:max_length] for x in ids]
+        masks = [[1] * len(x) for x in ids]
+        return BatchEncoding(input_ids=ids[0] if single else ids, attention_mask=masks[0] if single else masks)
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def get_vocab(self) -> dict[str, int]:
+        """Spelling -> id for the whole vocabulary, added tokens included."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
+    def convert_tokens_to_ids(self, tokens: str | Sequence[str]) -> int | None | list[int | None]:
+        if isinstance(tokens, str):
+            return self._tok.token_to_id(tokens)
+        return [self._tok.token_to_id(t) for t in tokens]
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         """Vocabulary spellings (byte-level BPE spells a leading space as 'Ġ')."""
@@ -346,12 +399,25 @@ class Tokenizer:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         tokenize: bool = False,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
         **template_kwargs: Any,
     ) -> str | list[int]:
         """Render ``messages`` with the model's chat template; ids instead of text if ``tokenize``.
 
         Extra keyword arguments (``tools``, ``documents``, ...) are passed to the template.
+        ``continue_final_message`` ends the text right after the last message's content (no
+        end-of-turn), so generation continues it; as in transformers it excludes
+        ``add_generation_prompt``. The defaults differ from transformers' (text, with a generation
+        prompt): pass both ``tokenize`` and ``add_generation_prompt`` to be explicit.
         """
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true: the first "
+                             "continues the last message, the second opens a new one")
+        if chat_template is not None:
+            return Tokenizer(self._tok, bos_token_id=self._bos_id, eos_token_id=self._eos_id,
+                             chat_template=chat_template).apply_chat_template(
+                messages, add_generation_prompt, tokenize, continue_final_message, **template_kwargs)
         if not self.chat_template:
             raise ValueError(
                 "This tokenizer has no chat template (none in the GGUF metadata, tokenizer_config.json or "
@@ -359,10 +425,36 @@ class Tokenizer:
             )
         context = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
         context.update(template_kwargs)
+        conversation = [dict(m) for m in messages]
+        if continue_final_message:
+            conversation = _tag_final_message(conversation)
         text = _compile_template(self.chat_template).render(
-            messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt, **context
+            messages=conversation, add_generation_prompt=add_generation_prompt, **context
         )
+        if continue_final_message:
+            text = _cut_at_tag(text)
         if tokenize:
             # The template already wrote any BOS it wants; adding another would duplicate it.
             return self.encode(text, add_special_tokens=False)
         return text
+
+
+# transformers' marker: appended to the final message, rendered, and cut at (with what follows).
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _tag_final_message(messages: list[dict]) -> list[dict]:
+    final = messages[-1].get("content") if messages else None
+    if not isinstance(final, str):
+        raise ValueError("continue_final_message needs a final message with text content to continue")
+    return messages[:-1] + [dict(messages[-1], content=final + _CONTINUE_TAG)]
+
+
+def _cut_at_tag(text: str) -> str:
+    """transformers' rule: cut at the marker; where the template trimmed the message's trailing
+    whitespace, the whitespace before the marker goes too."""
+    if _CONTINUE_TAG.strip() not in text:
+        raise ValueError("continue_final_message: the chat template drops part of the final message, so it "
+                         "cannot be continued")
+    at = text.rindex(_CONTINUE_TAG.strip())
+    return text[:at] if text[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()

@@ -7,6 +7,7 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, PlainTextResponse
 
@@ -17,6 +18,7 @@ from kvshare.server.middleware import GuardMiddleware
 from kvshare.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from kvshare.server.serving import OpenAIServing
 from kvshare.server.state import ServerState
+from kvshare.server.tokenize import LONG_BODY, TokenizeServing
 
 logger = logging.getLogger("kvshare.server")
 
@@ -34,15 +36,25 @@ def build_app(state: ServerState) -> FastAPI:
     app.state.kvshare = state
     app.add_middleware(GuardMiddleware, state=state)
     serving = OpenAIServing(state)
+    tokenizing = TokenizeServing(state)
+    registry = state.metrics.registry(lambda: state.engine.snapshot)
     _add_error_handlers(app, state)
 
-    @app.get("/health")
+    async def parse(raw: Request, model):
+        body = await raw.body()
+        if len(body) > LONG_BODY:  # JSON, Unicode checks and validation of a big body: off the event loop
+            return await asyncio.to_thread(parse_body, body, model)
+        return parse_body(body, model)
+
+    probe = ["GET", "HEAD"]
+
+    @app.api_route("/health", methods=probe)
     async def health():
         if state.engine.dead is not None:
             return JSONResponse({"status": "engine_dead", "detail": state.engine.dead}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/ready")
+    @app.api_route("/ready", methods=probe)
     async def ready():
         eng = state.engine
         age = eng.heartbeat_age()
@@ -55,28 +67,44 @@ def build_app(state: ServerState) -> FastAPI:
             return JSONResponse({"status": "stalled", **body}, status_code=503)
         return {"status": "ready", **body}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=probe)
     async def metrics():
-        return PlainTextResponse(state.metrics.render(state.engine.snapshot), media_type=PROMETHEUS_CONTENT_TYPE)
+        return PlainTextResponse(generate_latest(registry), media_type=PROMETHEUS_CONTENT_TYPE)
 
-    @app.get("/version")
+    @app.api_route("/version", methods=probe)
     async def version():
         return {"version": __version__}
 
-    @app.get("/v1/models")
+    def model_card() -> dict:
+        return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "kvshare",
+                "root": state.model_source, "parent": None, "max_model_len": state.max_model_len}
+
+    @app.api_route("/v1/models", methods=probe)
     async def models():
-        return {"object": "list", "data": [{
-            "id": state.model_name, "object": "model", "created": state.created, "owned_by": "kvshare",
-            "root": state.model_source, "parent": None, "max_model_len": state.max_model_len,
-        }]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != state.model_name:
+            raise APIError(404, f"the model '{model_id}' does not exist: this server serves '{state.model_name}'",
+                           param="model", code="model_not_found")
+        return model_card()
 
     @app.post("/v1/completions")
     async def completions(raw: Request):
-        return await serving.completions(parse_body(await raw.body(), CompletionRequest), raw)
+        return await serving.completions(await parse(raw, CompletionRequest), raw)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request):
-        return await serving.chat(parse_body(await raw.body(), ChatCompletionRequest), raw)
+        return await serving.chat(await parse(raw, ChatCompletionRequest), raw)
+
+    @app.post("/tokenize")
+    async def tokenize(raw: Request):
+        return await tokenizing.tokenize(await raw.body())
+
+    @app.post("/detokenize")
+    async def detokenize(raw: Request):
+        return await tokenizing.detokenize(await raw.body())
 
     return app
 
@@ -110,7 +138,8 @@ def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(req: Request, exc: StarletteHTTPException):
         if exc.status_code == 404:
-            msg = f"no route {req.method} {req.url.path}: see /v1/models, /v1/completions, /v1/chat/completions"
+            msg = (f"no route {req.method} {req.url.path}: see /v1/models, /v1/completions, /v1/chat/completions, "
+                   f"/tokenize, /detokenize")
         elif exc.status_code == 405:
             msg = f"method {req.method} is not allowed on {req.url.path}"
         else:

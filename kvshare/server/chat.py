@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from kvshare.errors import InvalidRequestError
 from kvshare.outputs import CompletionOutput, Logprob, RequestOutput
+from kvshare.server.chat_options import template_options
 from kvshare.server.formatting import MIN_LOGPROB, BaseFormatter, PromptInput, clamp_logprob, ranked
 from kvshare.server.protocol import ChatCompletionRequest
 
@@ -22,8 +23,9 @@ def render_chat_prompt(tokenizer, req: ChatCompletionRequest) -> PromptInput:
         if m.name is not None:
             msg["name"] = m.name
         conversation.append(msg)
+    options = template_options(req)
     try:
-        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=req.add_generation_prompt)
+        text = tokenizer.apply_chat_template(conversation, **options)
     except Exception as e:  # templates raise their own errors (e.g. "roles must alternate")
         raise InvalidRequestError(f"the model's chat template rejected these messages: {e}", "messages") from None
     return PromptInput(text=text, token_ids=tokenizer.encode(text, add_special_tokens=False))
@@ -34,8 +36,13 @@ class ChatFormatter(BaseFormatter):
 
     def opening_chunks(self) -> list[dict]:
         # Every choice announces its role first, as OpenAI's stream does.
-        return [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None}]) for i in range(len(self.job.prompts) * self.job.n)]
+        choices = range(len(self.job.prompts) * self.job.n)
+        opening = [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": None}]) for i in choices]
+        if self.job.echo_text:  # as vLLM: the echoed content in a chunk of its own per choice
+            opening += [self.chunk([{"index": i, "delta": {"content": self.job.echo_text}, "logprobs": None,
+                                     "finish_reason": None}]) for i in choices]
+        return opening
 
     def _entry(self, token_id: int, lp: Logprob | None) -> dict:
         text = self.token_text(token_id, lp)
@@ -60,7 +67,8 @@ class ChatFormatter(BaseFormatter):
         choices = []
         for index, _, c in self.ordered_choices(finals):
             logprobs = self._logprobs(c.token_ids, c.logprobs) if self.job.logprobs is not None else None
-            choices.append({"index": index, "message": {"role": "assistant", "content": c.text},
+            choices.append({"index": index, "message": {"role": "assistant", "content": self.job.echo_text + c.text},
                             "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return {"id": self.job.id, "object": "chat.completion", "created": self.job.created, "model": self.job.model,
-                "choices": choices, "usage": self.usage(finals), "system_fingerprint": None}
+                "choices": choices, "usage": self.usage(finals), "system_fingerprint": None,
+                "prompt_logprobs": self.prompt_logprobs_body(finals[0] if finals else None)}

@@ -58,6 +58,7 @@ class CompletionFormatter(BaseFormatter):
                 pairs = self._prompt_logprobs(p) if self.job.echo else []
                 logprobs, _ = self._logprobs(pairs + list(zip(c.token_ids, c.logprobs or [])), 0)
             choices.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
-                            "stop_reason": c.stop_reason})
+                            "stop_reason": c.stop_reason,
+                            "prompt_logprobs": self.prompt_logprobs_body(self.latest[p])})
         return {"id": self.job.id, "object": "text_completion", "created": self.job.created, "model": self.job.model,
                 "choices": choices, "usage": self.usage(finals), "system_fingerprint": None}

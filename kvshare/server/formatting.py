@@ -30,6 +30,7 @@ class Job:
     include_usage: bool = False
     echo: bool = False
     logprobs: int | None = None  # top-k to report, None = no logprobs
+    echo_text: str = ""  # chat: what `echo` puts in front of every choice's answer
 
     def engine_id(self, i: int) -> str:
         return f"{self.id}-{i}"
@@ -85,6 +86,15 @@ class BaseFormatter:
         if self.tok is None:
             return ""
         return self.tok.decode([token_id], skip_special_tokens=False)
+
+    def prompt_logprobs_body(self, out: RequestOutput | None) -> list[dict | None] | None:
+        """vLLM's prompt_logprobs: per prompt token None (the first) or {token id: {logprob, rank,
+        decoded_token}} for the prompt's own token and the top-k alternatives."""
+        if out is None or out.prompt_logprobs is None:
+            return None
+        return [None if entries is None else {
+            str(t): {"logprob": clamp_logprob(lp.logprob), "rank": lp.rank, "decoded_token": self.token_text(t, lp)}
+            for t, lp in entries.items()} for entries in out.prompt_logprobs]
 
     def chunks(self, out: RequestOutput) -> list[dict]:
         p = self.job.prompt_index(out.request_id)

@@ -1,4 +1,5 @@
-"""Prometheus metrics with vLLM's names, written in the text exposition format (version 0.0.4).
+"""Prometheus metrics with vLLM's names, exposed through prometheus-client (text format 0.0.4)
+from a registry of the server's own, with the process and Python collectors beside them.
 
 Counters and histograms are fed by the engine thread as outputs come out of each step; gauges and
 the engine's own cumulative counters are read from the snapshot the engine thread publishes, so a
@@ -7,8 +8,14 @@ scrape never touches the engine itself.
 from __future__ import annotations
 
 import bisect
+import math
 import threading
 from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 # vLLM's bucket edges, so dashboards built for vLLM read these histograms the same way.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -54,18 +61,10 @@ class Histogram:
         self.count += 1
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _fmt(v: float) -> str:
-    return repr(float(v))
-
-
 class ServerMetrics:
     def __init__(self, model_name: str) -> None:
         self._lock = threading.Lock()
-        self._label = f'model_name="{_escape(model_name)}"'
+        self.model_name = model_name
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.success = dict.fromkeys(FINISH_REASONS, 0)
@@ -103,60 +102,78 @@ class ServerMetrics:
             self.rejected[reason] = self.rejected.get(reason, 0) + 1
 
     # ---- exposition ---------------------------------------------------------------------
-    def render(self, snap: EngineSnapshot) -> str:
-        lines: list[str] = []
-        lab = self._label
+    def registry(self, snapshot) -> CollectorRegistry:
+        """A registry of this server's own (nothing global): these metrics, read from `snapshot()`
+        (the engine's latest EngineSnapshot) at every scrape, plus the process and Python collectors."""
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Collector(self, snapshot))
+        ProcessCollector(registry=registry)
+        PlatformCollector(registry=registry)
+        GCCollector(registry=registry)
+        return registry
 
-        def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
-            lines.append(f"# HELP {name} {help_text}")
-            lines.append(f"# TYPE {name} {kind}")
-            for labels, value in samples:
-                lines.append(f"{name}{{{labels}}} {_fmt(value)}")
+    def families(self, snap: EngineSnapshot) -> list:
+        name = self.model_name
 
-        def by(label: str, values: dict[str, int]) -> list[tuple[str, float]]:
-            return [(f'{lab},{label}="{_escape(k)}"', v) for k, v in values.items()]
+        def one(kind, metric: str, help_text: str, value: float):
+            fam = kind(metric, help_text, labels=["model_name"])
+            fam.add_metric([name], value)
+            return fam
 
-        def histogram(name: str, help_text: str, h: Histogram) -> None:
-            lines.append(f"# HELP {name} {help_text}")
-            lines.append(f"# TYPE {name} histogram")
-            running = 0
-            for edge, c in zip(list(h.buckets) + ["+Inf"], h.counts):
+        def by(metric: str, help_text: str, label: str, values: dict[str, int]):
+            fam = CounterMetricFamily(metric, help_text, labels=["model_name", label])
+            for k, v in values.items():
+                fam.add_metric([name, k], v)
+            return fam
+
+        def histogram(metric: str, help_text: str, h: Histogram):
+            fam = HistogramMetricFamily(metric, help_text, labels=["model_name"])
+            running, buckets = 0, []
+            for edge, c in zip(list(h.buckets) + [math.inf], h.counts):
                 running += c
-                le = edge if isinstance(edge, str) else _fmt(edge)
-                lines.append(f'{name}_bucket{{{lab},le="{le}"}} {_fmt(running)}')
-            lines.append(f"{name}_count{{{lab}}} {_fmt(h.count)}")
-            lines.append(f"{name}_sum{{{lab}}} {_fmt(h.sum)}")
+                buckets.append((floatToGoString(edge), running))
+            fam.add_metric([name], buckets, h.sum)
+            return fam
 
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
         with self._lock:
-            metric("vllm:num_requests_running", "gauge", "Requests with a sequence in the running batch.",
-                   [(lab, snap.running)])
-            metric("vllm:num_requests_waiting", "gauge", "Requests waiting to be scheduled.", [(lab, snap.waiting)])
-            metric("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage: fraction of blocks referenced (0 to 1).",
-                   [(lab, snap.kv_cache_usage)])
-            metric("kvshare:kv_cache_blocks_in_use", "gauge", "KV blocks referenced by a sequence.",
-                   [(lab, snap.blocks_in_use)])
-            metric("kvshare:kv_cache_blocks_total", "gauge", "KV blocks in the pool.", [(lab, snap.blocks_total)])
-            metric("vllm:prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
-                   [(lab, snap.prefix_cache_queries)])
-            metric("vllm:prefix_cache_hits_total", "counter", "Prompt tokens served by the prefix cache.",
-                   [(lab, snap.prefix_cache_hits)])
-            metric("vllm:num_preemptions_total", "counter", "Sequences preempted (recomputed later).",
-                   [(lab, snap.preemptions)])
-            metric("vllm:prompt_tokens_total", "counter", "Prompt tokens of requests that reached prefill.",
-                   [(lab, self.prompt_tokens)])
-            metric("vllm:generation_tokens_total", "counter", "Tokens generated.", [(lab, self.generation_tokens)])
-            metric("vllm:request_success_total", "counter", "Finished requests by finish reason.",
-                   by("finished_reason", self.success))
-            metric("kvshare:aborted_requests_total", "counter", "Requests aborted by the server, by cause.",
-                   by("reason", self.aborted))
-            metric("kvshare:rejected_requests_total", "counter", "HTTP requests refused before reaching the engine.",
-                   by("reason", self.rejected))
-            metric("kvshare:abort_delay_steps_max", "gauge",
-                   "Most engine steps between an abort being requested and applied.",
-                   [(lab, self.abort_delay_steps_max)])
-            metric("kvshare:engine_steps_total", "counter", "Engine steps run.", [(lab, snap.step)])
-            histogram("vllm:time_to_first_token_seconds", "Time from arrival to the first generated token.",
-                      self.ttft)
-            histogram("vllm:inter_token_latency_seconds", "Time between successive outputs of a request.", self.itl)
-            histogram("vllm:e2e_request_latency_seconds", "Time from arrival to the request finishing.", self.e2e)
-        return "\n".join(lines) + "\n"
+            return [
+                one(gauge, "vllm:num_requests_running", "Requests with a sequence in the running batch.", snap.running),
+                one(gauge, "vllm:num_requests_waiting", "Requests waiting to be scheduled.", snap.waiting),
+                one(gauge, "vllm:kv_cache_usage_perc", "KV-cache usage: fraction of blocks referenced (0 to 1).",
+                    snap.kv_cache_usage),
+                one(gauge, "kvshare:kv_cache_blocks_in_use", "KV blocks referenced by a sequence.", snap.blocks_in_use),
+                one(gauge, "kvshare:kv_cache_blocks_total", "KV blocks in the pool.", snap.blocks_total),
+                one(counter, "vllm:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
+                    snap.prefix_cache_queries),
+                one(counter, "vllm:prefix_cache_hits_total", "Prompt tokens served by the prefix cache.",
+                    snap.prefix_cache_hits),
+                one(counter, "vllm:num_preemptions_total", "Sequences preempted (recomputed later).", snap.preemptions),
+                one(counter, "vllm:prompt_tokens_total", "Prompt tokens of requests that reached prefill.",
+                    self.prompt_tokens),
+                one(counter, "vllm:generation_tokens_total", "Tokens generated.", self.generation_tokens),
+                by("vllm:request_success_total", "Finished requests by finish reason.", "finished_reason",
+                   self.success),
+                by("kvshare:aborted_requests_total", "Requests aborted by the server, by cause.", "reason",
+                   self.aborted),
+                by("kvshare:rejected_requests_total", "HTTP requests refused before reaching the engine.", "reason",
+                   self.rejected),
+                one(gauge, "kvshare:abort_delay_steps_max",
+                    "Most engine steps between an abort being requested and applied.", self.abort_delay_steps_max),
+                one(counter, "kvshare:engine_steps_total", "Engine steps run.", snap.step),
+                histogram("vllm:time_to_first_token_seconds", "Time from arrival to the first generated token.",
+                          self.ttft),
+                histogram("vllm:inter_token_latency_seconds", "Time between successive outputs of a request.",
+                          self.itl),
+                histogram("vllm:e2e_request_latency_seconds", "Time from arrival to the request finishing.",
+                          self.e2e),
+            ]
+
+
+class _Collector(Collector):
+    def __init__(self, metrics: ServerMetrics, snapshot) -> None:
+        self.metrics = metrics
+        self.snapshot = snapshot
+
+    def collect(self):
+        return self.metrics.families(self.snapshot())

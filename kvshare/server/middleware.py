@@ -1,6 +1,7 @@
 """The gate in front of the /v1/ routes, as plain ASGI so it runs before any body parsing:
 refuse while draining (503), check the API key (401), cap the body (413), count in-flight requests
-for the shutdown drain. Health, readiness, metrics and version stay open."""
+for the shutdown drain. /tokenize and /detokenize are guarded too; health, readiness, metrics and
+version stay open."""
 from __future__ import annotations
 
 import hmac
@@ -11,6 +12,8 @@ from kvshare.server.state import ServerState
 # An oversized body is read and dropped (up to this much) before the 413, so a client still
 # writing it gets the answer instead of a reset connection.
 DISCARD_LIMIT = 64 * 2**20
+# Outside /v1/ but guarded like it (vLLM serves them at the root).
+GUARDED_PATHS = frozenset({"/tokenize", "/detokenize"})
 
 
 class GuardMiddleware:
@@ -19,7 +22,7 @@ class GuardMiddleware:
         self.state = state
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        if scope["type"] != "http" or not (scope["path"].startswith("/v1/") or scope["path"] in GUARDED_PATHS):
             await self.app(scope, receive, send)
             return
         st = self.state

@@ -13,6 +13,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from pydantic_core import PydanticCustomError
 
 from kvshare.errors import InvalidRequestError
+from kvshare.server.ignored_fields import OpenAIIgnoredFields
 
 INT64 = 2**63
 
@@ -142,6 +143,7 @@ class _Sampling(_Strict):
     cache_salt: str | None = Field(None, min_length=1)
     structured_outputs: StructuredOutputsRequest | None = None
     response_format: ResponseFormat | None = None  # vLLM takes it on completions too
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # not with stream: true (as vLLM)
 
 
 class CompletionRequest(_Sampling):
@@ -165,7 +167,7 @@ class ChatMessage(_Strict):
     annotations: list[Any] | None = None
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(_Sampling, OpenAIIgnoredFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     max_tokens: int | None = Field(None, ge=1)  # OpenAI's deprecated name for max_completion_tokens
@@ -175,6 +177,10 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Literal["none", "auto"] | None = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
+    # vLLM's chat extras
+    continue_final_message: bool = False  # excludes an explicit add_generation_prompt: true
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template
+    echo: bool = False  # the last message's content opens the answer when its role is the answer's
 
 
 # ---- turning bytes and pydantic errors into one clear sentence ---------------------------
@@ -230,6 +236,11 @@ def _check_text(value: Any) -> None:
 
 
 def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
+    return validate_body(load_json_object(raw), model)
+
+
+def load_json_object(raw: bytes) -> dict:
+    """The body as a JSON object of valid Unicode text, or one clear 400."""
     if not raw:
         raise InvalidRequestError("the request body is empty: send a JSON object", None)
     try:
@@ -251,6 +262,10 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
         _check_text(obj)
     except RecursionError:
         raise InvalidRequestError("the request body is nested too deeply", None) from None
+    return obj
+
+
+def validate_body(obj: dict, model: type[BaseModel]) -> BaseModel:
     try:
         return model.model_validate(obj)
     except ValidationError as e:

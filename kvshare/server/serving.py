@@ -22,16 +22,18 @@ from kvshare.outputs import RequestOutput
 from kvshare.sampling_params import SamplingParams
 from kvshare.server.async_engine import EngineRequest, RequestStream
 from kvshare.server.chat import ChatFormatter, render_chat_prompt
+from kvshare.server.chat_options import echo_text
 from kvshare.server.completions import CompletionFormatter
 from kvshare.server.errors import APIError
 from kvshare.server.formatting import BaseFormatter, Job, PromptInput
+from kvshare.server.ignored_fields import check_ignored_fields
 from kvshare.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvshare.server.state import ServerState
 from kvshare.server.structured import compile_off_loop, structured_params
 
 logger = logging.getLogger("kvshare.server")
 
-LONG_TEXT = 4096  # characters; tokenizing more than this moves off the event loop
+LONG_TEXT = 4096  # characters; tokenizing or rendering more than this moves off the event loop
 
 
 def sse(obj: dict) -> str:
@@ -68,9 +70,14 @@ class OpenAIServing:
                                       f"samples, so best_of must be omitted or equal n ({req.n})", "best_of")
         if req.suffix is not None:
             raise InvalidRequestError("suffix is not supported by kvshare (no fill-in-the-middle); omit it", "suffix")
-        prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
+        prompt_logprobs = req.prompt_logprobs
+        if prompt_logprobs is None and req.echo and req.logprobs is not None:
+            prompt_logprobs = req.logprobs  # echoed prompt tokens carry their logprobs
         params = self._params(req, req.max_tokens, req.logprobs, prompt_logprobs, {})
-        prompts = [await self._tokenize(p) for p in req.prompt]
+        if sum(len(p) for p in req.prompt if isinstance(p, str)) > LONG_TEXT:
+            prompts = await asyncio.to_thread(lambda: [self._tokenize(p) for p in req.prompt])
+        else:
+            prompts = [self._tokenize(p) for p in req.prompt]
         job = self._job("cmpl", req, prompts, echo=req.echo, logprobs=req.logprobs)
         fmt = CompletionFormatter(job, self.tok)
         return await self._run(job, params, fmt, arrival, raw, {})
@@ -78,6 +85,7 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest, raw: Request):
         arrival = time.monotonic()
         self._check_common(req)
+        check_ignored_fields(req, self.state.ignored_fields_logged)
         if req.tools:
             raise InvalidRequestError("tools are not supported by kvshare yet; omit them", "tools")
         if req.top_logprobs is not None and not req.logprobs:
@@ -86,12 +94,13 @@ class OpenAIServing:
         max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         rename = {"max_tokens": max_name, "logprobs": "top_logprobs", "prompt": "messages"}
-        params = self._params(req, max_tokens, logprobs, None, rename)
+        params = self._params(req, max_tokens, logprobs, req.prompt_logprobs, rename)
         if sum(len(m.content or "") for m in req.messages) > LONG_TEXT:
             prompt = await asyncio.to_thread(render_chat_prompt, self.tok, req)
         else:
             prompt = render_chat_prompt(self.tok, req)
         job = self._job("chatcmpl", req, [prompt], logprobs=logprobs)
+        job.echo_text = echo_text(req)
         fmt = ChatFormatter(job, self.tok)
         return await self._run(job, params, fmt, arrival, raw, rename)
 
@@ -108,6 +117,9 @@ class OpenAIServing:
             raise InvalidRequestError("stream_options is only allowed with stream: true", "stream_options")
         if req.logit_bias:
             raise InvalidRequestError("logit_bias is not supported by kvshare; omit it", "logit_bias")
+        if req.prompt_logprobs is not None and req.stream:
+            raise InvalidRequestError("prompt_logprobs are not available with stream: true (as in vLLM)",
+                                      "prompt_logprobs")
 
     def _params(self, req, max_tokens, logprobs, prompt_logprobs, rename: dict) -> SamplingParams:
         def pick(value, default):
@@ -128,15 +140,13 @@ class OpenAIServing:
             param = rename.get(e.param, e.param)
             raise InvalidRequestError(str(e).replace("SamplingParams.", "", 1), param) from None
 
-    async def _tokenize(self, prompt: str | list[int]) -> PromptInput:
+    def _tokenize(self, prompt: str | list[int]) -> PromptInput:
         if not isinstance(prompt, str):
             return PromptInput(None, prompt)
         if prompt == "":
             raise InvalidRequestError("'prompt' is empty: give at least one character of text", "prompt")
         if self.tok is None:
             raise InvalidRequestError("this model has no tokenizer: send the prompt as token ids", "prompt")
-        if len(prompt) > LONG_TEXT:
-            return PromptInput(prompt, await asyncio.to_thread(self.tok.encode, prompt))
         return PromptInput(prompt, self.tok.encode(prompt))
 
     def _job(self, prefix: str, req, prompts: list[PromptInput], echo: bool = False,

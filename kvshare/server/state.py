@@ -32,3 +32,4 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False  # set by SIGTERM: new API requests get 503
     inflight: int = 0  # API requests inside the app (streams until their last byte)
+    ignored_fields_logged: set[str] = field(default_factory=set)  # accepted-and-ignored names already logged
