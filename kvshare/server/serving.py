@@ -8,6 +8,7 @@ request ends like any other, with the text so far and finish_reason "abort".
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -27,6 +28,7 @@ from kvshare.server.errors import APIError
 from kvshare.server.formatting import BaseFormatter, Job, PromptInput
 from kvshare.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvshare.server.state import ServerState
+from kvshare.server.tool_calls import plan_tool_calls
 
 logger = logging.getLogger("kvshare.server")
 
@@ -77,8 +79,8 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest, raw: Request):
         arrival = time.monotonic()
         self._check_common(req)
-        if req.tools:
-            raise InvalidRequestError("tools are not supported by kvshare yet; omit them", "tools")
+        cfg = self.state.config
+        tools = plan_tool_calls(req, cfg.tool_call_parser if cfg.enable_auto_tool_choice else None)
         if req.response_format is not None and req.response_format != {"type": "text"}:
             raise InvalidRequestError("response_format: only {\"type\": \"text\"} is supported (no structured "
                                       "output yet)", "response_format")
@@ -89,12 +91,14 @@ class OpenAIServing:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         rename = {"max_tokens": max_name, "logprobs": "top_logprobs", "prompt": "messages"}
         params = self._params(req, max_tokens, logprobs, None, rename)
+        if tools is not None and tools.schema is not None:  # required / named: the call is enforced
+            params = dataclasses.replace(params, structured_outputs=tools.structured_outputs())
         if sum(len(m.content or "") for m in req.messages) > LONG_TEXT:
-            prompt = await asyncio.to_thread(render_chat_prompt, self.tok, req)
+            prompt = await asyncio.to_thread(render_chat_prompt, self.tok, req, cfg.chat_template)
         else:
-            prompt = render_chat_prompt(self.tok, req)
+            prompt = render_chat_prompt(self.tok, req, cfg.chat_template)
         job = self._job("chatcmpl", req, [prompt], logprobs=logprobs)
-        fmt = ChatFormatter(job, self.tok)
+        fmt = ChatFormatter(job, self.tok, tools)
         return await self._run(job, params, fmt, arrival, raw, rename)
 
     # ---- checks and conversions -----------------------------------------------------------
