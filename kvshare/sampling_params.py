@@ -1,9 +1,69 @@
 """Per-request generation settings, named and validated as vLLM names them."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvshare.errors import InvalidRequestError
+
+_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrained decoding, as vLLM names it: exactly one of json (a JSON schema, as a dict or
+    its JSON text), regex, choice (a list of strings), grammar (Lark or GBNF/EBNF text) or
+    json_object (any JSON object). The whitespace options apply to json and json_object."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    # The request field the spec came from (e.g. "response_format.json_schema.schema"), for errors.
+    source_field: str = field(default="structured_outputs", compare=False)
+
+    def __post_init__(self) -> None:
+        given = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        where = self.source_field
+        if len(given) != 1:
+            raise InvalidRequestError(
+                f"{where} must set exactly one of {', '.join(_STRUCTURED_KINDS)}; got "
+                f"{', '.join(given) if given else 'none'}", where)
+        kind = given[0]
+        value = getattr(self, kind)
+        ok = {"json": isinstance(value, (dict, str)), "regex": isinstance(value, str) and value != "",
+              "choice": isinstance(value, list) and bool(value) and all(isinstance(c, str) for c in value),
+              "grammar": isinstance(value, str) and value.strip() != "", "json_object": value is True}[kind]
+        if not ok:
+            allowed = {"json": "a JSON schema (an object, or its JSON text)", "regex": "a non-empty regex string",
+                       "choice": "a non-empty list of strings", "grammar": "non-empty Lark or GBNF grammar text",
+                       "json_object": "true"}[kind]
+            raise InvalidRequestError(f"{where}.{kind} must be {allowed}; got {value!r:.80}",
+                                      f"{where}.{kind}" if where == "structured_outputs" else where)
+        if self.whitespace_pattern is not None and not isinstance(self.whitespace_pattern, str):
+            raise InvalidRequestError(f"{where}.whitespace_pattern must be a string", f"{where}.whitespace_pattern")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    def cache_key(self) -> tuple:
+        """(kind, spec, options): equal keys compile to the same grammar."""
+        value: Any = getattr(self, self.kind)
+        if self.kind == "json" and isinstance(value, str):
+            try:  # a schema sent as text caches with the same schema sent as an object
+                value = json.loads(value)
+            except ValueError:
+                pass  # refused when compiled
+        if isinstance(value, (dict, list)):
+            value = json.dumps(value, sort_keys=True, ensure_ascii=False)
+        return (self.kind, value, self.disable_any_whitespace, self.disable_additional_properties,
+                self.whitespace_pattern)
 
 
 @dataclass
@@ -28,6 +88,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Tenant key for prefix caching: requests with different salts never share KV blocks.
     cache_salt: str | None = None
+    # Constrained decoding (JSON schema, regex, choice, grammar); None = unconstrained.
+    structured_outputs: StructuredOutputsParams | None = None
     stop_list: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -83,6 +145,8 @@ class SamplingParams:
             raise bad("stop_token_ids", self.stop_token_ids, "a list of non-negative token ids")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", self.seed, "an integer or None")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", self.structured_outputs, "a StructuredOutputsParams or None")
 
     @property
     def greedy(self) -> bool:

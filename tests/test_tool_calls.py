@@ -7,8 +7,8 @@ What is shown how:
   earlier turns whose assistant answer is the same <tool_call> block, and at temperature 0 the
   135M model copies it. The parser, not the model, is under test here (the parsers themselves are
   tested on crafted replies in test_tool_parsers.py).
-- "required" and a named function are enforced by structured outputs, so every sampled reply is
-  a call whose arguments validate (jsonschema) against the tool's parameters, streamed or not.
+- "required" and a named function are enforced by structured outputs, so every sampled reply
+  (temperature 1, several choices) is a call whose arguments validate (jsonschema) against the tool's parameters, streamed or not.
 - A follow-up turn with the assistant's tool_calls and a role "tool" message renders through the
   template: the server's prompt_tokens equal a local rendering that holds the tools, the call and
   the tool's answer.
@@ -22,7 +22,6 @@ import jsonschema
 import openai
 import pytest
 
-import kvshare.sampling_params
 from kvshare.cli import main as kvshare_main
 from kvshare.errors import InvalidRequestError
 from kvshare.model.gguf_header import open_gguf_file
@@ -53,9 +52,6 @@ ASK = "What is the weather in Paris?"
 COPY = [m for _ in range(3) for m in ({"role": "user", "content": ASK}, {"role": "assistant", "content": CALL})]
 COPY.append({"role": "user", "content": ASK})
 
-needs_structured_outputs = pytest.mark.skipif(
-    not hasattr(kvshare.sampling_params, "StructuredOutputsParams"),
-    reason="kvshare.sampling_params has no StructuredOutputsParams yet: required/named need structured outputs")
 
 
 # ---- no server: schemas, plans, configuration --------------------------------------------------
@@ -227,7 +223,6 @@ def test_follow_up_turn_with_the_tool_result_renders_and_answers(client, tokeniz
     assert not r.choices[0].message.tool_calls
 
 
-@needs_structured_outputs
 @pytest.mark.parametrize("stream", [False, True])
 def test_required_always_gives_valid_calls(client, stream):
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "Hello!"}], tools=TOOLS, tool_choice="required",
@@ -246,7 +241,6 @@ def test_required_always_gives_valid_calls(client, stream):
             _check_call(call["name"], call["arguments"])
 
 
-@needs_structured_outputs
 @pytest.mark.parametrize("stream", [False, True])
 def test_named_function_always_gives_that_call(client, stream):
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "Hello!"}], tools=TOOLS, max_tokens=64,

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from kvshare.engine.request import RequestState, Sequence, SeqStatus
+from kvshare.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from kvshare.engine.scheduler import Scheduler
@@ -37,6 +38,8 @@ class BeamSearchParams:
     length_penalty: float = 1.0
     early_stopping: bool | str = False
     include_stop_str_in_output: bool = False
+    # Every beam constrained to the grammar; each beam carries its own matcher.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.beam_width, int) or self.beam_width < 1:
@@ -150,8 +153,10 @@ class BeamSearchDriver:
 
     def __init__(self, scheduler: Scheduler, new_seq: Callable[[RequestState, int, list[int], float], Sequence],
                  finish_seq: Callable[[Sequence, str], None],
-                 maybe_finish_request: Callable[[RequestState], None]) -> None:
+                 maybe_finish_request: Callable[[RequestState], None],
+                 constrain: Callable[[Sequence, torch.Tensor], torch.Tensor] = lambda seq, logits: logits) -> None:
         self.scheduler = scheduler
+        self.constrain = constrain  # a beam's logits with its grammar's disallowed tokens at -inf
         self.new_seq = new_seq
         self.finish_seq = finish_seq
         self.maybe_finish_request = maybe_finish_request
@@ -171,7 +176,7 @@ class BeamSearchDriver:
 
     def take_logits(self, seq: Sequence, logits: torch.Tensor) -> None:
         beam = self.requests[seq.request_id]
-        beam.step_logprobs[seq.seq_id] = torch.log_softmax(logits.float(), dim=-1)
+        beam.step_logprobs[seq.seq_id] = torch.log_softmax(self.constrain(seq, logits.float()), dim=-1)
 
     def step(self, st: RequestState) -> None:
         beam = self.requests[st.request_id]
@@ -201,6 +206,9 @@ class BeamSearchDriver:
             for cont in conts[1:]:
                 child = self.new_seq(st, beam.next_index, list(parent.token_ids), parent.arrival_time)
                 beam.next_index += 1
+                if parent.grammar is not None:
+                    child.grammar = parent.grammar.copy()  # before the parent takes its own token
+                    child.grammar.accept(cont.token_id)
                 st.seqs.append(child)
                 if parent.status is SeqStatus.RUNNING:
                     self.scheduler.add_forked(parent, child)
@@ -209,4 +217,6 @@ class BeamSearchDriver:
                 child.token_ids.append(cont.token_id)
                 beam.scores[child.seq_id] = cont.score
             parent.token_ids.append(conts[0].token_id)
+            if parent.grammar is not None:
+                parent.grammar.accept(conts[0].token_id)
             beam.scores[parent.seq_id] = conts[0].score

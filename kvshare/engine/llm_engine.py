@@ -20,6 +20,7 @@ from kvshare.engine.output_processor import OutputProcessor
 from kvshare.engine.request import RequestState, Sequence
 from kvshare.engine.scheduler import Scheduler
 from kvshare.engine.startup import KVLayout, StartupReport, release_freed_heap
+from kvshare.engine.structured_output import StructuredOutputs
 from kvshare.errors import InvalidRequestError
 from kvshare.kvcache.audit import KVAuditor, record_step_io
 from kvshare.kvcache.events import EventLog
@@ -30,7 +31,7 @@ from kvshare.model import cpu_kernels
 from kvshare.model.attention import PagedKVStorage, TorchPagedAttention
 from kvshare.model.llama import build_model
 from kvshare.model.loader import load_model
-from kvshare.model.sampler import Sampler, SamplingRow
+from kvshare.model.sampler import Sampler, SamplingRow, apply_token_bitmask
 from kvshare.outputs import RequestMetrics, RequestOutput
 from kvshare.sampling_params import SamplingParams
 
@@ -85,12 +86,14 @@ class LLMEngine:
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
         self.eos_token_ids = list(mc.eos_token_ids)
+        # Grammars for constrained decoding; llguidance's tokenizer is built on the first one.
+        self.structured = StructuredOutputs(self.tokenizer, mc.vocab_size, self.eos_token_ids)
         self.intake = RequestIntake(self.tokenizer, mc.vocab_size, self.layout, self.kv_policy,
                                     config.max_num_batched_tokens, length_unbounded)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler, self.eos_token_ids, max_model_len,
                                        length_unbounded)
         self.beams = BeamSearchDriver(self.scheduler, self._new_seq, self.outputs.finish_seq,
-                                      self.outputs.maybe_finish_request)
+                                      self.outputs.maybe_finish_request, self._constrain_beam)
         self._rng = torch.Generator().manual_seed(config.seed)
         self._ids = itertools.count()
         self.step_count = 0
@@ -126,12 +129,15 @@ class LLMEngine:
         if isinstance(params, BeamSearchParams):
             # Beams stop themselves (EOS, length); the sequences underneath just decode.
             beam_params = params
-            params = SamplingParams(temperature=0, max_tokens=params.max_tokens, ignore_eos=True)
+            params = SamplingParams(temperature=0, max_tokens=params.max_tokens, ignore_eos=True,
+                                    structured_outputs=params.structured_outputs)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", "request_id")
         text, token_ids, params = self.intake.prepare(prompt, params)
+        # Compiled (or found in the cache: the server compiles off this thread) before anything is queued.
+        grammar = self.structured.compile(params.structured_outputs) if params.structured_outputs else None
         now = arrival_time if arrival_time is not None else time.monotonic()
         metrics = RequestMetrics(arrival_time=now, num_prompt_tokens=len(token_ids))
         state = RequestState(request_id, text, token_ids, params, [], metrics)
@@ -140,6 +146,8 @@ class LLMEngine:
         # n > 1: one sequence computes the prompt; the others fork off it when it samples.
         first = self._new_seq(state, 0, list(token_ids), now)
         first.pending_forks = params.n - 1
+        if grammar is not None:
+            first.grammar = grammar.new_matcher()
         state.seqs.append(first)
         if params.prompt_logprobs is not None:
             state.prompt_logprobs_owner = state.seqs[0]
@@ -272,16 +280,33 @@ class LLMEngine:
                             self.eos_token_ids)
                 for s in seqs
             ]
-            for seq, res in zip(seqs, self.sampler(logits, rows)):
+            for seq, res in zip(seqs, self.sampler(logits, rows, self._token_bitmask(seqs))):
                 self._append_token(seq, res, now)
         for st in beam_requests.values():
             self.beams.step(st)
+
+    def _token_bitmask(self, seqs: list[Sequence]):
+        """The allowed tokens of this step's constrained rows (None when no row has a grammar)."""
+        rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        if not rows:
+            return None
+        for i in rows:
+            seqs[i].grammar.sync(seqs[i].output_token_ids)
+        return self.structured.fill_bitmask([seqs[i].grammar for i in rows], rows)
+
+    def _constrain_beam(self, seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
+        if seq.grammar is None:
+            return logits
+        seq.grammar.sync(seq.output_token_ids)
+        return apply_token_bitmask(logits.unsqueeze(0), self.structured.fill_bitmask([seq.grammar], [0]))[0]
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         state = self.requests[parent.request_id]
         children = []
         for _ in range(parent.pending_forks):
             child = self._new_seq(state, len(state.seqs), list(parent.token_ids), parent.arrival_time)
+            if parent.grammar is not None:
+                child.grammar = parent.grammar.copy()  # its own matcher, never the parent's
             state.seqs.append(child)
             self.scheduler.add_forked(parent, child)
             children.append(child)

@@ -2,6 +2,7 @@
 dicts, finishing sequences and requests, and building the RequestOutputs callers see."""
 from __future__ import annotations
 
+import logging
 import time
 
 from kvshare.engine.beam_search import BeamRequest
@@ -10,6 +11,8 @@ from kvshare.engine.request import RequestState, Sequence
 from kvshare.engine.scheduler import Scheduler
 from kvshare.model.sampler import logprobs_of
 from kvshare.outputs import CompletionOutput, Logprob, RequestOutput
+
+logger = logging.getLogger("kvshare")
 
 
 class OutputProcessor:
@@ -52,6 +55,16 @@ class OutputProcessor:
             seq.cumulative_logprob += res.logprob
         n_out = seq.num_output_tokens
         reason, stop_reason = None, None
+        grammar_done = False
+        if seq.grammar is not None:
+            if not seq.grammar.accept(res.token_id):
+                # The mask allows only tokens the matcher accepts, so this is a bug, not bad input.
+                logger.error("sequence %s: the grammar refused token %d (%s); aborting it", seq.seq_id,
+                             res.token_id, seq.grammar.error)
+                self.finish_seq(seq, "abort")
+                self.maybe_finish_request(st)
+                return
+            grammar_done = seq.grammar.is_stopped  # complete: nothing but end-of-sequence can follow
         if n_out >= params.min_tokens:
             if not params.ignore_eos and res.token_id in self.eos_token_ids:
                 reason = "stop"
@@ -64,6 +77,8 @@ class OutputProcessor:
                 hit = seq.detokenizer.check_stop()
                 if hit is not None:
                     reason, stop_reason = "stop", hit
+        if reason is None and grammar_done:
+            reason = "stop"
         if reason is None and n_out >= params.max_tokens:
             reason = "length"
         if reason is None and seq.num_tokens >= self.max_model_len and not self.length_unbounded:
@@ -77,6 +92,7 @@ class OutputProcessor:
         if seq.is_finished:
             return
         self.scheduler.finish(seq, reason, stop_reason)
+        seq.grammar = None  # finished or aborted: its matcher goes with it
         if seq.detokenizer is not None:
             seq.text_delta += seq.detokenizer.flush()
 

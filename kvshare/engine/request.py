@@ -43,6 +43,8 @@ class Sequence:
     # n > 1: siblings still to be forked off this sequence once its prompt is computed.
     pending_forks: int = 0
     text_delta: str = ""  # stream-safe text produced since the last output was taken
+    # Constrained decoding: this sequence's own matcher (kvshare.engine.structured_output), or None.
+    grammar: object | None = None
 
     @property
     def num_tokens(self) -> int:

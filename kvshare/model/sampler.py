@@ -2,6 +2,8 @@
 
 Processing order for one decoding step, per row (same as vLLM v1):
 
+0. Grammar: rows with a token bitmask (constrained decoding) have every disallowed token set
+   to -inf first, so their logprobs, like vLLM's, are those of the constrained distribution.
 1. Raw logprobs: if the row asked for ``logprobs`` (not None), its returned logprob / rank /
    top-k come from ``log_softmax`` of the *unprocessed* logits (vLLM's ``raw_logprobs`` mode).
 2. ``min_tokens``: while ``len(output_token_ids) < min_tokens`` the row's ``eos_token_ids`` and
@@ -25,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from kvshare.sampling_params import SamplingParams
@@ -43,6 +46,29 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     eos_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class TokenBitmask:
+    """Allowed tokens for some rows of a batch: `rows[i]`'s allowed ids are the set bits of
+    `bits[i]` (bit j of int32 word w is token 32 * w + j), as grammar engines fill them."""
+
+    rows: list[int]
+    bits: torch.Tensor  # [len(rows), ceil(vocab / 32)] int32
+
+    def allowed(self, vocab: int) -> torch.Tensor:
+        """[len(rows), vocab] bool."""
+        as_bytes = self.bits.contiguous().numpy().view(np.uint8)
+        unpacked = np.unpackbits(as_bytes, axis=1, bitorder="little")[:, :vocab]
+        return torch.from_numpy(unpacked).bool()
+
+
+def apply_token_bitmask(logits: torch.Tensor, mask: TokenBitmask) -> torch.Tensor:
+    """`logits` with each masked row's disallowed tokens at -inf (a new tensor; the input is kept)."""
+    idx = torch.tensor(mask.rows, dtype=torch.long, device=logits.device)
+    allowed = mask.allowed(logits.shape[-1]).to(logits.device)
+    sub = logits.index_select(0, idx).masked_fill_(~allowed, float("-inf"))
+    return logits.index_copy(0, idx, sub)
 
 
 @dataclass
@@ -114,7 +140,8 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
 class Sampler:
     """Samples one token per row; see the module docstring for the exact semantics."""
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
+                 token_bitmask: TokenBitmask | None = None) -> list[SampleResult]:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(
                 f"logits must be [len(rows)={len(rows)}, vocab], got {tuple(logits.shape)}"
@@ -122,6 +149,8 @@ class Sampler:
         if not rows:
             return []
         raw = logits if logits.dtype == torch.float32 else logits.float()
+        if token_bitmask is not None and token_bitmask.rows:
+            raw = apply_token_bitmask(raw, token_bitmask)
         n, vocab = raw.shape
         dev = raw.device
 
@@ -308,4 +337,5 @@ def logprobs_of(
     return out
 
 
-__all__ = ["SamplingRow", "SampleResult", "Sampler", "apply_penalties", "logprobs_of"]
+__all__ = ["SamplingRow", "SampleResult", "Sampler", "TokenBitmask", "apply_penalties", "apply_token_bitmask",
+           "logprobs_of"]

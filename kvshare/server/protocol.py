@@ -102,6 +102,33 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool | None = False  # accepted for vLLM clients; usage comes once, at the end
 
 
+class JsonSchemaFormat(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's response_format: plain text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Strict):
+    """vLLM's `structured_outputs` request extra (one of json, regex, choice, grammar, json_object)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+
 class _Sampling(_Strict):
     """Fields shared by completions and chat: OpenAI's, then vLLM's extras."""
 
@@ -127,6 +154,8 @@ class _Sampling(_Strict):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = Field(None, min_length=1)
+    structured_outputs: StructuredOutputsRequest | None = None
+    response_format: ResponseFormat | None = None  # vLLM takes it on completions too
 
 
 class CompletionRequest(_Sampling):
@@ -183,7 +212,6 @@ class ChatCompletionRequest(_Sampling):
     tools: list[ChatCompletionTool] | None = None
     tool_choice: ToolChoice = None  # None: "auto" with tools, else "none"
     parallel_tool_calls: bool | None = True
-    response_format: dict[str, Any] | None = None  # only {"type": "text"}
     add_generation_prompt: bool = True
 
 

@@ -28,6 +28,7 @@ from kvshare.server.errors import APIError
 from kvshare.server.formatting import BaseFormatter, Job, PromptInput
 from kvshare.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvshare.server.state import ServerState
+from kvshare.server.structured import compile_off_loop, structured_params
 from kvshare.server.tool_calls import plan_tool_calls
 
 logger = logging.getLogger("kvshare.server")
@@ -81,9 +82,6 @@ class OpenAIServing:
         self._check_common(req)
         cfg = self.state.config
         tools = plan_tool_calls(req, cfg.tool_call_parser if cfg.enable_auto_tool_choice else None)
-        if req.response_format is not None and req.response_format != {"type": "text"}:
-            raise InvalidRequestError("response_format: only {\"type\": \"text\"} is supported (no structured "
-                                      "output yet)", "response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs: true", "top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -92,6 +90,10 @@ class OpenAIServing:
         rename = {"max_tokens": max_name, "logprobs": "top_logprobs", "prompt": "messages"}
         params = self._params(req, max_tokens, logprobs, None, rename)
         if tools is not None and tools.schema is not None:  # required / named: the call is enforced
+            if params.structured_outputs is not None:
+                raise InvalidRequestError(f"tool_choice {req.tool_choice!r} is enforced through structured outputs, "
+                                          f"so response_format / structured_outputs cannot constrain the reply too",
+                                          "tool_choice")
             params = dataclasses.replace(params, structured_outputs=tools.structured_outputs())
         if sum(len(m.content or "") for m in req.messages) > LONG_TEXT:
             prompt = await asyncio.to_thread(render_chat_prompt, self.tok, req, cfg.chat_template)
@@ -128,7 +130,7 @@ class OpenAIServing:
                 min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
                 ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
                 logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
-                cache_salt=req.cache_salt,
+                cache_salt=req.cache_salt, structured_outputs=structured_params(req),
             )
         except InvalidRequestError as e:
             param = rename.get(e.param, e.param)
@@ -157,6 +159,9 @@ class OpenAIServing:
     async def _run(self, job: Job, params: SamplingParams, fmt: BaseFormatter, arrival: float, raw: Request,
                    rename: dict):
         self._log(job, params)
+        if params.structured_outputs is not None:
+            await compile_off_loop(self.engine.engine.structured, params.structured_outputs,
+                                   self.state.config.grammar_compile_timeout)
         requests = [EngineRequest(job.engine_id(i), p.token_ids, params) for i, p in enumerate(job.prompts)]
         try:
             stream = await self.engine.submit(requests, arrival)

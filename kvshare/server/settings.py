@@ -30,6 +30,8 @@ class ServerConfig:
     # /ready fails when the engine loop has not come round for this long (a hung step).
     ready_stall_seconds: float = 60.0
     retry_after_seconds: int = 1
+    # A structured-output grammar that takes longer to compile is refused (400), not waited on.
+    grammar_compile_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         if not (0 <= self.port <= 65535):

@@ -7,6 +7,7 @@ import uuid
 from dataclasses import dataclass
 
 from kvshare.errors import InvalidRequestError
+from kvshare.sampling_params import StructuredOutputsParams
 from kvshare.server.tool_parsers import TOOL_PARSERS, ToolParser
 from kvshare.server.tool_parsers.constrained import NamedToolParser, RequiredToolParser
 from kvshare.server.tool_stream import ToolCallStream
@@ -73,14 +74,9 @@ class ToolPlan:
     def stream(self) -> ToolCallStream:
         return ToolCallStream(self.parser, self.parallel, tool_call_id)
 
-    def structured_outputs(self):
-        """The StructuredOutputsParams that make the model write `schema` (required and named)."""
-        try:
-            from kvshare.sampling_params import StructuredOutputsParams
-        except ImportError:  # structured outputs not in this build
-            raise InvalidRequestError(f"tool_choice {self.choice!r} needs structured outputs, which this kvshare "
-                                      f"build lacks; use \"auto\" or \"none\"", "tool_choice") from None
-        return StructuredOutputsParams(json=self.schema)
+    def structured_outputs(self) -> StructuredOutputsParams:
+        """What makes the model write `schema` (required and named); compile errors name `tools`."""
+        return StructuredOutputsParams(json=self.schema, source_field="tools")
 
 
 def plan_tool_calls(req, auto_parser: str | None) -> ToolPlan | None:
