@@ -1,6 +1,7 @@
-"""Tool calling through the real server on loopback, driven by the official `openai` client: one
+"""Tool calling through the real server on loopback, driven by the official `openai` client: a
 server with --enable-auto-tool-choice --tool-call-parser hermes --chat-template (a hermes-style
-ChatML template in tests/templates), and one plain server that must refuse "auto".
+ChatML template in tests/templates). That "auto" is refused without the flag is shown on
+test_server.py's plain server.
 
 What is shown how:
 - "auto" parses calls out of text the model really generates: the conversation holds three
@@ -125,29 +126,18 @@ def test_server_options_are_checked_before_any_model_loads(tmp_path, capsys):
 # ---- servers -----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def servers():
-    # Both start at once: their start-ups overlap.
-    procs = {"tools": ServerProcess("--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                                    "--chat-template", TEMPLATE),
-             "plain": ServerProcess()}
+def server():
+    srv = ServerProcess("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--chat-template", TEMPLATE)
     try:
-        for p in procs.values():
-            p.wait_ready()
-        yield procs
+        yield srv.wait_ready()
     finally:
-        for p in procs.values():
-            p.proc.terminate()  # SIGTERM to both: they drain at once
-        for p in procs.values():
-            p.close()  # waits (no second signal once it has exited)
-
-
-def _client(srv) -> openai.OpenAI:
-    return openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=300)
+        srv.proc.kill()  # graceful shutdown is tested elsewhere; here it would only cost seconds
+        srv.close()
 
 
 @pytest.fixture(scope="module")
-def client(servers):
-    return _client(servers["tools"])
+def client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -277,17 +267,7 @@ def test_bad_tool_requests_are_400s_naming_the_field(client):
     _bad(client, "messages[1].tool_calls[0].function.arguments", "not JSON",
          messages=[{"role": "user", "content": ASK}, {"role": "assistant", "tool_calls": [
              {"id": "1", "type": "function", "function": {"name": "get_weather", "arguments": "{city"}}]}])
+    _bad(client, "tool_choice", "enforced through structured outputs", tools=TOOLS, tool_choice="required",
+         response_format={"type": "json_object"})
     r = client.chat.completions.create(model=MODEL, messages=COPY[-1:], max_tokens=4, temperature=0)
     assert r.choices[0].message.content  # and it serves on
-
-
-def test_auto_without_the_flag_is_a_400_and_the_server_serves_on(servers):
-    plain = _client(servers["plain"])
-    for kw in (dict(tool_choice="auto"), {}):  # no tool_choice with tools means "auto"
-        with pytest.raises(openai.BadRequestError) as e:
-            plain.chat.completions.create(model=MODEL, messages=COPY[-1:], tools=TOOLS, max_tokens=2, **kw)
-        assert e.value.body["param"] == "tool_choice"
-        assert e.value.body["message"] == ('"auto" tool choice requires --enable-auto-tool-choice and '
-                                           '--tool-call-parser to be set')
-    r = plain.chat.completions.create(model=MODEL, messages=COPY[-1:], tools=TOOLS, tool_choice="none", max_tokens=4)
-    assert r.choices[0].message.content and r.choices[0].finish_reason == "length"
