@@ -160,10 +160,11 @@ def test_abort_and_finish_free_the_matcher(llm):
 
 
 def test_preempted_constrained_request_still_validates():
-    # 50 blocks of 16 slots: three long prompts cannot all stay resident, so the scheduler preempts.
-    small = LLM(kv_cache_memory=46080 * 16 * 50, max_model_len=512, enable_prefix_caching=False,
-                max_num_batched_tokens=256)
-    filler = "Write about the history of the city of Rome in detail. " * 24
+    # 16 blocks of 16 slots: three ~100-token prompts and their outputs cannot all stay resident,
+    # so the scheduler preempts and recomputes.
+    small = LLM(kv_cache_memory=46080 * 16 * 16, max_model_len=512, enable_prefix_caching=False,
+                max_num_batched_tokens=128)
+    filler = "Write about the history of the city of Rome in detail. " * 7
     prompts = [{"prompt_token_ids": _chat(small, filler + f" Then give person number {i} as JSON.")}
                for i in range(3)]
     params = _json(max_tokens=60)
@@ -172,15 +173,16 @@ def test_preempted_constrained_request_still_validates():
     assert sum(o.metrics.num_preemptions for o in together) > 0
     for o in together:
         jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
-    alone = [small.generate([p], params, use_tqdm=False)[0] for p in prompts]
-    assert [o.outputs[0].token_ids for o in alone] == [o.outputs[0].token_ids for o in together]
+    for p, o in zip(prompts, together):
+        if o.metrics.num_preemptions:  # recomputed: the same tokens as when it runs alone
+            assert small.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids == o.outputs[0].token_ids
 
 
 def test_beam_search_beams_each_follow_the_grammar(llm):
     prompt = {"prompt_token_ids": _chat(llm, "A person as JSON.")}
-    outs = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=40,
+    outs = llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=30,
                                                       structured_outputs=StructuredOutputsParams(json=SCHEMA)))
     texts = [llm.get_tokenizer().decode(s.tokens[len(prompt["prompt_token_ids"]):]) for s in outs[0].sequences]
-    assert len(texts) == 3
+    assert len(texts) == 2
     for t in texts:
         jsonschema.validate(json.loads(t), SCHEMA)
