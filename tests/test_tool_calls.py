@@ -269,5 +269,9 @@ def test_bad_tool_requests_are_400s_naming_the_field(client):
              {"id": "1", "type": "function", "function": {"name": "get_weather", "arguments": "{city"}}]}])
     _bad(client, "tool_choice", "enforced through structured outputs", tools=TOOLS, tool_choice="required",
          response_format={"type": "json_object"})
+    broken = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "minProperties": "x"}}}
+    _bad(client, "tools[1].function.parameters", "does not compile", tools=[WEATHER, broken],
+         tool_choice={"type": "function", "function": {"name": "f"}})
+    _bad(client, "tools", "does not compile", tools=[WEATHER, broken], tool_choice="required")
     r = client.chat.completions.create(model=MODEL, messages=COPY[-1:], max_tokens=4, temperature=0)
     assert r.choices[0].message.content  # and it serves on

@@ -55,6 +55,7 @@ class ToolPlan:
     parser: ToolParser
     parallel: bool = True
     schema: dict | None = None  # what structured outputs enforce (required and named)
+    schema_field: str = "tools"  # where the schema came from, for compile errors
 
     def finish_reason(self, called: bool, reason: str | None) -> str | None:
         # vLLM's rule: a named function keeps "stop", as OpenAI does for a forced function.
@@ -75,8 +76,8 @@ class ToolPlan:
         return ToolCallStream(self.parser, self.parallel, tool_call_id)
 
     def structured_outputs(self) -> StructuredOutputsParams:
-        """What makes the model write `schema` (required and named); compile errors name `tools`."""
-        return StructuredOutputsParams(json=self.schema, source_field="tools")
+        """What makes the model write `schema` (required and named); compile errors name the tools."""
+        return StructuredOutputsParams(json=self.schema, source_field=self.schema_field)
 
 
 def plan_tool_calls(req, auto_parser: str | None) -> ToolPlan | None:
@@ -113,7 +114,9 @@ def plan_tool_calls(req, auto_parser: str | None) -> ToolPlan | None:
         listed = ", ".join(f"'{n}'" for n in names) or "none"
         raise InvalidRequestError(f"tool_choice names the function '{name}', which is not in `tools` (given: "
                                   f"{listed})", "tool_choice")
-    return ToolPlan("function", NamedToolParser(name), parallel, parameters_schema(tools[names[name]]))
+    i = names[name]
+    return ToolPlan("function", NamedToolParser(name), parallel, parameters_schema(tools[i]),
+                    f"tools[{i}].function.parameters")
 
 
 def _show(choice) -> str:
