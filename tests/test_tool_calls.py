@@ -9,7 +9,8 @@ What is shown how:
   135M model copies it. The parser, not the model, is under test here (the parsers themselves are
   tested on crafted replies in test_tool_parsers.py).
 - "required" and a named function are enforced by structured outputs, so every sampled reply
-  (temperature 1, several choices) is a call whose arguments validate (jsonschema) against the tool's parameters, streamed or not.
+  (temperature 1, three choices) is a call whose arguments validate (jsonschema) against the
+  tool's parameters, streamed or not.
 - A follow-up turn with the assistant's tool_calls and a role "tool" message renders through the
   template: the server's prompt_tokens equal a local rendering that holds the tools, the call and
   the tool's answer.

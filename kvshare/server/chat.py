@@ -8,6 +8,7 @@ from kvshare.outputs import CompletionOutput, Logprob, RequestOutput
 from kvshare.server.formatting import MIN_LOGPROB, BaseFormatter, PromptInput, clamp_logprob, ranked
 from kvshare.server.protocol import ChatCompletionRequest
 from kvshare.server.tool_calls import ToolPlan
+from kvshare.server.tool_stream import ToolCallStream
 
 
 def _conversation(req: ChatCompletionRequest) -> list[dict]:
@@ -28,7 +29,8 @@ def _conversation(req: ChatCompletionRequest) -> list[dict]:
         if m.name is not None:
             msg["name"] = m.name
         if m.tool_calls:
-            msg["tool_calls"] = [_template_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(m.tool_calls)]
+            msg["tool_calls"] = [_template_call(c, f"messages[{i}].tool_calls[{j}]")
+                                 for j, c in enumerate(m.tool_calls)]
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
         conversation.append(msg)
@@ -56,7 +58,7 @@ def render_chat_prompt(tokenizer, req: ChatCompletionRequest, chat_template: str
         text = tokenizer.apply_chat_template(conversation, add_generation_prompt=req.add_generation_prompt,
                                              tools=tools, chat_template=chat_template)
     except Exception as e:  # templates raise their own errors (e.g. "roles must alternate")
-        raise InvalidRequestError(f"the model's chat template rejected these messages: {e}", "messages") from None
+        raise InvalidRequestError(f"the chat template rejected these messages: {e}", "messages") from None
     return PromptInput(text=text, token_ids=tokenizer.encode(text, add_special_tokens=False))
 
 
@@ -66,7 +68,7 @@ class ChatFormatter(BaseFormatter):
     def __init__(self, job, tokenizer, tools: ToolPlan | None = None) -> None:
         super().__init__(job, tokenizer)
         self.tools = tools
-        self.tool_streams = {}  # choice index -> ToolCallStream
+        self.tool_streams: dict[int, ToolCallStream] = {}  # per choice index
 
     def opening_chunks(self) -> list[dict]:
         # Every choice announces its role first, as OpenAI's stream does.

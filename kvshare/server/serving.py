@@ -91,9 +91,9 @@ class OpenAIServing:
         params = self._params(req, max_tokens, logprobs, None, rename)
         if tools is not None and tools.schema is not None:  # required / named: the call is enforced
             if params.structured_outputs is not None:
-                raise InvalidRequestError(f"tool_choice {req.tool_choice!r} is enforced through structured outputs, "
-                                          f"so response_format / structured_outputs cannot constrain the reply too",
-                                          "tool_choice")
+                raise InvalidRequestError(f"tool_choice {json.dumps(req.tool_choice)} is enforced through "
+                                          f"structured outputs, so response_format / structured_outputs cannot "
+                                          f"constrain the reply too", "tool_choice")
             params = dataclasses.replace(params, structured_outputs=tools.structured_outputs())
         if sum(len(m.content or "") for m in req.messages) > LONG_TEXT:
             prompt = await asyncio.to_thread(render_chat_prompt, self.tok, req, cfg.chat_template)
