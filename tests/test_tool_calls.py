@@ -104,6 +104,22 @@ def test_plans_follow_vllm_defaults_and_refusals():
         assert e.value.param == param
 
 
+def test_plans_turn_replies_into_messages_and_finish_reasons():
+    two = CALL + "\n" + CALL.replace("Paris", "Tokyo")
+    auto = plan_tool_calls(_req(tools=TOOLS), "hermes")
+    content, calls = auto.message(two)
+    assert content is None and [json.loads(c["function"]["arguments"])["city"] for c in calls] == ["Paris", "Tokyo"]
+    assert len({c["id"] for c in calls}) == 2 and all(c["id"].startswith("chatcmpl-tool-") for c in calls)
+    single = plan_tool_calls(_req(tools=TOOLS, parallel_tool_calls=False), "hermes")
+    assert [json.loads(c["function"]["arguments"])["city"] for c in single.message(two)[1]] == ["Paris"]
+    assert auto.message("It is sunny.") == ("It is sunny.", [])
+    assert (auto.finish_reason(True, "stop"), auto.finish_reason(False, "stop")) == ("tool_calls", "stop")
+    assert auto.finish_reason(True, "length") == "length"
+    named = plan_tool_calls(_req(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}}),
+                            None)
+    assert named.finish_reason(True, "stop") == "stop"  # OpenAI's and vLLM's answer to a forced function
+
+
 def test_server_options_are_checked_before_any_model_loads(tmp_path, capsys):
     with pytest.raises(ValueError, match="requires --tool-call-parser"):
         ServerConfig(enable_auto_tool_choice=True)
