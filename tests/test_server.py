@@ -441,6 +441,19 @@ BAD_REQUESTS = [
 ]
 
 
+def test_tool_choice_auto_needs_the_flag_and_the_server_serves_on(client):
+    # This server runs without --enable-auto-tool-choice (tests/test_tool_calls.py has one with it).
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    for kw in (dict(tool_choice="auto"), {}):  # tools without tool_choice mean "auto", as in vLLM
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=CHAT, tools=tools, max_tokens=2, **kw)
+        assert e.value.body["param"] == "tool_choice"
+        assert e.value.body["message"] == ('"auto" tool choice requires --enable-auto-tool-choice and '
+                                           '--tool-call-parser to be set')
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, tools=tools, tool_choice="none", max_tokens=4)
+    assert r.choices[0].message.content and r.choices[0].finish_reason == "length"
+
+
 @pytest.mark.parametrize("case", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
 def test_bad_request_gets_a_clear_4xx(server, case):
     _, method, path, body, status, param, phrase = case

@@ -134,6 +134,14 @@ def _compile_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+def check_chat_template(source: str) -> None:
+    """Raise ValueError naming the line if ``source`` is not a chat template this tokenizer can render."""
+    try:
+        _compile_template(source)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise ValueError(f"the chat template does not parse: {e.message} (line {e.lineno})") from None
+
+
 def _token_content(value: Any) -> str | None:
     """tokenizer_config.json spells special tokens as a string or as an AddedToken dict."""
     if isinstance(value, str):
@@ -400,35 +408,37 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tokenize: bool = False,
         continue_final_message: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None,
         chat_template: str | None = None,
         **template_kwargs: Any,
     ) -> str | list[int]:
-        """Render ``messages`` with the model's chat template; ids instead of text if ``tokenize``.
+        """Render ``messages`` with the model's chat template (or ``chat_template``, a template
+        source that overrides it); ids instead of text if ``tokenize``.
 
-        Extra keyword arguments (``tools``, ``documents``, ...) are passed to the template.
-        ``continue_final_message`` ends the text right after the last message's content (no
-        end-of-turn), so generation continues it; as in transformers it excludes
-        ``add_generation_prompt``. The defaults differ from transformers' (text, with a generation
-        prompt): pass both ``tokenize`` and ``add_generation_prompt`` to be explicit.
+        ``tools`` (OpenAI's ``{"type": "function", "function": {...}}`` dicts) and ``documents``
+        are always defined for the template, None when not given, as in HF; other keyword
+        arguments are passed to the template too. ``continue_final_message`` ends the text right
+        after the last message's content (no end-of-turn), so generation continues it; as in
+        transformers it excludes ``add_generation_prompt``. The defaults differ from transformers'
+        (text, with a generation prompt): pass both ``tokenize`` and ``add_generation_prompt``.
         """
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true: the first "
                              "continues the last message, the second opens a new one")
-        if chat_template is not None:
-            return Tokenizer(self._tok, bos_token_id=self._bos_id, eos_token_id=self._eos_id,
-                             chat_template=chat_template).apply_chat_template(
-                messages, add_generation_prompt, tokenize, continue_final_message, **template_kwargs)
-        if not self.chat_template:
+        source = chat_template or self.chat_template
+        if not source:
             raise ValueError(
                 "This tokenizer has no chat template (none in the GGUF metadata, tokenizer_config.json or "
                 "chat_template.jinja); format the prompt yourself and call encode()."
             )
-        context = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
+        context = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
+                   "tools": tools, "documents": documents}
         context.update(template_kwargs)
         conversation = [dict(m) for m in messages]
         if continue_final_message:
             conversation = _tag_final_message(conversation)
-        text = _compile_template(self.chat_template).render(
+        text = _compile_template(source).render(
             messages=conversation, add_generation_prompt=add_generation_prompt, **context
         )
         if continue_final_message:

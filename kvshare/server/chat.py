@@ -1,38 +1,76 @@
 """/v1/chat/completions: the chat template, and chat bodies and stream chunks."""
 from __future__ import annotations
 
+import json
+
 from kvshare.errors import InvalidRequestError
 from kvshare.outputs import CompletionOutput, Logprob, RequestOutput
 from kvshare.server.chat_options import template_options
 from kvshare.server.formatting import MIN_LOGPROB, BaseFormatter, PromptInput, clamp_logprob, ranked
 from kvshare.server.protocol import ChatCompletionRequest
+from kvshare.server.tool_calls import ToolPlan
+from kvshare.server.tool_stream import ToolCallStream
 
 
-def render_chat_prompt(tokenizer, req: ChatCompletionRequest) -> PromptInput:
-    """The same rendering as LLM.chat: the model's template, then tokens without extra specials."""
-    if tokenizer is None:
-        raise InvalidRequestError("this model has no tokenizer, so chat messages cannot be rendered", "messages")
+def _conversation(req: ChatCompletionRequest) -> list[dict]:
+    """The messages as chat templates read them (HF's convention, which vLLM follows)."""
     conversation = []
-    for m in req.messages:
+    for i, m in enumerate(req.messages):
         if m.role != "assistant" and m.content is None:
-            raise InvalidRequestError(f"a '{m.role}' message needs 'content'", "messages")
-        if m.tool_calls:
-            raise InvalidRequestError("tool calls are not supported by kvshare yet", "messages")
+            raise InvalidRequestError(f"a '{m.role}' message needs 'content'", f"messages[{i}].content")
+        if m.tool_calls and m.role != "assistant":
+            raise InvalidRequestError(f"only assistant messages carry tool_calls, not '{m.role}' ones",
+                                      f"messages[{i}].tool_calls")
+        if (m.role == "tool") != (m.tool_call_id is not None):
+            raise InvalidRequestError("a 'tool' message needs tool_call_id (the id of the call it answers)"
+                                      if m.role == "tool" else f"only 'tool' messages carry tool_call_id, not "
+                                      f"'{m.role}' ones", f"messages[{i}].tool_call_id")
         # 'developer' is OpenAI's newer name for the system role; chat templates know 'system'.
         msg = {"role": "system" if m.role == "developer" else m.role, "content": m.content or ""}
         if m.name is not None:
             msg["name"] = m.name
+        if m.tool_calls:
+            msg["tool_calls"] = [_template_call(c, f"messages[{i}].tool_calls[{j}]")
+                                 for j, c in enumerate(m.tool_calls)]
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
         conversation.append(msg)
-    options = template_options(req)
+    return conversation
+
+
+def _template_call(call, where: str) -> dict:
+    # Templates expect the arguments as a mapping, not OpenAI's JSON text (vLLM parses them too).
     try:
-        text = tokenizer.apply_chat_template(conversation, **options)
+        arguments = json.loads(call.function.arguments)
+    except ValueError as e:
+        raise InvalidRequestError(f"{where}.function.arguments is not JSON text: {e}", f"{where}.function.arguments") \
+            from None
+    return {"id": call.id, "type": call.type, "function": {"name": call.function.name, "arguments": arguments}}
+
+
+def render_chat_prompt(tokenizer, req: ChatCompletionRequest, chat_template: str | None = None) -> PromptInput:
+    """The same rendering as LLM.chat: the model's template (or --chat-template), given the request's
+    tools, then tokens without extra specials."""
+    if tokenizer is None:
+        raise InvalidRequestError("this model has no tokenizer, so chat messages cannot be rendered", "messages")
+    conversation = _conversation(req)
+    req_tools = getattr(req, "tools", None)  # /tokenize's chat requests render without tools
+    tools = [t.model_dump(exclude_none=True) for t in req_tools] if req_tools else None
+    try:
+        text = tokenizer.apply_chat_template(conversation, tools=tools, chat_template=chat_template,
+                                             **template_options(req))
     except Exception as e:  # templates raise their own errors (e.g. "roles must alternate")
-        raise InvalidRequestError(f"the model's chat template rejected these messages: {e}", "messages") from None
+        raise InvalidRequestError(f"the chat template rejected these messages: {e}", "messages") from None
     return PromptInput(text=text, token_ids=tokenizer.encode(text, add_special_tokens=False))
 
 
 class ChatFormatter(BaseFormatter):
     chunk_object = "chat.completion.chunk"
+
+    def __init__(self, job, tokenizer, tools: ToolPlan | None = None) -> None:
+        super().__init__(job, tokenizer)
+        self.tools = tools
+        self.tool_streams: dict[int, ToolCallStream] = {}  # per choice index
 
     def opening_chunks(self) -> list[dict]:
         # Every choice announces its role first, as OpenAI's stream does.
@@ -57,18 +95,41 @@ class ChatFormatter(BaseFormatter):
             content.append(entry)
         return {"content": content}
 
+    def _tool_delta(self, index: int, c: CompletionOutput, finish) -> tuple[dict, str | None]:
+        stream = self.tool_streams.get(index)
+        if stream is None:
+            stream = self.tool_streams[index] = self.tools.stream()
+        content, fragments = stream.feed(c.text_delta, final=finish is not None)
+        delta = {}
+        if content:
+            delta["content"] = content
+        if fragments:
+            delta["tool_calls"] = fragments
+        return delta, self.tools.finish_reason(stream.called, finish)
+
     def stream_choice(self, index: int, p: int, c: CompletionOutput, st, new_ids, new_lps, finish) -> dict:
-        delta = {"content": c.text_delta} if c.text_delta or finish is None else {}
+        if self.tools is not None:
+            delta, finish = self._tool_delta(index, c, finish)
+        else:
+            delta = {"content": c.text_delta} if c.text_delta or finish is None else {}
         logprobs = self._logprobs(new_ids, new_lps) if self.job.logprobs is not None else None
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
                 "stop_reason": c.stop_reason if finish else None}
+
+    def _message(self, c: CompletionOutput) -> tuple[dict, str | None]:
+        if self.tools is None:
+            return {"role": "assistant", "content": self.job.echo_text + c.text}, c.finish_reason
+        content, calls = self.tools.message(c.text)
+        return ({"role": "assistant", "content": content, "tool_calls": calls},
+                self.tools.finish_reason(bool(calls), c.finish_reason))
 
     def response(self, finals: list[RequestOutput]) -> dict:
         choices = []
         for index, _, c in self.ordered_choices(finals):
             logprobs = self._logprobs(c.token_ids, c.logprobs) if self.job.logprobs is not None else None
-            choices.append({"index": index, "message": {"role": "assistant", "content": self.job.echo_text + c.text},
-                            "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            message, finish = self._message(c)
+            choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish,
+                            "stop_reason": c.stop_reason})
         return {"id": self.job.id, "object": "chat.completion", "created": self.job.created, "model": self.job.model,
                 "choices": choices, "usage": self.usage(finals), "system_fingerprint": None,
                 "prompt_logprobs": self.prompt_logprobs_body(finals[0] if finals else None)}

@@ -6,6 +6,7 @@ import os
 
 from kvshare.engine_args import add_engine_args, engine_options
 from kvshare.server.settings import DEFAULT_MAX_BODY_BYTES
+from kvshare.server.tool_parsers import TOOL_PARSERS
 
 
 def add_serve_parser(sub) -> None:
@@ -28,8 +29,28 @@ def add_serve_parser(sub) -> None:
     g.add_argument("--log-prompts", action="store_true", help="log prompt text and parameters of every request")
     g.add_argument("--no-access-log", action="store_true", help="no per-request access log lines")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    t = p.add_argument_group("chat template and tool calling")
+    t.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="Jinja chat template to render chat requests with instead of the model's")
+    t.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='allow tool_choice "auto": calls are parsed out of the reply by --tool-call-parser')
+    t.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="how calls are written in the model's replies: hermes (Hermes, Qwen2.5/Qwen3 "
+                        "<tool_call> JSON), llama3_json, pythonic")
+    t.add_argument("--grammar-compile-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="refuse (400) a structured-output grammar that takes longer than this to compile")
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
+
+
+def read_chat_template(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--chat-template {path}: cannot read the template file ({e})") from None
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -45,7 +66,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, served_model_name=args.served_model_name, api_key=args.api_key or None,
         max_waiting=args.max_waiting, request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
         max_body_bytes=args.max_body_bytes, log_prompts=args.log_prompts, access_log=not args.no_access_log,
-        log_level=args.log_level,
+        log_level=args.log_level, chat_template=read_chat_template(args.chat_template),
+        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+        grammar_compile_timeout=args.grammar_compile_timeout,
     )
     engine = LLMEngine(EngineConfig.from_kwargs(**engine_options(args)))
     name = cfg.served_model_name or default_model_name(args.model)

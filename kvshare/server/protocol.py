@@ -75,9 +75,23 @@ def _content(value: Any) -> str | None:
                               {"got": _describe(value)})
 
 
+def _tool_choice(value: Any) -> Any:
+    """"none", "auto", "required", or {"type": "function", "function": {"name": ...}} (OpenAI's shapes)."""
+    if value is None or value in ("none", "auto", "required"):
+        return value
+    if (isinstance(value, dict) and value.get("type") == "function" and set(value) == {"type", "function"}
+            and isinstance(value["function"], dict) and set(value["function"]) == {"name"}
+            and isinstance(value["function"]["name"], str) and value["function"]["name"]):
+        return value
+    raise PydanticCustomError(
+        "tool_choice_type", 'must be "none", "auto", "required" or {"type": "function", "function": {"name": '
+                            '<a tool\'s name>}}; got {got}', {"got": _describe(value)})
+
+
 Prompt = Annotated[Any, BeforeValidator(_prompt)]
 Stop = Annotated[Any, BeforeValidator(_stop)]
 Content = Annotated[Any, BeforeValidator(_content)]
+ToolChoice = Annotated[Any, BeforeValidator(_tool_choice)]
 
 
 class _Strict(BaseModel):
@@ -155,13 +169,37 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None  # not supported: only null is accepted
 
 
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema of the arguments object
+    strict: bool | None = None
+
+
+class ChatCompletionTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionCall(_Strict):
+    name: str = Field(min_length=1)
+    arguments: str  # JSON text, as OpenAI returns it
+
+
+class ChatCompletionMessageToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Content = None
     name: str | None = None
+    tool_calls: list[ChatCompletionMessageToolCall] | None = None  # an earlier assistant turn's calls
+    tool_call_id: str | None = None  # role "tool": the call this message answers
     # Fields a client echoes back from an earlier assistant message; only their empty values.
     refusal: str | None = None
-    tool_calls: list[Any] | None = None
     function_call: None = None
     audio: None = None
     annotations: list[Any] | None = None
@@ -173,9 +211,9 @@ class ChatCompletionRequest(_Sampling, OpenAIIgnoredFields):
     max_tokens: int | None = Field(None, ge=1)  # OpenAI's deprecated name for max_completion_tokens
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[Any] | None = None  # only [] is accepted: no tool calling yet
-    tool_choice: Literal["none", "auto"] | None = None
-    parallel_tool_calls: bool | None = None
+    tools: list[ChatCompletionTool] | None = None
+    tool_choice: ToolChoice = None  # None: "auto" with tools, else "none"
+    parallel_tool_calls: bool | None = True
     add_generation_prompt: bool = True
     # vLLM's chat extras
     continue_final_message: bool = False  # excludes an explicit add_generation_prompt: true
@@ -204,7 +242,7 @@ def describe_validation_error(exc: ValidationError, model: type[BaseModel]) -> I
             msg += f"; allowed fields: {', '.join(sorted(model.model_fields))}"
     elif kind == "missing":
         msg = f"'{param}' is required"
-    elif kind in ("prompt_empty", "prompt_type", "stop_type", "content_part", "content_type"):
+    elif kind in ("prompt_empty", "prompt_type", "stop_type", "content_part", "content_type", "tool_choice_type"):
         msg = err["msg"] if kind.startswith(("prompt", "stop")) else f"'{param}': {err['msg']}"
     else:
         msg = f"'{param}' is invalid: {err['msg'].rstrip('.')} (got {_describe(err.get('input'))})"

@@ -8,6 +8,7 @@ request ends like any other, with the text so far and finish_reason "abort".
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -30,6 +31,7 @@ from kvshare.server.ignored_fields import check_ignored_fields
 from kvshare.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvshare.server.state import ServerState
 from kvshare.server.structured import compile_off_loop, structured_params
+from kvshare.server.tool_calls import plan_tool_calls
 
 logger = logging.getLogger("kvshare.server")
 
@@ -86,8 +88,8 @@ class OpenAIServing:
         arrival = time.monotonic()
         self._check_common(req)
         check_ignored_fields(req, self.state.ignored_fields_logged)
-        if req.tools:
-            raise InvalidRequestError("tools are not supported by kvshare yet; omit them", "tools")
+        cfg = self.state.config
+        tools = plan_tool_calls(req, cfg.tool_call_parser if cfg.enable_auto_tool_choice else None)
         if req.top_logprobs is not None and not req.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs: true", "top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -95,13 +97,19 @@ class OpenAIServing:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         rename = {"max_tokens": max_name, "logprobs": "top_logprobs", "prompt": "messages"}
         params = self._params(req, max_tokens, logprobs, req.prompt_logprobs, rename)
+        if tools is not None and tools.schema is not None:  # required / named: the call is enforced
+            if params.structured_outputs is not None:
+                raise InvalidRequestError(f"tool_choice {json.dumps(req.tool_choice)} is enforced through "
+                                          f"structured outputs, so response_format / structured_outputs cannot "
+                                          f"constrain the reply too", "tool_choice")
+            params = dataclasses.replace(params, structured_outputs=tools.structured_outputs())
         if sum(len(m.content or "") for m in req.messages) > LONG_TEXT:
-            prompt = await asyncio.to_thread(render_chat_prompt, self.tok, req)
+            prompt = await asyncio.to_thread(render_chat_prompt, self.tok, req, cfg.chat_template)
         else:
-            prompt = render_chat_prompt(self.tok, req)
+            prompt = render_chat_prompt(self.tok, req, cfg.chat_template)
         job = self._job("chatcmpl", req, [prompt], logprobs=logprobs)
         job.echo_text = echo_text(req)
-        fmt = ChatFormatter(job, self.tok)
+        fmt = ChatFormatter(job, self.tok, tools)
         return await self._run(job, params, fmt, arrival, raw, rename)
 
     # ---- checks and conversions -----------------------------------------------------------

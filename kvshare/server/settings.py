@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvshare.config import parse_bytes
+from kvshare.model.tokenizer import check_chat_template
+from kvshare.server.tool_parsers import TOOL_PARSERS
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 
@@ -22,6 +24,9 @@ class ServerConfig:
     log_prompts: bool = False
     access_log: bool = True
     log_level: str = "info"
+    chat_template: str | None = None  # template source overriding the model's (--chat-template FILE)
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" parses calls out of the reply text
+    tool_call_parser: str | None = None  # a name in kvshare.server.tool_parsers.TOOL_PARSERS
     # /ready fails when the engine loop has not come round for this long (a hung step).
     ready_stall_seconds: float = 60.0
     retry_after_seconds: int = 1
@@ -35,8 +40,21 @@ class ServerConfig:
             raise ValueError(f"max_waiting={self.max_waiting} is invalid: must be >= 0")
         if self.request_timeout is not None and not self.request_timeout > 0:
             raise ValueError(f"request_timeout={self.request_timeout} is invalid: must be > 0 seconds")
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError(f"grammar_compile_timeout={self.grammar_compile_timeout} is invalid: must be > 0 seconds")
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout={self.shutdown_timeout} is invalid: must be >= 0 seconds")
         self.max_body_bytes = parse_bytes(self.max_body_bytes, "max_body_bytes")
         if self.api_key == "":
             raise ValueError("api_key is empty: give a non-empty key or leave it unset")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser={self.tool_call_parser!r} is unknown: choose from "
+                             f"{', '.join(sorted(TOOL_PARSERS))}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser (--enable-auto-tool-choice requires "
+                             "--tool-call-parser)")
+        if self.chat_template is not None:
+            try:
+                check_chat_template(self.chat_template)
+            except ValueError as e:
+                raise ValueError(f"chat_template (--chat-template): {e}") from None

@@ -74,7 +74,7 @@ class TokenizeServing:
         self._check_model(req)
         tok = self._tokenizer()
         if isinstance(req, TokenizeChatRequest):
-            rendered = render_chat_prompt(tok, req)
+            rendered = render_chat_prompt(tok, req, self.state.config.chat_template)
             ids = tok.encode(rendered.text, add_special_tokens=True) if req.add_special_tokens else rendered.token_ids
         else:
             ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
