@@ -56,9 +56,9 @@ def render_chat_prompt(tokenizer, req: ChatCompletionRequest, chat_template: str
     conversation = _conversation(req)
     req_tools = getattr(req, "tools", None)  # /tokenize's chat requests render without tools
     tools = [t.model_dump(exclude_none=True) for t in req_tools] if req_tools else None
+    options = template_options(req)  # its own 400s, naming their fields
     try:
-        text = tokenizer.apply_chat_template(conversation, tools=tools, chat_template=chat_template,
-                                             **template_options(req))
+        text = tokenizer.apply_chat_template(conversation, tools=tools, chat_template=chat_template, **options)
     except Exception as e:  # templates raise their own errors (e.g. "roles must alternate")
         raise InvalidRequestError(f"the chat template rejected these messages: {e}", "messages") from None
     return PromptInput(text=text, token_ids=tokenizer.encode(text, add_special_tokens=False))
