@@ -171,7 +171,10 @@ class StructuredOutputs:
 
         self._llg()
         bits = torch.full(((len(matchers)), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
-        llt.fill_next_token_bitmask_par(self._executor, [(m.raw, i) for i, m in enumerate(matchers)], bits)
+        if len(matchers) == 1:  # the executor's thread hand-off costs more than one mask
+            llt.fill_next_token_bitmask(matchers[0].raw, bits, 0)
+        else:
+            llt.fill_next_token_bitmask_par(self._executor, [(m.raw, i) for i, m in enumerate(matchers)], bits)
         return TokenBitmask(list(rows), bits)
 
 
