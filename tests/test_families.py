@@ -334,3 +334,36 @@ def test_sink_rerotation_turns_only_the_rotary_dims(tmp_path):
     got = cache.data[0, 0, :, 4:8].transpose(0, 1)
     assert torch.allclose(got, expected, atol=1e-5)
     assert torch.equal(got[..., ROTARY:], raw[..., ROTARY:])
+
+
+def test_configs_read_as_transformers_reads_them():
+    """Fields a config.json may leave out or spell the old way, against transformers' own config
+    classes: Qwen3's default head_dim and sliding layers, Phi-3's 'su' rope type, its top-level
+    original_max_position_embeddings (default 4096, winning over the rope dict's)."""
+    import transformers
+    from kvshare.model.hf_loader import config_from_hf
+    from kvshare.model.layers import rope_inv_freq
+    from kvshare.model.load_error import ModelLoadError
+
+    shape = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4)
+    qwen3 = dict(model_type="qwen3", use_sliding_window=True, sliding_window=32, max_window_layers=2, **shape)
+    ours, hf = config_from_hf(qwen3, "q"), transformers.Qwen3Config(**qwen3)
+    assert ours.head_dim == hf.head_dim == 128
+    assert ours.attention_windows() == [32 if t == "sliding_attention" else None for t in hf.layer_types]
+    with pytest.raises(ModelLoadError, match="attention_bias"):
+        config_from_hf({**qwen3, "attention_bias": True}, "q")
+
+    g = torch.Generator().manual_seed(0)
+    phi3 = dict(model_type="phi3", max_position_embeddings=32768, **shape,
+                rope_scaling={"type": "su", "short_factor": torch.rand(8, generator=g).add(1).tolist(),
+                              "long_factor": torch.rand(8, generator=g).add(2).tolist(),
+                              "original_max_position_embeddings": 8192})
+    hf = transformers.Phi3Config.from_dict(dict(phi3))
+    hf_inv_freq, hf_attention = transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS["longrope"](hf, None)
+    config = config_from_hf(phi3, "p")
+    rope = config.rope_scaling
+    assert torch.equal(rope_inv_freq(config), hf_inv_freq)  # the short factors, bit for bit
+    assert rope["rope_type"] == "longrope"
+    assert rope["original_max_position_embeddings"] == hf.rope_parameters["original_max_position_embeddings"] == 4096
+    assert rope["attention_factor"] == pytest.approx(hf_attention)
+    assert rope["short_factor"] == hf.rope_parameters["short_factor"]
