@@ -175,7 +175,7 @@ def _rope_from_config(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None
 def _sliding_windows(cfg: dict[str, Any], model_type: str, num_layers: int, defaults: dict[str, Any]
                      ) -> tuple[int | None, list[int | None] | None]:
     """(window, per-layer windows or None when every layer shares it), as transformers 5 reads
-    the config: Mistral windows every layer; Qwen2 only with use_sliding_window, on the layers
+    the config: Mistral and Phi-3 window every layer; Qwen2 and Qwen3 only with use_sliding_window, on the layers
     `layer_types` marks "sliding_attention" (by default those from max_window_layers on)."""
     if model_type in ("mistral", "phi3"):  # Phi3Model masks every layer by sliding_window when set
         window = cfg.get("sliding_window", defaults["sliding_window"])

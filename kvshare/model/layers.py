@@ -77,7 +77,6 @@ class RotaryEmbedding:
         self.cos = (emb.cos() * mscale).to(dtype)
         self.sin = (emb.sin() * mscale).to(dtype)
         self.max_positions = max_positions
-        self.rotary_dim = config.rope_dims()
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) for these positions, [T, 1, D], the sin with rotate_half's sign folded in
