@@ -78,7 +78,8 @@ def kvshare_greedy(llm: LLM, prompts: list[list[int]], steps: int = STEPS, promp
     result = []
     for p, out in zip(prompts, outs):
         got = out.outputs[0]
-        prompt_lps = [out.prompt_logprobs[i + 1][p[i + 1]].logprob for i in range(len(p) - 1)] if prompt_logprobs else []
+        prompt_lps = ([out.prompt_logprobs[i + 1][p[i + 1]].logprob for i in range(len(p) - 1)]
+                      if prompt_logprobs else [])
         result.append((got.token_ids, [got.logprobs[i][t].logprob for i, t in enumerate(got.token_ids)], prompt_lps))
     return result
 
@@ -221,8 +222,9 @@ def write_gguf(path, model, arch: str, matrices: gguf.GGMLQuantizationType = ggu
         w.add_sliding_window(cfg.sliding_window or 0)
         if rope.get("rope_type") == "longrope":
             w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-            factor = cfg.max_position_embeddings / rope["original_max_position_embeddings"]
-            w.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(factor) / np.log(rope["original_max_position_embeddings"]))))
+            original = rope["original_max_position_embeddings"]
+            factor = cfg.max_position_embeddings / original
+            w.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(factor) / np.log(original))))
             w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
             w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
     layer = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",

@@ -8,9 +8,9 @@ attention kernels without returning to Python between ops.
 It applies when every piece has a C++ counterpart, and says why not otherwise (`reason`):
 float32 activations, every layer's linears on kvshare's group kernels (int8 or int4 codes),
 a float32 or bfloat16 KV cache, the C++ attention kernel in use, RoPE over whole heads and no
-per-head q/k norm (Qwen3), and a step whose rows are all decode rows with plain causal attention (no row's window hides an earlier key). Anything else
-takes the step-by-step path, which stays the reference: tests/test_fused_decode.py checks the
-two agree.
+per-head q/k norm (Qwen3), and a step whose rows are all decode rows with plain causal attention
+(no row's window hides an earlier key). Anything else takes the step-by-step path, which stays
+the reference: tests/test_fused_decode.py checks the two agree.
 """
 from __future__ import annotations
 

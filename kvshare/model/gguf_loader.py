@@ -217,7 +217,8 @@ def _longrope_from_factors(tensors: dict, meta: dict[str, Any], arch: str, conte
     for name in ("short", "long"):
         values = dequantize_tensor(tensors[f"rope_factors_{name}.weight"]).reshape(-1)
         if values.shape[0] != rope_dims // 2:
-            raise ModelLoadError(f"{path}: rope_factors_{name} has {values.shape[0]} entries, expected {rope_dims // 2}.")
+            raise ModelLoadError(
+                f"{path}: rope_factors_{name} has {values.shape[0]} entries, expected {rope_dims // 2}.")
         factors[f"{name}_factor"] = values.tolist()
     attn = meta.get(f"{arch}.rope.scaling.attn_factor")
     if attn is None:
