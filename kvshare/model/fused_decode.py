@@ -7,10 +7,10 @@ attention kernels without returning to Python between ops.
 
 It applies when every piece has a C++ counterpart, and says why not otherwise (`reason`):
 float32 activations, every layer's linears on kvshare's group kernels (int8 or int4 codes),
-a float32 or bfloat16 KV cache, the C++ attention kernel in use, and a step whose rows are all
-decode rows with plain causal attention (no row's window hides an earlier key). Anything else
-takes the step-by-step path, which stays the reference: tests/test_fused_decode.py checks the
-two agree.
+a float32 or bfloat16 KV cache, the C++ attention kernel in use, RoPE over whole heads and no
+per-head q/k norm (Qwen3), and a step whose rows are all decode rows with plain causal attention
+(no row's window hides an earlier key). Anything else takes the step-by-step path, which stays
+the reference: tests/test_fused_decode.py checks the two agree.
 """
 from __future__ import annotations
 
@@ -79,6 +79,13 @@ class FusedDecode:
             return f"activations are {model.dtype}, not float32"
         if not isinstance(model.backend, TorchPagedAttention):
             return f"attention backend is {type(model.backend).__name__}"
+        # The C++ step runs the plain Llama layer; features beyond it take the step-by-step path.
+        # (longrope needs nothing here: it only changes the cos/sin tables `run` is given.)
+        if model.config.qk_norm:
+            return "per-head q/k RMSNorm (Qwen3) is not in the C++ decode step"
+        if model.config.rope_dims() != model.config.head_dim:
+            return (f"partial rotary embedding ({model.config.rope_dims()} of {model.config.head_dim} dims) "
+                    f"is not in the C++ decode step")
         return None
 
     @staticmethod
