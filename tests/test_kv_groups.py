@@ -271,3 +271,24 @@ def test_abort_and_preemption_storms_leave_the_pool_whole(seed):
     assert h.mgr.num_free_blocks() == 30
     assert all(s.status is SeqStatus.FINISHED for s in seqs)
 
+
+def test_the_memory_plan_sizes_groups_and_fits_over_4x_more_32k_gemma3_sequences():
+    from kvshare.memory_plan import PlanConfig, plan_memory
+    from kvshare.model.config import ModelArchConfig
+
+    windows = [None if (i + 1) % 6 == 0 else 512 for i in range(18)]  # Gemma 3 270M: 5 local : 1 global
+    arch = ModelArchConfig(architecture="qwen2", vocab_size=262144, hidden_size=640, intermediate_size=2048,
+                           num_layers=18, num_heads=4, num_kv_heads=1, head_dim=256, max_position_embeddings=32768,
+                           sliding_window=512, layer_windows=windows)
+    plans = {grouped: plan_memory(arch, PlanConfig(memory="8GiB", dtype="bfloat16", kv_dtype="bfloat16",
+                                                   max_model_len=32768, kv_cache_groups=grouped)).plan
+             for grouped in (True, False)}
+    on, off = plans[True], plans[False]
+    assert off.kv_bytes_per_token == 18 * 2 * 256 * 2 and on.kv_bytes_per_token == 3 * 2 * 256 * 2
+    assert on.num_kv_groups == 6 and off.num_kv_groups == 1 and not off.kv_groups
+    by_window = {g["window"]: g for g in on.kv_groups}
+    assert by_window[None] == {"window": None, "groups": 1, "layers": 3, "blocks_per_seq": 2048,
+                               "bytes_per_seq": 2048 * 16 * on.kv_bytes_per_token}
+    # Window groups: the window plus one prefill chunk of max_num_batched_tokens (2048), in blocks.
+    assert by_window[512]["layers"] == 15 and by_window[512]["blocks_per_seq"] == 5 * ((512 + 2048 - 2) // 16 + 2)
+    assert on.max_seqs_at_max_len >= 4 * off.max_seqs_at_max_len > 0
