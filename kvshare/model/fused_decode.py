@@ -9,7 +9,8 @@ It applies when every piece has a C++ counterpart, and says why not otherwise (`
 float32 activations, every layer's linears on kvshare's group kernels (int8 or int4 codes),
 a float32 or bfloat16 KV cache, the C++ attention kernel in use, RoPE over whole heads and no
 per-head q/k norm (Qwen3), and a step whose rows are all decode rows with plain causal attention
-(no row's window hides an earlier key). Anything else takes the step-by-step path, which stays
+(no row's window hides an earlier key) over one block table per row (with KV cache groups each
+layer group has its own: it declines). Anything else takes the step-by-step path, which stays
 the reference: tests/test_fused_decode.py checks the two agree.
 """
 from __future__ import annotations
@@ -107,6 +108,9 @@ class FusedDecode:
             return self.model_reason
         if num_rows == 0 or meta.num_decode != num_rows or meta.prefills or meta.decode_block_tables is None:
             return "not a plain decode-only step"
+        if meta.layer_metadata is not None and any(m.decode_block_tables is not meta.decode_block_tables
+                                                   for m in meta.layer_metadata):
+            return "KV cache groups: layer groups read different block tables (one table per row here)"
         if any(m.decode_sink_end is not None or m.decode_window_start is not None
                for m in (meta.layer_metadata or [meta])):
             return "rows whose window hides earlier keys"
