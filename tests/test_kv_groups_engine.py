@@ -206,3 +206,32 @@ def test_the_pool_is_whole_after_abort_and_preemption_storms(hybrid):
     assert aborted == 3 and engine.scheduler.num_preemptions > 0
     engine.manager.assert_idle_whole()
     assert engine.manager.num_free_blocks() == 40
+
+
+def test_gemma3_five_local_to_one_global_holds_its_window_per_group(tmp_path):
+    """Gemma 3's own pattern (5 local : 1 global, separate local RoPE base, q/k norms): a sequence
+    of 8 windows keeps ceil(W/B)+1 blocks per local group at every step, equals grouping off, and
+    matches HF."""
+    window = 8
+    model = tiny_model("gemma3", tmp_path, num_hidden_layers=6, num_key_value_heads=1, sliding_window=window,
+                       max_position_embeddings=256)
+    path = str(tmp_path)
+    engine = make_engine(path)
+    assert [g.window for g in engine.kv_groups].count(None) == 1 and len(engine.kv_groups) == 6
+    prompt = torch.randint(0, 320, (20,), generator=torch.Generator().manual_seed(9)).tolist()
+    params = SamplingParams(temperature=0, max_tokens=8 * window - 20, ignore_eos=True, logprobs=0)
+    bound = -(-window // BLOCK) + 1
+
+    def check(eng):
+        for seq in eng.scheduler.running:
+            for gi in local_groups(eng):
+                assert eng.manager.num_held_blocks(seq.seq_id, gi) <= bound
+
+    out = run(engine, {"a": (prompt, params)}, check)["a"]
+    toks, lps = tokens_and_logprobs(out)
+    ref = hf_logprobs(model, prompt + toks)
+    assert toks == [int(ref[len(prompt) - 1 + i].argmax()) for i in range(len(toks))]
+    assert max(abs(lp - ref[len(prompt) - 1 + i, t].item()) for i, (t, lp) in enumerate(zip(toks, lps))) < 1e-3
+    flat_toks, flat_lps = tokens_and_logprobs(run(make_engine(path, grouped=False), {"a": (prompt, params)})["a"])
+    assert flat_toks == toks and max(abs(a - b) for a, b in zip(lps, flat_lps)) < 1e-5
+    engine.manager.assert_idle_whole()
