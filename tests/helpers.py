@@ -54,6 +54,15 @@ def tiny_model(kind: str, tmp_path, **overrides):
 
         cfg = MistralConfig(**common)
         model = MistralForCausalLM(cfg)
+    elif kind in ("gemma2", "gemma3"):
+        from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
+
+        # Gemma's defaults are sized for the real models (head_dim 256): shrink them. Eager
+        # attention: the reference for soft-capping, which SDPA cannot do.
+        gemma = dict(head_dim=16, query_pre_attn_scalar=24, attn_implementation="eager")
+        gemma.update(common)
+        cfg = Gemma2Config(**gemma) if kind == "gemma2" else Gemma3TextConfig(**gemma)
+        model = Gemma2ForCausalLM(cfg) if kind == "gemma2" else Gemma3ForCausalLM(cfg)
     else:
         cfg = LlamaConfig(**common)
         model = LlamaForCausalLM(cfg)
@@ -62,7 +71,8 @@ def tiny_model(kind: str, tmp_path, **overrides):
         for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.mul_(4.0)
-            elif name.endswith("bias"):
+            elif name.endswith("bias") or kind.startswith("gemma"):
+                # Gemma norms start at 0 (a scale of 1 + 0): random ones tell 1 + w from w.
                 p.normal_(0.0, 0.5)
     model.eval()
     model.save_pretrained(tmp_path)

@@ -121,7 +121,9 @@ class AttentionBackend:
     wants_decode_groups: bool = True
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                softcap: float | None = None) -> torch.Tensor:
+        """softcap: scaled scores become softcap * tanh(scores / softcap) before masking (Gemma 2)."""
         raise NotImplementedError
 
 
@@ -143,8 +145,11 @@ class TorchPagedAttention(AttentionBackend):
     def wants_decode_groups(self) -> bool:
         return not self.use_cpp_kernel
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, softcap=None):
         # q: [T, H, D]; k, v: [T, KVH, D]; caches: [KVH, slots, D] (or QuantizedKV of those)
+        if softcap is not None and self.use_cpp_kernel:
+            # The C++ kernel has no capping: a model that caps builds its backend without it.
+            raise ValueError("attention soft-capping needs TorchPagedAttention(use_cpp_kernel=False)")
         kv_quant.write(k_cache, meta.slot_mapping, k)
         kv_quant.write(v_cache, meta.slot_mapping, v)
         num_tokens, num_heads, head_dim = q.shape
@@ -175,7 +180,10 @@ class TorchPagedAttention(AttentionBackend):
             vals = kv_quant.gather_blocks(v_cache, g.block_tables, bs, q.dtype)
             qd = q[s:s + n].view(n, num_kv, group, head_dim).transpose(0, 1)  # [KVH, n, G, D]
             scores = torch.matmul(qd, keys.transpose(-1, -2)).float()  # [KVH, n, G, L]
-            scores.mul_(scale).add_(g.bias)
+            scores.mul_(scale)
+            if softcap is not None:
+                scores.div_(softcap).tanh_().mul_(softcap)
+            scores.add_(g.bias)
             probs = torch.softmax(scores, dim=-1).to(q.dtype)
             o = torch.matmul(probs, vals)  # [KVH, n, G, D]
             out[s:s + n] = o.transpose(0, 1).reshape(n, num_heads, head_dim)
@@ -184,9 +192,26 @@ class TorchPagedAttention(AttentionBackend):
             keys = kv_quant.gather_blocks(k_cache, c.block_table, bs, q.dtype)  # [KVH, C, D]
             vals = kv_quant.gather_blocks(v_cache, c.block_table, bs, q.dtype)
             qc = q[s:s + n].transpose(0, 1)  # [H, n, D]
+            if softcap is not None:  # SDPA cannot cap scores before the mask
+                out[s:s + n] = _softcapped_attention(qc, keys, vals, c.mask, scale, softcap).transpose(0, 1)
+                continue
             o = F.scaled_dot_product_attention(
                 qc.unsqueeze(0), keys.unsqueeze(0), vals.unsqueeze(0), attn_mask=c.mask,
                 scale=scale, enable_gqa=group > 1,
             )
             out[s:s + n] = o[0].transpose(0, 1)
         return out
+
+
+def _softcapped_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor,
+                          scale: float, softcap: float) -> torch.Tensor:
+    """q [H, n, D] over keys/vals [KVH, C, D] with mask [n, C] (True = may attend), scores capped
+    to softcap * tanh(s / softcap) before masking, softmax in float32: [H, n, D]."""
+    num_heads, n, head_dim = q.shape
+    num_kv = keys.shape[0]
+    qg = q.reshape(num_kv, num_heads // num_kv, n, head_dim)  # query heads grouped by their KV head
+    scores = torch.matmul(qg, keys.unsqueeze(1).transpose(-1, -2)).float()  # [KVH, G, n, C]
+    scores.mul_(scale).div_(softcap).tanh_().mul_(softcap)
+    scores.masked_fill_(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return torch.matmul(probs, vals.unsqueeze(1)).reshape(num_heads, n, head_dim)

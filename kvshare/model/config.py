@@ -14,7 +14,7 @@ class ModelArchConfig:
     load into the same modules and can be compared tensor by tensor.
     """
 
-    architecture: str  # "llama", "qwen2", "mistral"
+    architecture: str  # "llama", "qwen2", "mistral", "gemma2", "gemma3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -34,6 +34,15 @@ class ModelArchConfig:
     # Per layer: its window, or None for global attention; None (the field) means every layer
     # uses `sliding_window`. Set when a config mixes local and global layers (Qwen2 layer_types).
     layer_windows: list[int | None] | None = None
+    # Gemma 2 / 3 (kvshare.model.gemma); the defaults mean "as Llama".
+    # Attention softmax scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5).
+    attn_scale: float | None = None
+    # Scores, then logits, become cap * tanh(x / cap) (Gemma 2); None: no capping.
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    # RoPE base of the sliding-window layers when it differs from the global layers' (Gemma 3:
+    # 10k local vs 1M global); those layers then take no rope_scaling. None: all layers alike.
+    local_rope_theta: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     name: str = ""

@@ -59,13 +59,15 @@ def _linear(lin, bias: torch.Tensor | None) -> _Linear | None:
 class FusedDecode:
     """Built once per model (weights' pointers), bound once per KV cache (cache pointers)."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, unsupported: str | None = None) -> None:
+        """unsupported: why this model family's layers have no C++ counterpart (None: they are
+        the Llama layers decode_step.cpp runs)."""
         self.model = model
         self.enabled = True  # tests switch it off to run the step-by-step reference
         self._layers = None
         self._bound: tuple[int, ctypes.Structure] | None = None
         # Why this model can never take the fused path (None: it can, step by step permitting).
-        self.model_reason = self._check_model(model)
+        self.model_reason = unsupported or self._check_model(model)
         if self.model_reason is None:
             self._layers = self._layer_views(model)
             if self._layers is None:

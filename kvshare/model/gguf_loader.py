@@ -1,6 +1,7 @@
 """GGUF (llama.cpp) files -> ModelArchConfig + dequantized weights under HF Llama names."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -11,13 +12,14 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
+from kvshare.model import gemma
 from kvshare.model.config import ModelArchConfig
 from kvshare.model.gguf_header import open_gguf_file
 from kvshare.model.gguf_quants import GROUP_AFFINE_TYPES, GroupAffine, to_group_affine
 from kvshare.model.load_error import ModelLoadError
 from kvshare.model.tokenizer import Tokenizer
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral", "gemma2", "gemma3")
 
 Q = GGMLQuantizationType
 SUPPORTED_TENSOR_TYPES = frozenset(
@@ -50,11 +52,13 @@ _IGNORED_TENSORS = re.compile(r"^(rope_freqs\.weight|blk\.\d+\.attn_rot_embd(\.w
 _LAYER_NAME = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """HF Llama name for a GGUF tensor name; None for tensors that are not weights."""
+def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str | None:
+    """HF name for a GGUF tensor name; None for tensors that are not weights."""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     m = _LAYER_NAME.match(gguf_name)
+    if m and architecture in gemma.GEMMA_ARCHITECTURES and m.group(2) in gemma.GGUF_LAYER_TENSORS:
+        return f"model.layers.{m.group(1)}.{gemma.GGUF_LAYER_TENSORS[m.group(2)]}"
     if m and m.group(2) in _LAYER_TENSORS:
         return f"model.layers.{m.group(1)}.{_LAYER_TENSORS[m.group(2)]}"
     if _IGNORED_TENSORS.match(gguf_name):
@@ -258,7 +262,7 @@ def config_from_gguf(meta: dict[str, Any], reader: GGUFReader, path: str) -> Mod
     sliding = key("attention.sliding_window", None)
     embd_rows = int(tensors["token_embd.weight"].shape[-1])
 
-    return ModelArchConfig(
+    config = ModelArchConfig(
         architecture=arch,
         vocab_size=int(key("vocab_size", embd_rows)),
         hidden_size=hidden,
@@ -278,6 +282,10 @@ def config_from_gguf(meta: dict[str, Any], reader: GGUFReader, path: str) -> Mod
         eos_token_ids=eos_ids,
         name=str(meta.get("general.name", "")),
     )
+    if arch in gemma.GEMMA_ARCHITECTURES:
+        config = dataclasses.replace(config, **gemma.gguf_config_fields(
+            key, arch, config.num_layers, hidden, num_heads, head_dim, rope_theta))
+    return config
 
 
 def load_gguf(
@@ -294,12 +302,13 @@ def load_gguf(
     config = config_from_gguf(meta, gguf, path)
     # llama.cpp's llama-family converter interleaves Q/K rows; qwen2's does not (NEOX rope).
     permuted = config.architecture in ("llama", "mistral")
+    gemma_norms = config.architecture in gemma.GEMMA_ARCHITECTURES
 
     weights: dict[str, torch.Tensor | GroupAffine] = {}
     types: dict[str, str] = {}
     for t in gguf.tensors:
         try:
-            name = hf_tensor_name(t.name)
+            name = hf_tensor_name(t.name, config.architecture)
         except KeyError:
             raise ModelLoadError(
                 f"{path}: unexpected tensor {t.name!r} for a {config.architecture} model."
@@ -321,6 +330,8 @@ def load_gguf(
         w = dequantize_tensor(t)
         if heads is not None:
             w = _unpermute_rows(w, heads)
+        if gemma_norms and name.endswith("norm.weight"):
+            w = w - 1.0  # llama.cpp's converter stores Gemma's 1 + w; kvshare keeps HF's w
         weights[name] = w.to(dtype)
 
     tokenizer = None

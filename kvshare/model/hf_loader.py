@@ -5,6 +5,7 @@ little-endian data) so the ``safetensors`` package stays a test-only dependency.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -14,11 +15,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvshare.model import gemma
 from kvshare.model.config import ModelArchConfig
 from kvshare.model.load_error import ModelLoadError
 from kvshare.model.tokenizer import Tokenizer
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "gemma2", "gemma3_text")
 
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64,
@@ -53,11 +55,19 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "sliding_window": 4096,
         "max_window_layers": 28,
     },
+    "gemma2": {"rms_norm_eps": 1e-6, "max_position_embeddings": 8192, "bos_token_id": 2, "eos_token_id": 1,
+               "num_key_value_heads": 4},
+    "gemma3_text": {"rms_norm_eps": 1e-6, "max_position_embeddings": 131072, "bos_token_id": 2, "eos_token_id": 1,
+                    "num_key_value_heads": 4},
 }
 
 _LAYER_WEIGHT = re.compile(
     r"^model\.layers\.\d+\.(input_layernorm\.weight|post_attention_layernorm\.weight"
     r"|self_attn\.[qkvo]_proj\.(weight|bias)|mlp\.(gate|up|down)_proj\.weight)$"
+)
+# Gemma's extra norms (kvshare.model.gemma): after attention, around the MLP, per q/k head.
+_GEMMA_LAYER_WEIGHT = re.compile(
+    r"^model\.layers\.\d+\.((pre|post)_feedforward_layernorm\.weight|self_attn\.[qk]_norm\.weight)$"
 )
 _GLOBAL_WEIGHTS = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
 # Buffers some older checkpoints saved; recomputed by the model, never loaded.
@@ -210,7 +220,7 @@ def config_from_hf(cfg: dict[str, Any], directory: str, generation_config: dict[
                 eos.append(int(i))
     bos = cfg.get("bos_token_id", defaults["bos_token_id"])
 
-    return ModelArchConfig(
+    config = ModelArchConfig(
         architecture=model_type,
         vocab_size=vocab,
         hidden_size=hidden,
@@ -232,6 +242,9 @@ def config_from_hf(cfg: dict[str, Any], directory: str, generation_config: dict[
         eos_token_ids=eos,
         name=str(cfg.get("_name_or_path") or os.path.basename(os.path.normpath(directory))),
     )
+    if model_type in gemma.HF_MODEL_TYPES:
+        config = dataclasses.replace(config, **gemma.hf_config_fields(cfg, num_layers, directory))
+    return config
 
 
 def _read_json(path: str) -> dict[str, Any] | None:
@@ -257,7 +270,8 @@ def load_hf_dir(
         for name, t in read_safetensors(path, dtype=dtype).items():
             if _IGNORED.search(name):
                 continue
-            if name not in _GLOBAL_WEIGHTS and not _LAYER_WEIGHT.match(name):
+            gemma_norm = config.architecture in gemma.GEMMA_ARCHITECTURES and _GEMMA_LAYER_WEIGHT.match(name)
+            if name not in _GLOBAL_WEIGHTS and not _LAYER_WEIGHT.match(name) and not gemma_norm:
                 raise ModelLoadError(f"{path}: unexpected tensor {name!r} for a {config.architecture} model.")
             weights[name] = t
     if config.tie_word_embeddings:

@@ -129,8 +129,12 @@ class LlamaModel:
 
 
 def build_model(config: ModelArchConfig, weights, dtype, backend, max_positions):
+    if config.architecture in ("gemma2", "gemma3"):
+        from kvshare.model.gemma import GemmaModel  # here: gemma imports this module's shared pieces
+
+        return GemmaModel(config, weights, dtype, backend, max_positions)
     if config.architecture not in ("llama", "qwen2", "mistral"):
         raise NotImplementedError(
-            f"architecture {config.architecture!r} is not supported (supported: llama, qwen2, mistral)"
+            f"architecture {config.architecture!r} is not supported (supported: llama, qwen2, mistral, gemma2, gemma3)"
         )
     return LlamaModel(config, weights, dtype, backend, max_positions)
