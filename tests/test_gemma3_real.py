@@ -218,19 +218,34 @@ def test_every_tensor_format_reads_dequantized_and_kept_quantized(header):
     assert resident_bytes_per_weight("Q8_0", torch.float32) == 1.125
 
 
+def test_mixed_width_qkv_fuses_packed(header):
+    """Q4_K_M stores q/k as Q5_0 and v as Q8_0: fused, they stay int8 codes (one kernel call),
+    equal to the three dequantized; a 4-bit part never fuses with a wider one."""
+    from kvshare.model.gguf_quants import GroupAffine
+
+    parts = []
+    for n in ("q", "k", "v"):
+        t = header.tensor(f"blk.0.attn_{n}.weight")
+        parts.append(to_group_affine(t.data.reshape(t.rows_shape[0], -1), t.tensor_type, t.rows_shape))
+    assert [p.bits for p in parts] == [5, 5, 8]
+    fused = GroupAffine.cat(parts)
+    assert fused.q.dtype == torch.int8 and fused.bits == 8 and fused.shape == (1536, 640)
+    assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    o = header.tensor("blk.0.attn_output.weight")  # Q4_K; cut to v's 640 columns below
+    four = to_group_affine(o.data.reshape(o.rows_shape[0], -1), o.tensor_type, o.rows_shape)
+    assert four.bits == 4
+    with pytest.raises(ValueError, match="cannot fuse"):
+        GroupAffine.cat([GroupAffine(four.q[:, :640], four.scale[:, :20], four.zero[:, :20], 32, 4), parts[2]])
+
+
 # ---- the model ----------------------------------------------------------------------------------
-# These need kvshare.model.gemma (Gemma 2/3 model code, branch `gemma`): skipped until it lands.
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "gemma3_270m_hf_golden.json")
-STEPS = 16
+STEPS = 16  # recorded HF steps; the fast tests check the first FAST_STEPS (a Gemma step is slow here)
+FAST_STEPS = 8
 
 
-@pytest.fixture(scope="module")
-def gemma_code():
-    return pytest.importorskip("kvshare.model.gemma", reason="the Gemma model code is not merged yet")
-
-
-def test_config_from_metadata(gemma_code, gguf_path, header):
+def test_config_from_metadata(gguf_path, header):
     config = gguf_loader.config_from_gguf(header.metadata, header, gguf_path)
     assert config.architecture == "gemma3" and config.name == "Gemma 3 270m"
     assert (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
@@ -248,7 +263,7 @@ def test_config_from_metadata(gemma_code, gguf_path, header):
 
 
 @pytest.fixture(scope="module")
-def engines(gemma_code):
+def engines(gguf_path):
     from helpers import EXACT
     from kvshare import LLM
     from kvshare.model import cpu_kernels
@@ -276,16 +291,17 @@ def _tol(llm) -> float:  # as tests/test_default_mode.py
 
 
 def test_kept_quantized_agrees_with_the_exact_path(engines):
-    """tests/test_default_mode.py's measure: tokens identical on at least 7 of 8 prompts (14 of
-    16 there) over the greedy steps, and chosen-token logprobs within the dtype's tolerance up
-    to the first differing token. One prompt runs past the 512-token window."""
+    """tests/test_default_mode.py's measure: tokens identical on at least 5 of 6 prompts (14 of
+    16 there) over FAST_STEPS greedy steps (32 there), and chosen-token logprobs within the dtype's tolerance up
+    to the first differing token. (Fewer, shorter prompts than there, to keep the test short;
+    the window is the exact path's business, checked against HF below.)"""
     from helpers import english_token_prompts
     from kvshare import SamplingParams
 
     default, exact = engines
     tok = default.get_tokenizer()
-    prompts = [{"prompt_token_ids": p} for p in english_token_prompts(tok.encode, [5, 12, 33, 64, 100, 150, 230, 560])]
-    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=1)
+    prompts = [{"prompt_token_ids": p} for p in english_token_prompts(tok.encode, [5, 12, 20, 33, 47, 64])]
+    params = SamplingParams(temperature=0, max_tokens=FAST_STEPS, ignore_eos=True, logprobs=1)
     got = default.generate(prompts, params, use_tqdm=False)
     ref = exact.generate(prompts, params, use_tqdm=False)
     identical, worst = 0, 0.0
@@ -296,7 +312,7 @@ def test_kept_quantized_agrees_with_the_exact_path(engines):
             worst = max(worst, abs(g.outputs[0].logprobs[i][a].logprob - r.outputs[0].logprobs[i][b].logprob))
             if a != b:
                 break
-    assert identical >= 7, f"only {identical}/8 prompts decode identically"
+    assert identical >= 5, f"only {identical}/6 prompts decode identically"
     assert worst < _tol(default), worst
 
 
@@ -307,17 +323,17 @@ def _golden() -> list[dict]:
         return json.load(f)["cases"]
 
 
-def _check_against(llm, cases: list[dict]) -> None:
+def _check_against(llm, cases: list[dict], steps: int = STEPS) -> None:
     """test_parity's bounds: greedy tokens identical, chosen-token and prompt logprobs within 1e-3."""
     from kvshare import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, logprobs=0, prompt_logprobs=0)
     outs = llm.generate([{"prompt_token_ids": c["prompt"]} for c in cases], params, use_tqdm=False)
     for c, out in zip(cases, outs):
         got, p = out.outputs[0], c["prompt"]
-        assert got.token_ids == c["tokens"], (len(p), got.token_ids, c["tokens"])
+        assert got.token_ids == c["tokens"][:steps], (len(p), got.token_ids, c["tokens"])
         ours = [got.logprobs[i][t].logprob for i, t in enumerate(got.token_ids)]
-        assert max(abs(a - b) for a, b in zip(ours, c["logprobs"])) < 1e-3
+        assert max(abs(a - b) for a, b in zip(ours, c["logprobs"][:steps])) < 1e-3
         ours_prompt = [out.prompt_logprobs[i + 1][p[i + 1]].logprob for i in range(len(p) - 1)]
         assert max(abs(a - b) for a, b in zip(ours_prompt, c["prompt_logprobs"])) < 1e-3
 
@@ -325,9 +341,11 @@ def _check_against(llm, cases: list[dict]) -> None:
 def test_exact_path_matches_recorded_hf_outputs(engines):
     """The exact path against HF transformers' outputs for this file, recorded (HF's GGUF load
     takes minutes here; test_exact_path_matches_hf, marked slow, recomputes them live and checks
-    the recording). Prompts of 6, 7, 60 and 700 tokens: the last crosses the 512-token window."""
+    the recording). Prompts of 6, 7 and 60 tokens here; the recording's 700-token prompt, which
+    crosses the 512-token window, only in the slow test (a 700-token Gemma prefill costs ~15 s on
+    this CPU; tests/test_gemma.py checks the window on tiny models)."""
     _, exact = engines
-    _check_against(exact, _golden())
+    _check_against(exact, [c for c in _golden() if len(c["prompt"]) <= 100], steps=FAST_STEPS)
 
 
 @pytest.mark.slow
