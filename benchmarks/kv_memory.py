@@ -15,6 +15,12 @@ allocation at max length (HF static cache), on the mixed workload of benchmarks/
 (64 requests, prompts 64-512, outputs 32-128, seed 0). Computed, not run: slots holding a token /
 slots reserved, summed over every decode step of every request.
 
+Part 4, hybrid KV cache groups (computed, not run): a Gemma 3 270M-shaped model (18 layers, 1 KV
+head, head_dim 256, bfloat16 KV, window 512 on 5 of every 6 layers) with one block table for all
+layers vs one per KV cache group (kvshare.kvcache.kv_groups): KV bytes per sequence and sequences
+that fit a KV budget (--hybrid-budget, default 4 GiB) at 4k / 16k / 32k tokens (window groups at their bound with a prefill chunk
+of max_num_batched_tokens = 2,048, what the engine's intake reserves).
+
 Part 3 (--agreement): greedy agreement of bfloat16 / int8 / fp8_e4m3 caches with a float32 cache
 (the model in float32), free-running and teacher-forced, with mean |logprob delta|
 (kvshare.bench.agreement), on the test's prompt set and on three sets of longer prompts.
@@ -37,7 +43,9 @@ from kvshare.bench.workloads import token_prompts
 from offline_throughput import mixed_pairs  # this directory: the mixed workload's lengths
 from kvshare.config import parse_bytes
 from kvshare.kvcache.kv_policy import SinkWindow
+from kvshare.kvcache.kv_groups import plan_kv_groups
 from kvshare.memory_plan import blocks_per_request, kv_pool_blocks, load_arch_config
+from kvshare.model.kv_quant import resolve_kv_format
 
 # One row per configuration. `blocks_per_request(prompt, output, block_size)` sizes a request in
 # that configuration; None leaves the concurrency to the engine option's owner.
@@ -171,6 +179,31 @@ def agreement_table(num_tokens: int = 32) -> None:
         gc.collect()
 
 
+# Gemma 3 270M's attention shape: what KV cache groups are for (5 local : 1 global layers).
+GEMMA3_270M = {"num_layers": 18, "num_kv_heads": 1, "head_dim": 256, "window": 512, "pattern": 6}
+
+
+def hybrid_groups_table(budget: int, block_size: int, lengths=(4096, 16384, 32768), chunk_tokens: int = 2048,
+                        shape: dict = GEMMA3_270M, kv_dtype: str = "bfloat16") -> list[dict]:
+    """Per length: KV bytes per sequence and sequences that fit `budget`, one table vs groups."""
+    n, p = shape["num_layers"], shape["pattern"]
+    windows = [None if (i + 1) % p == 0 else shape["window"] for i in range(n)]
+    groups = plan_kv_groups(windows, block_size)
+    fmt = resolve_kv_format(kv_dtype, "bfloat16")
+    flat_bpt = fmt.bytes_per_token(n, shape["num_kv_heads"], shape["head_dim"])
+    group_bpt = fmt.bytes_per_token(groups[0].size, shape["num_kv_heads"], shape["head_dim"])
+    flat_pool = kv_pool_blocks(budget, flat_bpt, block_size)
+    group_pool = kv_pool_blocks(budget, group_bpt, block_size)
+    rows = []
+    for length in lengths:
+        flat_blocks = blocks_per_request(length, 0, block_size)
+        group_blocks = blocks_per_request(length, 0, block_size, 1, groups, chunk_tokens)
+        rows.append({"length": length, "ungrouped_bytes": flat_blocks * block_size * flat_bpt,
+                     "grouped_bytes": group_blocks * block_size * group_bpt,
+                     "ungrouped_fit": flat_pool // flat_blocks, "grouped_fit": group_pool // group_blocks})
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kv-budget", default="256MiB")
@@ -182,6 +215,7 @@ def main(argv=None) -> int:
                     help="comma-separated labels from CONFIGS to measure")
     ap.add_argument("--sink-concurrency", type=int, default=None,
                     help="requests to run for the window + sinks row instead of its planned max concurrency")
+    ap.add_argument("--hybrid-budget", default="4GiB", help="KV budget of part 4 (hybrid KV cache groups)")
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--agreement", action="store_true", help="also part 3: greedy agreement of the KV formats")
     args = ap.parse_args(argv)
@@ -226,6 +260,16 @@ def main(argv=None) -> int:
     print(f"  paged, block size {args.block_size}: {u_model['paged']:.3f}")
     print(f"  contiguous, reserved at the model's max length {arch.max_position_embeddings}: {u_model['static']:.3f}")
     print(f"  contiguous, reserved at the workload's longest request {u_work['max_request_len']}: {u_work['static']:.3f}")
+    print()
+    hybrid_budget = parse_bytes(args.hybrid_budget, "--hybrid-budget")
+    print(f"Hybrid KV cache groups, Gemma 3 270M shape (18 layers, 1 KV head, head_dim 256, window 512, 5:1), "
+          f"bfloat16 KV, {hybrid_budget / 2**20:.0f} MiB budget, block size {args.block_size}:")
+    print("length | KV MiB/seq one table | KV MiB/seq groups | seqs fit one table | seqs fit groups | ratio")
+    print("---|---|---|---|---|---")
+    for r in hybrid_groups_table(hybrid_budget, args.block_size):
+        ratio = r["grouped_fit"] / r["ungrouped_fit"] if r["ungrouped_fit"] else float("inf")
+        print(f"{r['length']} | {r['ungrouped_bytes'] / 2**20:.1f} | {r['grouped_bytes'] / 2**20:.1f} | "
+              f"{r['ungrouped_fit']} | {r['grouped_fit']} | {ratio:.2f}x")
     if args.agreement:
         agreement_table()
     return 0

@@ -59,11 +59,22 @@ def cmd_info(args: argparse.Namespace) -> int:
         "resident_weight_bytes_by_kernel": engine.startup.weight_bytes_by_kind(),
         "kv_cache_dtype": lay.dtype,
         "kv_bytes_per_token": lay.bytes_per_token,
-        "kv_bytes_formula": engine.config.kv_format.formula(mc.num_layers, mc.num_kv_heads, mc.head_dim),
+        "kv_bytes_formula": engine.config.kv_format.formula(
+            engine.kv_groups[0].size if engine.kv_groups else mc.num_layers, mc.num_kv_heads, mc.head_dim),
         "block_size": lay.block_size, "num_blocks": lay.num_blocks, "token_slots": lay.num_slots,
         "kv_pool_bytes": lay.pool_bytes, "max_model_len": lay.max_model_len,
         "max_len_sequences_that_fit": round(lay.max_len_seqs, 2),
     }
+    if engine.kv_groups:
+        from kvshare.memory_plan import group_summary
+
+        info["kv_cache_groups"] = len(engine.kv_groups)
+        info["kv_bytes_formula"] += f" per block slot ({engine.kv_groups[0].size} layers of one group)"
+        for g in group_summary(engine.kv_groups, lay.block_size, lay.bytes_per_token, lay.max_model_len,
+                               engine.config.max_num_batched_tokens):
+            kind = "global" if g["window"] is None else f"window_{g['window']}"
+            info[f"kv_group_{kind}"] = (f"{g['groups']} group(s), {g['layers']} layers, {g['blocks_per_seq']} blocks "
+                                        f"= {g['bytes_per_seq']} bytes per max_model_len sequence")
     if args.json:
         print(json.dumps(info, indent=2))
     else:

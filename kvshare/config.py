@@ -84,6 +84,10 @@ class EngineConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
+    # Models mixing global and sliding-window layers keep one block table per group of layers of
+    # one attention type (kvshare.kvcache.kv_groups), so window layers hold only their window.
+    # False: every layer shares one table (vLLM's disable_hybrid_kv_cache_manager).
+    kv_cache_groups: bool = True
     # Opt-in KV eviction (kvshare.kvcache.kv_policy, docs/kv_policies.md): None keeps every key the
     # model attends to (its own sliding windows still apply); "sink" is StreamingLLM: the first
     # `sink_tokens` tokens plus the last `window_tokens` (rounded up to whole blocks), with

@@ -27,6 +27,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=engine_default("max_num_seqs"))
     g.add_argument("--max-num-batched-tokens", type=int, default=engine_default("max_num_batched_tokens"))
     g.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
+    g.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                   help="models mixing global and sliding-window layers: one block table for every layer "
+                        "instead of one per KV cache group (vLLM's flag)")
     g.add_argument("--kv-policy", default=engine_default("kv_policy"), choices=["sink"],
                    help="sink: keep --sink-tokens first tokens + --window-tokens recent ones (docs/kv_policies.md)")
     g.add_argument("--sink-tokens", type=int, default=engine_default("sink_tokens"))
@@ -45,6 +48,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
         seed=args.seed, kv_event_log=args.kv_event_log, kv_policy=args.kv_policy,
         sink_tokens=args.sink_tokens, window_tokens=args.window_tokens,
+        kv_cache_groups=not args.disable_hybrid_kv_cache_manager,
         # Only an explicit --audit overrides KVSHARE_AUDIT.
         **({"audit": True} if args.audit else {}),
     )

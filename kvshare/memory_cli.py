@@ -85,6 +85,9 @@ def render(p: MemoryPlan) -> str:
         ("activation reserve", _mib(s.activation_bytes)),
         ("KV budget", f"usable - weights - activations = {_mib(s.kv_budget_bytes)}"),
         ("KV bytes per token", s.kv_formula),
+        *[(f"KV group {'global' if g['window'] is None else 'window ' + str(g['window'])}",
+           f"{g['groups']} group(s), {g['layers']} layers: {g['blocks_per_seq']:,} blocks = "
+           f"{_mib(g['bytes_per_seq'])} per sequence of max_model_len={p.max_model_len}") for g in s.kv_groups],
         ("KV pool", f"{s.num_blocks:,} blocks x {p.block_size} tokens = {s.token_slots:,} token slots, "
                     f"{_mib(s.kv_pool_bytes)}"),
         ("at max length", f"{s.max_seqs_at_max_len:,} sequences of max_model_len={p.max_model_len}"

@@ -12,6 +12,12 @@ The budget, in order:
   activations  = a reserve for one step's transient tensors (see `activation_bytes`)
   KV budget    = usable - weights - activations, cut into blocks of block_size tokens
 
+Hybrid models (global and sliding-window layers) with kv_cache_groups on (the engine default):
+one block holds one KV cache group's layers (kvshare.kvcache.kv_groups), a global group holds a
+block per block_size tokens, a window group at most its window plus a prefill chunk; the bytes
+per token are per block slot (one group's layers) and the per-group lines say what one sequence
+of max_model_len costs in each group.
+
 Requests with n > 1 or beam width w share their prompt's full blocks; each branch owns the
 rest (its copy of a partial prompt block and its output). Beams often share more than that
 (common output prefixes), so the figures for w > 1 are a floor.
@@ -24,6 +30,7 @@ import os
 from dataclasses import dataclass, field
 
 from kvshare.config import available_memory_bytes, engine_default, parse_bytes
+from kvshare.kvcache.kv_groups import KVCacheGroup, plan_kv_groups
 from kvshare.model.config import ModelArchConfig
 from kvshare.model.kv_quant import KVFormat, check_kv_cache_dtype, resolve_kv_format
 
@@ -45,6 +52,7 @@ class PlanConfig:
     concurrency: int | None = None  # requests you want in flight at once: warn when they do not fit
     max_num_batched_tokens: int = engine_default("max_num_batched_tokens")
     max_num_seqs: int = engine_default("max_num_seqs")
+    kv_cache_groups: bool = engine_default("kv_cache_groups")  # False: one block table for every layer
     # {GGUF type name: parameters} of the matrices kept quantized (gguf_weight_formats); None or
     # empty: every weight dense in `dtype` (quantization="none", or an HF checkpoint).
     weight_formats: dict[str, int] | None = None
@@ -156,12 +164,38 @@ def kv_pool_blocks(kv_budget_bytes: int, bytes_per_token: int, block_size: int,
     return num_blocks
 
 
-def blocks_per_request(prompt_len: int, output_len: int, block_size: int, width: int = 1) -> int:
+def blocks_per_request(prompt_len: int, output_len: int, block_size: int, width: int = 1,
+                       groups: list[KVCacheGroup] | None = None, chunk_tokens: int = 1) -> int:
     """Blocks one request holds at its end: the prompt's full blocks once, then per branch the
-    rest of its sequence (a copy of the partial prompt block, and its own output)."""
+    rest of its sequence (a copy of the partial prompt block, and its own output). With KV cache
+    groups, that in each global group; a window group holds at most its bound (window plus a
+    prefill chunk of `chunk_tokens`) per branch."""
     shared = prompt_len // block_size
     per_branch = -(-(prompt_len + output_len) // block_size) - shared
-    return shared + width * per_branch
+    plain = shared + width * per_branch
+    if not groups:
+        return plain
+    total = 0
+    for g in groups:
+        bound = g.policy.max_blocks_per_seq(chunk_tokens)
+        total += plain if bound is None else min(plain, width * bound)
+    return total
+
+
+def group_summary(groups: list[KVCacheGroup], block_size: int, bytes_per_token: int, num_tokens: int,
+                  chunk_tokens: int) -> list[dict]:
+    """Per attention type: its groups and layers, and the blocks and bytes one sequence of
+    `num_tokens` holds in them."""
+    out: dict = {}
+    for g in groups:
+        row = out.setdefault(g.window, {"window": g.window, "groups": 0, "layers": 0, "blocks_per_seq": 0,
+                                        "bytes_per_seq": 0})
+        blocks = blocks_per_request(num_tokens, 0, block_size, 1, [g], chunk_tokens)
+        row["groups"] += 1
+        row["layers"] += g.size
+        row["blocks_per_seq"] += blocks
+        row["bytes_per_seq"] += blocks * block_size * bytes_per_token
+    return list(out.values())
 
 
 # ---- the plan -----------------------------------------------------------------------------
@@ -183,6 +217,8 @@ class ShapePlan:
     max_requests_at_max_len: int = 0  # average prompt, every branch running to max_model_len
     max_requests_at_avg: int = 0  # average prompt + average output per branch
     max_seqs_at_avg: int = 0  # max_requests_at_avg x width
+    num_kv_groups: int = 1  # KV cache groups (hybrid models); bytes/token is then per block slot
+    kv_groups: list[dict] = field(default_factory=list)  # group_summary at max_model_len
     error: str | None = None  # set when the shape does not fit at all
 
 
@@ -240,9 +276,18 @@ def _plan_shape(arch: ModelArchConfig, cfg: PlanConfig, label: str, max_model_le
     usable = int(cfg.memory * cfg.utilization)
     weights = int(count_parameters(arch) * bytes_per_param)
     act = activation_bytes(arch, cfg.dtype, cfg.max_num_batched_tokens, cfg.max_num_seqs, max_model_len)
-    bpt = fmt.bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim)
-    sp = ShapePlan(label, arch.num_kv_heads, weights, act, usable - weights - act, bpt,
-                   f"{fmt.formula(arch.num_layers, arch.num_kv_heads, arch.head_dim)} = {bpt:,} bytes")
+    bs = cfg.block_size
+    groups = plan_kv_groups(arch.attention_windows(), bs) if cfg.kv_cache_groups else None
+    layers = groups[0].size if groups else arch.num_layers
+    bpt = fmt.bytes_per_token(layers, arch.num_kv_heads, arch.head_dim)
+    formula = f"{fmt.formula(layers, arch.num_kv_heads, arch.head_dim)} = {bpt:,} bytes"
+    if groups:
+        formula += f" per block slot ({len(groups)} KV cache groups of {layers} layers share the blocks)"
+    sp = ShapePlan(label, arch.num_kv_heads, weights, act, usable - weights - act, bpt, formula)
+    chunk = cfg.max_num_batched_tokens
+    if groups:
+        sp.num_kv_groups = len(groups)
+        sp.kv_groups = group_summary(groups, bs, bpt, max_model_len, chunk)
     if sp.kv_budget_bytes <= 0:
         sp.error = (f"memory={cfg.memory} bytes x utilization {cfg.utilization} = {usable:,} bytes does not hold "
                     f"the weights ({weights:,} bytes, {cfg.dtype}) and the activation reserve ({act:,} bytes)")
@@ -252,12 +297,12 @@ def _plan_shape(arch: ModelArchConfig, cfg: PlanConfig, label: str, max_model_le
     except ValueError as e:
         sp.error = f"after weights and activations, {e}"
         return sp
-    bs = cfg.block_size
     sp.token_slots = sp.num_blocks * bs
     sp.kv_pool_bytes = sp.token_slots * bpt
-    sp.max_seqs_at_max_len = sp.num_blocks // blocks_per_request(max_model_len, 0, bs)
-    sp.max_requests_at_max_len = sp.num_blocks // blocks_per_request(prompt, max_model_len - prompt, bs, cfg.width)
-    sp.max_requests_at_avg = sp.num_blocks // blocks_per_request(prompt, output, bs, cfg.width)
+    sp.max_seqs_at_max_len = sp.num_blocks // blocks_per_request(max_model_len, 0, bs, 1, groups, chunk)
+    sp.max_requests_at_max_len = sp.num_blocks // blocks_per_request(prompt, max_model_len - prompt, bs, cfg.width,
+                                                                     groups, chunk)
+    sp.max_requests_at_avg = sp.num_blocks // blocks_per_request(prompt, output, bs, cfg.width, groups, chunk)
     sp.max_seqs_at_avg = sp.max_requests_at_avg * cfg.width
     return sp
 

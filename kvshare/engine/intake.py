@@ -27,8 +27,10 @@ class RequestIntake:
     """Checks prompts against the tokenizer, the vocabulary and the KV pool the engine was built with."""
 
     def __init__(self, tokenizer, vocab_size: int, layout: KVLayout, kv_policy,
-                 max_num_batched_tokens: int, length_unbounded: bool) -> None:
+                 max_num_batched_tokens: int, length_unbounded: bool, seq_blocks=None) -> None:
         self.tokenizer = tokenizer
+        # KV cache groups: tokens -> most blocks one sequence holds across the groups (None: one group).
+        self.seq_blocks = seq_blocks
         self.vocab_size = vocab_size
         self.layout = layout
         self.kv_policy = kv_policy
@@ -131,6 +133,14 @@ class RequestIntake:
             )
         pool = self.layout.num_slots
         needed = n + max_tokens
+        grouped = self.seq_blocks(needed) if self.seq_blocks is not None else None
+        if grouped is not None:
+            if grouped > self.layout.num_blocks:
+                raise InvalidRequestError(
+                    f"prompt ({n} tokens) plus max_tokens ({max_tokens}) needs up to {grouped} KV blocks across "
+                    f"{self.layout.num_kv_groups} KV cache groups, but the whole KV pool holds "
+                    f"{self.layout.num_blocks}: raise kv_cache_memory or lower max_tokens", "max_tokens")
+            return max_tokens
         bound = self.kv_policy.max_blocks_per_seq(self.max_num_batched_tokens) if self.kv_policy else None
         if bound is not None and bound * self.layout.block_size < needed:
             # Windowed: blocks out of every window go back as the sequence grows.

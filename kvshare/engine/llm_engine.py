@@ -25,6 +25,7 @@ from kvshare.errors import InvalidRequestError
 from kvshare.kvcache.audit import KVAuditor, record_step_io
 from kvshare.kvcache.events import EventLog
 from kvshare.kvcache.kv_policy import build_kv_policy
+from kvshare.kvcache.kv_groups import GroupedKVCacheManager, blocks_per_seq, layer_slots, plan_kv_groups
 from kvshare.kvcache.manager import KVCacheManager
 from kvshare.memory_plan import kv_pool_blocks
 from kvshare.model import cpu_kernels
@@ -60,18 +61,33 @@ class LLMEngine:
         mc = self.model_config
         # Sized by the same code as `kvshare memory` plans with (scale bytes included when quantized).
         self.kv_format = config.kv_format
-        bytes_per_token = self.kv_format.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim)
+        # Hybrid models (global and window layers): one block table per group of layers of one
+        # attention type; a block then holds KV of one group's layers, not all of them.
+        self.kv_groups = (plan_kv_groups(mc.attention_windows(), config.block_size)
+                          if config.kv_cache_groups and config.kv_policy is None else None)
+        layers_per_block = self.kv_groups[0].size if self.kv_groups else mc.num_layers
+        bytes_per_token = self.kv_format.bytes_per_token(layers_per_block, mc.num_kv_heads, mc.head_dim)
         num_blocks = kv_pool_blocks(config.kv_budget_bytes(), bytes_per_token, config.block_size)
         max_model_len = config.max_model_len or mc.max_position_embeddings
         # The model's own sliding windows, or the opt-in sink policy: what bounds KV per sequence.
         self.kv_policy = build_kv_policy(config, mc, max_model_len)
         # Sink sequences keep cache positions below max_model_len whatever their length.
         length_unbounded = self.kv_policy is not None and self.kv_policy.generates_past_max_model_len
-        self.layout = KVLayout(bytes_per_token, config.block_size, num_blocks, max_model_len, self.kv_format.name)
-        self.manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                      policy=self.kv_policy)
-        self.kv_cache = PagedKVStorage(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
-                                self.kv_format.storage)
+        if self.kv_groups:
+            group_of, slot_of = layer_slots(self.kv_groups, mc.num_layers)
+            self.layout = KVLayout(bytes_per_token, config.block_size, num_blocks, max_model_len,
+                                   self.kv_format.name, len(self.kv_groups),
+                                   blocks_per_seq(self.kv_groups, config.block_size, max_model_len,
+                                                  config.max_num_batched_tokens))
+            self.manager = GroupedKVCacheManager(num_blocks, config.block_size, self.kv_groups,
+                                                 config.enable_prefix_caching)
+        else:
+            group_of = slot_of = None
+            self.layout = KVLayout(bytes_per_token, config.block_size, num_blocks, max_model_len, self.kv_format.name)
+            self.manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                          policy=self.kv_policy)
+        self.kv_cache = PagedKVStorage(layers_per_block, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
+                                       self.kv_format.storage, layer_slots=slot_of)
         self.model = build_model(mc, loaded.weights, dtype, TorchPagedAttention(config.block_size), max_model_len)
         release_freed_heap()  # the load's temporaries: back to the OS, not kept as RSS
         self.startup = StartupReport(loaded.source, loaded.tensor_types, self.model, config,
@@ -80,7 +96,8 @@ class LLMEngine:
         for line in self.startup.lines():
             logger.info(line)
         self.scheduler = Scheduler(config, self.manager)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.kv_policy)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.kv_policy,
+                                  [g.policy for g in self.kv_groups] if self.kv_groups else None, group_of)
         self.events: EventLog | None = None
         self.auditor: KVAuditor | None = None
         self.sampler = Sampler()
@@ -89,7 +106,7 @@ class LLMEngine:
         # Grammars for constrained decoding; llguidance's tokenizer is built on the first one.
         self.structured = StructuredOutputs(self.tokenizer, mc.vocab_size, self.eos_token_ids)
         self.intake = RequestIntake(self.tokenizer, mc.vocab_size, self.layout, self.kv_policy,
-                                    config.max_num_batched_tokens, length_unbounded)
+                                    config.max_num_batched_tokens, length_unbounded, self._seq_blocks)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler, self.eos_token_ids, max_model_len,
                                        length_unbounded)
         self.beams = BeamSearchDriver(self.scheduler, self._new_seq, self.outputs.finish_seq,
@@ -99,6 +116,13 @@ class LLMEngine:
         self.step_count = 0
         self.stats = EngineStats()
         self.set_audit(config.audit, config.kv_event_log)
+
+    def _seq_blocks(self, num_tokens: int) -> int | None:
+        """Most blocks one sequence of `num_tokens` holds across the KV cache groups (None: one
+        group, the intake's own slot count applies)."""
+        if not self.kv_groups:
+            return None
+        return blocks_per_seq(self.kv_groups, self.config.block_size, num_tokens, self.config.max_num_batched_tokens)
 
     def set_audit(self, audit: bool, event_log: str | None = None) -> None:
         """Attach (or detach) the event log and the auditor; only while idle, so the audit's

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvshare.engine.step_plan import ChunkPlan, StepPlan
+from kvshare.engine.step_plan import ChunkPlan, GroupAccess, StepPlan
 from kvshare.model.attention import AttentionMetadata, DecodeGroup, PagedKVStorage, PrefillChunk
 from kvshare.model.layers import rope_inv_freq
 from kvshare.model.rerotate import rerotate_keys
@@ -61,10 +61,16 @@ def group_by_length(ctx_lens: list[int], block_size: int) -> list[tuple[int, int
 
 
 class ModelRunner:
-    def __init__(self, model, kv_cache: PagedKVStorage, policy) -> None:
+    def __init__(self, model, kv_cache: PagedKVStorage, policy, group_policies: list | None = None,
+                 layer_groups: list[int] | None = None) -> None:
+        """With KV cache groups (hybrid models), group g's layers attend over the plan's group g
+        accesses with `group_policies[g]`, and layer i is in group `layer_groups[i]`; without,
+        every layer reads the one table, each with its own mask from `policy`."""
         self.model = model
         self.kv_cache = kv_cache
         self.policy = policy
+        self.group_policies = group_policies
+        self.layer_groups = layer_groups
         self.block_size = kv_cache.block_size
         self._inv_freq = rope_inv_freq(model.config)
 
@@ -72,32 +78,43 @@ class ModelRunner:
         """Packed inputs for the plan's chunks (decode rows first, then prefill chunks).
 
         Each row attends over the blocks its chunk reads, with the policy's mask per attention
-        variant (one per distinct layer window)."""
-        bs = self.block_size
-        policy = self.policy
+        variant (one per distinct layer window), per KV cache group when there are several."""
         decode = [c for c in plan.chunks if c.is_decode]
         prefill = [c for c in plan.chunks if not c.is_decode]
         ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
         for c in plan.chunks:
             ids.extend(c.token_ids)
             positions.extend(range(c.rope_start, c.rope_start + c.num_tokens))
-            slots.extend(c.write_slots)
+        if self.group_policies is None:
+            meta = self._metadata(plan, decode, prefill, 0, self.policy)
+        else:
+            metas = [self._metadata(plan, decode, prefill, g, p) for g, p in enumerate(self.group_policies)]
+            meta = dataclasses.replace(metas[0], layer_metadata=[metas[g] for g in self.layer_groups])
+        return torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta
+
+    def _metadata(self, plan: StepPlan, decode: list[ChunkPlan], prefill: list[ChunkPlan], group: int,
+                  policy) -> AttentionMetadata:
+        """One KV cache group's view of the step: its write slots, tables and masks."""
+        bs = self.block_size
+        slots: list[int] = []
+        for c in plan.chunks:
+            slots.extend(c.access(group).write_slots)
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long), num_decode=len(decode))
         variants = policy.variants
         groups: dict = {v: [] for v in variants}
         prefills: dict = {v: [] for v in variants}
         ranges: dict = {v: (None, None) for v in variants}
         if decode:
-            ranges = self._decode_tables(decode, meta, variants)
+            ranges = self._decode_tables(decode, group, policy, meta, variants)
             if self.model.backend.wants_decode_groups:  # the pure-PyTorch path: padded groups
-                self._decode_groups(decode, groups)
+                self._decode_groups(decode, group, policy, groups)
         row = len(decode)
         for c in prefill:
+            a = c.access(group)
             q_pos = torch.arange(c.start, c.end).unsqueeze(1)
-            k_pos = _key_positions(_table_index(c), bs).unsqueeze(0)
-            table_t = torch.tensor(c.read_blocks, dtype=torch.long)
+            k_pos = _key_positions(_table_index(a), bs).unsqueeze(0)
+            table_t = torch.tensor(a.read_blocks, dtype=torch.long)
             for v in variants:
                 prefills[v].append(PrefillChunk(row, c.num_tokens, table_t, policy.visible(q_pos, k_pos, v)))
             row += c.num_tokens
@@ -108,9 +125,10 @@ class ModelRunner:
                                                  decode_sink_end=ranges[v][0], decode_window_start=ranges[v][1])
                           for v in variants}
             meta.layer_metadata = [by_variant[v] for v in policy.layer_variants]
-        return torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta
+        return meta
 
-    def _decode_tables(self, decode: list[ChunkPlan], meta: AttentionMetadata, variants: list) -> dict:
+    def _decode_tables(self, decode: list[ChunkPlan], group: int, policy, meta: AttentionMetadata,
+                       variants: list) -> dict:
         """Each row's table by table index (0 where a block was released: never read) and its
         context length, for kernels that walk tables themselves; when some row no longer sees
         every earlier key, also each variant's visible range per row (sink end, window start)."""
@@ -119,40 +137,42 @@ class ModelRunner:
         width = -(-max(ctx_lens) // bs)
         rows = []
         for c in decode:
-            if c.read_index is None:
-                rows.append(c.read_blocks + [0] * (width - len(c.read_blocks)))
+            a = c.access(group)
+            if a.read_index is None:
+                rows.append(a.read_blocks + [0] * (width - len(a.read_blocks)))
             else:
                 row = [0] * width
-                for i, b in zip(c.read_index, c.read_blocks):
+                for i, b in zip(a.read_index, a.read_blocks):
                     row[i] = b
                 rows.append(row)
         meta.decode_block_tables = torch.tensor(rows, dtype=torch.long)
         meta.decode_context_lens = torch.tensor(ctx_lens, dtype=torch.long)
-        if max(ctx_lens) <= self.policy.plain_until:
+        if max(ctx_lens) <= policy.plain_until:
             return {v: (None, None) for v in variants}  # plain causal attention for every row
         out = {}
         for v in variants:
-            pairs = [self.policy.decode_range(c.start, v) for c in decode]
+            pairs = [policy.decode_range(c.start, v) for c in decode]
             out[v] = (torch.tensor([p[0] for p in pairs], dtype=torch.long),
                       torch.tensor([p[1] for p in pairs], dtype=torch.long))
         return out
 
-    def _decode_groups(self, decode: list[ChunkPlan], groups: dict) -> None:
+    def _decode_groups(self, decode: list[ChunkPlan], group: int, policy, groups: dict) -> None:
         """The pure-PyTorch path: decode rows over the blocks each holds, padded per group of
         similar length; the bias is -inf for padding and for keys the policy hides from the row."""
         bs = self.block_size
-        for r0, r1 in group_by_length([len(c.read_blocks) * bs for c in decode], bs):
-            n, width = r1 - r0, len(decode[r1 - 1].read_blocks)
+        access = [c.access(group) for c in decode]
+        for r0, r1 in group_by_length([len(a.read_blocks) * bs for a in access], bs):
+            n, width = r1 - r0, max(len(a.read_blocks) for a in access[r0:r1])
             table = torch.zeros(n, width, dtype=torch.long)
             k_pos = torch.full((n, width * bs), -1, dtype=torch.long)  # -1: padding
             for r in range(r0, r1):
-                c = decode[r]
-                table[r - r0, :len(c.read_blocks)] = torch.tensor(c.read_blocks, dtype=torch.long)
-                k_pos[r - r0, :len(c.read_blocks) * bs] = _key_positions(_table_index(c), bs)
+                a = access[r]
+                table[r - r0, :len(a.read_blocks)] = torch.tensor(a.read_blocks, dtype=torch.long)
+                k_pos[r - r0, :len(a.read_blocks) * bs] = _key_positions(_table_index(a), bs)
             q_pos = torch.tensor([c.start for c in decode[r0:r1]]).unsqueeze(1)
             for v in groups:
                 bias = torch.zeros(n, width * bs)
-                bias.masked_fill_(~(self.policy.visible(q_pos, k_pos, v) & (k_pos >= 0)), _NEG_INF)
+                bias.masked_fill_(~(policy.visible(q_pos, k_pos, v) & (k_pos >= 0)), _NEG_INF)
                 groups[v].append(DecodeGroup(r0, n, table, bias.view(1, n, 1, width * bs)))
 
     def execute(self, plan: StepPlan) -> StepLogits:
@@ -169,7 +189,7 @@ class ModelRunner:
         return StepLogits(sample_chunks, sample_logits, prompt_logits)
 
 
-def _table_index(c: ChunkPlan) -> list[int]:
+def _table_index(c: "ChunkPlan | GroupAccess") -> list[int]:
     return c.read_index if c.read_index is not None else list(range(len(c.read_blocks)))
 
 

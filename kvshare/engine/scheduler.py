@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from kvshare.config import EngineConfig
 from kvshare.engine.request import Sequence, SeqStatus
-from kvshare.engine.step_plan import ChunkPlan, StepPlan
+from kvshare.engine.step_plan import ChunkPlan, GroupAccess, StepPlan
 from kvshare.kvcache.manager import KVCacheManager
 
 
@@ -85,9 +85,8 @@ class Scheduler:
 
     def _plan(self, c: _Chunk) -> ChunkPlan:
         """What the model computes, reads and writes for this chunk (after this step's copies)."""
-        mgr, bs, seq = self.manager, self.manager.block_size, c.seq
-        read, index = mgr.blocks_read(seq.seq_id, -(-c.end // bs))
-        table = mgr.seqs[seq.seq_id].blocks
+        mgr, seq = self.manager, c.seq
+        (write, read, index), *more = mgr.access_by_group(seq.seq_id, c.start, c.end)
         prompt_logits = None
         if seq.prompt_logprobs is not None and not seq.prompt_logprobs_done():
             first = max(c.start, len(seq.prompt_logprobs) - 1)  # entry 0 (the first prompt token) is None
@@ -97,30 +96,27 @@ class Scheduler:
         return ChunkPlan(
             seq=seq, start=c.start, token_ids=seq.token_ids[c.start:c.end],
             rope_start=c.start - mgr.rope_offset(seq.seq_id),
-            write_slots=[table[p // bs].block_id * bs + p % bs for p in range(c.start, c.end)],
-            read_blocks=read, read_index=index,
-            samples=c.end == seq.num_tokens, prompt_logits=prompt_logits)
+            write_slots=write, read_blocks=read, read_index=index,
+            samples=c.end == seq.num_tokens, prompt_logits=prompt_logits,
+            groups=tuple(GroupAccess(*a) for a in more))
 
     def step_done(self, plan: StepPlan) -> None:
         """After the forward pass: the chunks' KV is written, so their full blocks are published."""
         for c in plan.chunks:
             c.seq.num_computed_tokens = c.end
             self.manager.publish_full_blocks(c.seq.seq_id, c.seq.token_ids, c.end)
+            self.manager.release_behind(c.seq.seq_id, c.end)
 
     def _chunk_size(self, seq: Sequence, start: int, budget: int) -> int:
         num_new = min(seq.num_tokens - start, budget)
-        limit = self.manager.policy.chunk_limit(start)  # e.g. sinks: RoPE positions left
+        limit = self.manager.chunk_limit(start)  # e.g. sinks: RoPE positions left
         return num_new if limit is None else min(num_new, limit)
 
     def _peak_blocks(self, seq: Sequence) -> int | None:
         """Most blocks `seq` can hold from now on under a bounded-KV policy (None: unbounded)."""
-        policy = self.manager.policy
-        if policy.max_blocks_per_seq(1) is None:
-            return None
         decoding = seq.status is SeqStatus.RUNNING and seq.num_computed_tokens >= seq.num_tokens - 1
-        bound = policy.decode_blocks if decoding else policy.max_blocks_per_seq(self.config.max_num_batched_tokens)
         total = max(seq.num_tokens, seq.num_prompt_tokens + (seq.params.max_tokens or 0))
-        return min(bound, self.manager.blocks_needed(total))
+        return self.manager.peak_blocks(decoding, self.config.max_num_batched_tokens, total)
 
     def _room_to_peak(self, seq: Sequence, cached: list) -> bool:
         """With bounded KV, admit only while every running sequence can still grow to its peak

@@ -18,6 +18,10 @@ class KVLayout:
     num_blocks: int
     max_model_len: int
     dtype: str
+    # KV cache groups (hybrid models): how many, and how many blocks one sequence of
+    # max_model_len holds across them (0: one group, max_model_len / block_size blocks).
+    num_kv_groups: int = 1
+    max_len_seq_blocks: int = 0
 
     @property
     def num_slots(self) -> int:
@@ -29,11 +33,15 @@ class KVLayout:
 
     @property
     def max_len_seqs(self) -> float:
+        if self.max_len_seq_blocks:
+            return self.num_blocks / self.max_len_seq_blocks
         return self.num_slots / self.max_model_len
 
     def describe(self) -> str:
+        # With groups, bytes/token is per block slot: one group's layers, not the whole model's.
+        groups = "" if self.num_kv_groups == 1 else f", {self.num_kv_groups} KV cache groups sharing the blocks"
         return (
-            f"KV cache: {self.bytes_per_token} bytes/token ({self.dtype}), {self.num_blocks} blocks x "
+            f"KV cache: {self.bytes_per_token} bytes/token ({self.dtype}{groups}), {self.num_blocks} blocks x "
             f"{self.block_size} tokens = {self.num_slots} token slots ({self.pool_bytes / 2**20:.1f} MiB); "
             f"{self.max_len_seqs:.2f} sequences of max_model_len={self.max_model_len} fit"
         )

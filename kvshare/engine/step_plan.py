@@ -14,6 +14,16 @@ from kvshare.engine.request import Sequence
 
 
 @dataclass
+class GroupAccess:
+    """A chunk's writes and reads in one more KV cache group (hybrid models: each group of layers
+    of one attention type has its own block table per sequence, over the same pool)."""
+
+    write_slots: list[int]
+    read_blocks: list[int]
+    read_index: list[int] | None
+
+
+@dataclass
 class ChunkPlan:
     """One sequence's part of a step."""
 
@@ -30,6 +40,13 @@ class ChunkPlan:
     # Rows whose logits score prompt tokens (prompt_logprobs): (first position, count); position
     # p's logits predict the prompt token at p + 1.
     prompt_logits: tuple[int, int] | None = None
+    # KV cache groups 1.. (write_slots / read_blocks / read_index above are group 0's); empty
+    # when the model's layers share one block table.
+    groups: tuple[GroupAccess, ...] = ()
+
+    def access(self, group: int) -> "ChunkPlan | GroupAccess":
+        """The writes and reads of KV cache group `group` (both kinds have the same three fields)."""
+        return self if group == 0 else self.groups[group - 1]
 
     @property
     def num_tokens(self) -> int:

@@ -30,6 +30,8 @@ Invariants:
                             (a shared one is written too: write_into_shared_block).
 
 Tables of windowed sequences hold `None` where a block was released; only held blocks count.
+With KV cache groups (kvshare/kvcache/kv_groups.py) a sequence has one table per group, a block
+belongs to one group's tables, and every table and every group's access is checked the same way.
 """
 from __future__ import annotations
 
@@ -105,8 +107,8 @@ class KVAuditor:
         holders = set(owners)
         if block is not None:
             holders |= self.pool.blocks[block].owners
-            holders |= {s for s, t in self.manager.tables.items() if any(b is not None and b.block_id == block
-                                                                          for b in t)}
+            holders |= {s for tables in self.manager.group_tables for s, t in tables.items()
+                        if any(b is not None and b.block_id == block for b in t)}
         self.events.flush()
         return AuditError(invariant, detail, block, holders, self.checker.step,
                           self.events.touching(block) if block is not None else [])
@@ -116,11 +118,12 @@ class KVAuditor:
         ck, pool = self.checker, self.pool
         held: Counter[int] = Counter()
         in_tables: dict[int, set[str]] = {}
-        for seq_id, table in self.manager.tables.items():
-            for b in table:
-                if b is not None:
-                    held[b.block_id] += 1
-                    in_tables.setdefault(b.block_id, set()).add(seq_id)
+        for tables in self.manager.group_tables:  # a block is in one KV cache group's tables
+            for seq_id, table in tables.items():
+                for b in table:
+                    if b is not None:
+                        held[b.block_id] += 1
+                        in_tables.setdefault(b.block_id, set()).add(seq_id)
         salts = self.manager.salts
         none: set[str] = set()
         for b in pool.blocks:  # by block id, so the lowest broken block is the one reported
@@ -169,30 +172,35 @@ class KVAuditor:
         """A sequence holding a cached block has the block's tokens at that position."""
         bs = self.block_size
         live = self._live_tokens()
-        for seq_id, table in self.manager.tables.items():
-            tokens = live.get(seq_id)
-            if tokens is None:
-                continue
-            for i, b in enumerate(table):
-                if b is not None and b.token_ids is not None and (i + 1) * bs <= len(tokens) and \
-                        tuple(tokens[i * bs:(i + 1) * bs]) != b.token_ids:
-                    raise self._error("cached_block_matches_hash", f"sequence {seq_id} holds it at index {i}, but "
-                                                                   f"its tokens there differ", b.block_id, [seq_id])
+        for tables in self.manager.group_tables:
+            for seq_id, table in tables.items():
+                tokens = live.get(seq_id)
+                if tokens is None:
+                    continue
+                for i, b in enumerate(table):
+                    if b is not None and b.token_ids is not None and (i + 1) * bs <= len(tokens) and \
+                            tuple(tokens[i * bs:(i + 1) * bs]) != b.token_ids:
+                        raise self._error("cached_block_matches_hash", f"sequence {seq_id} holds it at index {i}, "
+                                                                       f"but its tokens there differ", b.block_id,
+                                          [seq_id])
 
     def check_io(self, plan) -> None:
         """After the checker passed the step's reads and writes: the block tables the step plan
         reads are the sequences' real tables, index by index (the checker verified the writes
         against these tables and that each block is one the reader holds)."""
-        tables = self.manager.tables
-        for c in plan.chunks:
-            seq_id = c.seq.seq_id
-            table = tables.get(seq_id, [])
-            at = c.read_index if c.read_index is not None else range(len(c.read_blocks))
-            for i, bid in zip(at, c.read_blocks):
-                b = table[i] if i < len(table) else None
-                if b is None or b.block_id != bid:
-                    raise self._error("read_outside_own_blocks", f"{seq_id} attends over block {bid} at index {i}; "
-                                      f"its table has {getattr(b, 'block_id', None)} there", bid, [seq_id])
+        for g, tables in enumerate(self.manager.group_tables):  # each KV cache group against its own tables
+            group = "" if g == 0 else f" (KV cache group {g})"
+            for c in plan.chunks:
+                seq_id = c.seq.seq_id
+                table = tables.get(seq_id, [])
+                a = c.access(g)
+                at = a.read_index if a.read_index is not None else range(len(a.read_blocks))
+                for i, bid in zip(at, a.read_blocks):
+                    b = table[i] if i < len(table) else None
+                    if b is None or b.block_id != bid:
+                        raise self._error("read_outside_own_blocks", f"{seq_id} attends over block {bid} at index "
+                                          f"{i}{group}; its table has {getattr(b, 'block_id', None)} there", bid,
+                                          [seq_id])
 
 
 def record_step_io(events, auditor: KVAuditor | None, plan) -> None:
@@ -210,6 +218,10 @@ def record_step_io(events, auditor: KVAuditor | None, plan) -> None:
         fields = {} if c.read_index is None else {"index": c.read_index}
         events.record("access", seq=c.seq.seq_id, table=c.read_blocks, ctx=c.num_keys, write_pos=c.start,
                       write_slots=c.write_slots, **fields)
+        for g, a in enumerate(c.groups, 1):  # KV cache groups: one access per group's table
+            fields = {"group": g} if a.read_index is None else {"group": g, "index": a.read_index}
+            events.record("access", seq=c.seq.seq_id, table=a.read_blocks, ctx=c.num_keys, write_pos=c.start,
+                          write_slots=a.write_slots, **fields)
     events.record("forward")
     if auditor is not None:
         auditor.check_io(plan)

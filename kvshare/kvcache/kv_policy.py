@@ -224,6 +224,10 @@ def build_kv_policy(config, arch, max_model_len: int):
     if has_windows:
         raise ValueError(f"kv_policy={config.kv_policy!r} cannot be combined with this model's own sliding "
                          f"window(s) {sorted({w for w in windows if w})}: leave kv_policy unset")
+    if (arch.rope_scaling or {}).get("rope_type") == "longrope":
+        # Re-rotation composes one rotation per shift; longrope's frequencies change along the
+        # positions (short / long factors), so a moved key would carry the wrong ones.
+        raise ValueError("kv_policy='sink' cannot be used with longrope RoPE scaling (Phi-3): leave kv_policy unset")
     policy = SinkWindow(config.sink_tokens, config.window_tokens, config.block_size, max_model_len,
                         arch.num_layers)
     if policy.max_decode_position >= max_model_len:

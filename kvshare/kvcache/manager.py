@@ -22,15 +22,20 @@ class KVCacheManager:
     events = Recorder()  # the block event log, or a NullEventLog
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 events: EventLog | None = None, policy=None) -> None:
+                 events: EventLog | None = None, policy=None, pool: BlockPool | None = None,
+                 hasher: BlockHasher | None = None, chain_root: bytes | None = None) -> None:
         self.block_size = block_size
         self.policy = policy if policy is not None else FullAttention(block_size)
         # Blocks a sequence may publish to the prefix cache (None: all); fixed by the policy.
         self.publish_limit = self.policy.publishable_blocks()
         self.events = events
-        self.pool = BlockPool(num_blocks, events)
+        # One KV cache group of a hybrid model (kv_groups.py) shares the pool and the hasher
+        # with the other groups; its hash chain starts from its own root, so the same tokens
+        # hash differently in each group (one pool-wide hash index, no cross-group hits).
+        self.pool = pool if pool is not None else BlockPool(num_blocks, events)
         self.enable_prefix_caching = enable_prefix_caching
-        self.hasher = BlockHasher(block_size)
+        self.hasher = hasher if hasher is not None else BlockHasher(block_size)
+        self.chain_root = chain_root  # parent hash of block 0 (None: the hasher's own root)
         self.seqs: dict[str, SeqKV] = {}  # every sequence looked up or admitted, until freed
         self.stats = PrefixCacheStats()
         # Copies the model runner must perform before the next forward pass: (src, dst) block ids.
@@ -87,6 +92,41 @@ class KVCacheManager:
         index = self.held_indices(seq_id, upto)
         return [rec.blocks[i].block_id for i in index], index
 
+    def access_by_group(self, seq_id: str, start: int, end: int) -> list[tuple[list[int], list[int], list[int] | None]]:
+        """What computing positions [start, end) writes and reads, per KV cache group (here one):
+        (write slots, block ids read, their table indices or None)."""
+        bs = self.block_size
+        read, index = self.blocks_read(seq_id, -(-end // bs))
+        table = self.seqs[seq_id].blocks
+        return [([table[p // bs].block_id * bs + p % bs for p in range(start, end)], read, index)]
+
+    @property
+    def num_groups(self) -> int:
+        return 1
+
+    @property
+    def group_tables(self) -> list[dict[str, list[Block | None]]]:
+        """Per KV cache group, every admitted sequence's table (one group here)."""
+        return [self.tables]
+
+    def chunk_limit(self, start: int) -> int | None:
+        """Tokens a chunk from `start` may hold (None: any), e.g. sinks: RoPE positions left."""
+        return self.policy.chunk_limit(start)
+
+    def peak_blocks(self, decoding: bool, chunk_tokens: int, total_tokens: int) -> int | None:
+        """Most blocks a sequence of up to `total_tokens` can hold from now on under a
+        bounded-KV policy (None: unbounded)."""
+        policy = self.policy
+        if policy.max_blocks_per_seq(1) is None:
+            return None
+        bound = policy.decode_blocks if decoding else policy.max_blocks_per_seq(chunk_tokens)
+        return min(bound, self.blocks_needed(total_tokens))
+
+    def release_behind(self, seq_id: str, num_computed: int) -> None:
+        """After a step: nothing here. With one group a sequence's out-of-window blocks go back at
+        its next `slide` (so the counts stay what they always were); KV groups release them
+        right after the step (GroupedKVCacheManager.release_behind)."""
+
     def rope_offset(self, seq_id: str) -> int:
         rec = self.seqs.get(seq_id)
         return 0 if rec is None else rec.rope_offset
@@ -126,7 +166,7 @@ class KVCacheManager:
         extra = self.hasher.extra_keys(rec.salt)
         while len(hashes) < upto_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else self.chain_root
             hashes.append(self.hasher.hash_block(parent, token_ids[i * bs:(i + 1) * bs], extra))
         return hashes
 
@@ -149,6 +189,13 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits
+
+    def cached_blocks(self, seq_id: str, token_ids: list[int], num_blocks: int) -> list[Block | None]:
+        """The cached block for each of the first `num_blocks` full blocks of `token_ids`, None
+        where there is none (a window group may miss early blocks and still hit later ones)."""
+        hashes = self._block_hashes(self.record(seq_id), token_ids, num_blocks)
+        bs = self.block_size
+        return [self.pool.lookup(hashes[i], tuple(token_ids[i * bs:(i + 1) * bs])) for i in range(num_blocks)]
 
     @staticmethod
     def _set_salt(rec: SeqKV, salt: str | None) -> None:
@@ -187,7 +234,7 @@ class KVCacheManager:
             block = rec.blocks[i]
             if block is not None and block.block_hash is None:
                 self.pool.publish(block, hashes[i], tuple(token_ids[i * bs:(i + 1) * bs]),
-                                        hashes[i - 1] if i else None)
+                                  hashes[i - 1] if i else self.chain_root)
         rec.registered = full
 
     # ---- admission: plan, then commit -----------------------------------------------------
@@ -225,6 +272,13 @@ class KVCacheManager:
         return self._block_hashes(self.record(seq_id), token_ids, num_cached_blocks + 1)[num_cached_blocks]
 
     def commit_admission(self, plan: AdmissionPlan) -> None:
+        self.adopt_hits(plan)
+        if not self.allocate_slots(plan.seq_id, plan.num_computed, plan.num_new):
+            raise BlockPoolError(f"admission of {plan.seq_id}: the pool changed between plan and commit")
+
+    def adopt_hits(self, plan: AdmissionPlan) -> None:
+        """The first half of a commit: the sequence's table starts as its prefix hits (revived
+        from the free queue first, so no allocation can hand one of them out meanwhile)."""
         if plan.refusal is not None:
             raise BlockPoolError(f"admission of {plan.seq_id} committed though refused: {plan.refusal}")
         rec = self.record(plan.seq_id)
@@ -241,8 +295,6 @@ class KVCacheManager:
         rec.admitted = True
         rec.released = max((i + 1 for i, b in enumerate(plan.hits) if b is None), default=0)
         rec.registered = len(plan.hits)
-        if not self.allocate_slots(plan.seq_id, plan.num_computed, plan.num_new):
-            raise BlockPoolError(f"admission of {plan.seq_id}: the pool changed between plan and commit")
 
     # ---- growth --------------------------------------------------------------------------
     def allocate_slots(self, seq_id: str, num_computed: int, num_new_tokens: int) -> bool:
@@ -250,16 +302,22 @@ class KVCacheManager:
         cannot supply the blocks (nothing is changed then)."""
         rec = self.record(seq_id)
         table = rec.blocks
-        needed = self.blocks_needed(num_computed + num_new_tokens) - len(table)
-        first = num_computed // self.block_size
-        cow = first < len(table) and table[first].ref_count > 1
-        if max(needed, 0) + (1 if cow else 0) > self.pool.num_free:
+        needed, cow = self.slots_cost(seq_id, num_computed, num_new_tokens)
+        if needed + (1 if cow else 0) > self.pool.num_free:
             return False
         if cow:
-            self.copy_on_write(seq_id, first)
+            self.copy_on_write(seq_id, num_computed // self.block_size)
         for _ in range(needed):
             table.append(self.pool.allocate(seq_id, rec.salt))
         return True
+
+    def slots_cost(self, seq_id: str, num_computed: int, num_new_tokens: int) -> tuple[int, bool]:
+        """(new blocks, whether the first written block needs a private copy) that
+        `allocate_slots` would take from the pool."""
+        table = self.record(seq_id).blocks
+        first = num_computed // self.block_size
+        cow = first < len(table) and table[first].ref_count > 1
+        return max(0, self.blocks_needed(num_computed + num_new_tokens) - len(table)), cow
 
     def copy_on_write(self, seq_id: str, index: int) -> None:
         """A shared block is about to be written: this sequence gets a private copy first."""

@@ -68,7 +68,8 @@ class AttentionMetadata:
 
 
 class PagedKVStorage:
-    """K and V for every layer; slot = block_id * block_size + offset.
+    """K and V for every layer (or every layer slot of a block, with KV cache groups);
+    slot = block_id * block_size + offset.
 
     `dtype` is the storage dtype (see kv_quant): int8 and float8_e4m3fn caches also hold one
     float32 scale per (layer, K/V, kv head, slot) in `scales`, and `layer` hands out QuantizedKV
@@ -76,9 +77,13 @@ class PagedKVStorage:
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype) -> None:
+                 head_dim: int, dtype: torch.dtype, layer_slots: list[int] | None = None) -> None:
+        """`num_layers` is how many layers' KV one block holds. With KV cache groups a block
+        belongs to one group of that many layers, and model layer i uses slot layer_slots[i]
+        (at the block ids of its group's tables); None: layer i is slot i."""
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.layer_slots = layer_slots
         # Zeroed, not empty: padded decode reads touch unused slots, and 0 * NaN would leak.
         # Lazily zeroed: the pool is anonymous memory, so a page costs RAM (and time) only once
         # a block on it is written or read, not at start-up.
@@ -99,6 +104,8 @@ class PagedKVStorage:
         return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor] | tuple[QuantizedKV, QuantizedKV]:
+        if self.layer_slots is not None:
+            i = self.layer_slots[i]
         if self.scales is None:
             return self.data[i, 0], self.data[i, 1]
         return QuantizedKV(self.data[i, 0], self.scales[i, 0]), QuantizedKV(self.data[i, 1], self.scales[i, 1])

@@ -14,7 +14,7 @@ class ModelArchConfig:
     load into the same modules and can be compared tensor by tensor.
     """
 
-    architecture: str  # "llama", "qwen2", "mistral", "gemma2", "gemma3"
+    architecture: str  # "llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2", "gemma3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -25,11 +25,17 @@ class ModelArchConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     # llama3-style scaling: {"rope_type": "llama3", "factor", "low_freq_factor",
-    # "high_freq_factor", "original_max_position_embeddings"}; None for plain RoPE.
+    # "high_freq_factor", "original_max_position_embeddings"}; Phi-3's {"rope_type": "longrope",
+    # "short_factor", "long_factor", "original_max_position_embeddings", "attention_factor"}
+    # (every value resolved by the loader); None for plain RoPE.
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2 has q/k/v bias
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on each q and k head, before RoPE
+    # Dims of each head RoPE rotates (the first ones; the rest pass through), None = head_dim.
+    # Phi-3 configs' partial_rotary_factor * head_dim.
+    rotary_dim: int | None = None
     sliding_window: int | None = None  # the window of the windowed layers (None: no layer has one)
     # Per layer: its window, or None for global attention; None (the field) means every layer
     # uses `sliding_window`. Set when a config mixes local and global layers (Qwen2 layer_types).
@@ -46,6 +52,9 @@ class ModelArchConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     name: str = ""
+
+    def rope_dims(self) -> int:
+        return self.rotary_dim if self.rotary_dim is not None else self.head_dim
 
     def attention_windows(self) -> list[int | None]:
         """Each layer's sliding window (keys with query - key < window are seen), None = global."""

@@ -7,10 +7,11 @@ attention kernels without returning to Python between ops.
 
 It applies when every piece has a C++ counterpart, and says why not otherwise (`reason`):
 float32 activations, every layer's linears on kvshare's group kernels (int8 or int4 codes),
-a float32 or bfloat16 KV cache, the C++ attention kernel in use, and a step whose rows are all
-decode rows with plain causal attention (no row's window hides an earlier key). Anything else
-takes the step-by-step path, which stays the reference: tests/test_fused_decode.py checks the
-two agree.
+a float32 or bfloat16 KV cache, the C++ attention kernel in use, RoPE over whole heads and no
+per-head q/k norm (Qwen3), and a step whose rows are all decode rows with plain causal attention
+(no row's window hides an earlier key) over one block table per row (with KV cache groups each
+layer group has its own: it declines). Anything else takes the step-by-step path, which stays
+the reference: tests/test_fused_decode.py checks the two agree.
 """
 from __future__ import annotations
 
@@ -79,6 +80,13 @@ class FusedDecode:
             return f"activations are {model.dtype}, not float32"
         if not isinstance(model.backend, TorchPagedAttention):
             return f"attention backend is {type(model.backend).__name__}"
+        # The C++ step runs the plain Llama layer; features beyond it take the step-by-step path.
+        # (longrope needs nothing here: it only changes the cos/sin tables `run` is given.)
+        if model.config.qk_norm:
+            return "per-head q/k RMSNorm (Qwen3) is not in the C++ decode step"
+        if model.config.rope_dims() != model.config.head_dim:
+            return (f"partial rotary embedding ({model.config.rope_dims()} of {model.config.head_dim} dims) "
+                    f"is not in the C++ decode step")
         return None
 
     @staticmethod
@@ -100,6 +108,9 @@ class FusedDecode:
             return self.model_reason
         if num_rows == 0 or meta.num_decode != num_rows or meta.prefills or meta.decode_block_tables is None:
             return "not a plain decode-only step"
+        if meta.layer_metadata is not None and any(m.decode_block_tables is not meta.decode_block_tables
+                                                   for m in meta.layer_metadata):
+            return "KV cache groups: layer groups read different block tables (one table per row here)"
         if any(m.decode_sink_end is not None or m.decode_window_start is not None
                for m in (meta.layer_metadata or [meta])):
             return "rows whose window hides earlier keys"

@@ -16,10 +16,11 @@ from kvshare.model import gemma
 from kvshare.model.config import ModelArchConfig
 from kvshare.model.gguf_header import open_gguf_file
 from kvshare.model.gguf_quants import GROUP_AFFINE_TYPES, GroupAffine, to_group_affine
+from kvshare.model.hf_loader import split_fused_weights
 from kvshare.model.load_error import ModelLoadError
 from kvshare.model.tokenizer import Tokenizer
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral", "gemma2", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2", "gemma3")
 
 Q = GGMLQuantizationType
 SUPPORTED_TENSOR_TYPES = frozenset(
@@ -37,6 +38,9 @@ _LAYER_TENSORS = {
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",  # Qwen3
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",  # Phi-3; split by split_fused_weights
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
@@ -46,9 +50,11 @@ _GLOBAL_TENSORS = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-# Not weights: rope_freqs holds llama3 RoPE factors (turned back into config.rope_scaling), and
-# rot_embd is a precomputed table some old converters wrote.
-_IGNORED_TENSORS = re.compile(r"^(rope_freqs\.weight|blk\.\d+\.attn_rot_embd(\.weight)?)$")
+# Not weights: rope_freqs holds llama3 RoPE factors and rope_factors_long/short Phi-3's longrope
+# factors (both turned back into config.rope_scaling), and rot_embd is a precomputed table some
+# old converters wrote.
+_IGNORED_TENSORS = re.compile(
+    r"^(rope_freqs\.weight|rope_factors_(long|short)\.weight|blk\.\d+\.attn_rot_embd(\.weight)?)$")
 _LAYER_NAME = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
@@ -202,6 +208,30 @@ def _llama3_from_rope_freqs(factors: np.ndarray, theta: float, head_dim: int, pa
     )
 
 
+def _longrope_from_factors(tensors: dict, meta: dict[str, Any], arch: str, context_length: int, rope_dims: int,
+                           path: str) -> dict[str, Any]:
+    """Phi-3's longrope scaling from the rope_factors_long/short tensors and the rope.scaling keys
+    llama.cpp's converter writes (its attn_factor is HF's default attention factor)."""
+    if "rope_factors_short.weight" not in tensors:
+        raise ModelLoadError(f"{path}: rope_factors_long.weight without rope_factors_short.weight.")
+    original = meta.get(f"{arch}.rope.scaling.original_context_length")
+    if original is None:
+        raise ModelLoadError(f"{path}: longrope factors without {arch}.rope.scaling.original_context_length.")
+    factors = {}
+    for name in ("short", "long"):
+        values = dequantize_tensor(tensors[f"rope_factors_{name}.weight"]).reshape(-1)
+        if values.shape[0] != rope_dims // 2:
+            raise ModelLoadError(
+                f"{path}: rope_factors_{name} has {values.shape[0]} entries, expected {rope_dims // 2}.")
+        factors[f"{name}_factor"] = values.tolist()
+    attn = meta.get(f"{arch}.rope.scaling.attn_factor")
+    if attn is None:
+        factor = context_length / int(original)
+        attn = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(int(original)))
+    return {"rope_type": "longrope", **factors, "original_max_position_embeddings": int(original),
+            "attention_factor": float(attn)}
+
+
 def config_from_gguf(meta: dict[str, Any], reader: GGUFReader, path: str) -> ModelArchConfig:
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -227,9 +257,12 @@ def config_from_gguf(meta: dict[str, Any], reader: GGUFReader, path: str) -> Mod
         if len(set(num_kv_heads)) != 1:
             raise ModelLoadError(f"{path}: per-layer head_count_kv {num_kv_heads} is not supported.")
         num_kv_heads = num_kv_heads[0]
-    head_dim = int(key("attention.key_length", 0)) or int(key("rope.dimension_count", 0)) or hidden // num_heads
+    # Phi-3's rope.dimension_count may be a part of the head (partial rotary), never its size.
+    rope_dims_as_head = 0 if arch == "phi3" else int(key("rope.dimension_count", 0))
+    head_dim = int(key("attention.key_length", 0)) or rope_dims_as_head or hidden // num_heads
     rope_dims = int(key("rope.dimension_count", head_dim))
-    if rope_dims != head_dim:
+    # Phi-3 configs may rotate only part of each head (Phi-4-mini: 3/4); no other family here does.
+    if rope_dims != head_dim and not (arch == "phi3" and 0 < rope_dims < head_dim and rope_dims % 2 == 0):
         raise ModelLoadError(f"{path}: partial rotary embedding ({rope_dims} of {head_dim} dims) is not supported.")
     value_len = int(key("attention.value_length", head_dim))
     if value_len != head_dim:
@@ -253,6 +286,8 @@ def config_from_gguf(meta: dict[str, Any], reader: GGUFReader, path: str) -> Mod
         rope_scaling = _llama3_from_rope_freqs(
             dequantize_tensor(tensors["rope_freqs.weight"]).numpy(), rope_theta, head_dim, path
         )
+    if "rope_factors_long.weight" in tensors:
+        rope_scaling = _longrope_from_factors(tensors, meta, arch, int(key("context_length", 2048)), rope_dims, path)
 
     eos_ids: list[int] = []
     for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"):
@@ -277,6 +312,8 @@ def config_from_gguf(meta: dict[str, Any], reader: GGUFReader, path: str) -> Mod
         max_position_embeddings=int(key("context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        rotary_dim=rope_dims if rope_dims != head_dim else None,
         sliding_window=int(sliding) if sliding else None,
         bos_token_id=int(bos) if bos is not None else None,
         eos_token_ids=eos_ids,
@@ -333,6 +370,14 @@ def load_gguf(
         if gemma_norms and name.endswith("norm.weight"):
             w = w - 1.0  # llama.cpp's converter stores Gemma's 1 + w; kvshare keeps HF's w
         weights[name] = w.to(dtype)
+    # Phi-3: attn_qkv holds q, k and v; ffn_up (with no ffn_gate beside it) holds gate and up.
+    if config.architecture == "phi3":
+        for i in range(config.num_layers):
+            up = f"model.layers.{i}.mlp.up_proj.weight"
+            if f"model.layers.{i}.mlp.gate_proj.weight" not in weights and up in weights:
+                weights[f"model.layers.{i}.mlp.gate_up_proj.weight"] = weights.pop(up)
+                types[f"model.layers.{i}.mlp.gate_up_proj.weight"] = types.pop(up)
+    split_fused_weights(weights, config, types)
 
     tokenizer = None
     if "tokenizer.ggml.model" in meta:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import struct
@@ -17,10 +18,11 @@ import torch
 
 from kvshare.model import gemma
 from kvshare.model.config import ModelArchConfig
+from kvshare.model.gguf_quants import GroupAffine
 from kvshare.model.load_error import ModelLoadError
 from kvshare.model.tokenizer import Tokenizer
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "gemma2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2", "gemma3_text")
 
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64,
@@ -59,11 +61,30 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
                "num_key_value_heads": 4},
     "gemma3_text": {"rms_norm_eps": 1e-6, "max_position_embeddings": 131072, "bos_token_id": 2, "eos_token_id": 1,
                     "num_key_value_heads": 4},
+    "qwen3": {
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 32768,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "num_key_value_heads": 32,
+        "head_dim": 128,  # Qwen3Config's own default, not hidden_size // num_attention_heads
+        "sliding_window": 4096,
+        "max_window_layers": 28,
+    },
+    "phi3": {
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 4096,
+        "bos_token_id": 1,
+        "eos_token_id": 32000,
+        "sliding_window": None,
+        "original_max_position_embeddings": 4096,
+    },
 }
 
 _LAYER_WEIGHT = re.compile(
     r"^model\.layers\.\d+\.(input_layernorm\.weight|post_attention_layernorm\.weight"
-    r"|self_attn\.[qkvo]_proj\.(weight|bias)|mlp\.(gate|up|down)_proj\.weight)$"
+    r"|self_attn\.[qkvo]_proj\.(weight|bias)|mlp\.(gate|up|down)_proj\.weight"
+    r"|self_attn\.[qk]_norm\.weight|self_attn\.qkv_proj\.weight|mlp\.gate_up_proj\.weight)$"
 )
 # Gemma's extra norms (kvshare.model.gemma): after attention, around the MLP, per q/k head.
 _GEMMA_LAYER_WEIGHT = re.compile(
@@ -164,12 +185,12 @@ def _rope_from_config(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None
 def _sliding_windows(cfg: dict[str, Any], model_type: str, num_layers: int, defaults: dict[str, Any]
                      ) -> tuple[int | None, list[int | None] | None]:
     """(window, per-layer windows or None when every layer shares it), as transformers 5 reads
-    the config: Mistral windows every layer; Qwen2 only with use_sliding_window, on the layers
+    the config: Mistral and Phi-3 window every layer; Qwen2 and Qwen3 only with use_sliding_window, on the layers
     `layer_types` marks "sliding_attention" (by default those from max_window_layers on)."""
-    if model_type == "mistral":
+    if model_type in ("mistral", "phi3"):  # Phi3Model masks every layer by sliding_window when set
         window = cfg.get("sliding_window", defaults["sliding_window"])
         return (int(window) if window else None), None
-    if model_type != "qwen2":
+    if model_type not in ("qwen2", "qwen3"):
         return None, None
     window = cfg.get("sliding_window", defaults["sliding_window"])
     if not cfg.get("use_sliding_window", False) or not window:
@@ -190,6 +211,75 @@ def _sliding_windows(cfg: dict[str, Any], model_type: str, num_layers: int, defa
     return int(window), windows
 
 
+def _phi3_rope(cfg: dict[str, Any], scaling: dict[str, Any] | None, head_dim: int, directory: str,
+               defaults: dict[str, Any]) -> tuple[dict[str, Any] | None, int | None]:
+    """(rope_scaling, rotary_dim) of a Phi-3 config, every longrope value resolved as transformers'
+    Phi3Config and _compute_longrope_parameters resolve it."""
+    params = cfg.get("rope_parameters") or {}
+    partial = float(params.get("partial_rotary_factor", (cfg.get("rope_scaling") or {}).get(
+        "partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))))
+    rotary_dim = int(head_dim * partial)
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise ModelLoadError(f"{directory}: partial_rotary_factor {partial} gives {rotary_dim} rotary dims of "
+                             f"{head_dim}; need an even number between 2 and head_dim.")
+    if scaling is None:
+        return None, (rotary_dim if rotary_dim != head_dim else None)
+    kind = scaling["rope_type"]
+    if kind in ("su", "yarn"):  # Phi3Config renames both to longrope
+        kind = "longrope"
+    if kind != "longrope":
+        raise ModelLoadError(f"{directory}: Phi-3 rope type {kind!r} is not supported (supported: default, longrope).")
+    max_pos = int(cfg.get("max_position_embeddings", defaults["max_position_embeddings"]))
+    # Phi3Config always has a top-level original_max_position_embeddings (default 4096), and
+    # transformers lets it win over the rope dict's.
+    original = int(cfg.get("original_max_position_embeddings", defaults["original_max_position_embeddings"]))
+    factor = scaling.get("factor")
+    factor = float(factor) if factor is not None else max_pos / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    factors = {}
+    for name in ("short_factor", "long_factor"):
+        values = scaling.get(name)
+        if not isinstance(values, list) or len(values) != rotary_dim // 2:
+            raise ModelLoadError(f"{directory}: longrope {name} must list {rotary_dim // 2} numbers "
+                                 f"(one per rotary frequency); got {values!r:.80}.")
+        factors[name] = [float(v) for v in values]
+    return ({"rope_type": "longrope", **factors, "original_max_position_embeddings": original,
+             "attention_factor": float(attention_factor)}, (rotary_dim if rotary_dim != head_dim else None))
+
+
+def split_fused_weights(weights: dict, config: ModelArchConfig, types: dict[str, str] | None = None) -> None:
+    """Phi-3's qkv_proj and gate_up_proj (dense or GroupAffine), split in place into the Llama names
+    every other part of kvshare uses (the model fuses them again: one matmul each); `types`, a
+    GGUF loader's name -> type map, follows the split."""
+    q, kv, inter = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, config.intermediate_size
+    for name in [n for n in weights if n.endswith(("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight"))]:
+        w = weights.pop(name)
+        if name.endswith("qkv_proj.weight"):
+            prefix, parts = name[: -len("qkv_proj.weight")], {"q_proj": q, "k_proj": kv, "v_proj": kv}
+        else:
+            prefix, parts = name[: -len("gate_up_proj.weight")], {"gate_proj": inter, "up_proj": inter}
+        if w.shape[0] != sum(parts.values()):
+            raise ModelLoadError(f"{name}: {w.shape[0]} rows, expected {sum(parts.values())} "
+                                 f"({' + '.join(f'{k} {v}' for k, v in parts.items())}).")
+        start = 0
+        for part, rows in parts.items():
+            weights[f"{prefix}{part}.weight"] = _row_slice(w, start, start + rows)
+            if types is not None and name in types:
+                types[f"{prefix}{part}.weight"] = types[name]
+            start += rows
+        if types is not None:
+            types.pop(name, None)
+
+
+def _row_slice(w, start: int, end: int):
+    if isinstance(w, GroupAffine):  # rows are independent in the group form: slice each part
+        return GroupAffine(w.q[start:end].contiguous(), w.scale[start:end].contiguous(),
+                           None if w.zero is None else w.zero[start:end].contiguous(), w.group, w.bits)
+    return w[start:end].contiguous()
+
+
 def config_from_hf(cfg: dict[str, Any], directory: str, generation_config: dict[str, Any] | None = None) -> ModelArchConfig:
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -206,8 +296,13 @@ def config_from_hf(cfg: dict[str, Any], directory: str, generation_config: dict[
     except KeyError as exc:
         raise ModelLoadError(f"{directory}/config.json is missing {exc}.") from None
     kv = cfg.get("num_key_value_heads", defaults.get("num_key_value_heads"))
-    head_dim = cfg.get("head_dim") or hidden // num_heads
+    head_dim = cfg.get("head_dim") or defaults.get("head_dim") or hidden // num_heads
     rope_theta, rope_scaling = _rope_from_config(cfg)
+    rotary_dim = None
+    if model_type == "phi3":
+        rope_scaling, rotary_dim = _phi3_rope(cfg, rope_scaling, int(head_dim), directory, defaults)
+    if model_type == "qwen3" and cfg.get("attention_bias"):
+        raise ModelLoadError(f"{directory}: Qwen3 with attention_bias=true (q/k/v/o biases) is not supported.")
     windows = _sliding_windows(cfg, model_type, num_layers, defaults)
     if model_type == "llama" and cfg.get("mlp_bias"):
         raise ModelLoadError(f"{directory}: Llama with mlp_bias=true is not supported.")
@@ -236,6 +331,8 @@ def config_from_hf(cfg: dict[str, Any], directory: str, generation_config: dict[
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         # Qwen2 always has q/k/v bias; Llama has it (and o_proj bias) only with attention_bias.
         attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+        qk_norm=model_type == "qwen3",
+        rotary_dim=rotary_dim,
         sliding_window=windows[0],
         layer_windows=windows[1],
         bos_token_id=int(bos) if bos is not None else None,
@@ -274,6 +371,7 @@ def load_hf_dir(
             if name not in _GLOBAL_WEIGHTS and not _LAYER_WEIGHT.match(name) and not gemma_norm:
                 raise ModelLoadError(f"{path}: unexpected tensor {name!r} for a {config.architecture} model.")
             weights[name] = t
+    split_fused_weights(weights, config)
     if config.tie_word_embeddings:
         # Tied means the output projection *is* the embedding, whatever else the file holds.
         weights.pop("lm_head.weight", None)

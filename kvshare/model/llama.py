@@ -1,4 +1,7 @@
-"""The Llama family (Llama / SmolLM2, Qwen2 with q/k/v bias, Mistral) over the paged KV cache."""
+"""The Llama family over the paged KV cache: Llama / SmolLM2, Qwen2 (q/k/v bias), Mistral, Qwen3
+(per-head q/k RMSNorm) and Phi-3 (longrope, partial rotary; its fused qkv / gate_up checkpoint
+tensors are split by the loaders into the Llama names and fused again here).
+"""
 from __future__ import annotations
 
 import torch
@@ -8,12 +11,12 @@ from kvshare.model.attention import AttentionBackend, AttentionMetadata, PagedKV
 from kvshare.model.config import ModelArchConfig
 from kvshare.model.fused_decode import FusedDecode
 from kvshare.model.gguf_quants import GroupAffine
-from kvshare.model.layers import RotaryEmbedding, rms_norm
+from kvshare.model.layers import RotaryEmbedding, head_rms_norm, rms_norm
 from kvshare.model.qlinear import DequantScratch, make_linear
 
 
 class _Layer:
-    __slots__ = ("in_norm", "qkv", "qkv_b", "o", "post_norm", "gate_up", "down")
+    __slots__ = ("in_norm", "qkv", "qkv_b", "qk_norm", "o", "post_norm", "gate_up", "down")
 
 
 def _fuse(parts: list) -> torch.Tensor | GroupAffine:
@@ -70,6 +73,12 @@ class LlamaModel:
                 layer.qkv_b = torch.cat([dense(p + f"self_attn.{n}_proj.bias") for n in "qkv"]).contiguous()
             else:
                 layer.qkv_b = None
+            if c.qk_norm:
+                # One [q heads + kv heads, head_dim] weight: q and k normalized in one pass.
+                q_norm, k_norm = dense(p + "self_attn.q_norm.weight"), dense(p + "self_attn.k_norm.weight")
+                layer.qk_norm = torch.cat([q_norm.expand(c.num_heads, -1), k_norm.expand(c.num_kv_heads, -1)])
+            else:
+                layer.qk_norm = None
             layer.o = linear(weights.pop(p + "self_attn.o_proj.weight"))
             layer.gate_up = linear(_fuse([weights.pop(p + "mlp.gate_proj.weight"), weights.pop(p + "mlp.up_proj.weight")]))
             layer.down = linear(weights.pop(p + "mlp.down_proj.weight"))
@@ -86,11 +95,14 @@ class LlamaModel:
 
     @property
     def weight_bytes(self) -> int:
+        c = self.config
         small = self.norm.numel() * self.norm.element_size()
         for layer in self.layers:
             small += (layer.in_norm.numel() + layer.post_norm.numel()) * layer.in_norm.element_size()
             if layer.qkv_b is not None:
                 small += layer.qkv_b.numel() * layer.qkv_b.element_size()
+            if layer.qk_norm is not None:  # counted as the two head_dim vectors the file holds
+                small += 2 * c.head_dim * layer.qk_norm.element_size()
         return small + sum(lin.nbytes for lin in self.linears())
 
     @torch.inference_mode()
@@ -108,8 +120,11 @@ class LlamaModel:
             qkv = layer.qkv(x)
             if layer.qkv_b is not None:
                 qkv = qkv + layer.qkv_b
-            # q and k sit side by side in qkv: rotate both in one pass.
-            qk = self.rotary.rotate(qkv[:, :self.q_size + self.kv_size].reshape(n, heads_qk, c.head_dim), cos, sin)
+            # q and k sit side by side in qkv: normalize (Qwen3) and rotate both in one pass.
+            qk = qkv[:, :self.q_size + self.kv_size].reshape(n, heads_qk, c.head_dim)
+            if layer.qk_norm is not None:
+                qk = head_rms_norm(qk, layer.qk_norm, c.rms_norm_eps)
+            qk = self.rotary.rotate(qk, cos, sin)
             q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
             v = qkv[:, self.q_size + self.kv_size:].reshape(n, c.num_kv_heads, c.head_dim)
             k_cache, v_cache = kv_cache.layer(i)
@@ -128,13 +143,16 @@ class LlamaModel:
         return self.lm_head(x).float()
 
 
+ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "phi3")
+
+
 def build_model(config: ModelArchConfig, weights, dtype, backend, max_positions):
     if config.architecture in ("gemma2", "gemma3"):
         from kvshare.model.gemma import GemmaModel  # here: gemma imports this module's shared pieces
 
         return GemmaModel(config, weights, dtype, backend, max_positions)
-    if config.architecture not in ("llama", "qwen2", "mistral"):
+    if config.architecture not in ARCHITECTURES:
         raise NotImplementedError(
-            f"architecture {config.architecture!r} is not supported (supported: llama, qwen2, mistral, gemma2, gemma3)"
+            f"architecture {config.architecture!r} is not supported (supported: {', '.join(ARCHITECTURES + ('gemma2', 'gemma3'))})"
         )
     return LlamaModel(config, weights, dtype, backend, max_positions)

@@ -215,6 +215,9 @@ def expected_weight_shapes(config: ModelArchConfig) -> dict[str, tuple[int, ...]
         shapes[p + "mlp.gate_proj.weight"] = (config.intermediate_size, h)
         shapes[p + "mlp.up_proj.weight"] = (config.intermediate_size, h)
         shapes[p + "mlp.down_proj.weight"] = (h, config.intermediate_size)
+        if config.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (config.head_dim,)
+            shapes[p + "self_attn.k_norm.weight"] = (config.head_dim,)
         if config.attention_bias:
             shapes[p + "self_attn.q_proj.bias"] = (q_out,)
             shapes[p + "self_attn.k_proj.bias"] = (kv_out,)

@@ -26,5 +26,6 @@ def rerotate_keys(kv_cache: PagedKVStorage, block_ids: list[int], shift: int, in
     angle = shift * inv_freq.double()
     cos = torch.cat((angle.cos(), angle.cos())).float()
     sin = torch.cat((angle.sin(), angle.sin())).float()
-    rotated = x * cos + rotate_half(x) * sin
+    rot = cos.shape[0]  # a partial rotary embedding turns only the first dims of each head
+    rotated = torch.cat((x[..., :rot] * cos + rotate_half(x[..., :rot]) * sin, x[..., rot:]), dim=-1)
     keys.index_copy_(2, slots, rotated.to(keys.dtype))
