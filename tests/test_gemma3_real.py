@@ -90,6 +90,7 @@ def test_packaged_model_is_assembled_once_into_the_cache(monkeypatch, tmp_path):
     assert os.listdir(tmp_path / "models") == [pkg.MODEL_NAME]  # no temporary left behind
     mtime = os.stat(path).st_mtime_ns
     assert loader.resolve_model_path(NAME)[1] == path and os.stat(path).st_mtime_ns == mtime  # not re-assembled
+    os.remove(path)  # 253 MB: pytest keeps its last three tmp_path trees
 
 
 def test_packaged_model_errors_name_the_fix(monkeypatch, tmp_path):
