@@ -1,4 +1,5 @@
-"""Single-stream CPU speed on the bundled GGUF: kvshare default, kvshare exact, llama.cpp.
+"""Single-stream CPU speed on a GGUF (the bundled one, or --model): kvshare default, kvshare
+exact, llama.cpp.
 
 Each engine runs in its own fresh process (so load time and RSS are its own), one after the
 other, on the same token ids:
@@ -12,6 +13,7 @@ llama.cpp is llama-cpp-python's Python API (n_threads=2) from the separate venv 
 benchmarks/build_llama_cpp.sh builds (never a kvshare dependency).
 
     python benchmarks/cpu_decode.py                 # all three, ratios printed
+    python benchmarks/cpu_decode.py --model gemma3-270m   # any model kvshare's --model accepts (GGUF)
     python benchmarks/cpu_decode.py --kernels       # also: packed kernel vs dequantize+dense by rows
 """
 from __future__ import annotations
@@ -41,14 +43,24 @@ def _rss() -> dict:
     return out
 
 
-def _tokens(n_decode_prompt: int, n_prefill: int) -> tuple[list[int], list[int]]:
+def _model_path(model: str | None) -> str:
+    """The GGUF file `--model` names (None: the bundled model), as kvshare resolves it."""
+    from kvshare.model.loader import resolve_model_path
+
+    kind, path = resolve_model_path(model)
+    if kind != "gguf":
+        raise SystemExit(f"--model {model!r} is an HF directory; llama.cpp needs a GGUF file")
+    return path
+
+
+def _tokens(model: str | None, n_decode_prompt: int, n_prefill: int) -> tuple[list[int], list[int]]:
     from kvshare.bench.workloads import ENGLISH_TEXT
     from kvshare.model.gguf_header import open_gguf_file
-    from kvshare.model.loader import bundled_model_path
     from kvshare.model.tokenizer import Tokenizer
 
-    tok = Tokenizer.from_gguf_metadata(open_gguf_file(bundled_model_path()).metadata)
+    tok = Tokenizer.from_gguf_metadata(open_gguf_file(_model_path(model)).metadata)
     ids = tok.encode(ENGLISH_TEXT * 4)
+    assert len(ids) >= 1000 + n_prefill, len(ids)
     return ids[:n_decode_prompt], ids[1000:1000 + n_prefill]
 
 
@@ -58,12 +70,12 @@ def worker_kvshare(name: str, args) -> dict:
 
     t0 = time.perf_counter()  # load and ready count from the LLM() call (imports listed apart)
     import_s = t0 - t_import
-    llm = LLM(kv_cache_memory="256MiB", enable_prefix_caching=False, **ENGINES[name])
+    llm = LLM(model=args.model, kv_cache_memory="256MiB", enable_prefix_caching=False, **ENGINES[name])
     load_s = time.perf_counter() - t0
     llm.generate([{"prompt_token_ids": [1]}], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
     ready_s = time.perf_counter() - t0
     rss_after_load = _rss()["VmRSS"]
-    decode_ids, prefill_ids = _tokens(400, 512)
+    decode_ids, prefill_ids = _tokens(args.model, 400, 512)
     prefill, tpot = [], []
     for _ in range(args.repeats):
         out = llm.generate([{"prompt_token_ids": prefill_ids}], SamplingParams(temperature=0, max_tokens=1),
@@ -114,16 +126,14 @@ print(json.dumps({"engine": "llama.cpp", "import_s": import_s, "load_s": load_s,
 
 
 def run_llama(args) -> dict | None:
-    if not os.path.exists(LLAMA_PY):
-        print(f"llama.cpp venv missing ({LLAMA_PY}): run benchmarks/build_llama_cpp.sh", file=sys.stderr)
+    if not os.path.exists(args.llama_python):
+        print(f"llama.cpp venv missing ({args.llama_python}): run benchmarks/build_llama_cpp.sh", file=sys.stderr)
         return None
-    from kvshare.model.loader import bundled_model_path
-
-    decode_ids, prefill_ids = _tokens(400, 512)
-    payload = json.dumps({"model": bundled_model_path(), "repeats": args.repeats, "decode_tokens": args.decode_tokens,
+    decode_ids, prefill_ids = _tokens(args.model, 400, 512)
+    payload = json.dumps({"model": _model_path(args.model), "repeats": args.repeats, "decode_tokens": args.decode_tokens,
                           "decode_ids": decode_ids, "prefill_ids": prefill_ids})
     env = dict(os.environ, OMP_NUM_THREADS="2")
-    r = subprocess.run([LLAMA_PY, "-c", LLAMA_WORKER, payload], capture_output=True, text=True, env=env)
+    r = subprocess.run([args.llama_python, "-c", LLAMA_WORKER, payload], capture_output=True, text=True, env=env)
     if r.returncode:
         print(r.stderr[-2000:], file=sys.stderr)
         return None
@@ -132,8 +142,10 @@ def run_llama(args) -> dict | None:
 
 def run_kvshare(name: str, args) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="2")
+    model = ["--model", args.model] if args.model else []
     r = subprocess.run([sys.executable, __file__, "--worker", name, "--repeats", str(args.repeats),
-                        "--decode-tokens", str(args.decode_tokens)], capture_output=True, text=True, env=env, cwd=ROOT)
+                        "--decode-tokens", str(args.decode_tokens), *model],
+                       capture_output=True, text=True, env=env, cwd=ROOT)
     if r.returncode:
         raise RuntimeError(r.stderr[-3000:])
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -184,6 +196,10 @@ def kernel_crossover() -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None,
+                    help="a GGUF kvshare's --model accepts, e.g. gemma3-270m (default: the bundled model)")
+    ap.add_argument("--llama-python", default=LLAMA_PY,
+                    help="python of the llama-cpp-python venv (default: the one build_llama_cpp.sh makes)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--engines", default="kvshare-default,kvshare-exact,llama.cpp")

@@ -11,7 +11,7 @@ from kvshare.config import engine_default
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine options")
     g.add_argument("--model", default=engine_default("model"),
-                   help="GGUF file or HF directory (default: bundled SmolLM2-135M-Instruct)")
+                   help="GGUF file, HF directory or gemma3-270m (packaged Gemma 3 270M) (default: bundled SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default=engine_default("dtype"), choices=["auto", "float32", "bfloat16"],
                    help="activations: auto = bfloat16 where the CPU has avx512_bf16, else float32")
     g.add_argument("--quantization", default=engine_default("quantization"), choices=["auto", "none"],

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 def add_memory_parser(sub) -> argparse.ArgumentParser:
     m = sub.add_parser("memory", help="plan KV memory: weights, activations, KV pool, sequences that fit")
     m.add_argument("--model", default=engine_default("model"),
-                   help="GGUF file, HF directory or bare config.json (default: bundled SmolLM2-135M-Instruct)")
+                   help="GGUF file, HF directory, bare config.json or gemma3-270m (default: bundled SmolLM2-135M-Instruct)")
     m.add_argument("--memory", default=None, help="total budget, e.g. 24GiB (default: available host memory)")
     m.add_argument("--utilization", type=float, default=0.9, help="fraction of --memory to use (default 0.9)")
     m.add_argument("--dtype", default="float32", help="weights and activations: float32, bfloat16, float16")

@@ -111,6 +111,8 @@ def _tiny_gguf(tmp_path, arch: str, types):
     ("qwen2", "auto", {"": "Q8_0"}),  # q/k/v bias, int8-group codes everywhere
     ("qwen2", "bfloat16", {"": "Q4_1"}),  # int4-group codes with zeros, a bfloat16 cache
     ("llama", "auto", {"self_attn": "Q4_0", "mlp": "Q8_0", "embed": "Q8_0"}),
+    # Q4_K_M's mix: Q5_0 q/k with a Q8_0 v fuse into one int8-group qkv.
+    ("llama", "auto", {"q_proj": "Q5_0", "k_proj": "Q5_0", "v_proj": "Q8_0", "o_proj": "Q8_0", "mlp": "Q8_0"}),
 ])
 def test_tiny_gguf_models_fused_equals_step_by_step(tmp_path, arch, kv_dtype, types):
     from gguf import GGMLQuantizationType as QT
@@ -118,6 +120,7 @@ def test_tiny_gguf_models_fused_equals_step_by_step(tmp_path, arch, kv_dtype, ty
     path = _tiny_gguf(tmp_path, arch, {k: QT[v] for k, v in types.items()})
     llm = LLM(path, kv_cache_memory="4MiB", block_size=4, kv_cache_dtype=kv_dtype, enable_prefix_caching=False)
     assert llm.engine.model.fused_decode.model_reason is None
+    assert all(layer.qkv.kind != "dense" for layer in llm.engine.model.layers)  # fused packed
     prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 250 + 3 for j in range(n)]} for i, n in enumerate([1, 3, 9, 17])]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
     for together in (False, True):

@@ -59,16 +59,28 @@ class GroupAffine:
 
     @staticmethod
     def cat(parts: list["GroupAffine"]) -> "GroupAffine":
-        """Row-wise concatenation (fused q/k/v, gate/up); symmetric parts get zero offsets if mixed."""
+        """Row-wise concatenation (fused q/k/v, gate/up); symmetric parts get zero offsets if mixed.
+
+        Parts of one code width fuse as they are. Parts of different widths above 4 bits (e.g. the
+        Q5_0 q/k and Q8_0 v of a Q4_K_M file) fuse too: their codes all fit int8 unchanged and they
+        run on the same int8-group kernel. 4-bit parts (packed two per byte) fuse only with 4-bit
+        parts, and every part must share the group size."""
         first = parts[0]
-        if any(p.group != first.group or p.bits != first.bits or p.q.dtype != first.q.dtype for p in parts):
+        if any(p.group != first.group for p in parts):
             raise ValueError("cannot fuse weights of different GGUF formats")
+        bits = first.bits
+        if any(p.bits != first.bits or p.q.dtype != first.q.dtype for p in parts):
+            if any(p.bits == 4 or p.bits > 8 or (p.q.dtype == torch.uint8 and p.bits > 7) for p in parts):
+                raise ValueError("cannot fuse weights of different GGUF formats")
+            bits = max(p.bits for p in parts)
+            parts = [p if p.q.dtype == torch.int8 else
+                     GroupAffine(p.q.to(torch.int8), p.scale, p.zero, p.group, p.bits) for p in parts]
         if all(p.zero is None for p in parts):
             zero = None
         else:
             zero = torch.cat([p.zero if p.zero is not None else torch.zeros_like(p.scale) for p in parts])
         return GroupAffine(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), zero,
-                           first.group, first.bits)
+                           first.group, bits)
 
 
 def _f16(blocks: np.ndarray, at: int) -> np.ndarray:

