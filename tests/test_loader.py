@@ -13,6 +13,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
+from helpers import hf_reference
 from kvshare.model import gguf_loader
 from kvshare.model.loader import (
     BUNDLED_FILE,
@@ -227,10 +228,7 @@ def bundled():
 
 @pytest.fixture(scope="module")
 def hf_bundled():
-    path = bundled_model_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-    )
+    model, _ = hf_reference()  # transformers' float32 reading of the same file, loaded once per run
     return model.config, {k: v.detach() for k, v in model.state_dict().items()}
 
 

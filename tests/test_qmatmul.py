@@ -430,6 +430,7 @@ static inline float _mm512_reduce_add_ps(simde__m512 a) {  /* GCC's tree order *
 """
 
 
+@pytest.mark.slow  # compiles both formats' kernels under emulation (~35 s); run with -m slow
 def test_vector_paths_this_cpu_lacks_under_simde(tmp_path):
     """The AVX-512 (and AVX2) code of both formats, compiled against SIMDe instead of the real
     intrinsics, with the CPU checks forced on: checks the paths a CPU without those features never

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import hf_tokenizer
 from kvshare.model import gguf_loader
 from kvshare.model.loader import bundled_model_path, load_model
 from kvshare.model.tokenizer import Tokenizer
@@ -65,8 +66,7 @@ def ours(gguf_metadata):
 
 @pytest.fixture(scope="module")
 def hf():
-    path = bundled_model_path()
-    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    return hf_tokenizer()  # built once per run, shared with the other modules
 
 
 def _ids(result):
