@@ -29,6 +29,12 @@ Part 3 (--agreement): greedy agreement of bfloat16 / int8 / fp8_e4m3 caches with
     python benchmarks/kv_memory.py --gen-tokens 512      # the full decode (slow)
     python benchmarks/kv_memory.py --skip-throughput     # figures only, seconds
     python benchmarks/kv_memory.py --skip-throughput --agreement
+    python benchmarks/kv_memory.py --hybrid-throughput   # part 5 alone (~3 minutes)
+
+Part 5 (--hybrid-throughput): the real Gemma 3 270M with a small KV budget (default 160 MiB),
+2,048-token prompts + 64 generated: as many requests at once as fit with one table and with
+groups (part 4's arithmetic for this length and chunk), stepped in turn; decode tok/s over the
+steps where every request decodes together.
 """
 from __future__ import annotations
 
@@ -204,6 +210,77 @@ def hybrid_groups_table(budget: int, block_size: int, lengths=(4096, 16384, 3276
     return rows
 
 
+class HybridRun:
+    """Gemma 3 270M (the packaged model, kept quantized) with KV cache groups on or off: as many
+    requests as fit the budget at once, each `prompt_len` tokens then `gen` greedy tokens."""
+
+    def __init__(self, grouped: bool, concurrency: int, budget: int, prompt_len: int, gen: int,
+                 chunk_tokens: int, block_size: int) -> None:
+        self.llm = LLM(model="gemma3-270m", kv_cache_dtype="bfloat16", kv_cache_memory=budget,
+                       max_model_len=prompt_len + gen, enable_prefix_caching=False, max_num_seqs=concurrency,
+                       max_num_batched_tokens=chunk_tokens, block_size=block_size, kv_cache_groups=grouped)
+        self.engine = self.llm.engine
+        self.concurrency, self.gen = concurrency, gen
+        prompts = token_prompts(self.engine.tokenizer.encode, [prompt_len] * concurrency, offset_step=37)
+        params = SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            self.engine.add_request(f"hybrid-{i}", {"prompt_token_ids": p}, params)
+        self.prefill_s = self.decode_s = 0.0
+        self.decode_tokens = self.peak_running = self.full_batch_steps = 0
+        self.full_batch_s = 0.0
+
+    @property
+    def done(self) -> bool:
+        return not self.engine.has_unfinished_requests()
+
+    def step(self) -> None:
+        eng = self.engine
+        prompt0, decode0 = eng.stats.prompt_tokens_computed, eng.stats.decode_tokens_computed
+        t0 = time.perf_counter()
+        outs = eng.step()
+        dt = time.perf_counter() - t0
+        running = len(eng.scheduler.running)
+        self.peak_running = max(self.peak_running, running)
+        if eng.stats.prompt_tokens_computed > prompt0:
+            self.prefill_s += dt
+        else:
+            self.decode_s += dt
+            n = eng.stats.decode_tokens_computed - decode0
+            self.decode_tokens += n
+            if n == self.concurrency:  # every request decoding at once: the batch the budget allows
+                self.full_batch_steps += 1
+                self.full_batch_s += dt
+        for o in outs:
+            if o.finished:
+                assert len(o.outputs[0].token_ids) == self.gen
+
+    def result(self) -> dict:
+        return {"prefill_seconds": self.prefill_s, "peak_running": self.peak_running,
+                "decode_tok_s": self.decode_tokens / self.decode_s if self.decode_s else float("nan"),
+                "full_batch_tok_s": (self.full_batch_steps * self.concurrency / self.full_batch_s
+                                     if self.full_batch_s else float("nan")),
+                "full_batch_steps": self.full_batch_steps,
+                "preemptions": self.engine.scheduler.num_preemptions}
+
+
+def hybrid_throughput(budget: int, prompt_len: int, gen: int, chunk_tokens: int, block_size: int) -> None:
+    """Part 5: decode throughput at the largest batch that fits, grouped vs one table."""
+    fit = hybrid_groups_table(budget, block_size, lengths=(prompt_len + gen,), chunk_tokens=chunk_tokens)[0]
+    runs = {"one table": HybridRun(False, fit["ungrouped_fit"], budget, prompt_len, gen, chunk_tokens, block_size),
+            "groups": HybridRun(True, fit["grouped_fit"], budget, prompt_len, gen, chunk_tokens, block_size)}
+    results = measure_all(list(runs.values()))
+    print(f"\nGemma 3 270M (packaged Q4_K_M, kept quantized), bfloat16 KV, {budget / 2**20:.0f} MiB budget, "
+          f"{prompt_len} prompt + {gen} generated tokens per request, chunk {chunk_tokens}, block size {block_size}:")
+    print("KV layout | requests at once (fit) | peak running | preempt | prefill-step s | decode tok/s (all decode "
+          "steps) | decode tok/s (full-batch steps) | full-batch steps")
+    print("---|---|---|---|---|---|---|---")
+    for (label, run), m in zip(runs.items(), results):
+        print(f"{label} | {run.concurrency} | {m['peak_running']} | {m['preemptions']} | {m['prefill_seconds']:.1f} | "
+              f"{m['decode_tok_s']:.1f} | {m['full_batch_tok_s']:.1f} | {m['full_batch_steps']}", flush=True)
+    a, b = results
+    print(f"groups / one table, decode tok/s at the full batch: {b['full_batch_tok_s'] / a['full_batch_tok_s']:.2f}x")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kv-budget", default="256MiB")
@@ -216,10 +293,20 @@ def main(argv=None) -> int:
     ap.add_argument("--sink-concurrency", type=int, default=None,
                     help="requests to run for the window + sinks row instead of its planned max concurrency")
     ap.add_argument("--hybrid-budget", default="4GiB", help="KV budget of part 4 (hybrid KV cache groups)")
+    ap.add_argument("--hybrid-throughput", action="store_true",
+                    help="only part 5: Gemma 3 270M decode throughput at the largest batch, grouped vs one table")
+    ap.add_argument("--hybrid-throughput-budget", default="160MiB")
+    ap.add_argument("--hybrid-prompt-len", type=int, default=2048)
+    ap.add_argument("--hybrid-gen-tokens", type=int, default=64)
+    ap.add_argument("--hybrid-chunk", type=int, default=512, help="max_num_batched_tokens of part 5")
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--agreement", action="store_true", help="also part 3: greedy agreement of the KV formats")
     args = ap.parse_args(argv)
 
+    if args.hybrid_throughput:
+        hybrid_throughput(parse_bytes(args.hybrid_throughput_budget, "--hybrid-throughput-budget"),
+                          args.hybrid_prompt_len, args.hybrid_gen_tokens, args.hybrid_chunk, args.block_size)
+        return 0
     budget = parse_bytes(args.kv_budget, "--kv-budget")
     arch, _ = load_arch_config(None)
     max_len = args.prompt_len + args.output_len

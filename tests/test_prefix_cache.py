@@ -170,13 +170,13 @@ def test_beam_search_matches_hf(cached):
              for q in qs]
     texts += ["The capital of France is", "def fibonacci(n):"]
     prompts = [tok(t).input_ids for t in texts]
-    params = BeamSearchParams(beam_width=4, max_tokens=20, length_penalty=1.0, early_stopping=False)
+    params = BeamSearchParams(beam_width=4, max_tokens=12, length_penalty=1.0, early_stopping=False)
     outs = cached.beam_search([{"prompt_token_ids": p} for p in prompts], params)
     assert cached.engine.manager.stats.cow_copies > 0
     for p, o in zip(prompts, outs):
         ids = torch.tensor([p])
         with torch.no_grad():
-            ref = model.generate(ids, attention_mask=torch.ones_like(ids), num_beams=4, max_new_tokens=20,
+            ref = model.generate(ids, attention_mask=torch.ones_like(ids), num_beams=4, max_new_tokens=12,
                                  do_sample=False, length_penalty=1.0, early_stopping=False, pad_token_id=0)
         assert o.sequences[0].tokens == ref[0].tolist()
         assert len(o.sequences) == 4
