@@ -100,6 +100,17 @@ class EngineConfig:
     # Isolation audit after every step (KVSHARE_AUDIT=1 turns it on too); costs nothing when off.
     audit: bool = False
     kv_event_log: str | None = None  # JSONL file of block events (kvshare audit replay reads it)
+    # KV cache events for routers in vLLM's wire format (kvshare.engine.kv_event_publisher): a ZMQ
+    # PUB endpoint such as "tcp://127.0.0.1:5557", an optional ROUTER endpoint replaying missed
+    # batches by sequence number, and the topic frame.
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    kv_events_topic: str = ""
+    # Prefix-cache block hashes start from a random per-process root, so they are never comparable
+    # across processes. A seed makes them stable (the root is derived from it: every replica with
+    # the same seed hashes alike, and a router can compute them from token ids); a tenant's
+    # cache_salt still keeps its blocks apart.
+    prefix_caching_hash_seed: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.dtype, torch.dtype):
@@ -120,12 +131,28 @@ class EngineConfig:
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len={self.max_model_len!r} is invalid: must be an integer >= 2")
         self._check_kv_policy()
+        self._check_kv_events()
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
         if not (0.0 < self.kv_cache_memory_fraction <= 0.95):
             raise ValueError(
                 f"kv_cache_memory_fraction={self.kv_cache_memory_fraction!r} is invalid: must be in (0, 0.95]"
             )
+
+    def _check_kv_events(self) -> None:
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or "://" not in v):
+                raise ValueError(f"{name}={v!r} is invalid: a ZMQ endpoint such as 'tcp://127.0.0.1:5557' or "
+                                 "'ipc:///tmp/kv-events'")
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint: there is nothing to replay")
+        if not isinstance(self.kv_events_topic, str):
+            raise ValueError(f"kv_events_topic={self.kv_events_topic!r} is invalid: must be a string")
+        if self.prefix_caching_hash_seed is not None and (
+                not isinstance(self.prefix_caching_hash_seed, str) or not self.prefix_caching_hash_seed):
+            raise ValueError(f"prefix_caching_hash_seed={self.prefix_caching_hash_seed!r} is invalid: must be a "
+                             "non-empty string")
 
     def _check_kv_policy(self) -> None:
         if self.kv_policy not in (None, "sink"):

@@ -38,6 +38,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--audit", action="store_true", help="check KV isolation invariants after every step")
     g.add_argument("--kv-event-log", default=engine_default("kv_event_log"),
                    help="write block events as JSONL (see kvshare audit replay)")
+    g.add_argument("--kv-events-endpoint", default=engine_default("kv_events_endpoint"),
+                   help="publish KV cache events (BlockStored / BlockRemoved / AllBlocksCleared, vLLM's "
+                        "wire format: ZMQ PUB, msgpack) on this endpoint, e.g. tcp://127.0.0.1:5557")
+    g.add_argument("--kv-events-replay-endpoint", default=engine_default("kv_events_replay_endpoint"),
+                   help="ZMQ ROUTER endpoint that resends buffered event batches from a sequence number")
+    g.add_argument("--kv-events-topic", default=engine_default("kv_events_topic"),
+                   help="topic frame of every published batch (default: empty)")
+    g.add_argument("--prefix-caching-hash-seed", default=engine_default("prefix_caching_hash_seed"),
+                   help="derive prefix-cache block hashes from this seed instead of a random per-process "
+                        "root, so replicas (and a router) compute the same hashes from token ids")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -46,7 +56,9 @@ def engine_options(args: argparse.Namespace) -> dict:
         kv_cache_dtype=args.kv_cache_dtype,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
-        seed=args.seed, kv_event_log=args.kv_event_log, kv_policy=args.kv_policy,
+        seed=args.seed, kv_event_log=args.kv_event_log, kv_events_endpoint=args.kv_events_endpoint,
+        kv_events_replay_endpoint=args.kv_events_replay_endpoint, kv_events_topic=args.kv_events_topic,
+        prefix_caching_hash_seed=args.prefix_caching_hash_seed, kv_policy=args.kv_policy,
         sink_tokens=args.sink_tokens, window_tokens=args.window_tokens,
         kv_cache_groups=not args.disable_hybrid_kv_cache_manager,
         # Only an explicit --audit overrides KVSHARE_AUDIT.

@@ -24,6 +24,8 @@ from kvshare.engine.structured_output import StructuredOutputs
 from kvshare.errors import InvalidRequestError
 from kvshare.kvcache.audit import KVAuditor, record_step_io
 from kvshare.kvcache.events import EventLog
+from kvshare.kvcache.hashing import BlockHasher
+from kvshare.kvcache.kv_events import KVEventQueue
 from kvshare.kvcache.kv_policy import build_kv_policy
 from kvshare.kvcache.kv_groups import GroupedKVCacheManager, blocks_per_seq, layer_slots, plan_kv_groups
 from kvshare.kvcache.manager import KVCacheManager
@@ -73,6 +75,7 @@ class LLMEngine:
         self.kv_policy = build_kv_policy(config, mc, max_model_len)
         # Sink sequences keep cache positions below max_model_len whatever their length.
         length_unbounded = self.kv_policy is not None and self.kv_policy.generates_past_max_model_len
+        hasher = BlockHasher.seeded(config.block_size, config.prefix_caching_hash_seed)
         if self.kv_groups:
             group_of, slot_of = layer_slots(self.kv_groups, mc.num_layers)
             self.layout = KVLayout(bytes_per_token, config.block_size, num_blocks, max_model_len,
@@ -80,12 +83,12 @@ class LLMEngine:
                                    blocks_per_seq(self.kv_groups, config.block_size, max_model_len,
                                                   config.max_num_batched_tokens))
             self.manager = GroupedKVCacheManager(num_blocks, config.block_size, self.kv_groups,
-                                                 config.enable_prefix_caching)
+                                                 config.enable_prefix_caching, hasher=hasher)
         else:
             group_of = slot_of = None
             self.layout = KVLayout(bytes_per_token, config.block_size, num_blocks, max_model_len, self.kv_format.name)
             self.manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                          policy=self.kv_policy)
+                                          policy=self.kv_policy, hasher=hasher)
         self.kv_cache = PagedKVStorage(layers_per_block, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
                                        self.kv_format.storage, layer_slots=slot_of)
         self.model = build_model(mc, loaded.weights, dtype, TorchPagedAttention(config.block_size), max_model_len)
@@ -116,6 +119,28 @@ class LLMEngine:
         self.step_count = 0
         self.stats = EngineStats()
         self.set_audit(config.audit, config.kv_event_log)
+        self.kv_event_publisher = None
+        if config.kv_events_endpoint:
+            from kvshare.engine.kv_event_publisher import ZmqKVEventPublisher  # pyzmq only when asked for
+
+            self.manager.pool.kv_events = KVEventQueue(config.block_size, "CPU")
+            self.kv_event_publisher = ZmqKVEventPublisher(config.kv_events_endpoint, config.kv_events_replay_endpoint,
+                                                          config.kv_events_topic)
+            logger.info("KV events: publishing on %s%s", self.kv_event_publisher.endpoint,
+                        f", replay on {self.kv_event_publisher.replay_endpoint}"
+                        if self.kv_event_publisher.replay_endpoint else "")
+
+    def close(self) -> None:
+        """Release what outlives a step: the KV event sockets and the event log file."""
+        if self.kv_event_publisher is not None:
+            self.publish_kv_events()
+            self.kv_event_publisher.close()
+            self.kv_event_publisher = None
+        self.manager.events.close()
+
+    def publish_kv_events(self) -> None:
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.publish(self.manager.pool.kv_events.drain())
 
     def _seq_blocks(self, num_tokens: int) -> int | None:
         """Most blocks one sequence of `num_tokens` holds across the KV cache groups (None: one
@@ -256,6 +281,7 @@ class LLMEngine:
         if self.auditor is not None:
             self.auditor.check_state()
         events.flush()
+        self.publish_kv_events()
         # Requests finished outside a step (aborts) still owe their final output.
         for st in self.requests.values():
             if st.finished and not st.reported_final:

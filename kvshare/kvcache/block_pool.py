@@ -10,6 +10,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kvshare.kvcache.events import EventLog, Recorder
+from kvshare.kvcache.kv_events import KVEventQueue, NullKVEventQueue
 
 
 class BlockPoolError(RuntimeError):
@@ -32,7 +33,8 @@ class Block:
 class BlockPool:
     events = Recorder()  # the block event log, or a NullEventLog
 
-    def __init__(self, num_blocks: int, events: EventLog | None = None) -> None:
+    def __init__(self, num_blocks: int, events: EventLog | None = None,
+                 kv_events: KVEventQueue | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks} is invalid: the KV pool needs at least one block")
         self.num_blocks = num_blocks
@@ -43,6 +45,9 @@ class BlockPool:
         self.num_evictions = 0
         self.num_allocations = 0
         self.events = events
+        # What routers see (BlockStored / BlockRemoved, kvshare.kvcache.kv_events): only built
+        # when a publisher is configured.
+        self.kv_events = kv_events if kv_events is not None else NullKVEventQueue()
 
     @property
     def num_free(self) -> int:
@@ -72,6 +77,7 @@ class BlockPool:
     def _evict(self, block: Block) -> None:
         if self.cached.get(block.block_hash) == block.block_id:
             del self.cached[block.block_hash]
+            self.kv_events.removed(block.block_hash)
         block.block_hash = None
         block.token_ids = None
         block.parent_hash = None
@@ -114,6 +120,7 @@ class BlockPool:
         block.token_ids = token_ids
         block.parent_hash = parent_hash
         self.cached[block_hash] = block.block_id
+        self.kv_events.stored(block_hash, parent_hash, token_ids)
         self.events.record("register", block=block.block_id, hash=block_hash.hex()[:16],
                            parent=parent_hash.hex()[:16] if parent_hash else None, salt=block.salt,
                            tokens=list(token_ids))
@@ -133,3 +140,5 @@ class BlockPool:
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 self._evict(block)
+        if not self.cached:
+            self.kv_events.cleared()

@@ -25,6 +25,24 @@ class BlockHasher:
         h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
         return h.digest()
 
+    @classmethod
+    def seeded(cls, block_size: int, seed: str | None) -> "BlockHasher":
+        """A hasher whose root is SHA-256("kvshare-hash-seed:" + seed)[:16], so processes with the
+        same seed hash alike; None: a random root, private to this process."""
+        if seed is None:
+            return cls(block_size)
+        return cls(block_size, hashlib.sha256(b"kvshare-hash-seed:" + seed.encode("utf-8")).digest()[:16])
+
+    def prefix_hashes(self, token_ids, cache_salt: str | None = None) -> list[bytes]:
+        """The chain of hashes of every full block of ``token_ids``, as the manager computes them
+        (group 0's chain in a hybrid model): what a router matches against a replica's events."""
+        extra = self.extra_keys(cache_salt)
+        out: list[bytes] = []
+        bs = self.block_size
+        for i in range(len(token_ids) // bs):
+            out.append(self.hash_block(out[-1] if out else None, token_ids[i * bs:(i + 1) * bs], extra))
+        return out
+
     @staticmethod
     def extra_keys(cache_salt: str | None) -> bytes:
         return b"" if cache_salt is None else b"salt:" + cache_salt.encode("utf-8")

@@ -98,12 +98,13 @@ class GroupedKVCacheManager:
     are decided here, once, before any group changes."""
 
     def __init__(self, num_blocks: int, block_size: int, groups: list[KVCacheGroup],
-                 enable_prefix_caching: bool = True, events: EventLog | None = None) -> None:
+                 enable_prefix_caching: bool = True, events: EventLog | None = None,
+                 hasher: BlockHasher | None = None) -> None:
         self.block_size = block_size
         self.kv_groups = groups
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, events)
-        self.hasher = BlockHasher(block_size)
+        self.hasher = hasher if hasher is not None else BlockHasher(block_size)
         self.groups = [KVCacheManager(num_blocks, block_size, enable_prefix_caching, events, g.policy,
                                       pool=self.pool, hasher=self.hasher,
                                       chain_root=_group_chain_root(self.hasher, i))

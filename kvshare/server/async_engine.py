@@ -122,6 +122,8 @@ class AsyncEngine:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self._thread is None or not self._thread.is_alive():
+            self.engine.close()  # the engine thread is done with it: KV event sockets, event log
 
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.dead is None

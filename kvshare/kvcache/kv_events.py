@@ -1,0 +1,105 @@
+"""KV cache events for routers, in vLLM's shape: a block published for prefix reuse
+(BlockStored), a cached block losing its hash (BlockRemoved), the whole cache dropped
+(AllBlocksCleared).
+
+The pool records them as they happen (no tensors, no sockets here); the engine drains them once
+per step and hands them to a publisher (kvshare.engine.kv_event_publisher). Hashes are the
+pool's own block hashes (32-byte SHA-256 digests): with a configured hash seed
+(`EngineConfig.prefix_caching_hash_seed`) a router computes the same ones from token ids
+(kvshare.kvcache.hashing), so it knows which replica holds which prefix.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    block_hashes: tuple[bytes, ...]
+    parent_block_hash: bytes | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = "CPU"
+
+    def wire(self) -> list:
+        """vLLM's msgspec encoding of a tagged array-like struct: [tag, fields...]."""
+        return ["BlockStored", list(self.block_hashes), self.parent_block_hash, list(self.token_ids),
+                self.block_size, self.lora_id, self.medium]
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    block_hashes: tuple[bytes, ...]
+    medium: str | None = "CPU"
+
+    def wire(self) -> list:
+        return ["BlockRemoved", list(self.block_hashes), self.medium]
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    def wire(self) -> list:
+        return ["AllBlocksCleared"]
+
+
+KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KVEventQueue:
+    """Events since the last drain, in the order they happened."""
+
+    enabled = True
+
+    def __init__(self, block_size: int, medium: str = "CPU") -> None:
+        self.block_size = block_size
+        self.medium = medium
+        self._events: list[KVCacheEvent] = []
+
+    def stored(self, block_hash: bytes, parent_hash: bytes | None, token_ids: tuple[int, ...]) -> None:
+        self._events.append(BlockStored((block_hash,), parent_hash, tuple(token_ids), self.block_size,
+                                        None, self.medium))
+
+    def removed(self, block_hash: bytes) -> None:
+        self._events.append(BlockRemoved((block_hash,), self.medium))
+
+    def cleared(self) -> None:
+        self._events.append(AllBlocksCleared())
+
+    def drain(self) -> list[KVCacheEvent]:
+        out, self._events = self._events, []
+        return out
+
+
+class NullKVEventQueue:
+    """No publisher configured: the pool calls these unconditionally; they do nothing."""
+
+    enabled = False
+
+    def stored(self, block_hash: bytes, parent_hash: bytes | None, token_ids: tuple[int, ...]) -> None:
+        pass
+
+    def removed(self, block_hash: bytes) -> None:
+        pass
+
+    def cleared(self) -> None:
+        pass
+
+    def drain(self) -> list:
+        return []
+
+
+def cached_hashes_from_events(events) -> set[bytes]:
+    """The set of cached block hashes a subscriber rebuilds from decoded wire events."""
+    held: set[bytes] = set()
+    for ev in events:
+        tag = ev[0]
+        if tag == "BlockStored":
+            held.update(ev[1])
+        elif tag == "BlockRemoved":
+            held.difference_update(ev[1])
+        elif tag == "AllBlocksCleared":
+            held.clear()
+        else:
+            raise ValueError(f"unknown KV event tag {tag!r}")
+    return held
