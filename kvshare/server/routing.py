@@ -1,0 +1,93 @@
+"""Choosing a replica for a request (data-parallel serving): prefix-aware, balanced against load,
+or round-robin / least-loaded.
+
+Prefix-aware routing learns what each replica caches from that replica's KV events (BlockStored
+/ BlockRemoved, kvshare.kvcache.kv_events), never by guessing: with a shared hash seed the router
+hashes a request's full blocks as the replicas do (BlockHasher.prefix_hashes) and counts how
+many leading blocks each replica holds. The balance rule follows SGLang's cache-aware policy:
+when the loads are far apart (by more than `balance_abs_threshold` requests and by a factor of
+`balance_rel_threshold`) the least-loaded replica gets the request whatever it caches; otherwise
+the best match wins if it covers at least `cache_threshold` of the request's blocks, else the
+least-loaded replica does (ties: the lowest index).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvshare.kvcache.hashing import BlockHasher
+
+ROUTING_POLICIES = ("prefix_aware", "round_robin", "least_loaded")
+
+
+@dataclass
+class ReplicaState:
+    index: int
+    cached: set[bytes] = field(default_factory=set)  # block hashes, from the replica's KV events
+    in_flight: int = 0  # requests routed to it and not finished
+    alive: bool = True
+
+    def apply(self, events) -> None:
+        """Decoded wire events ([tag, fields...]) of one batch, in order."""
+        for ev in events:
+            if ev[0] == "BlockStored":
+                self.cached.update(ev[1])
+            elif ev[0] == "BlockRemoved":
+                self.cached.difference_update(ev[1])
+            elif ev[0] == "AllBlocksCleared":
+                self.cached.clear()
+
+
+class Router:
+    def __init__(self, num_replicas: int, policy: str = "prefix_aware", block_size: int = 16,
+                 hash_seed: str | None = None, balance_abs_threshold: int = 32,
+                 balance_rel_threshold: float = 1.5, cache_threshold: float = 0.5) -> None:
+        if policy not in ROUTING_POLICIES:
+            raise ValueError(f"routing policy {policy!r} is invalid: allowed are {', '.join(ROUTING_POLICIES)}")
+        if policy == "prefix_aware" and hash_seed is None:
+            raise ValueError("prefix_aware routing needs the replicas' prefix_caching_hash_seed: without it their "
+                             "block hashes cannot be computed from token ids")
+        if num_replicas < 1:
+            raise ValueError(f"num_replicas={num_replicas} is invalid: must be >= 1")
+        self.policy = policy
+        self.replicas = [ReplicaState(i) for i in range(num_replicas)]
+        self.hasher = BlockHasher.seeded(block_size, hash_seed) if hash_seed is not None else None
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
+        self.cache_threshold = cache_threshold
+        self._next = 0
+
+    def matched_blocks(self, replica: ReplicaState, hashes: list[bytes]) -> int:
+        n = 0
+        for h in hashes:
+            if h not in replica.cached:
+                break
+            n += 1
+        return n
+
+    def _least_loaded(self, live: list[ReplicaState]) -> ReplicaState:
+        return min(live, key=lambda r: (r.in_flight, r.index))
+
+    def choose(self, token_ids: list[int], cache_salt: str | None = None) -> int:
+        """The replica index for a request; raises RuntimeError when no replica is alive."""
+        live = [r for r in self.replicas if r.alive]
+        if not live:
+            raise RuntimeError("no replica is alive")
+        if self.policy == "round_robin":
+            for _ in range(len(self.replicas)):
+                r = self.replicas[self._next % len(self.replicas)]
+                self._next += 1
+                if r.alive:
+                    return r.index
+        if self.policy == "least_loaded":
+            return self._least_loaded(live).index
+        loads = [r.in_flight for r in live]
+        lo, hi = min(loads), max(loads)
+        if hi - lo > self.balance_abs_threshold and hi > self.balance_rel_threshold * lo:
+            return self._least_loaded(live).index
+        hashes = self.hasher.prefix_hashes(token_ids, cache_salt)
+        if hashes:
+            best = max(live, key=lambda r: (self.matched_blocks(r, hashes), -r.in_flight, -r.index))
+            if self.matched_blocks(best, hashes) >= self.cache_threshold * len(hashes) and \
+                    self.matched_blocks(best, hashes) > 0:
+                return best.index
+        return self._least_loaded(live).index

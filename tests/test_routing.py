@@ -1,0 +1,94 @@
+"""The replica router's policies (kvshare.server.routing), fed with KV events as replicas send them."""
+from __future__ import annotations
+
+import pytest
+
+from kvshare.kvcache.hashing import BlockHasher
+from kvshare.server.routing import Router
+
+SEED = "router-test"
+BS = 16
+
+
+def tokens(start: int, n: int) -> list[int]:
+    return list(range(start, start + n))
+
+
+def stored(token_ids, salt=None, seed=SEED):
+    hashes = BlockHasher.seeded(BS, seed).prefix_hashes(token_ids, salt)
+    return [["BlockStored", [h], p, token_ids[i * BS:(i + 1) * BS], BS, None, "CPU"]
+            for i, (h, p) in enumerate(zip(hashes, [None] + hashes))]
+
+
+def test_prefix_aware_sends_a_request_where_its_prefix_is_cached():
+    r = Router(3, block_size=BS, hash_seed=SEED)
+    system_a, system_b = tokens(1000, 160), tokens(5000, 160)
+    r.replicas[1].apply(stored(system_a))
+    r.replicas[2].apply(stored(system_b))
+    assert r.choose(system_a + tokens(9, 30)) == 1
+    assert r.choose(system_b + tokens(9, 30)) == 2
+    # Nothing cached anywhere: the least-loaded replica (lowest index on a tie).
+    r.replicas[0].in_flight = 2
+    assert r.choose(tokens(7000, 100)) == 1
+    r.replicas[1].in_flight = 1
+    assert r.choose(tokens(7000, 100)) == 2
+
+
+def test_a_removed_block_cuts_the_match_and_salts_keep_tenants_apart():
+    r = Router(2, block_size=BS, hash_seed=SEED)
+    prefix = tokens(100, 160)
+    events = stored(prefix)
+    r.replicas[1].apply(events)
+    hashes = BlockHasher.seeded(BS, SEED).prefix_hashes(prefix)
+    assert r.matched_blocks(r.replicas[1], hashes) == 10
+    r.replicas[1].apply([["BlockRemoved", [hashes[3]], "CPU"]])
+    assert r.matched_blocks(r.replicas[1], hashes) == 3
+    # Another tenant's salt hashes differently: no match, so no affinity to that cache.
+    salted = BlockHasher.seeded(BS, SEED).prefix_hashes(prefix, "tenant-b")
+    assert r.matched_blocks(r.replicas[1], salted) == 0
+    r.replicas[1].apply([["AllBlocksCleared"]])
+    assert r.replicas[1].cached == set()
+
+
+def test_load_imbalance_overrides_the_cache():
+    r = Router(2, block_size=BS, hash_seed=SEED, balance_abs_threshold=4, balance_rel_threshold=1.5)
+    prefix = tokens(100, 160)
+    r.replicas[0].apply(stored(prefix))
+    r.replicas[0].in_flight = 5
+    r.replicas[1].in_flight = 2
+    assert r.choose(prefix + [1, 2, 3]) == 0  # 3 apart: within the threshold, the cache wins
+    r.replicas[0].in_flight = 10
+    assert r.choose(prefix + [1, 2, 3]) == 1  # 8 apart and 5x: the idle replica
+
+
+def test_a_small_match_does_not_pull_the_request():
+    r = Router(2, block_size=BS, hash_seed=SEED, cache_threshold=0.5)
+    prefix = tokens(100, 32)  # 2 of the request's 10 blocks
+    r.replicas[0].apply(stored(prefix))
+    r.replicas[0].in_flight = 1
+    assert r.choose(prefix + tokens(900, 128)) == 1
+
+
+def test_round_robin_least_loaded_and_dead_replicas():
+    rr = Router(3, policy="round_robin")
+    assert [rr.choose([1] * 40) for _ in range(4)] == [0, 1, 2, 0]
+    rr.replicas[1].alive = False
+    assert [rr.choose([1] * 40) for _ in range(3)] == [2, 0, 2]
+    ll = Router(3, policy="least_loaded")
+    ll.replicas[0].in_flight, ll.replicas[1].in_flight, ll.replicas[2].in_flight = 3, 1, 2
+    assert ll.choose([1]) == 1
+    ll.replicas[1].alive = False
+    assert ll.choose([1]) == 2
+    for rep in ll.replicas:
+        rep.alive = False
+    with pytest.raises(RuntimeError, match="no replica is alive"):
+        ll.choose([1])
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(policy="random"), "routing policy 'random' is invalid: allowed are prefix_aware, round_robin, least_loaded"),
+    (dict(policy="prefix_aware"), "needs the replicas' prefix_caching_hash_seed"),
+])
+def test_bad_router_options(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Router(2, **kwargs)
