@@ -47,7 +47,8 @@ def test_default_mode_keeps_weights_quantized(engines):
 
 def test_greedy_tokens_and_logprobs_match_the_exact_path(engines):
     default, exact = engines
-    prompts = _prompts(default, [5, 12, 20, 33, 47, 64, 80, 100, 128, 150, 200, 256, 300, 350, 400, 480])
+    # Eight lengths from 5 to 480 (every second one of the fused-decode test's 16).
+    prompts = _prompts(default, [5, 20, 47, 80, 128, 200, 300, 400])
     params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=1)
     got = default.generate(prompts, params, use_tqdm=False)
     ref = exact.generate(prompts, params, use_tqdm=False)
@@ -60,7 +61,7 @@ def test_greedy_tokens_and_logprobs_match_the_exact_path(engines):
             worst = max(worst, abs(g.outputs[0].logprobs[i][a].logprob - r.outputs[0].logprobs[i][b].logprob))
             if a != b:
                 break
-    assert identical >= 14, f"only {identical}/16 prompts decode identically"
+    assert identical >= 7, f"only {identical}/8 prompts decode identically"
     assert worst < _tol(default), worst
 
 
