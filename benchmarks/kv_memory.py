@@ -109,21 +109,25 @@ class Run:
     def done(self) -> bool:
         return not self.engine.has_unfinished_requests()
 
-    def step(self) -> None:
+    def step(self) -> tuple[float, int | None]:
+        """One engine step: (seconds, decode tokens computed; None for a step with prompt tokens)."""
         eng = self.engine
         prompt0, decode0 = eng.stats.prompt_tokens_computed, eng.stats.decode_tokens_computed
         t0 = time.perf_counter()
         outs = eng.step()
         dt = time.perf_counter() - t0
         self.peak_running = max(self.peak_running, len(eng.scheduler.running))
+        decoded = None
         if eng.stats.prompt_tokens_computed > prompt0:
             self.prefill_s += dt  # steps computing prompt tokens (decode rows of earlier requests too)
         else:
             self.decode_s += dt
-            self.decode_tokens += eng.stats.decode_tokens_computed - decode0
+            decoded = eng.stats.decode_tokens_computed - decode0
+            self.decode_tokens += decoded
         for o in outs:
             if o.finished:
                 assert len(o.outputs[0].token_ids) == self.gen
+        return dt, decoded
 
     def result(self) -> dict:
         busy = self.prefill_s + self.decode_s
@@ -210,7 +214,7 @@ def hybrid_groups_table(budget: int, block_size: int, lengths=(4096, 16384, 3276
     return rows
 
 
-class HybridRun:
+class HybridRun(Run):
     """Gemma 3 270M (the packaged model, kept quantized) with KV cache groups on or off: as many
     requests as fit the budget at once, each `prompt_len` tokens then `gen` greedy tokens."""
 
@@ -229,30 +233,12 @@ class HybridRun:
         self.decode_tokens = self.peak_running = self.full_batch_steps = 0
         self.full_batch_s = 0.0
 
-    @property
-    def done(self) -> bool:
-        return not self.engine.has_unfinished_requests()
-
-    def step(self) -> None:
-        eng = self.engine
-        prompt0, decode0 = eng.stats.prompt_tokens_computed, eng.stats.decode_tokens_computed
-        t0 = time.perf_counter()
-        outs = eng.step()
-        dt = time.perf_counter() - t0
-        running = len(eng.scheduler.running)
-        self.peak_running = max(self.peak_running, running)
-        if eng.stats.prompt_tokens_computed > prompt0:
-            self.prefill_s += dt
-        else:
-            self.decode_s += dt
-            n = eng.stats.decode_tokens_computed - decode0
-            self.decode_tokens += n
-            if n == self.concurrency:  # every request decoding at once: the batch the budget allows
-                self.full_batch_steps += 1
-                self.full_batch_s += dt
-        for o in outs:
-            if o.finished:
-                assert len(o.outputs[0].token_ids) == self.gen
+    def step(self) -> tuple[float, int | None]:
+        dt, decoded = super().step()
+        if decoded == self.concurrency:  # every request decoding at once: the batch the budget allows
+            self.full_batch_steps += 1
+            self.full_batch_s += dt
+        return dt, decoded
 
     def result(self) -> dict:
         return {"prefill_seconds": self.prefill_s, "peak_running": self.peak_running,

@@ -165,10 +165,10 @@ def test_n4_forks_share_the_prompt(uncached):
 
 def test_beam_search_matches_hf(cached):
     model, tok = hf_reference()
-    qs = ["What is 2+2?", "Say hello.", "Name a color.", "What is the capital of Italy?"]
+    qs = ["What is 2+2?", "Name a color.", "What is the capital of Italy?"]
     texts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
              for q in qs]
-    texts += ["The capital of France is", "def fibonacci(n):"]
+    texts += ["def fibonacci(n):"]
     prompts = [tok(t).input_ids for t in texts]
     params = BeamSearchParams(beam_width=4, max_tokens=12, length_penalty=1.0, early_stopping=False)
     outs = cached.beam_search([{"prompt_token_ids": p} for p in prompts], params)
