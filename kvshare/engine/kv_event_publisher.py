@@ -56,10 +56,6 @@ class ZmqKVEventPublisher:
                                                    name="kv-events-replay", daemon=True)
             self._replay_thread.start()
 
-    @property
-    def next_seq(self) -> int:
-        return self._seq
-
     def publish(self, events) -> None:
         if not events:
             return

@@ -33,8 +33,7 @@ class Block:
 class BlockPool:
     events = Recorder()  # the block event log, or a NullEventLog
 
-    def __init__(self, num_blocks: int, events: EventLog | None = None,
-                 kv_events: KVEventQueue | None = None) -> None:
+    def __init__(self, num_blocks: int, events: EventLog | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks} is invalid: the KV pool needs at least one block")
         self.num_blocks = num_blocks
@@ -45,9 +44,9 @@ class BlockPool:
         self.num_evictions = 0
         self.num_allocations = 0
         self.events = events
-        # What routers see (BlockStored / BlockRemoved, kvshare.kvcache.kv_events): only built
-        # when a publisher is configured.
-        self.kv_events = kv_events if kv_events is not None else NullKVEventQueue()
+        # What routers see (BlockStored / BlockRemoved, kvshare.kvcache.kv_events): the engine
+        # installs a KVEventQueue when a publisher is configured.
+        self.kv_events: KVEventQueue | NullKVEventQueue = NullKVEventQueue()
 
     @property
     def num_free(self) -> int:

@@ -89,9 +89,8 @@ class NullKVEventQueue:
         return []
 
 
-def cached_hashes_from_events(events) -> set[bytes]:
-    """The set of cached block hashes a subscriber rebuilds from decoded wire events."""
-    held: set[bytes] = set()
+def apply_kv_events(held: set[bytes], events) -> None:
+    """Update a subscriber's set of cached block hashes with decoded wire events, in order."""
     for ev in events:
         tag = ev[0]
         if tag == "BlockStored":
@@ -101,5 +100,11 @@ def cached_hashes_from_events(events) -> set[bytes]:
         elif tag == "AllBlocksCleared":
             held.clear()
         else:
-            raise ValueError(f"unknown KV event tag {tag!r}")
+            raise ValueError(f"unknown KV event tag {tag!r}: allowed are BlockStored, BlockRemoved, AllBlocksCleared")
+
+
+def cached_hashes_from_events(events) -> set[bytes]:
+    """The set of cached block hashes a subscriber rebuilds from decoded wire events."""
+    held: set[bytes] = set()
+    apply_kv_events(held, events)
     return held

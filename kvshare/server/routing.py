@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvshare.kvcache.hashing import BlockHasher
+from kvshare.kvcache.kv_events import apply_kv_events
 
 ROUTING_POLICIES = ("prefix_aware", "round_robin", "least_loaded")
 
@@ -28,13 +29,7 @@ class ReplicaState:
 
     def apply(self, events) -> None:
         """Decoded wire events ([tag, fields...]) of one batch, in order."""
-        for ev in events:
-            if ev[0] == "BlockStored":
-                self.cached.update(ev[1])
-            elif ev[0] == "BlockRemoved":
-                self.cached.difference_update(ev[1])
-            elif ev[0] == "AllBlocksCleared":
-                self.cached.clear()
+        apply_kv_events(self.cached, events)
 
 
 class Router:
