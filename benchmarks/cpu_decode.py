@@ -159,7 +159,7 @@ def kernel_crossover() -> None:
     from kvshare.model.gguf_header import open_gguf_file
     from kvshare.model.gguf_quants import to_group_affine
     from kvshare.model.loader import bundled_model_path
-    from kvshare.model.qlinear import DequantScratch, GroupInt4Linear, GroupInt8Linear, Int4Linear
+    from kvshare.model.qlinear import DequantScratch, GroupInt4Linear, GroupInt8Linear
 
     cpu_kernels.QMATMUL.wait_until_built()
     f = open_gguf_file(bundled_model_path())
@@ -181,15 +181,19 @@ def kernel_crossover() -> None:
           f"{'dequant+dense':>14} {'dense only':>11}")
     for dtype in (torch.float32, torch.bfloat16):
         i8 = GroupInt8Linear(w, dtype, DequantScratch())
-        i4 = Int4Linear(w, dtype, DequantScratch())
         g4 = GroupInt4Linear(w, dtype, DequantScratch())
+        # torch's int4 kernel for comparison, packed by torch's own converter (its layout depends
+        # on the CPU): w = (q - 8) * s + (z + 8 s) per 32.
+        torch_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.q.to(torch.int32), 1)
+        scales_zeros = torch.stack([w.scale, w.zero + 8 * w.scale], -1).transpose(0, 1).to(dtype).contiguous()
         dense = i8.dense()
-        for rows in (1, 4, 16, 32, 64, 256):
+        scratch = torch.empty_like(dense)
+        for rows in (1, 4, 16, 32, 64, 256, 1024):
             x = torch.randn(rows, w.shape[1]).to(dtype)
             a = bench(lambda: cpu_kernels.int8_group_matmul(x, i8.q, i8.scale, i8.zero, i8.group))
             a4 = bench(lambda: cpu_kernels.int4_group_matmul(x, g4.q, g4.scale, g4.zero, g4.group))
-            b = bench(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, i4.packed, 32, i4.scales_zeros))
-            c = bench(lambda: torch.nn.functional.linear(x, i8.dense()))
+            b = bench(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, torch_packed, 32, scales_zeros))
+            c = bench(lambda: torch.nn.functional.linear(x, g4.dense(scratch)))
             d = bench(lambda: torch.nn.functional.linear(x, dense))
             print(f"{rows:>5} {str(dtype).split('.')[-1]:>9} {a:>13.3f} {a4:>13.3f} {b:>11.3f} {c:>14.3f} {d:>11.3f}")
 

@@ -13,7 +13,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=engine_default("model"),
                    help="GGUF file, HF directory or gemma3-270m (packaged Gemma 3 270M) (default: bundled SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default=engine_default("dtype"), choices=["auto", "float32", "bfloat16"],
-                   help="activations: auto = bfloat16 where the CPU has avx512_bf16, else float32")
+                   help="activations: auto = float32")
+    g.add_argument("--prefill-dtype", default=engine_default("prefill_dtype"), choices=["auto", "float32", "bfloat16"],
+                   help="GEMMs over many rows (prefill) on kept-quantized weights: auto = bfloat16 where the CPU "
+                        "has avx512_bf16, else --dtype")
     g.add_argument("--quantization", default=engine_default("quantization"), choices=["auto", "none"],
                    help="auto: GGUF weights stay quantized (fast); none: dequantize (with --dtype float32: "
                         "the exact reference mode)")
@@ -52,7 +55,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_options(args: argparse.Namespace) -> dict:
     return dict(
-        model=args.model, dtype=args.dtype, quantization=args.quantization, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+        model=args.model, dtype=args.dtype, prefill_dtype=args.prefill_dtype, quantization=args.quantization, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
         kv_cache_dtype=args.kv_cache_dtype,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,

@@ -110,10 +110,7 @@ def _weights_line(p: MemoryPlan) -> str:
                 f"{_mib(s.weight_bytes)}")
     from kvshare.model.qlinear import resident_bytes_per_weight
 
-    import torch
-
-    tdtype = getattr(torch, p.dtype)
-    parts = [f"{t} {n:,} x {resident_bytes_per_weight(t, tdtype):.3g} B" for t, n in p.weight_formats.items()]
+    parts = [f"{t} {n:,} x {resident_bytes_per_weight(t):.3g} B" for t, n in p.weight_formats.items()]
     rest = p.num_parameters - sum(p.weight_formats.values())
     return f"kept quantized: {', '.join(parts)}; dense {max(rest, 0):,} x {p.dtype} = {_mib(s.weight_bytes)}"
 

@@ -97,13 +97,10 @@ def weight_bytes(arch: ModelArchConfig, dtype: str, formats: dict[str, int] | No
     total = count_parameters(arch)
     if not formats:
         return total * WEIGHT_DTYPE_BYTES[dtype]
-    import torch
-
     from kvshare.model.qlinear import resident_bytes_per_weight
 
-    tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     kept = sum(formats.values())
-    packed = sum(n * resident_bytes_per_weight(t, tdtype) for t, n in formats.items())
+    packed = sum(n * resident_bytes_per_weight(t) for t, n in formats.items())
     return int(packed + max(0, total - kept) * WEIGHT_DTYPE_BYTES[dtype])
 
 
@@ -114,8 +111,6 @@ def gguf_weight_formats(path: str) -> dict[str, int]:
     from kvshare.model.gguf_loader import hf_tensor_name
     from kvshare.model.qlinear import resident_bytes_per_weight
 
-    import torch
-
     out: dict[str, int] = {}
     for t in read_gguf_header(path).tensors:
         try:
@@ -123,7 +118,7 @@ def gguf_weight_formats(path: str) -> dict[str, int]:
                 continue
         except KeyError:
             continue
-        if len(t.shape) != 2 or resident_bytes_per_weight(t.type_name, torch.float32) is None:
+        if len(t.shape) != 2 or resident_bytes_per_weight(t.type_name) is None:
             continue
         out[t.type_name] = out.get(t.type_name, 0) + int(t.shape[0]) * int(t.shape[1])
     return out

@@ -2,10 +2,13 @@
 
 The kept-quantized weights are the file's weights exactly (tests/test_qlinear.py), so what can
 differ from the exact path is only arithmetic: float32 summation order in the kernels, and on
-CPUs with avx512_bf16 bfloat16 activations. Hence the bounds below: tokens identical on at least
-14 of 16 prompts over 32 greedy steps (a near-tie can flip once rounding differs, and one flip
-changes every later token), and, up to the first differing token, chosen-token logprobs within
-LOGPROB_TOL (float32: summation order only, so 1e-3; bfloat16: 8 significant bits, 0.25).
+CPUs with avx512_bf16 the prefill GEMMs' bfloat16 inputs (EngineConfig.prefill_dtype; activations
+stay float32). Hence the bounds below: tokens identical on at least 14 of 16 prompts over 32 greedy
+steps (a near-tie can flip once rounding differs, and one flip changes every later token), and,
+up to the first differing token, chosen-token logprobs within _tol: float32 throughout, summation
+order only, so 1e-3; bfloat16 prefill GEMMs, whose inputs carry 8 significant bits (2^-9
+relative), perturb every prompt token's K/V by a few tenths of a percent: 0.1 (measured worst
+0.034 over 16 prompts); bfloat16 activations (dtype="bfloat16"), 0.25.
 """
 from __future__ import annotations
 
@@ -27,7 +30,9 @@ def engines():
 
 
 def _tol(llm) -> float:
-    return 1e-3 if llm.config.dtype == "float32" else 0.25
+    if llm.config.dtype != "float32":
+        return 0.25
+    return 1e-3 if llm.config.prefill_dtype == "float32" else 0.1
 
 
 def _prompts(llm, lengths):
@@ -39,7 +44,7 @@ def test_default_mode_keeps_weights_quantized(engines):
     default, exact = engines
     assert default.config.quantization == "auto" and default.config.dtype in ("float32", "bfloat16")
     kinds = {lin.kind for lin in default.engine.model.linears()}
-    assert kinds <= {"int4", "int4-group", "int8-group"}, kinds
+    assert kinds <= {"int4-group", "int8-group"}, kinds
     # Resident weights stay near the file's size (94 MB of Q4_1/Q8_0), far below the float32 copy.
     assert default.engine.model.weight_bytes < 0.4 * exact.engine.model.weight_bytes
     assert any("kept quantized" in line for line in default.engine.startup.lines())
@@ -74,7 +79,8 @@ def test_prompt_logprobs_match_the_exact_path(engines):
         assert len(g.prompt_logprobs) == len(ids) and g.prompt_logprobs[0] is None
         diffs = [abs(g.prompt_logprobs[i][ids[i]].logprob - r.prompt_logprobs[i][ids[i]].logprob)
                  for i in range(1, len(ids))]
-        assert max(diffs) < _tol(default) * (4 if default.config.dtype == "bfloat16" else 1), max(diffs)
+        # Prompt logprobs come straight from the prefill: in bfloat16 GEMMs every layer rounds.
+        assert max(diffs) < _tol(default) * (4 if default.config.prefill_dtype == "bfloat16" else 1), max(diffs)
 
 
 # Block boundaries up to 401 tokens. Together, the prefill steps exceed PACKED_MAX_ROWS (256) and take

@@ -5,7 +5,10 @@ Both paths run the same matmul and attention kernels; only the element-wise ops 
 RoPE, SiLU, residual adds) are computed by other code, so their float32 results differ by
 rounding alone (measured: chosen-token logprobs within 6e-6 on the bundled model). Hence
 LOGPROB_TOL = 1e-4, and tokens identical on all prompts but at most one over 32 greedy steps (a
-near-tie closer than the rounding could flip one prompt; none does today).
+near-tie closer than the rounding could flip one prompt; none does today). With bfloat16
+activations the C++ step rounds every intermediate where the PyTorch ops round it, so there the
+two paths agree exactly (measured: identical logprobs); a single bfloat16 rounding that went the
+other way would move a logprob by ~1e-2, far past LOGPROB_TOL.
 """
 from __future__ import annotations
 
@@ -30,6 +33,13 @@ def built():
 @pytest.fixture(scope="module")
 def bundled():
     return LLM(kv_cache_memory="64MiB", enable_prefix_caching=False)
+
+
+@pytest.fixture(scope="module")
+def bundled_other_dtype(bundled):
+    """The bundled model in the activation dtype the default (this CPU's) does not pick."""
+    other = "float32" if bundled.config.dtype == "bfloat16" else "bfloat16"
+    return LLM(kv_cache_memory="64MiB", enable_prefix_caching=False, dtype=other)
 
 
 def _compare(llm, prompts, params, together: bool):
@@ -90,6 +100,16 @@ def test_bundled_model_fused_equals_step_by_step(bundled, together):
     prompts = [{"prompt_token_ids": p} for p in english_token_prompts(tok.encode, lengths)]
     params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=1)
     identical, worst = _compare(bundled, prompts, params, together)
+    assert identical >= len(prompts) - 1, f"only {identical}/{len(prompts)} prompts decode identically"
+    assert worst < LOGPROB_TOL, worst
+
+
+def test_fused_equals_step_by_step_in_the_other_dtype(bundled_other_dtype):
+    llm = bundled_other_dtype
+    tok = llm.get_tokenizer()
+    prompts = [{"prompt_token_ids": p} for p in english_token_prompts(tok.encode, [5, 47, 200, 400])]
+    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=1)
+    identical, worst = _compare(llm, prompts, params, together=True)
     assert identical >= len(prompts) - 1, f"only {identical}/{len(prompts)} prompts decode identically"
     assert worst < LOGPROB_TOL, worst
 

@@ -216,7 +216,7 @@ def test_every_tensor_format_reads_dequantized_and_kept_quantized(header):
     # 1.125 bytes a weight (189 MB) instead of a 671 MB float32 copy.
     from kvshare.model.qlinear import resident_bytes_per_weight
 
-    assert resident_bytes_per_weight("Q8_0", torch.float32) == 1.125
+    assert resident_bytes_per_weight("Q8_0") == 1.125
 
 
 def test_mixed_width_qkv_fuses_packed(header):
@@ -282,7 +282,7 @@ def test_default_mode_keeps_every_matrix_quantized(engines):
     model = default.engine.model
     assert model.embed is model.lm_head  # tied: one copy serves both
     assert model.lm_head.kind == "int8-group"  # Q8_0 codes as they are
-    assert {lin.kind for lin in model.linears()} <= {"int4", "int4-group", "int8-group"}
+    assert {lin.kind for lin in model.linears()} <= {"int4-group", "int8-group"}
     assert model.weight_bytes < 320e6, model.weight_bytes
     assert exact.engine.model.weight_bytes > 1.0e9  # the exact mode is float32 throughout
 

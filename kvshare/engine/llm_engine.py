@@ -91,7 +91,8 @@ class LLMEngine:
                                           policy=self.kv_policy, hasher=hasher)
         self.kv_cache = PagedKVStorage(layers_per_block, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
                                        self.kv_format.storage, layer_slots=slot_of)
-        self.model = build_model(mc, loaded.weights, dtype, TorchPagedAttention(config.block_size), max_model_len)
+        self.model = build_model(mc, loaded.weights, dtype, TorchPagedAttention(config.block_size), max_model_len,
+                                 prefill_dtype=config.prefill_torch_dtype)
         release_freed_heap()  # the load's temporaries: back to the OS, not kept as RSS
         self.startup = StartupReport(loaded.source, loaded.tensor_types, self.model, config,
                                      self.layout, loaded.load_seconds, time.perf_counter() - t_start)

@@ -116,7 +116,8 @@ class ModelRunner:
             k_pos = _key_positions(_table_index(a), bs).unsqueeze(0)
             table_t = torch.tensor(a.read_blocks, dtype=torch.long)
             for v in variants:
-                prefills[v].append(PrefillChunk(row, c.num_tokens, table_t, policy.visible(q_pos, k_pos, v)))
+                mask = policy.visible(q_pos, k_pos, v)
+                prefills[v].append(PrefillChunk(row, c.num_tokens, table_t, mask, _plain_causal(c.start, mask)))
             row += c.num_tokens
         meta.decode_groups, meta.prefills = groups[variants[0]], prefills[variants[0]]
         meta.decode_sink_end, meta.decode_window_start = ranges[variants[0]]
@@ -187,6 +188,14 @@ class ModelRunner:
         prompt_logits = [(c, first, logits[r0:r0 + k]) for c, first, r0, k in spans]
         sample_logits = logits[len(rows) - len(sample_chunks):] if sample_chunks else None
         return StepLogits(sample_chunks, sample_logits, prompt_logits)
+
+
+def _plain_causal(start: int, mask: torch.Tensor) -> bool:
+    """Whether a chunk's mask [n, keys] is exactly query i seeing keys 0..i (a chunk from position 0
+    whose first n key slots are positions 0..n-1, nothing hidden by a window or sinks)."""
+    n = mask.shape[0]
+    return (start == 0 and mask.shape[1] >= n and not mask[:, n:].any()
+            and torch.equal(mask[:, :n], torch.ones(n, n, dtype=torch.bool).tril_()))
 
 
 def _table_index(c: "ChunkPlan | GroupAccess") -> list[int]:

@@ -72,8 +72,7 @@ class StartupReport:
         return out
 
     def kernels(self) -> list[str]:
-        names = {"int4": "int4 packed (torch _weight_int4pack_mm_for_cpu)",
-                 "int8-group": "int8 per-group (kvshare C++ qmatmul)",
+        names = {"int8-group": "int8 per-group (kvshare C++ qmatmul)",
                  "int4-group": "int4 per-group (kvshare C++ qmatmul)", "dense": "dense (F.linear)"}
         counts: dict[str, int] = {}
         for lin in self.model.linears():
@@ -92,7 +91,9 @@ class StartupReport:
     def lines(self) -> list[str]:
         c = self.config
         mode = ("exact (dequantized float32)" if c.exact else
-                f"{'kept quantized' if c.quantization == 'auto' else 'dequantized'} weights, {c.dtype} activations")
+                f"{'kept quantized' if c.quantization == 'auto' else 'dequantized'} weights, {c.dtype} activations"
+                + (f", {c.prefill_dtype} prefill GEMMs" if c.quantization == "auto" and c.prefill_dtype != c.dtype
+                   else ""))
         mix = ", ".join(f"{t} x{n}" for t, n in self.format_mix().items()) or "dense checkpoint"
         by_kind = ", ".join(f"{k} {b / 2**20:.1f} MiB" for k, b in self.weight_bytes_by_kind().items())
         return [

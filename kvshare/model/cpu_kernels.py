@@ -345,6 +345,10 @@ def _setup_qmatmul(lib: ctypes.CDLL) -> None:
                       _ptr, _i64,  # y, its row stride
                       _i64, _i64, _i64, _i64,  # M, N, K, group_size
                       _int, _int, ctypes.c_char_p, _i64]  # impl, threads, error buffer
+    f = lib.kvs_group_dequantize
+    f.restype = _int
+    f.argtypes = [_ptr, _int, _ptr, _ptr, _ptr, _int,  # q, 4-bit?, scales, zeros, out, out bf16?
+                  _i64, _i64, _i64, _int]  # N, K, group_size, threads
 
 
 def _setup_decode(lib: ctypes.CDLL) -> None:
@@ -575,6 +579,28 @@ def int4_group_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
     if packed.shape[1] * 2 != k:
         raise ValueError(f"packed {tuple(packed.shape)} does not fit x {tuple(x.shape)}: want packed [N, {k // 2}]")
     return _group_matmul("kvs_int4_group_matmul", x, "packed", packed, scales, zeros, group_size, out, impl)
+
+
+def group_dequantize(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int,
+                     out: torch.Tensor, int4: bool) -> torch.Tensor:
+    """The dense weights of int8 codes q [N, K] (int4=False) or packed 4-bit codes [N, K // 2]
+    (int4=True), written into `out` [N, K] (float32 or bfloat16, contiguous): q * scale + zero
+    per group in float32, rounded once to out's dtype. Returns out."""
+    if out.dtype not in (torch.float32, torch.bfloat16) or not out.is_contiguous() or out.dim() != 2:
+        raise ValueError(f"out must be a contiguous float32 or bfloat16 [N, K] tensor; got {_desc(out)}")
+    n, k = out.shape
+    want = (n, k // 2) if int4 else (n, k)
+    if tuple(q.shape) != want or q.dtype != (torch.uint8 if int4 else torch.int8) or not q.is_contiguous():
+        raise ValueError(f"q must be contiguous {'uint8' if int4 else 'int8'} {list(want)}; got {_desc(q)}")
+    if k % group_size or tuple(scales.shape) != (n, k // group_size) or scales.dtype != torch.float32 \
+            or not scales.is_contiguous():
+        raise ValueError(f"scales must be contiguous float32 [{n}, {k // group_size}]; got {_desc(scales)}")
+    if zeros is not None and (zeros.shape != scales.shape or zeros.dtype != torch.float32 or not zeros.is_contiguous()):
+        raise ValueError(f"zeros must be None or like scales; got {_desc(zeros)}")
+    QMATMUL.lib().kvs_group_dequantize(q.data_ptr(), int(int4), scales.data_ptr(),
+                                       zeros.data_ptr() if zeros is not None else None, out.data_ptr(),
+                                       int(out.dtype == torch.bfloat16), n, k, group_size, torch.get_num_threads())
+    return out
 
 
 def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:

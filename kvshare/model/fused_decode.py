@@ -6,7 +6,8 @@ work to `kvs_decode_layers`, which runs it on the same int8/int4-group matmul an
 attention kernels without returning to Python between ops.
 
 It applies when every piece has a C++ counterpart, and says why not otherwise (`reason`):
-float32 activations, every layer's linears on kvshare's group kernels (int8 or int4 codes),
+float32 or bfloat16 activations (with bfloat16 the C++ step rounds each intermediate to bfloat16
+where the step-by-step path rounds it, so both give a row the same numbers), every layer's linears on kvshare's group kernels (int8 or int4 codes),
 a float32 or bfloat16 KV cache, the C++ attention kernel in use, RoPE over whole heads and no
 per-head q/k norm (Qwen3), and a step whose rows are all decode rows with plain causal attention
 (no row's window hides an earlier key) over one block table per row (with KV cache groups each
@@ -25,6 +26,7 @@ from kvshare.model.qlinear import GroupInt4Linear, GroupInt8Linear
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _CACHE_KINDS = {torch.float32: 0, torch.bfloat16: 1}
+_ACTIVATIONS = (torch.float32, torch.bfloat16)
 
 
 class _Linear(ctypes.Structure):
@@ -40,7 +42,7 @@ class _Layer(ctypes.Structure):
 class _Model(ctypes.Structure):
     _fields_ = [("num_layers", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64),
                 ("head_dim", _i64), ("intermediate", _i64), ("slots", _i64), ("block_size", _i64),
-                ("cache_kind", _i64), ("eps", ctypes.c_double), ("scale", ctypes.c_double),
+                ("cache_kind", _i64), ("act_bf16", _i64), ("eps", ctypes.c_double), ("scale", ctypes.c_double),
                 ("layers", ctypes.POINTER(_Layer))]
 
 
@@ -76,8 +78,8 @@ class FusedDecode:
 
     @staticmethod
     def _check_model(model) -> str | None:
-        if model.dtype != torch.float32:
-            return f"activations are {model.dtype}, not float32"
+        if model.dtype not in _ACTIVATIONS:
+            return f"activations are {model.dtype}, not float32 or bfloat16"
         if not isinstance(model.backend, TorchPagedAttention):
             return f"attention backend is {type(model.backend).__name__}"
         # The C++ step runs the plain Llama layer; features beyond it take the step-by-step path.
@@ -89,15 +91,24 @@ class FusedDecode:
                     f"is not in the C++ decode step")
         return None
 
-    @staticmethod
-    def _layer_views(model) -> list[_Layer] | None:
+    def _layer_views(self, model) -> list[_Layer] | None:
+        # The C++ side reads float32 norms and biases: float32 copies where the model holds
+        # bfloat16 ones (a few KB per layer), kept alive here.
+        self._float_copies: list[torch.Tensor] = []
+
+        def f32(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None or t.dtype == torch.float32:
+                return t
+            self._float_copies.append(t.float().contiguous())
+            return self._float_copies[-1]
+
         views = []
         for layer in model.layers:
-            parts = [_linear(layer.qkv, layer.qkv_b), _linear(layer.o, None),
+            parts = [_linear(layer.qkv, f32(layer.qkv_b)), _linear(layer.o, None),
                      _linear(layer.gate_up, None), _linear(layer.down, None)]
             if any(p is None for p in parts):
                 return None
-            views.append(_Layer(layer.in_norm.data_ptr(), layer.post_norm.data_ptr(), *parts, None, None))
+            views.append(_Layer(f32(layer.in_norm).data_ptr(), f32(layer.post_norm).data_ptr(), *parts, None, None))
         return views
 
     def reason(self, meta: AttentionMetadata, num_rows: int, kv_cache: PagedKVStorage) -> str | None:
@@ -131,18 +142,21 @@ class FusedDecode:
             layers[i].k_cache, layers[i].v_cache = k.data_ptr(), v.data_ptr()
         view = _Model(c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
                       m.layers[0].down.in_features, kv_cache.num_blocks * kv_cache.block_size,
-                      kv_cache.block_size, _CACHE_KINDS[kv_cache.data.dtype], c.rms_norm_eps, m.scale, layers)
+                      kv_cache.block_size, _CACHE_KINDS[kv_cache.data.dtype], int(m.dtype == torch.bfloat16),
+                      c.rms_norm_eps, m.scale, layers)
         view._keep = (layers, kv_cache)  # the pointers above live as long as these do
         self._bound = (id(kv_cache), view)
         return view
 
     def run(self, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, meta: AttentionMetadata,
             kv_cache: PagedKVStorage) -> torch.Tensor:
-        """h [rows, hidden] float32 (embedded tokens) through every layer, in place."""
+        """h [rows, hidden] (embedded tokens, the model's dtype) through every layer; the last
+        layer's output comes back in that dtype (in place when it is float32)."""
         view = self._model_view(kv_cache)
-        h = h.contiguous()
-        cos = cos.reshape(h.shape[0], -1).contiguous()
-        signed_sin = signed_sin.reshape(h.shape[0], -1).contiguous()
+        dtype = h.dtype
+        h = h.float().contiguous()
+        cos = cos.reshape(h.shape[0], -1).float().contiguous()
+        signed_sin = signed_sin.reshape(h.shape[0], -1).float().contiguous()
         slots = meta.slot_mapping.contiguous()
         tables = meta.decode_block_tables.contiguous()
         ctx = meta.decode_context_lens.contiguous()
@@ -153,4 +167,4 @@ class FusedDecode:
             torch.get_num_threads(), err, len(err))
         if rc:
             raise ValueError(err.value.decode(errors="replace"))
-        return h
+        return h.to(dtype)

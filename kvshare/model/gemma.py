@@ -204,7 +204,7 @@ class GemmaModel:
     """Plain tensors and functions, as LlamaModel: inference only."""
 
     def __init__(self, config: ModelArchConfig, weights: dict, dtype: torch.dtype,
-                 backend: AttentionBackend, max_positions: int) -> None:
+                 backend: AttentionBackend, max_positions: int, prefill_dtype: torch.dtype | None = None) -> None:
         c = config
         if c.attn_logit_softcap is not None and isinstance(backend, TorchPagedAttention):
             # The C++ decode kernel cannot cap scores: every step takes the PyTorch attention.
@@ -215,7 +215,7 @@ class GemmaModel:
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
         self.scale = c.attn_scale if c.attn_scale is not None else c.head_dim ** -0.5
-        self.scratch = DequantScratch()
+        self.scratch = DequantScratch(prefill_dtype or dtype)
         # HF multiplies by the scale rounded to the weights' dtype (bfloat16: sqrt(640) = 25.298
         # becomes 25.25).
         self.embed_scale = torch.tensor(math.sqrt(c.hidden_size), dtype=dtype)
@@ -289,9 +289,10 @@ class GemmaModel:
         n = input_ids.shape[0]
         h = self.embed.rows(input_ids) * self.embed_scale
         tables = [rotary.tables(positions) for rotary in self.rotaries]  # once per forward, shared by layers
+        nd = meta.num_decode  # rows [0, nd) are decode rows, the rest prompt tokens (see qlinear)
         for i, layer in enumerate(self.layers):
             x = gemma_rms_norm(h, layer.in_norm, eps)
-            qkv = layer.qkv(x)
+            qkv = layer.qkv(x, nd)
             q = qkv[:, :self.q_size].reshape(n, c.num_heads, c.head_dim)
             k = qkv[:, self.q_size:self.q_size + self.kv_size].reshape(n, c.num_kv_heads, c.head_dim)
             v = qkv[:, self.q_size + self.kv_size:].reshape(n, c.num_kv_heads, c.head_dim)
@@ -304,10 +305,10 @@ class GemmaModel:
             k_cache, v_cache = kv_cache.layer(i)
             attn = self.backend.forward(q, k, v, k_cache, v_cache, meta.for_layer(i), self.scale,
                                         softcap=c.attn_logit_softcap)
-            h = h + gemma_rms_norm(layer.o(attn.reshape(n, self.q_size)), layer.post_attn_norm, eps)
+            h = h + gemma_rms_norm(layer.o(attn.reshape(n, self.q_size), nd), layer.post_attn_norm, eps)
             x = gemma_rms_norm(h, layer.pre_ffn_norm, eps)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            mlp = layer.down(F.gelu(gate, approximate="tanh") * up)
+            gate, up = layer.gate_up(x, nd).chunk(2, dim=-1)
+            mlp = layer.down(F.gelu(gate, approximate="tanh") * up, nd)
             h = h + gemma_rms_norm(mlp, layer.post_ffn_norm, eps)
         return h
 

@@ -36,7 +36,7 @@ class LlamaModel:
     on its kernel (kvshare.model.qlinear)."""
 
     def __init__(self, config: ModelArchConfig, weights: dict, dtype: torch.dtype,
-                 backend: AttentionBackend, max_positions: int) -> None:
+                 backend: AttentionBackend, max_positions: int, prefill_dtype: torch.dtype | None = None) -> None:
         self.config = config
         self.dtype = dtype
         self.backend = backend
@@ -44,7 +44,7 @@ class LlamaModel:
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
         self.scale = c.head_dim ** -0.5
-        self.scratch = DequantScratch()
+        self.scratch = DequantScratch(prefill_dtype or dtype)
 
         def dense(name: str) -> torch.Tensor:
             w = weights.pop(name)
@@ -115,9 +115,10 @@ class LlamaModel:
         if self.fused_decode.reason(meta, n, kv_cache) is None:
             return self.fused_decode.run(h, cos, sin, meta, kv_cache)
         heads_qk = c.num_heads + c.num_kv_heads
+        nd = meta.num_decode  # rows [0, nd) are decode rows, the rest prompt tokens (see qlinear)
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.in_norm, c.rms_norm_eps)
-            qkv = layer.qkv(x)
+            qkv = layer.qkv(x, nd)
             if layer.qkv_b is not None:
                 qkv = qkv + layer.qkv_b
             # q and k sit side by side in qkv: normalize (Qwen3) and rotate both in one pass.
@@ -129,10 +130,10 @@ class LlamaModel:
             v = qkv[:, self.q_size + self.kv_size:].reshape(n, c.num_kv_heads, c.head_dim)
             k_cache, v_cache = kv_cache.layer(i)
             attn = self.backend.forward(q, k, v, k_cache, v_cache, meta.for_layer(i), self.scale)
-            h = h + layer.o(attn.reshape(n, self.q_size))
+            h = h + layer.o(attn.reshape(n, self.q_size), nd)
             x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            h = h + layer.down(F.silu(gate) * up)
+            gate, up = layer.gate_up(x, nd).chunk(2, dim=-1)
+            h = h + layer.down(F.silu(gate) * up, nd)
         return h
 
     @torch.inference_mode()
@@ -146,13 +147,14 @@ class LlamaModel:
 ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "phi3")
 
 
-def build_model(config: ModelArchConfig, weights, dtype, backend, max_positions):
+def build_model(config: ModelArchConfig, weights, dtype, backend, max_positions, prefill_dtype=None):
+    """prefill_dtype: the dtype of many-row GEMMs on kept-quantized weights (None: dtype)."""
     if config.architecture in ("gemma2", "gemma3"):
         from kvshare.model.gemma import GemmaModel  # here: gemma imports this module's shared pieces
 
-        return GemmaModel(config, weights, dtype, backend, max_positions)
+        return GemmaModel(config, weights, dtype, backend, max_positions, prefill_dtype)
     if config.architecture not in ARCHITECTURES:
         raise NotImplementedError(
             f"architecture {config.architecture!r} is not supported (supported: {', '.join(ARCHITECTURES + ('gemma2', 'gemma3'))})"
         )
-    return LlamaModel(config, weights, dtype, backend, max_positions)
+    return LlamaModel(config, weights, dtype, backend, max_positions, prefill_dtype)

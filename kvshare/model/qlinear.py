@@ -5,13 +5,14 @@ Decode steps (a few rows) are memory-bound: they read the packed weights directl
 weight is dequantized into a scratch buffer shared by every layer of that shape (one layer's
 worth of memory, never the whole model) and multiplied densely.
 
-- `Int4Linear`: Q4_0 / Q4_1 / Q4_K, torch's `_weight_int4pack_mm_for_cpu`, which computes
-  w = (q - 8) * s' + z' per 32-weight group: s' = s and z' = z + 8 s carry the file's affine form
-  over unchanged (exact in float32; in bfloat16 s' and z' are rounded to bfloat16).
 - `GroupInt8Linear`: Q5_0 / Q5_1 / Q5_K / Q6_K / Q8_0: int8 codes with a float32 scale (and
   offset) per 16 or 32 weights, through kvshare's C++ kernel (`cpu_kernels.int8_group_matmul`),
-  exact up to float32 accumulation. `GroupInt4Linear`: the Q4 formats the same way with their
-  codes packed two per byte (`cpu_kernels.int4_group_matmul`), where torch's int4 kernel is slow.
+  exact up to float32 accumulation. `GroupInt4Linear`: the Q4 formats (Q4_0 / Q4_1 / Q4_K) the
+  same way with their codes packed two per byte (`cpu_kernels.int4_group_matmul`).
+  (torch's `_weight_int4pack_mm_for_cpu` is not used: its packed layout depends on the CPU's
+  capability, so codes packed by hand read wrong on AVX-512 machines, and a copy in torch's own
+  layout could not be read back for embeddings and prefill; the fused decode step needs
+  kvshare's layout anyway.)
 - `DenseLinear`: everything else (F32, F16, BF16, Q2_K, Q3_K, HF safetensors, or
   quantization=None), a plain tensor in the activation dtype.
 """
@@ -38,9 +39,12 @@ SCRATCH_MAX_ELEMENTS = 16 * 2**20
 
 
 class DequantScratch:
-    """One reused dense buffer per (shape, dtype): what a prefill GEMM multiplies by."""
+    """One reused dense buffer per weight shape: what a prefill GEMM multiplies by, in the GEMM's
+    dtype (bfloat16 on CPUs that multiply it natively, where the activations are float32: x is
+    rounded to bfloat16 for the GEMM, and its result widened back; EngineConfig.prefill_dtype)."""
 
-    def __init__(self) -> None:
+    def __init__(self, gemm_dtype: torch.dtype | None = None) -> None:
+        self.gemm_dtype = gemm_dtype  # None: each layer's activation dtype
         self._buffers: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
 
     def get(self, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
@@ -49,6 +53,12 @@ class DequantScratch:
         if buf is None:
             buf = self._buffers[key] = torch.empty(n, k, dtype=dtype)
         return buf
+
+    def matmul(self, x: torch.Tensor, lin) -> torch.Tensor:
+        """x @ lin's weights by a dense GEMM over the scratch copy, in x's dtype."""
+        dtype = self.gemm_dtype or x.dtype
+        w = lin.dense(self.get(lin.out_features, lin.in_features, dtype))
+        return F.linear(x.to(dtype), w).to(x.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -62,7 +72,7 @@ class DenseLinear:
         self.weight = weight.to(dtype).contiguous()
         self.out_features, self.in_features = self.weight.shape
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, decode_rows: int | None = None) -> torch.Tensor:
         return F.linear(x, self.weight)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -76,77 +86,9 @@ class DenseLinear:
         return self.weight.numel() * self.weight.element_size()
 
 
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """uint8 codes 0..15 [N, K] -> the layout `_weight_int4pack_mm_for_cpu` reads: per block of
-    32 rows and per column, 16 bytes whose low nibbles are rows 0..15 and high nibbles 16..31.
-    (Checked against torch's own `_convert_weight_to_int4pack_for_cpu` in the tests; packing
-    ourselves lets us unpack rows again for embeddings and prefill scratch.)"""
-    n, k = q.shape
-    b = q.to(torch.uint8).reshape(n // 32, 2, 16, k).permute(0, 3, 2, 1)  # [N/32, K, 16, 2]
-    return (b[..., 0] | (b[..., 1] << 4)).reshape(n, k // 2).contiguous()
-
-
-def unpack_int4(packed: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """Inverse of pack_int4, for all rows or the given row ids: uint8 codes [R, K]."""
-    n = packed.shape[0]
-    k = packed.shape[1] * 2
-    b = packed.view(n // 32, k, 16)
-    if rows is None:
-        return torch.cat([b & 15, b >> 4], dim=2).permute(0, 2, 1).reshape(n, k)
-    block, within = rows // 32, rows % 32
-    picked = b[block, :, within % 16]  # [R, K]
-    return torch.where((within >= 16).unsqueeze(1), picked >> 4, picked & 15)
-
-
-class Int4Linear:
-    kind = "int4"
-
-    def __init__(self, w: GroupAffine, dtype: torch.dtype, scratch: DequantScratch) -> None:
-        if not can_int4(w):
-            raise ValueError("Int4Linear needs 4-bit codes in groups of 32, rows a multiple of 32")
-        self.out_features, self.in_features = w.q.shape
-        self.dtype = dtype
-        self.scratch = scratch
-        self.packed = pack_int4(w.q)
-        zero = w.zero if w.zero is not None else torch.zeros_like(w.scale)
-        # [K/32, N, 2]: the kernel's (scale, zero) pairs for w = (q - 8) * scale + zero.
-        self.scales_zeros = torch.stack([w.scale, zero + 8 * w.scale], dim=-1).transpose(0, 1).to(dtype).contiguous()
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        m = x.shape[0]
-        if m <= PACKED_MAX_ROWS:
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, 32, self.scales_zeros)
-        if self.out_features * self.in_features > SCRATCH_MAX_ELEMENTS:
-            return torch.cat([self(x[i:i + PACKED_MAX_ROWS]) for i in range(0, m, PACKED_MAX_ROWS)])
-        return F.linear(x, self.dense(self.scratch.get(self.out_features, self.in_features, self.dtype)))
-
-    def _affine(self, q: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-        sz = self.scales_zeros if rows is None else self.scales_zeros[:, rows]  # [G, R, 2]
-        r = q.shape[0]
-        groups = self.in_features // 32
-        scale = sz[..., 0].transpose(0, 1).unsqueeze(-1)  # [R, G, 1]
-        zero = sz[..., 1].transpose(0, 1).unsqueeze(-1)
-        codes = q.view(r, groups, 32).to(self.dtype) - 8
-        return torch.addcmul(zero, codes, scale).reshape(r, self.in_features)
-
-    def dense(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The weights exactly as the kernel reconstructs them, [N, K] in the activation dtype."""
-        w = self._affine(unpack_int4(self.packed), None)
-        if out is None:
-            return w
-        out.copy_(w)
-        return out
-
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return self._affine(unpack_int4(self.packed, ids), ids)
-
-    @property
-    def nbytes(self) -> int:
-        return self.packed.numel() + self.scales_zeros.numel() * self.scales_zeros.element_size()
-
-
 class GroupInt8Linear:
     kind = "int8-group"
+    packed_int4 = False  # codes one per byte (GroupInt4Linear: two)
 
     def __init__(self, w: GroupAffine, dtype: torch.dtype, scratch: DequantScratch) -> None:
         self.out_features, self.in_features = w.q.shape
@@ -158,15 +100,30 @@ class GroupInt8Linear:
         self.zero = None if w.zero is None else w.zero.float().contiguous()
         self._fallback: torch.Tensor | None = None
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, decode_rows: int | None = None) -> torch.Tensor:
+        """decode_rows: how many leading rows of x are decode rows (the model's forward says; the
+        rest are prompt tokens). Decode rows take the packed kernel however many there are, prompt
+        tokens the dense GEMM in the scratch's dtype, so a row's numbers depend on what the row is,
+        never on the size of its batch. None (a call outside a step): up to PACKED_MAX_ROWS rows
+        packed, more dense."""
         m = x.shape[0]
         if self._fallback is not None:
             return F.linear(x, self._fallback)
-        if m <= PACKED_MAX_ROWS and _qmatmul_ready():
+        if decode_rows is None:
+            decode_rows = m if m <= PACKED_MAX_ROWS else 0
+        if decode_rows >= m or self.out_features * self.in_features > SCRATCH_MAX_ELEMENTS:
+            return self._packed(x)  # (the vocab projection never gets a scratch copy)
+        if decode_rows <= 0:
+            return self._dense(x)
+        return torch.cat([self._packed(x[:decode_rows]), self._dense(x[decode_rows:])])
+
+    def _packed(self, x: torch.Tensor) -> torch.Tensor:
+        m = x.shape[0]
+        if m > PACKED_MAX_ROWS:  # in slices: a row's result does not depend on its slice
+            return torch.cat([self._packed(x[i:i + PACKED_MAX_ROWS]) for i in range(0, m, PACKED_MAX_ROWS)])
+        if _qmatmul_ready():
             return self._kernel(x.contiguous())
-        if m > PACKED_MAX_ROWS and self.out_features * self.in_features > SCRATCH_MAX_ELEMENTS:
-            return torch.cat([self(x[i:i + PACKED_MAX_ROWS]) for i in range(0, m, PACKED_MAX_ROWS)])
-        if m <= PACKED_MAX_ROWS and (cpu_kernels.disabled_by_env() or cpu_kernels.QMATMUL.is_done()):
+        if cpu_kernels.disabled_by_env() or cpu_kernels.QMATMUL.is_done():
             # The kernel cannot be built here (no compiler, or disabled): keep a dense copy
             # rather than dequantizing on every call. Correct, but not kept quantized.
             logger.warning("kvshare's int8-group kernel is unavailable (%s): weights of %d x %d fall back "
@@ -174,12 +131,16 @@ class GroupInt8Linear:
                            self.in_features, self.dtype)
             self._fallback = self.dense()
             return F.linear(x, self._fallback)
+        return self._dense(x)  # the kernel is still being built: never wait for it
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
         if self.out_features * self.in_features > SCRATCH_MAX_ELEMENTS:
-            # No kernel (yet, or at all) and no scratch for a weight this large: dequantize in slices.
+            # No scratch for a weight this large (only reached while the kernel is not built):
+            # dequantize in slices of output rows.
             step = max(1, SCRATCH_MAX_ELEMENTS // (4 * self.in_features))
             return torch.cat([F.linear(x, self._affine(slice(i, i + step))) for i in range(0, self.out_features, step)],
                              dim=-1)
-        return F.linear(x, self.dense(self.scratch.get(self.out_features, self.in_features, self.dtype)))
+        return self.scratch.matmul(x, self)
 
     def _store(self, q: torch.Tensor) -> None:
         self.q = q.to(torch.int8).contiguous()  # codes of 4, 5 and 6 bits fit int8 as they are
@@ -209,6 +170,10 @@ class GroupInt8Linear:
         return out
 
     def dense(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The weights [N, K] as the kernels form them (into `out` when given: the prefill
+        scratch, filled by one C++ pass when the kernel library is built)."""
+        if out is not None and out.is_contiguous() and _qmatmul_ready():
+            return cpu_kernels.group_dequantize(self.q, self.scale, self.zero, self.group, out, self.packed_int4)
         return self._affine(slice(None), out)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -225,6 +190,7 @@ class GroupInt4Linear(GroupInt8Linear):
     `int4_group_matmul`: half the bytes per decode step of GroupInt8Linear, same arithmetic."""
 
     kind = "int4-group"
+    packed_int4 = True
 
     def _store(self, q: torch.Tensor) -> None:
         self.q = cpu_kernels.pack_int4_rows(q)  # [N, K / 2]
@@ -241,26 +207,9 @@ def _qmatmul_ready() -> bool:
     return cpu_kernels.QMATMUL.available()
 
 
-def can_int4(w: GroupAffine) -> bool:
-    n, k = w.q.shape
-    return w.bits == 4 and w.group == 32 and n % 32 == 0 and k % 64 == 0
-
-
-def torch_int4_is_fast(dtype: torch.dtype) -> bool:
-    """torch's int4 CPU kernel is fast only with AVX-512 and bfloat16 activations: on an AVX2
-    CPU it is ~7x slower than a dense float32 matmul at one row (benchmarks/cpu_decode.py
-    --kernels shows it), so there the int4 formats take kvshare's int8-group kernel too."""
-    return dtype == torch.bfloat16 and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-
-
-def make_linear(weight: torch.Tensor | GroupAffine, dtype: torch.dtype, scratch: DequantScratch,
-                int4: bool | None = None):
-    """The layer for one (possibly fused) weight: packed when it came packed, else dense.
-    `int4` forces (True) or refuses (False) torch's int4 kernel for the Q4 formats."""
+def make_linear(weight: torch.Tensor | GroupAffine, dtype: torch.dtype, scratch: DequantScratch):
+    """The layer for one (possibly fused) weight: packed when it came packed, else dense."""
     if isinstance(weight, GroupAffine):
-        use_int4 = torch_int4_is_fast(dtype) if int4 is None else int4
-        if use_int4 and can_int4(weight):
-            return Int4Linear(weight, dtype, scratch)
         if weight.bits == 4 and weight.group % 32 == 0:
             return GroupInt4Linear(weight, dtype, scratch)
         return GroupInt8Linear(weight, dtype, scratch)
@@ -272,16 +221,13 @@ _GROUP_16_TYPES = frozenset({"Q6_K"})
 _INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})
 
 
-def resident_bytes_per_weight(type_name: str, dtype: torch.dtype) -> float | None:
+def resident_bytes_per_weight(type_name: str) -> float | None:
     """Bytes per weight kvshare holds for a 2-D GGUF tensor of this type with
     quantization='auto' (what make_linear builds), or None for types it dequantizes to dense."""
     from kvshare.model.gguf_quants import GROUP_AFFINE_TYPES
 
     if type_name not in {t.name for t in GROUP_AFFINE_TYPES}:
         return None
-    elsize = torch.empty(0, dtype=dtype).element_size()
-    if type_name in _INT4_TYPES and torch_int4_is_fast(dtype):
-        return 0.5 + 2 * elsize / 32  # nibbles + (scale, zero) per 32 in the activation dtype
     group = 16 if type_name in _GROUP_16_TYPES else 32
     per_group = 4 + (4 if type_name in _ZERO_OFFSET_TYPES else 0)  # float32 scale (+ offset)
     code = 0.5 if type_name in _INT4_TYPES else 1  # 4-bit codes two per byte, else one int8

@@ -12,8 +12,15 @@
 // are qmm::group_matmul and the attention is kvs_paged_decode_attention, the very kernels the
 // step-by-step path calls: the two paths differ only in the element-wise ops' rounding.
 //
-// Scope (the Python side, kvshare/model/fused_decode.py, sends nothing else here): float32
-// activations; weights as int8-group or int4-group codes; a float32 or bfloat16 KV cache;
+// Activations: float32, or bfloat16 (act_bf16). With bfloat16 the arithmetic is float32 and every
+// intermediate is rounded to bfloat16 exactly where the step-by-step PyTorch path rounds it (each
+// op's output, as torch computes a bfloat16 op in float32 and rounds once), and attention reads
+// bfloat16 queries as it does there: so a decode row gets the same numbers whichever path its
+// step takes (up to the last bit of exp in SiLU and the norm's sum), and a row's result does
+// not depend on whether a prefill shared its step.
+//
+// Scope (the Python side, kvshare/model/fused_decode.py, sends nothing else here): float32 or
+// bfloat16 activations (hidden state, norms and biases handed over as float32); weights as int8-group or int4-group codes; a float32 or bfloat16 KV cache;
 // every row a decode row with the same attention for all layers (no sliding-window layers).
 // Everything else takes the step-by-step path.
 
@@ -41,22 +48,37 @@ struct Model {
   int64_t slots;       // cache slots per layer (num_blocks * block_size)
   int64_t block_size;
   int64_t cache_kind;  // 0 float32, 1 bfloat16
+  int64_t act_bf16;    // 1: round as bfloat16 activations do (see the top)
   double eps, scale;
   const Layer* layers;
 };
 
-static void rms_norm(const float* x, const float* w, int64_t M, int64_t D, double eps, float* out) {
+// Round to bfloat16 and back (what storing a float32 result in a bfloat16 tensor does).
+static inline float rb(float f) { return qmm::bf16_to_f32(qmm::f32_to_bf16(f)); }
+
+static void round_all(float* x, int64_t n, bool bf) {
+  if (bf)
+    for (int64_t i = 0; i < n; ++i) x[i] = rb(x[i]);
+}
+
+// float32: x * inv * w in one pass (F.rms_norm). bfloat16: the normalized row is rounded, then
+// multiplied by the weight and rounded again (layers.rms_norm's two ops).
+static void rms_norm(const float* x, const float* w, int64_t M, int64_t D, double eps, float* out, bool bf) {
   for (int64_t m = 0; m < M; ++m) {
     const float* r = x + m * D;
     double ss = 0.0;
     for (int64_t d = 0; d < D; ++d) ss += double(r[d]) * double(r[d]);
     const float inv = float(1.0 / std::sqrt(ss / double(D) + eps));
     float* o = out + m * D;
-    for (int64_t d = 0; d < D; ++d) o[d] = r[d] * inv * w[d];
+    if (bf)
+      for (int64_t d = 0; d < D; ++d) o[d] = rb(w[d] * rb(r[d] * inv));
+    else
+      for (int64_t d = 0; d < D; ++d) o[d] = r[d] * inv * w[d];
   }
 }
 
-static int linear(const Linear& L, const float* x, int64_t M, float* y, int num_threads, char* err, int64_t err_len) {
+static int linear(const Linear& L, const float* x, int64_t M, float* y, bool bf, int num_threads, char* err,
+                  int64_t err_len) {
   int rc;
   if (L.kind == 1)
     rc = qmm::group_matmul<qmm::I8>(x, L.K, 0, static_cast<const uint8_t*>(L.q), L.scales, L.zeros, y, L.N, M, L.N,
@@ -64,17 +86,23 @@ static int linear(const Linear& L, const float* x, int64_t M, float* y, int num_
   else
     rc = qmm::group_matmul<qmm::U4>(x, L.K, 0, static_cast<const uint8_t*>(L.q), L.scales, L.zeros, y, L.N, M, L.N,
                                     L.K, L.group, 0, num_threads, err, err_len);
-  if (rc == 0 && L.bias != nullptr)
+  if (rc) return rc;
+  round_all(y, M * L.N, bf);  // the matmul's output tensor
+  if (L.bias != nullptr)
     for (int64_t m = 0; m < M; ++m)
-      for (int64_t n = 0; n < L.N; ++n) y[m * L.N + n] += L.bias[n];
-  return rc;
+      for (int64_t n = 0; n < L.N; ++n) y[m * L.N + n] = bf ? rb(y[m * L.N + n] + L.bias[n]) : y[m * L.N + n] + L.bias[n];
+  return 0;
 }
 
-// x [D] <- x * cos + rotate_half(x) * signed_sin (the sign of rotate_half folded into sin).
-static void rope(float* x, const float* cos, const float* ssin, int64_t D, float* tmp) {
+// x [D] <- x * cos + rotate_half(x) * signed_sin (the sign of rotate_half folded into sin);
+// bfloat16: x * cos rounded, then the addcmul rounded (RotaryEmbedding.rotate's two ops).
+static void rope(float* x, const float* cos, const float* ssin, int64_t D, float* tmp, bool bf) {
   const int64_t half = D / 2;
   for (int64_t d = 0; d < D; ++d) tmp[d] = x[d < half ? d + half : d - half];
-  for (int64_t d = 0; d < D; ++d) x[d] = x[d] * cos[d] + tmp[d] * ssin[d];
+  if (bf)
+    for (int64_t d = 0; d < D; ++d) x[d] = rb(rb(x[d] * cos[d]) + tmp[d] * ssin[d]);
+  else
+    for (int64_t d = 0; d < D; ++d) x[d] = x[d] * cos[d] + tmp[d] * ssin[d];
 }
 
 static void write_kv(void* cache, int64_t kind, int64_t slots_per_head, int64_t D, int64_t head, int64_t slot,
@@ -90,7 +118,7 @@ static void write_kv(void* cache, int64_t kind, int64_t slots_per_head, int64_t 
 
 }  // namespace dec
 
-// h [M, hidden] float32: the embedded tokens in, the last layer's output (before the final
+// h [M, hidden] float32 (with act_bf16, values a bfloat16 holds): the embedded tokens in, the last layer's output (before the final
 // norm) out. cos, ssin [M, head_dim]: RoPE tables of each row's position (sin signed as
 // RotaryEmbedding.tables gives it). slots [M]: where each row's K/V go. tables [M, max_blocks],
 // ctx [M]: each row's block table and context length (its own new token included).
@@ -130,36 +158,49 @@ extern "C" int kvs_decode_layers(const dec::Model* mp, float* h, int64_t M, cons
       }
     }
   }
+  const bool bf = m.act_bf16 != 0;
   std::vector<float> x(size_t(M * E)), qkv(size_t(M * qkv_n)), attn(size_t(M * qs)), y(size_t(M * E)),
       gu(size_t(M * 2 * I)), act(size_t(M * I)), tmp(static_cast<size_t>(D));
+  // bfloat16 activations: attention reads bfloat16 q and writes bfloat16 out, as there.
+  std::vector<uint16_t> q16(bf ? size_t(M * qs) : 0), attn16(bf ? size_t(M * qs) : 0);
   for (int64_t li = 0; li < m.num_layers; ++li) {
     const dec::Layer& L = m.layers[li];
-    dec::rms_norm(h, L.in_norm, M, E, m.eps, x.data());
-    if (dec::linear(L.qkv, x.data(), M, qkv.data(), num_threads, err, err_len)) return 1;
+    dec::rms_norm(h, L.in_norm, M, E, m.eps, x.data(), bf);
+    if (dec::linear(L.qkv, x.data(), M, qkv.data(), bf, num_threads, err, err_len)) return 1;
     for (int64_t r = 0; r < M; ++r) {
       float* row = qkv.data() + r * qkv_n;
-      for (int64_t hh = 0; hh < H + KVH; ++hh) dec::rope(row + hh * D, cos + r * D, ssin + r * D, D, tmp.data());
+      for (int64_t hh = 0; hh < H + KVH; ++hh)
+        dec::rope(row + hh * D, cos + r * D, ssin + r * D, D, tmp.data(), bf);
       for (int64_t g = 0; g < KVH; ++g) {
         dec::write_kv(L.k_cache, m.cache_kind, m.slots, D, g, slots[r], row + qs + g * D);
         dec::write_kv(L.v_cache, m.cache_kind, m.slots, D, g, slots[r], row + qs + kvs_ + g * D);
       }
+      if (bf)
+        for (int64_t i = 0; i < qs; ++i) q16[size_t(r * qs + i)] = qmm::f32_to_bf16(row[i]);
     }
-    if (kvs_paged_decode_attention(qkv.data(), qkv_n, D, 0, L.k_cache, m.slots * D, D, L.v_cache, m.slots * D, D,
-                                   int(m.cache_kind), nullptr, 0, nullptr, 0, tables, max_blocks, ctx, nullptr, nullptr, attn.data(),
-                                   qs, D, M, H, KVH, D, m.block_size, num_blocks, m.scale, 0, num_threads, err,
-                                   err_len))
+    const void* q_in = bf ? static_cast<const void*>(q16.data()) : static_cast<const void*>(qkv.data());
+    void* a_out = bf ? static_cast<void*>(attn16.data()) : static_cast<void*>(attn.data());
+    if (kvs_paged_decode_attention(q_in, bf ? qs : qkv_n, D, bf ? 1 : 0, L.k_cache, m.slots * D, D, L.v_cache,
+                                   m.slots * D, D, int(m.cache_kind), nullptr, 0, nullptr, 0, tables, max_blocks, ctx,
+                                   nullptr, nullptr, a_out, qs, D, M, H, KVH, D, m.block_size, num_blocks, m.scale, 0,
+                                   num_threads, err, err_len))
       return 1;
-    if (dec::linear(L.o, attn.data(), M, y.data(), num_threads, err, err_len)) return 1;
-    for (int64_t i = 0; i < M * E; ++i) h[i] += y[i];
-    dec::rms_norm(h, L.post_norm, M, E, m.eps, x.data());
-    if (dec::linear(L.gate_up, x.data(), M, gu.data(), num_threads, err, err_len)) return 1;
+    if (bf)
+      for (int64_t i = 0; i < M * qs; ++i) attn[size_t(i)] = qmm::bf16_to_f32(attn16[size_t(i)]);
+    if (dec::linear(L.o, attn.data(), M, y.data(), bf, num_threads, err, err_len)) return 1;
+    for (int64_t i = 0; i < M * E; ++i) h[i] = bf ? dec::rb(h[i] + y[i]) : h[i] + y[i];
+    dec::rms_norm(h, L.post_norm, M, E, m.eps, x.data(), bf);
+    if (dec::linear(L.gate_up, x.data(), M, gu.data(), bf, num_threads, err, err_len)) return 1;
     for (int64_t r = 0; r < M; ++r) {
       const float* g = gu.data() + r * 2 * I;
       float* a = act.data() + r * I;
-      for (int64_t i = 0; i < I; ++i) a[i] = g[i] / (1.0f + std::exp(-g[i])) * g[I + i];
+      if (bf)  // F.silu(gate) rounded, then * up rounded
+        for (int64_t i = 0; i < I; ++i) a[i] = dec::rb(dec::rb(g[i] / (1.0f + std::exp(-g[i]))) * g[I + i]);
+      else
+        for (int64_t i = 0; i < I; ++i) a[i] = g[i] / (1.0f + std::exp(-g[i])) * g[I + i];
     }
-    if (dec::linear(L.down, act.data(), M, y.data(), num_threads, err, err_len)) return 1;
-    for (int64_t i = 0; i < M * E; ++i) h[i] += y[i];
+    if (dec::linear(L.down, act.data(), M, y.data(), bf, num_threads, err, err_len)) return 1;
+    for (int64_t i = 0; i < M * E; ++i) h[i] = bf ? dec::rb(h[i] + y[i]) : h[i] + y[i];
   }
   return 0;
 }

@@ -536,6 +536,131 @@ static int group_matmul(const void* x, int64_t x_s0, int x_bf16, const uint8_t* 
   return 0;
 }
 
+// ------------------------------------------------------------------------------------------
+// Dequantization into a dense matrix (what a prefill-sized matmul multiplies by): out[n, k] =
+// q[n, k] * scale + zero, rounded once to out's dtype (float32, or bfloat16 to nearest even).
+// Plain loops the compiler vectorizes for each target; memory-bound, so rows are split between
+// threads. The weight values are the ones the matmul kernels form (code * scale + zero in
+// float32), so a dense GEMM by them differs from the packed kernels by summation order only.
+#ifndef QMM_INLINE
+#define QMM_INLINE inline
+#endif
+template <class F, bool BF16>
+static QMM_INLINE void dequant_rows_body(const uint8_t* q, int64_t q_s0, const float* scales, const float* zeros,
+                                         int64_t K, int64_t g, void* out, int64_t n0, int64_t n1) {
+  const int64_t G = K / g;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* qr = q + n * q_s0;
+    for (int64_t gi = 0; gi < G; ++gi) {
+      const float s = scales[n * G + gi], z = zeros ? zeros[n * G + gi] : 0.f;
+      const int64_t k0 = gi * g;
+      float* of = static_cast<float*>(out) + n * K + k0;
+      uint16_t* ob = static_cast<uint16_t*>(out) + n * K + k0;
+      if (F::kCodesPerByte == 2) {
+        const uint8_t* b = qr + k0 / 2;
+        for (int64_t j = 0; j < g / 2; ++j) {
+          const float lo = float(b[j] & 15) * s + z, hi = float(b[j] >> 4) * s + z;
+          if (BF16) {
+            ob[2 * j] = f32_to_bf16(lo);
+            ob[2 * j + 1] = f32_to_bf16(hi);
+          } else {
+            of[2 * j] = lo;
+            of[2 * j + 1] = hi;
+          }
+        }
+      } else {
+        const int8_t* c = reinterpret_cast<const int8_t*>(qr) + k0;
+        for (int64_t j = 0; j < g; ++j) {
+          const float w = float(c[j]) * s + z;
+          if (BF16)
+            ob[j] = f32_to_bf16(w);
+          else
+            of[j] = w;
+        }
+      }
+    }
+  }
+}
+
+template <class F, bool BF16>
+static void dequant_rows_scalar(const uint8_t* q, int64_t q_s0, const float* s, const float* z, int64_t K, int64_t g,
+                                void* out, int64_t n0, int64_t n1) {
+  dequant_rows_body<F, BF16>(q, q_s0, s, z, K, g, out, n0, n1);
+}
+#if QMM_X86
+// 16 weights from 16 int32 codes: fma once, stored as float32 or rounded to bfloat16 (nearest
+// even, integer ops: AVX-512F only; weights are finite).
+template <bool BF16>
+QMM_AVX512 static QMM_INLINE void dequant_store16(__m512i codes, __m512 s, __m512 z, void* out, int64_t i) {
+  const __m512 w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(codes), s, z);
+  if (BF16) {
+    const __m512i u = _mm512_castps_si512(w);
+    const __m512i r = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)),
+                                       _mm512_set1_epi32(0x7fff));
+    const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(u, r), 16));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + i), h);
+  } else {
+    _mm512_storeu_ps(static_cast<float*>(out) + i, w);
+  }
+}
+
+template <class F, bool BF16>
+QMM_AVX512 static void dequant_rows_avx512(const uint8_t* q, int64_t q_s0, const float* sc, const float* zs, int64_t K,
+                                           int64_t g, void* out, int64_t n0, int64_t n1) {
+  const bool int4 = F::kCodesPerByte == 2;
+  if (g % (int4 ? 32 : 16) != 0) {
+    dequant_rows_body<F, BF16>(q, q_s0, sc, zs, K, g, out, n0, n1);
+    return;
+  }
+  const int64_t G = K / g;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* qr = q + n * q_s0;
+    for (int64_t gi = 0; gi < G; ++gi) {
+      const __m512 s = _mm512_set1_ps(sc[n * G + gi]), z = _mm512_set1_ps(zs ? zs[n * G + gi] : 0.f);
+      const int64_t k0 = gi * g, o = n * K + k0;
+      if (int4) {
+        for (int64_t j = 0; j < g; j += 32) {  // 16 bytes: codes k0+j .. k0+j+31, low nibble first
+          const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + (k0 + j) / 2));
+          const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(15));
+          const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15));
+          dequant_store16<BF16>(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)), s, z, out, o + j);
+          dequant_store16<BF16>(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi)), s, z, out, o + j + 16);
+        }
+      } else {
+        for (int64_t j = 0; j < g; j += 16) {
+          const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + k0 + j));
+          dequant_store16<BF16>(_mm512_cvtepi8_epi32(b), s, z, out, o + j);
+        }
+      }
+    }
+  }
+}
+template <class F, bool BF16>
+QMM_AVX2 static void dequant_rows_avx2(const uint8_t* q, int64_t q_s0, const float* s, const float* z, int64_t K,
+                                       int64_t g, void* out, int64_t n0, int64_t n1) {
+  dequant_rows_body<F, BF16>(q, q_s0, s, z, K, g, out, n0, n1);
+}
+#endif
+
+template <class F, bool BF16>
+static void dequantize(const uint8_t* q, const float* scales, const float* zeros, void* out, int64_t N, int64_t K,
+                       int64_t g, int num_threads) {
+  auto rows = &dequant_rows_scalar<F, BF16>;
+#if QMM_X86
+  if (cpu_has_avx512())
+    rows = &dequant_rows_avx512<F, BF16>;
+  else if (cpu_has_avx2())
+    rows = &dequant_rows_avx2<F, BF16>;
+#endif
+  const int64_t q_s0 = F::bytes(K);
+  int nt = int(std::max<int64_t>(1, std::min<int64_t>(num_threads, N / 16)));
+  if (N * K < (int64_t(1) << 16)) nt = 1;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+#endif
+  for (int t = 0; t < nt; ++t) rows(q, q_s0, scales, zeros, K, g, out, N * t / nt, N * (t + 1) / nt);
+}
+
 }  // namespace qmm
 
 // ---- C ABI (called through ctypes) ---------------------------------------------------------
@@ -563,4 +688,19 @@ extern "C" int kvs_int4_group_matmul(const void* x, int64_t x_s0, int x_bf16, co
                                      int64_t err_len) {
   return qmm::group_matmul<qmm::U4>(x, x_s0, x_bf16, packed, scales, zeros, y, y_s0, M, N, K, group_size, impl,
                                     num_threads, err, err_len);
+}
+
+// Dense weights out [N, K] (contiguous; float32, or bfloat16 when out_bf16) from int8 codes
+// (int4 = 0, q int8 [N, K]) or packed 4-bit codes (int4 = 1, q uint8 [N, K / 2]); scales / zeros
+// as for the matmuls. Shapes are checked by the Python wrapper. Returns 0.
+extern "C" int kvs_group_dequantize(const uint8_t* q, int int4, const float* scales, const float* zeros, void* out,
+                                    int out_bf16, int64_t N, int64_t K, int64_t group_size, int num_threads) {
+  if (N <= 0 || K <= 0) return 0;
+  if (int4)
+    out_bf16 ? qmm::dequantize<qmm::U4, true>(q, scales, zeros, out, N, K, group_size, num_threads)
+             : qmm::dequantize<qmm::U4, false>(q, scales, zeros, out, N, K, group_size, num_threads);
+  else
+    out_bf16 ? qmm::dequantize<qmm::I8, true>(q, scales, zeros, out, N, K, group_size, num_threads)
+             : qmm::dequantize<qmm::I8, false>(q, scales, zeros, out, N, K, group_size, num_threads);
+  return 0;
 }
