@@ -83,9 +83,9 @@ def decode_breakdown(llm: LLM, prompts, steps: int = 20) -> dict:
     def timed_call(cls):
         real = real_calls[cls]
 
-        def call(self, x):
+        def call(self, x, *rows):
             t = time.perf_counter()
-            r = real(self, x)
+            r = real(self, x, *rows)
             if not inside_logits[0]:
                 timers["matmul (layers)"] += time.perf_counter() - t
             return r

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import EXACT, english_token_prompts
+from helpers import EXACT, default_mode_logprob_tolerance, english_token_prompts
 from kvshare import LLM, SamplingParams
 from kvshare.model import cpu_kernels
 
@@ -29,10 +29,7 @@ def engines():
     return default, exact
 
 
-def _tol(llm) -> float:
-    if llm.config.dtype != "float32":
-        return 0.25
-    return 1e-3 if llm.config.prefill_dtype == "float32" else 0.1
+_tol = default_mode_logprob_tolerance
 
 
 def _prompts(llm, lengths):

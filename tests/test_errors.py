@@ -99,7 +99,21 @@ def test_unknown_engine_option():
 
 def test_bad_engine_option_values():
     for kwargs, field in [(dict(block_size=0), "block_size"), (dict(dtype="int3"), "dtype"),
+                          (dict(prefill_dtype="int8"), "prefill_dtype"),
                           (dict(kv_cache_memory="lots"), "kv_cache_memory"), (dict(max_num_seqs=-1), "max_num_seqs")]:
         with pytest.raises(ValueError) as err:
             LLM(**kwargs)
         assert field in str(err.value)
+
+
+def test_prefill_dtype_resolves_per_cpu_and_mode():
+    from kvshare.config import EngineConfig, cpu_has_avx512_bf16
+
+    native = "bfloat16" if cpu_has_avx512_bf16() else "float32"
+    assert EngineConfig().dtype == "float32"  # "auto" activations are float32 on every CPU
+    assert EngineConfig().prefill_dtype == native
+    assert EngineConfig(prefill_dtype="float32").prefill_dtype == "float32"
+    assert EngineConfig(prefill_dtype="bf16").prefill_dtype == "bfloat16"
+    # dequantized weights have no scratch GEMM: the activation dtype throughout
+    assert EngineConfig(dtype="float32", quantization=None).prefill_dtype == "float32"
+    assert EngineConfig(dtype="bfloat16").prefill_dtype == "bfloat16"

@@ -288,7 +288,9 @@ def test_default_mode_keeps_every_matrix_quantized(engines):
 
 
 def _tol(llm) -> float:  # as tests/test_default_mode.py
-    return 1e-3 if llm.config.dtype == "float32" else 0.25
+    from helpers import default_mode_logprob_tolerance
+
+    return default_mode_logprob_tolerance(llm)
 
 
 def test_kept_quantized_agrees_with_the_exact_path(engines):

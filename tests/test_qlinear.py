@@ -140,3 +140,29 @@ def test_cpp_dequantization_into_the_scratch_equals_the_files_weights(qtype, dty
     ulp = 2.0**-23 if dtype == torch.float32 else 2.0**-8
     assert ((out.double() - ref).abs() <= ulp * _magnitudes(affine)).all()
     assert torch.equal(out, lin._affine(slice(None)).to(dtype))  # the PyTorch fallback forms the same
+
+
+@pytest.mark.parametrize("gemm_dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_a_rows_numbers_depend_on_its_kind_not_on_its_batch(gemm_dtype):
+    """Decode rows take the packed kernel however many share the call; prompt rows the dense GEMM
+    in the scratch's dtype however few. So a row alone gets what it gets in any batch: bit for bit
+    for decode rows (the kernel's per-output order depends on K only) and for bfloat16 GEMMs;
+    float32 GEMM libraries pick other kernels for a few rows (float32 rounding apart)."""
+    assert cpu_kernels.QMATMUL.wait_until_built(), cpu_kernels.QMATMUL.unavailable_reason()
+    lin = make_linear(to_group_affine(_raw(QT.Q4_1), QT.Q4_1, (N, K)), torch.float32, DequantScratch(gemm_dtype))
+    x = torch.randn(qlinear.PACKED_MAX_ROWS + 44, K, generator=torch.Generator().manual_seed(3))
+    decode = 20
+    full = lin(x, decode)
+    assert torch.equal(full[:decode], lin(x[:decode], decode))
+    assert torch.equal(full[5:6], lin(x[5:6], 1))
+    assert torch.equal(full[:decode], lin._kernel(x[:decode].contiguous()))  # the packed kernel itself
+    ref = x.double() @ lin.dense().double().T
+    for m in (1, 3, 64, x.shape[0] - decode):
+        alone = lin(x[decode:decode + m], 0)
+        if gemm_dtype == torch.bfloat16:
+            assert torch.equal(alone, full[decode:decode + m])
+        else:
+            assert torch.allclose(alone, full[decode:decode + m], rtol=1e-5, atol=1e-5)
+    # prompt rows really went through the GEMM in the scratch's dtype (bfloat16: ~2^-8 relative)
+    err = ((full[decode:].double() - ref[decode:]).abs().max() / ref.abs().max()).item()
+    assert (2**-12 < err < 2**-5) if gemm_dtype == torch.bfloat16 else err < 1e-5, err
