@@ -6,9 +6,10 @@ RoPE, SiLU, residual adds) are computed by other code, so their float32 results 
 rounding alone (measured: chosen-token logprobs within 6e-6 on the bundled model). Hence
 LOGPROB_TOL = 1e-4, and tokens identical on all prompts but at most one over 32 greedy steps (a
 near-tie closer than the rounding could flip one prompt; none does today). With bfloat16
-activations the C++ step rounds every intermediate where the PyTorch ops round it, so there the
-two paths agree exactly (measured: identical logprobs); a single bfloat16 rounding that went the
-other way would move a logprob by ~1e-2, far past LOGPROB_TOL.
+activations the C++ step rounds every intermediate where the PyTorch ops round it; what still
+differs is float32's last bit of the norm's sum and of SiLU's exp, which flips a bfloat16
+rounding now and then, and one flip moves a chosen-token logprob by ~1e-2 (measured on 4 prompts
+x 32 steps: 0, 0.014, 0.019 and 0.059, one prompt's tokens differing after that): BF16_LOGPROB_TOL.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from kvshare.model import cpu_kernels
 from kvshare.model.attention import AttentionMetadata
 
 LOGPROB_TOL = 1e-4
+BF16_LOGPROB_TOL = 0.15
 STEPS = 32
 
 
@@ -111,7 +113,7 @@ def test_fused_equals_step_by_step_in_the_other_dtype(bundled_other_dtype):
     params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=1)
     identical, worst = _compare(llm, prompts, params, together=True)
     assert identical >= len(prompts) - 1, f"only {identical}/{len(prompts)} prompts decode identically"
-    assert worst < LOGPROB_TOL, worst
+    assert worst < (LOGPROB_TOL if llm.config.dtype == "float32" else BF16_LOGPROB_TOL), worst
 
 
 def _tiny_gguf(tmp_path, arch: str, types):

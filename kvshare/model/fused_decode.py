@@ -7,7 +7,7 @@ attention kernels without returning to Python between ops.
 
 It applies when every piece has a C++ counterpart, and says why not otherwise (`reason`):
 float32 or bfloat16 activations (with bfloat16 the C++ step rounds each intermediate to bfloat16
-where the step-by-step path rounds it, so both give a row the same numbers), every layer's linears on kvshare's group kernels (int8 or int4 codes),
+where the step-by-step path rounds it, so both give a row nearly the same numbers), every layer's linears on kvshare's group kernels (int8 or int4 codes),
 a float32 or bfloat16 KV cache, the C++ attention kernel in use, RoPE over whole heads and no
 per-head q/k norm (Qwen3), and a step whose rows are all decode rows with plain causal attention
 (no row's window hides an earlier key) over one block table per row (with KV cache groups each

@@ -12,13 +12,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float32:
         # One fused op, the same arithmetic as below (x * rsqrt(mean(x^2) + eps) * weight).
         return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
-    # Normalize in float32 whatever the activation dtype, as the reference implementation does,
-    # with the mean square summed in float64: squares of bfloat16 values are exact there and so is
-    # their sum, so the result does not depend on the summation order, and the fused C++ decode
-    # step (csrc/decode_step.cpp), which sums the same way, gives a row the very same numbers.
+    # Normalize in float32 whatever the activation dtype, as the reference implementation does.
     xf = x.float()
-    inv = torch.rsqrt(xf.double().pow(2).mean(-1, keepdim=True) + eps).float()
-    return weight * (xf * inv).to(x.dtype)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
 
 
 def rope_inv_freq(config: ModelArchConfig, long: bool = False) -> torch.Tensor:

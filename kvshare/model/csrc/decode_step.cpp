@@ -15,9 +15,9 @@
 // Activations: float32, or bfloat16 (act_bf16). With bfloat16 the arithmetic is float32 and every
 // intermediate is rounded to bfloat16 exactly where the step-by-step PyTorch path rounds it (each
 // op's output, as torch computes a bfloat16 op in float32 and rounds once), and attention reads
-// bfloat16 queries as it does there: so a decode row gets the same numbers whichever path its
-// step takes (up to the last bit of exp in SiLU and the norm's sum), and a row's result does
-// not depend on whether a prefill shared its step.
+// bfloat16 queries as it does there: so a decode row gets nearly the same numbers whichever path
+// its step takes. What differs is float32's last bit in the norm's sum (summed in double here, in
+// torch's vectorized order there) and in SiLU's exp, which now and then flips a bfloat16 rounding.
 //
 // Scope (the Python side, kvshare/model/fused_decode.py, sends nothing else here): float32 or
 // bfloat16 activations (hidden state, norms and biases handed over as float32); weights as int8-group or int4-group codes; a float32 or bfloat16 KV cache;
