@@ -1,9 +1,12 @@
 """Linear layers over weights kept in their GGUF quantization, each on the kernel that suits it.
 
-Decode steps (a few rows) are memory-bound: they read the packed weights directly. Prefill steps
-(many rows) are compute-bound, where the packed kernels lose to a dense bfloat16 GEMM, so the
-weight is dequantized into a scratch buffer shared by every layer of that shape (one layer's
-worth of memory, never the whole model) and multiplied densely.
+Decode rows (one new token per sequence) are memory-bound: they read the packed weights directly.
+Prompt rows (prefill chunks) are compute-bound, where the packed kernels lose to a dense GEMM, so
+the weight is dequantized into a scratch buffer shared by every layer of that shape (one layer's
+worth of memory, never the whole model) and multiplied densely, in bfloat16 where the CPU has
+avx512_bf16 (EngineConfig.prefill_dtype). The model's forward says which rows are which, and a
+row takes its kernel by what it is, never by how many rows share its step: so a prompt's answer
+does not depend on its batch.
 
 - `GroupInt8Linear`: Q5_0 / Q5_1 / Q5_K / Q6_K / Q8_0: int8 codes with a float32 scale (and
   offset) per 16 or 32 weights, through kvshare's C++ kernel (`cpu_kernels.int8_group_matmul`),
@@ -28,10 +31,9 @@ from kvshare.model.gguf_quants import GroupAffine
 
 logger = logging.getLogger("kvshare")
 
-# Rows at or below which a step reads the packed weights; above, it dequantizes into a scratch
-# buffer and runs a dense GEMM. `benchmarks/cpu_decode.py --kernels` measures where they cross:
-# on this AVX2 CPU kvshare's packed kernels beat dequantize + dense at every row count up to 256
-# (the dequantization alone costs ~6 ms for a 576 x 1536 weight).
+# Calls outside a step (no decode_rows given) read the packed weights up to this many rows and the
+# dense scratch above; decode rows beyond it take the packed kernel in slices of this many rows.
+# (`benchmarks/cpu_decode.py --kernels` times both paths by row count.)
 PACKED_MAX_ROWS = 256
 # Weights this large (the vocab projection) never get a dense scratch: their many-row calls are
 # rare (prompt logprobs) and take the packed kernel in slices of PACKED_MAX_ROWS rows.
