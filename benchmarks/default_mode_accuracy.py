@@ -17,7 +17,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-from helpers import EXACT, english_token_prompts  # noqa: E402
+from helpers import EXACT, english_token_prompts, greedy_agreement  # noqa: E402
 
 from kvshare import LLM, SamplingParams  # noqa: E402
 from kvshare.model import cpu_kernels, qlinear  # noqa: E402
@@ -46,18 +46,6 @@ def w8a8_matmul(scratch, x: torch.Tensor, lin) -> torch.Tensor:
     return torch._int_mm(xq, w8.t()).float() * sx * sw.T
 
 
-def compare(got, ref) -> tuple[int, float]:
-    identical, worst = 0, 0.0
-    for g, r in zip(got, ref):
-        gt, rt = g.outputs[0].token_ids, r.outputs[0].token_ids
-        identical += gt == rt
-        for i, (a, b) in enumerate(zip(gt, rt)):
-            worst = max(worst, abs(g.outputs[0].logprobs[i][a].logprob - r.outputs[0].logprobs[i][b].logprob))
-            if a != b:
-                break
-    return identical, worst
-
-
 def main() -> int:
     cpu_kernels.build_all()
     exact = LLM(**EXACT, kv_cache_memory="64MiB", enable_prefix_caching=False)
@@ -71,8 +59,8 @@ def main() -> int:
         qlinear.DequantScratch.matmul = w8a8_matmul if kw.pop("w8a8", False) else real_matmul
         try:
             llm = LLM(kv_cache_memory="64MiB", enable_prefix_caching=False, **kw)
-            together, worst_t = compare(llm.generate(prompts, params, use_tqdm=False), ref)
-            alone, worst_a = compare([llm.generate([p], params, use_tqdm=False)[0] for p in prompts], ref)
+            together, worst_t = greedy_agreement(llm.generate(prompts, params, use_tqdm=False), ref)
+            alone, worst_a = greedy_agreement([llm.generate([p], params, use_tqdm=False)[0] for p in prompts], ref)
         finally:
             qlinear.DequantScratch.matmul = real_matmul
         print(f"{name:<45} {together:>5}/16 {alone:>3}/16 {max(worst_t, worst_a):>18.4f}", flush=True)

@@ -100,3 +100,17 @@ def default_mode_logprob_tolerance(llm) -> float:
     if llm.config.dtype != "float32":
         return 0.25
     return 1e-3 if llm.config.prefill_dtype == "float32" else 0.1
+
+
+def greedy_agreement(got, ref) -> tuple[int, float]:
+    """(how many requests decoded the same tokens, the worst chosen-token logprob gap up to each
+    request's first differing token), for two lists of RequestOutput run with logprobs=1."""
+    identical, worst = 0, 0.0
+    for g, r in zip(got, ref):
+        gt, rt = g.outputs[0].token_ids, r.outputs[0].token_ids
+        identical += gt == rt
+        for i, (a, b) in enumerate(zip(gt, rt)):
+            worst = max(worst, abs(g.outputs[0].logprobs[i][a].logprob - r.outputs[0].logprobs[i][b].logprob))
+            if a != b:
+                break
+    return identical, worst

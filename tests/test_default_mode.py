@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import EXACT, default_mode_logprob_tolerance, english_token_prompts
+from helpers import EXACT, default_mode_logprob_tolerance, english_token_prompts, greedy_agreement
 from kvshare import LLM, SamplingParams
 from kvshare.model import cpu_kernels
 
@@ -54,15 +54,7 @@ def test_greedy_tokens_and_logprobs_match_the_exact_path(engines):
     params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=1)
     got = default.generate(prompts, params, use_tqdm=False)
     ref = exact.generate(prompts, params, use_tqdm=False)
-    identical = 0
-    worst = 0.0
-    for g, r in zip(got, ref):
-        gt, rt = g.outputs[0].token_ids, r.outputs[0].token_ids
-        identical += gt == rt
-        for i, (a, b) in enumerate(zip(gt, rt)):
-            worst = max(worst, abs(g.outputs[0].logprobs[i][a].logprob - r.outputs[0].logprobs[i][b].logprob))
-            if a != b:
-                break
+    identical, worst = greedy_agreement(got, ref)
     assert identical >= 7, f"only {identical}/8 prompts decode identically"
     assert worst < _tol(default), worst
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import english_token_prompts
+from helpers import english_token_prompts, greedy_agreement
 from kvshare import LLM, SamplingParams
 from kvshare.model import cpu_kernels
 from kvshare.model.attention import AttentionMetadata
@@ -65,16 +65,9 @@ def _compare(llm, prompts, params, together: bool):
     finally:
         fused.enabled = True
         del fused.run  # back to the class's method
-    identical, worst = 0, 0.0
     for g, r in zip(got, ref):
-        gt, rt = g.outputs[0].token_ids, r.outputs[0].token_ids
-        assert len(gt) == len(rt) == params.max_tokens
-        identical += gt == rt
-        for i, (a, b) in enumerate(zip(gt, rt)):
-            worst = max(worst, abs(g.outputs[0].logprobs[i][a].logprob - r.outputs[0].logprobs[i][b].logprob))
-            if a != b:
-                break
-    return identical, worst
+        assert len(g.outputs[0].token_ids) == len(r.outputs[0].token_ids) == params.max_tokens
+    return greedy_agreement(got, ref)
 
 
 def _count_fused_calls(fused) -> list[int]:

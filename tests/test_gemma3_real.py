@@ -298,7 +298,7 @@ def test_kept_quantized_agrees_with_the_exact_path(engines):
     16 there) over FAST_STEPS greedy steps (32 there), and chosen-token logprobs within the dtype's tolerance up
     to the first differing token. (Fewer, shorter prompts than there, to keep the test short;
     the window is the exact path's business, checked against HF below.)"""
-    from helpers import english_token_prompts
+    from helpers import english_token_prompts, greedy_agreement
     from kvshare import SamplingParams
 
     default, exact = engines
@@ -307,14 +307,7 @@ def test_kept_quantized_agrees_with_the_exact_path(engines):
     params = SamplingParams(temperature=0, max_tokens=FAST_STEPS, ignore_eos=True, logprobs=1)
     got = default.generate(prompts, params, use_tqdm=False)
     ref = exact.generate(prompts, params, use_tqdm=False)
-    identical, worst = 0, 0.0
-    for g, r in zip(got, ref):
-        gt, rt = g.outputs[0].token_ids, r.outputs[0].token_ids
-        identical += gt == rt
-        for i, (a, b) in enumerate(zip(gt, rt)):
-            worst = max(worst, abs(g.outputs[0].logprobs[i][a].logprob - r.outputs[0].logprobs[i][b].logprob))
-            if a != b:
-                break
+    identical, worst = greedy_agreement(got, ref)
     assert identical >= 5, f"only {identical}/6 prompts decode identically"
     assert worst < _tol(default), worst
 
