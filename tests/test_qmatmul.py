@@ -389,7 +389,7 @@ def test_cold_build_in_background_and_concurrent_builds(tmp_path):
 
 
 # SIMDe (portable C implementations of x86 intrinsics) runs the vector paths this CPU lacks,
-# slowly but exactly as written: a stand-in <immintrin.h>, plus the 4 intrinsics SIMDe 0.7 lacks.
+# slowly but exactly as written: a stand-in <immintrin.h>, plus the 5 intrinsics SIMDe 0.7 lacks.
 _SIMDE_IMMINTRIN = r"""
 #define SIMDE_ENABLE_NATIVE_ALIASES
 #include <simde/x86/avx512.h>
@@ -416,6 +416,14 @@ static inline simde__m512 _mm512_cvtepi32_ps(simde__m512i a) {
   simde_mm512_storeu_si512(b, a);
   for (int i = 0; i < 16; ++i) r[i] = (float)b[i];
   return simde_mm512_loadu_ps(r);
+}
+#endif
+#ifndef _mm512_cvtepi32_epi16
+static inline simde__m256i _mm512_cvtepi32_epi16(simde__m512i a) {  /* truncating, as vpmovdw */
+  int32_t b[16]; int16_t r[16];
+  simde_mm512_storeu_si512(b, a);
+  for (int i = 0; i < 16; ++i) r[i] = (int16_t)b[i];
+  return simde_mm256_loadu_si256((simde__m256i*)r);
 }
 #endif
 #ifndef _mm512_reduce_add_ps
@@ -488,6 +496,23 @@ def test_vector_paths_this_cpu_lacks_under_simde(tmp_path):
                                 rows = torch.cat([run(x[i:i + 1], packed, scales, zeros, group, impl,
                                                       lib.kvs_int4_group_matmul) for i in range(m)])
                                 assert torch.equal(rows, y)
+    # The prefill scratch fill (kvs_group_dequantize) on its AVX-512 path, both formats and both
+    # output dtypes: q * scale + zero, within one float32 rounding, then rounded to the output dtype.
+    for int4 in (False, True):
+        for group in (32, 64):
+            if int4:
+                _, codes, packed, scales, zeros = make_problem4(group, 1, 576, 96, group, True, torch.float32)
+            else:
+                _, codes, scales, zeros = make_problem(group, 1, 576, 96, group, True, torch.float32)
+                packed = codes
+            s, z = scales.repeat_interleave(group, 1).double(), zeros.repeat_interleave(group, 1).double()
+            ref = codes.double() * s + z
+            for dtype in (torch.float32, torch.bfloat16):
+                out = torch.full((96, 576), float("nan"), dtype=dtype)
+                lib.kvs_group_dequantize(packed.data_ptr(), int(int4), scales.data_ptr(), zeros.data_ptr(),
+                                         out.data_ptr(), int(dtype == torch.bfloat16), 96, 576, group, 2)
+                ulp = 2.0**-23 if dtype == torch.float32 else 2.0**-8
+                assert ((out.double() - ref).abs() <= ulp * ((codes.double() * s).abs() + z.abs())).all()
 
 
 def _timing(cold_bytes: float = 96e6) -> None:
