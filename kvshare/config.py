@@ -49,7 +49,7 @@ def cpu_has_avx512_bf16() -> bool:
 
 def resolve_dtype(dtype: str) -> str:
     """"auto": float32 activations on every CPU. bfloat16 activations (8 significant bits in the
-    residual stream, every norm, RoPE and SiLU) move greedy decoding off the exact path on 7 of 16
+    residual stream, every norm, RoPE and SiLU) move greedy decoding off the exact path on 6-7 of 16
     prompts within 32 tokens on the bundled model; float32 with kept-quantized weights keeps all
     16, and decode is memory-bound, so it costs no speed. Where bfloat16 pays, in the
     compute-bound prefill GEMMs, `prefill_dtype` puts it."""
@@ -84,9 +84,10 @@ class EngineConfig:
     model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
     # Activation dtype: "auto" is float32 (see resolve_dtype).
     dtype: str = "auto"
-    # The dtype of GEMMs over many rows (prefill chunks; more than qlinear.PACKED_MAX_ROWS rows) on
-    # kept-quantized weights: their inputs are rounded to it, the sums stay float32-accurate.
-    # "auto": bfloat16 where the CPU has avx512_bf16, else `dtype` (resolve_prefill_dtype).
+    # The dtype of the dense GEMMs that prompt rows (prefill chunks) take on kept-quantized weights:
+    # their inputs are rounded to it, the sums stay float32-accurate; decode rows always take the
+    # packed kernels in `dtype` (kvshare.model.qlinear). "auto": bfloat16 where the CPU has
+    # avx512_bf16, else `dtype` (resolve_prefill_dtype).
     prefill_dtype: str = "auto"
     # vLLM's option name. "auto": GGUF tensors stay in their quantized format, each on a kernel
     # that reads it (kvshare.model.qlinear); None (or "none"): everything dequantized to `dtype`,

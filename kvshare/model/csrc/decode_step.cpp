@@ -20,7 +20,8 @@
 // torch's vectorized order there) and in SiLU's exp, which now and then flips a bfloat16 rounding.
 //
 // Scope (the Python side, kvshare/model/fused_decode.py, sends nothing else here): float32 or
-// bfloat16 activations (hidden state, norms and biases handed over as float32); weights as int8-group or int4-group codes; a float32 or bfloat16 KV cache;
+// bfloat16 activations (hidden state, norms and biases handed over as float32); weights as
+// int8-group or int4-group codes; a float32 or bfloat16 KV cache;
 // every row a decode row with the same attention for all layers (no sliding-window layers).
 // Everything else takes the step-by-step path.
 
