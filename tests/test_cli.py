@@ -47,6 +47,17 @@ def test_info_bfloat16_halves_bytes_per_token():
     assert json.loads(r.stdout)["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 2
 
 
+def test_prefill_dtype_option_reaches_the_engine():
+    """--prefill-dtype picks the prompt-row GEMMs' dtype; the start-up block says which."""
+    on = _run("info", "--json", "--kv-cache-memory", "16MiB", "--prefill-dtype", "bfloat16")
+    off = _run("info", "--json", "--kv-cache-memory", "16MiB", "--prefill-dtype", "float32")
+    assert on.returncode == 0 and off.returncode == 0, on.stderr + off.stderr
+    assert "float32 activations, bfloat16 prefill GEMMs" in on.stderr
+    assert "float32 activations" in off.stderr and "prefill GEMMs" not in off.stderr
+    bad = _run("info", "--prefill-dtype", "int8")
+    assert bad.returncode == 2 and "--prefill-dtype" in bad.stderr
+
+
 def test_generate_greedy_and_chat():
     r = _run("generate", "The capital of France is", "--max-tokens", "8", "--json", "--kv-cache-memory", "64MiB")
     assert r.returncode == 0, r.stderr
