@@ -170,7 +170,7 @@ class EventStreamReader:
                     event = line[len("event: "):]
                 elif line.startswith("data: "):
                     data.append(line[len("data: "):])
-        except (OSError, ValueError):
+        except (OSError, ValueError, AttributeError):  # the socket shut under it by close()
             return
 
     def events(self) -> list[dict]:
@@ -187,8 +187,8 @@ class EventStreamReader:
             self.conn.sock.shutdown(socket.SHUT_RDWR)  # unblocks the reader's readline
         except (OSError, AttributeError):
             pass
+        self.thread.join(10)  # before closing: the reader must not find its response half torn down
         self.conn.close()
-        self.thread.join(10)
 
 
 def _get(srv: ServerProcess, path: str, headers: dict = AUTH) -> tuple[int, dict]:
