@@ -297,3 +297,18 @@ def test_shared_prefix_snapshot_metrics_and_event_stream(server):
     while any(b["last_event"] is not None for b in _snapshot(server)["blocks"]):
         assert time.monotonic() < deadline, "the view's recorder stayed on without a client"
         time.sleep(0.1)
+
+
+def test_open_event_stream_does_not_hold_up_shutdown(server):
+    """Last in this file: it stops the module's server. An event stream is not an in-flight request
+    (the drain would wait --shutdown-timeout for it): it ends by itself once draining starts."""
+    reader = EventStreamReader(server, AUTH)
+    try:
+        reader.wait_for(lambda: any(kind == "hello" for kind, _ in reader.messages))
+        t0 = time.monotonic()
+        assert server.terminate(timeout=20) == 0
+        assert time.monotonic() - t0 < 10
+        reader.thread.join(5)
+        assert not reader.thread.is_alive()  # the server ended the stream
+    finally:
+        reader.close()
