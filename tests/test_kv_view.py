@@ -10,15 +10,19 @@ import re
 import socket
 import threading
 import time
+from types import SimpleNamespace
 
 import openai
 import pytest
 
+from kvshare.kvcache.audit import AuditError
 from kvshare.kvcache.kv_groups import GroupedKVCacheManager, plan_kv_groups
 from kvshare.kvcache.manager import KVCacheManager
 from kvshare.kvcache.pool_view import manager_counts, read_pool
 from kvshare.kvcache.view_tap import ViewTap
+from kvshare.server.async_engine import AsyncEngine
 from kvshare.server.kv_stream import EventRedactor, KVEventHub, Subscriber
+from kvshare.server.metrics import ServerMetrics
 from server_proc import MODEL, ServerProcess
 
 KEY = "view-test-key"
@@ -124,6 +128,27 @@ def test_hub_switches_the_recorder_on_once_and_off_after_the_last_client():
         await hub.subscribe(4)
         assert eng.watches == 2
     asyncio.run(run())
+
+
+def test_step_batches_carry_audit_verdicts_and_a_failure_names_only_the_invariant():
+    class FakeLoop:  # runs the hand-over at once, as the event loop would a moment later
+        def call_soon_threadsafe(self, fn, *args):
+            fn(*args)
+
+    tap = ViewTap()
+    engine = SimpleNamespace(manager=SimpleNamespace(num_blocks=8), view_tap=tap, step_count=3,
+                             auditor=SimpleNamespace(num_checks=41))
+    ae = AsyncEngine(engine, ServerMetrics("m"))
+    ae._loop, got = FakeLoop(), []
+    ae._view_sink = lambda step, events: got.append((step, events))
+    tap.record("alloc", block=2, seq="r")
+    ae._flush_view(stepped=True)
+    assert got == [(3, [{"block": 2, "seq": "r", "ev": "alloc", "step": 0},
+                        {"ev": "audit", "step": 3, "ok": True, "checks": 41}])]
+    ae._flush_view(stepped=False)  # no step, nothing recorded: no message
+    assert len(got) == 1
+    ae._flush_view_on_failure(AuditError("salt_isolation", "salt 'tenant-secret' ...", block=5))
+    assert got[-1] == (3, [{"ev": "audit", "step": 3, "ok": False, "invariant": "salt_isolation", "block": 5}])
 
 
 # ---- a real server ------------------------------------------------------------------------------
