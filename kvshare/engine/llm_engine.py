@@ -23,12 +23,13 @@ from kvshare.engine.startup import KVLayout, StartupReport, release_freed_heap
 from kvshare.engine.structured_output import StructuredOutputs
 from kvshare.errors import InvalidRequestError
 from kvshare.kvcache.audit import KVAuditor, record_step_io
-from kvshare.kvcache.events import EventLog
+from kvshare.kvcache.events import EventLog, as_event_log
 from kvshare.kvcache.hashing import BlockHasher
 from kvshare.kvcache.kv_events import KVEventQueue
 from kvshare.kvcache.kv_policy import build_kv_policy
 from kvshare.kvcache.kv_groups import GroupedKVCacheManager, blocks_per_seq, layer_slots, plan_kv_groups
 from kvshare.kvcache.manager import KVCacheManager
+from kvshare.kvcache.view_tap import ViewTap
 from kvshare.memory_plan import kv_pool_blocks
 from kvshare.model import cpu_kernels
 from kvshare.model.attention import PagedKVStorage, TorchPagedAttention
@@ -103,6 +104,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv_policy,
                                   [g.policy for g in self.kv_groups] if self.kv_groups else None, group_of)
         self.events: EventLog | None = None
+        # The live KV view's recorder (kvshare.engine.kv_view), in front of `events` while a view
+        # client listens; None otherwise, so nothing is recorded for a view nobody watches.
+        self.view_tap: ViewTap | None = None
         self.auditor: KVAuditor | None = None
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
@@ -165,7 +169,20 @@ class LLMEngine:
                                prefix_caching=self.config.enable_prefix_caching)
             if audit:
                 self.auditor = KVAuditor(self.manager, self.events, self._live_tokens)
-        self.manager.events = self.manager.pool.events = self.events
+        self._install_event_log()
+
+    def set_view_tap(self, tap: ViewTap | None) -> None:
+        """Put the live view's recorder in front of the event log (None: take it away). Any time
+        between steps: unlike the audit, the view vouches for nothing, it only reports."""
+        self.view_tap = tap
+        self._install_event_log()
+
+    def _install_event_log(self) -> None:
+        log = self.events
+        if self.view_tap is not None:
+            self.view_tap.inner = as_event_log(self.events)
+            log = self.view_tap
+        self.manager.events = self.manager.pool.events = log
 
     # ---- submission ----------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:

@@ -14,6 +14,7 @@ from starlette.responses import JSONResponse, PlainTextResponse
 from kvshare import __version__
 from kvshare.errors import InvalidRequestError
 from kvshare.server.errors import APIError
+from kvshare.server.kv_routes import add_kv_view_routes
 from kvshare.server.middleware import GuardMiddleware
 from kvshare.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from kvshare.server.serving import OpenAIServing
@@ -106,6 +107,8 @@ def build_app(state: ServerState) -> FastAPI:
     async def detokenize(raw: Request):
         return await tokenizing.detokenize(await raw.body())
 
+    add_kv_view_routes(app, state)
+
     return app
 
 
@@ -139,7 +142,7 @@ def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
     async def http_error(req: Request, exc: StarletteHTTPException):
         if exc.status_code == 404:
             msg = (f"no route {req.method} {req.url.path}: see /v1/models, /v1/completions, /v1/chat/completions, "
-                   f"/tokenize, /detokenize")
+                   f"/tokenize, /detokenize, /kv/snapshot, /kv/events")
         elif exc.status_code == 405:
             msg = f"method {req.method} is not allowed on {req.url.path}"
         else:

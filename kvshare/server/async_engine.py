@@ -5,7 +5,9 @@ event loop appends "add" and "abort" commands under a condition variable; the en
 applies them between steps, steps while there is work, sleeps on the condition when there is
 none (bounded waits keep the heartbeat fresh for /ready), and hands each step's outputs back to
 the loop with one call_soon_threadsafe. Validation errors raised by add_request travel back
-through a concurrent Future, so a bad prompt is still a 400 for the handler that sent it.
+through a concurrent Future, so a bad prompt is still a 400 for the handler that sent it. Reads
+of engine state (the live KV view's snapshot, switching its recorder) are "call" commands, run
+the same way between steps; while the view listens, each step's block events follow its outputs.
 """
 from __future__ import annotations
 
@@ -15,8 +17,11 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
+from kvshare.engine.kv_view import start_view, stop_view
 from kvshare.errors import InvalidRequestError
+from kvshare.kvcache.audit import AuditError
 from kvshare.outputs import RequestOutput
 from kvshare.sampling_params import SamplingParams
 from kvshare.server.errors import EngineDeadError, QueueFullError
@@ -46,6 +51,15 @@ class _Abort:
     request_ids: list[str]
     reason: str
     asked_at_step: int
+
+
+@dataclass
+class _Call:
+    """A function to run on the engine thread between steps: reads of engine state (the live KV
+    view) that must never overlap a step."""
+
+    fn: Callable[[], object]
+    future: concurrent.futures.Future | None  # None: nobody waits for the result
 
 
 @dataclass
@@ -104,6 +118,9 @@ class AsyncEngine:
         self._tracks: dict[str, _Track] = {}  # engine thread only
         self._busy = False  # engine thread only
         self._in_hand: list = []  # commands being applied (engine thread), failed too if the loop dies
+        # Where each step's block events go while a live KV view listens (engine thread only; the
+        # callable itself runs on the event loop).
+        self._view_sink: Callable[[int, list[dict]], None] | None = None
         self.snapshot = EngineSnapshot(blocks_total=engine.manager.num_blocks)
         self.heartbeat = time.monotonic()
         self.dead: str | None = None
@@ -180,6 +197,46 @@ class AsyncEngine:
             self._shared.commands.append(_Abort(list(request_ids), reason, self.snapshot.step))
             self._cond.notify()
 
+    async def call(self, fn: Callable[[], object]):
+        """fn() on the engine thread between two steps, its result (or exception) back here."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue(_Call(fn, future))
+        return await asyncio.wrap_future(future)
+
+    def post(self, fn: Callable[[], object]) -> None:
+        """fn() on the engine thread between two steps, nobody waiting; dropped when the engine
+        is gone (then there is nothing left to undo)."""
+        try:
+            self._queue(_Call(fn, None))
+        except EngineDeadError:
+            pass
+
+    def _queue(self, cmd: _Call) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        with self._cond:
+            if self._shared.stopping:
+                raise EngineDeadError("the server is shutting down")
+            self._shared.commands.append(cmd)
+            self._cond.notify()
+
+    async def watch_kv(self, sink: Callable[[int, list[dict]], None]) -> None:
+        """Switch the KV view's recorder on: from the next step on, each step's block events go to
+        sink(step, events), called on the event loop. Returns once it is on."""
+        def start() -> None:
+            start_view(self.engine)
+            self._view_sink = sink
+
+        await self.call(start)
+
+    def unwatch_kv(self) -> None:
+        """Switch it off again (queued behind any earlier watch_kv, so the last call wins)."""
+        def stop() -> None:
+            stop_view(self.engine)
+            self._view_sink = None
+
+        self.post(stop)
+
     def _forget(self, stream: RequestStream) -> None:
         for rid in stream.request_ids:
             if self._streams.get(rid) is stream:
@@ -222,13 +279,17 @@ class AsyncEngine:
                     self._in_hand = commands
                     self._apply(commands)
                     self._in_hand = []
-                outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+                stepping = self.engine.has_unfinished_requests()
+                outputs = self.engine.step() if stepping else []
                 self._busy = self.engine.has_unfinished_requests()
                 self._publish(outputs)
+                if self._view_sink is not None:
+                    self._flush_view(stepping)
                 with self._cond:
                     self.snapshot = self._take_snapshot()
         except BaseException as e:  # a bug in a step: fail loudly, never hang the clients
             logger.exception("engine loop failed")
+            self._flush_view_on_failure(e)
             self._die(f"{type(e).__name__}: {e}")
 
     def _apply(self, commands: list) -> None:
@@ -237,6 +298,8 @@ class AsyncEngine:
             if isinstance(cmd, _Add):
                 added += len(cmd.requests)
                 self._add(cmd)
+            elif isinstance(cmd, _Call):
+                self._call(cmd)
             else:
                 self._abort(cmd)
         with self._cond:
@@ -261,6 +324,43 @@ class AsyncEngine:
         for r in cmd.requests:
             self._tracks[r.request_id] = _Track(prompt_tokens=len(r.prompt_token_ids))
         cmd.future.set_result(None)
+
+    @staticmethod
+    def _call(cmd: _Call) -> None:
+        if cmd.future is None:
+            cmd.fn()
+            return
+        if not cmd.future.set_running_or_notify_cancel():
+            return  # the caller left
+        try:
+            result = cmd.fn()
+        except Exception as e:
+            cmd.future.set_exception(e)
+        else:
+            cmd.future.set_result(result)
+
+    def _flush_view(self, stepped: bool) -> None:
+        """One batch per loop turn: the step's block events, with what happened between steps
+        (aborts) in front of them; the audit's verdict when auditing (a step whose audit failed
+        raised instead of getting here)."""
+        engine = self.engine
+        events = engine.view_tap.take()
+        if stepped and engine.auditor is not None:
+            events.append({"ev": "audit", "step": engine.step_count, "ok": True, "checks": engine.auditor.num_checks})
+        if stepped or events:
+            self._call_in_loop(self._view_sink, engine.step_count, events)
+
+    def _flush_view_on_failure(self, error: BaseException) -> None:
+        """The events up to a failure, and the broken invariant when the audit failed, so a view
+        shows why the engine stopped (only the invariant's name and block: a detail can quote
+        a salt)."""
+        if self._view_sink is None or self.engine.view_tap is None:
+            return
+        events = self.engine.view_tap.take()
+        if isinstance(error, AuditError):
+            events.append({"ev": "audit", "step": self.engine.step_count, "ok": False, "invariant": error.invariant,
+                           "block": error.block})
+        self._call_in_loop(self._view_sink, self.engine.step_count, events)
 
     def _abort(self, cmd: _Abort) -> None:
         live = [rid for rid in cmd.request_ids

@@ -1,7 +1,7 @@
 """The gate in front of the /v1/ routes, as plain ASGI so it runs before any body parsing:
 refuse while draining (503), check the API key (401), cap the body (413), count in-flight requests
-for the shutdown drain. /tokenize and /detokenize are guarded too; health, readiness, metrics and
-version stay open."""
+for the shutdown drain. /tokenize and /detokenize are guarded too; the live KV view (/kv/) only
+needs the key; health, readiness, metrics and version stay open."""
 from __future__ import annotations
 
 import hmac
@@ -14,6 +14,9 @@ from kvshare.server.state import ServerState
 DISCARD_LIMIT = 64 * 2**20
 # Outside /v1/ but guarded like it (vLLM serves them at the root).
 GUARDED_PATHS = frozenset({"/tokenize", "/detokenize"})
+# The live KV view: behind the key, but neither drained nor counted in flight (an open event
+# stream must not hold a shutdown up: it ends by itself once draining starts) and bodiless.
+VIEW_PREFIX = "/kv/"
 
 
 class GuardMiddleware:
@@ -22,6 +25,9 @@ class GuardMiddleware:
         self.state = state
 
     async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(VIEW_PREFIX):
+            await self._view(scope, receive, send)
+            return
         if scope["type"] != "http" or not (scope["path"].startswith("/v1/") or scope["path"] in GUARDED_PATHS):
             await self.app(scope, receive, send)
             return
@@ -33,9 +39,7 @@ class GuardMiddleware:
                 headers={"Retry-After": "5"}))
         headers = dict(scope["headers"])
         if cfg.api_key is not None and not self._authorized(headers.get(b"authorization", b"")):
-            return await self._reject(scope, receive, send, "unauthorized", APIError(
-                401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
-                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}))
+            return await self._reject(scope, receive, send, "unauthorized", _unauthorized())
         limit = cfg.max_body_bytes
         declared = headers.get(b"content-length")
         if declared is not None:
@@ -61,6 +65,12 @@ class GuardMiddleware:
             if not message.get("more_body", False):
                 break
         await self._forward(scope, b"".join(body), receive, send)
+
+    async def _view(self, scope, receive, send) -> None:
+        if self.state.config.api_key is not None and \
+                not self._authorized(dict(scope["headers"]).get(b"authorization", b"")):
+            return await self._reject(scope, receive, send, "unauthorized", _unauthorized())
+        await self.app(scope, receive, send)
 
     async def _forward(self, scope, body: bytes, receive, send) -> None:
         replayed = False
@@ -105,3 +115,8 @@ class GuardMiddleware:
     async def _reject(self, scope, receive, send, reason: str, err: APIError) -> None:
         self.state.metrics.on_rejected(reason)
         await err.response()(scope, receive, send)
+
+
+def _unauthorized() -> APIError:
+    return APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                    code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
