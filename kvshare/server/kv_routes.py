@@ -9,12 +9,13 @@ import json
 from typing import Callable
 
 from fastapi import FastAPI, Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse
 
 from kvshare.engine.kv_view import kv_snapshot
 from kvshare.server.errors import APIError
 from kvshare.server.kv_stream import (DEFAULT_QUEUE_BATCHES, EventRedactor, KVEventHub, sse_message,
                                       step_message)
+from kvshare.server.serving import ClosingSSEResponse
 from kvshare.server.state import ServerState
 
 POLL_SECONDS = 1.0  # how soon an idle stream notices a shutdown
@@ -56,21 +57,6 @@ def read_query(raw: Request, accepted: dict[str, Callable[[str, str], object]]) 
     return out
 
 
-class ViewStreamResponse(StreamingResponse):
-    """An SSE response that lets go of its client's queue however it ends."""
-
-    def __init__(self, content, on_close: Callable[[], None]) -> None:
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
-
-
 def add_kv_view_routes(app: FastAPI, state: ServerState) -> None:
     engine = state.engine
     hub = KVEventHub(engine, EventRedactor(show_tokens=state.config.log_prompts))
@@ -110,4 +96,4 @@ def add_kv_view_routes(app: FastAPI, state: ServerState) -> None:
             while sub.queue:
                 yield step_message(*(await sub.get(0)))
 
-        return ViewStreamResponse(messages(), on_close=lambda: hub.unsubscribe(sub))
+        return ClosingSSEResponse(messages(), on_close=lambda: hub.unsubscribe(sub))

@@ -42,8 +42,9 @@ def sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-class EngineStreamResponse(StreamingResponse):
-    """An SSE response that aborts its engine requests however the response ends."""
+class ClosingSSEResponse(StreamingResponse):
+    """An SSE response that calls on_close however it ends (client gone, error, or done): a
+    completion stream aborts its engine requests, a KV view stream lets go of its queue."""
 
     def __init__(self, content: AsyncIterator[str], on_close) -> None:
         super().__init__(content, media_type="text/event-stream",
@@ -54,7 +55,7 @@ class EngineStreamResponse(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._on_close()  # a no-op when the requests finished; an abort when the client left
+            self._on_close()
 
 
 class OpenAIServing:
@@ -185,8 +186,9 @@ class OpenAIServing:
         timeout = self.state.config.request_timeout
         deadline = asyncio.get_running_loop().time() + timeout - (time.monotonic() - arrival) if timeout else None
         if job.stream:
-            return EngineStreamResponse(self._events(job, stream, fmt, deadline),
-                                        on_close=lambda: self.engine.abort(stream, "client_disconnect"))
+            # on_close: a no-op when the requests finished; an abort when the client left
+            return ClosingSSEResponse(self._events(job, stream, fmt, deadline),
+                                      on_close=lambda: self.engine.abort(stream, "client_disconnect"))
         finals = await self._collect(stream, raw, deadline)
         return JSONResponse(fmt.response([finals[job.engine_id(i)] for i in range(len(job.prompts))]))
 
