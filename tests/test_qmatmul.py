@@ -278,6 +278,31 @@ def test_int4_edge_sizes_and_extremes():
         assert y.tolist() == [[15 * 0.5 * 64, 32 * 1.0 - 32 * 2.0]]
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_many_rows_bit_identical_to_row_by_row(fmt):
+    """From 12 x rows the AVX-512 path dequantizes each weight row once into a panel and
+    multiplies every x tile by it (instead of widening the codes again per 4 x rows): a row's
+    result must stay bit for bit what it is alone, on every path, for both formats, with and
+    without offsets, group 16 and 32, float32 and bfloat16 x, and a ragged last tile of x rows
+    and of weight rows."""
+    for group in (16, 32):
+        for with_zeros in (False, True):
+            for dtype in (torch.float32, torch.bfloat16):
+                m, k, n = 43, 576, 203
+                if fmt == "int4":
+                    x, _, q, scales, zeros = make_problem4(m + group, m, k, n, group, with_zeros, dtype)
+                    matmul = int4_group_matmul
+                else:
+                    x, q, scales, zeros = make_problem(m + group, m, k, n, group, with_zeros, dtype)
+                    matmul = int8_group_matmul
+                for path in PATHS:
+                    full = matmul(x, q, scales, zeros, group, impl=path)
+                    rows = torch.cat([matmul(x[i:i + 1], q, scales, zeros, group, impl=path) for i in range(m)])
+                    assert torch.equal(rows, full), (group, with_zeros, dtype, path)
+                    # and a batch of 12 (the smallest that takes the panel) from the middle
+                    assert torch.equal(matmul(x[20:32], q, scales, zeros, group, impl=path), full[20:32])
+
+
 def test_pack_int4_rows_layout_and_round_trip():
     # Byte j holds code 2j in its low nibble and code 2j + 1 in its high nibble.
     q = torch.tensor([[1, 2, 3, 4, 15, 0], [0, 15, 7, 8, 9, 10]], dtype=torch.uint8)

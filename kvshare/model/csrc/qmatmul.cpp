@@ -29,7 +29,9 @@
 // for 4 rows of x, each x vector loaded once for 4 weight rows). AVX2, 2 weight rows x 4 x rows for
 // M > 1 (8 accumulators, with the 4 scales / zeros and the codes in the other 8 ymm registers; ~30%
 // faster at M = 4..16 than 4 weight rows x 2 x rows, whose 20 live vectors spill), 4 weight rows x
-// 1 x row for M = 1 (int4: row by row within each group). Weight rows are prefetched into L2 a few
+// 1 x row for M = 1 (int4: row by row within each group). AVX-512 with M >= 12: 4 weight rows at a
+// time are dequantized once into a float32 panel that every 4-row x tile then reads (see
+// kPanelMinRows; same additions, same results). Weight rows are prefetched into L2 a few
 // KB ahead (without it the int8 kernel runs ~3x slower from DRAM). N is split into contiguous
 // chunks handed to OpenMP threads dynamically (each streams its chunk in order); each output is
 // computed by one thread, so results do not depend on the thread count. Plain C ABI, no torch
@@ -54,6 +56,12 @@
 #define QMM_X86 0
 #endif
 
+#ifndef QMM_PANEL_MB
+#define QMM_PANEL_MB 4
+#endif
+#ifndef QMM_PANEL_NB
+#define QMM_PANEL_NB 4
+#endif
 namespace qmm {
 
 static inline float bf16_to_f32(uint16_t h) {
@@ -267,9 +275,80 @@ QMM_AVX512 static void ntile_avx512(const Problem& P, int64_t n0) {
   }
 }
 
+// Many x rows (M >= kPanelMinRows): each tile above would widen and scale every weight vector
+// again for each 4 x rows, which makes the kernel compute-bound at ~half the float32 FMA rate.
+// Instead NB weight rows are dequantized once into a panel (the same ops, so the same float32
+// values, in the order the tile reads them: for int4 each step's low-nibble vector, then its
+// high-nibble one, matching prepare_x), and then every x tile multiplies the panel. Each
+// accumulator sees the same fmadds in the same order as in tile_avx512, and the same final
+// reduction, so the result is bit for bit the same as the path above: which path runs depends on
+// M, but a row's numbers do not.
+constexpr int64_t kPanelMinRows = 12;
+
+template <class F, int NB, bool ZEROS>
+QMM_AVX512 static QMM_INLINE void fill_panel_avx512(const Problem& P, int64_t n0, float* panel) {
+  using V = Avx512<F>;
+  const int64_t steps = P.g / V::kStep;
+  QMM_UNROLL for (int j = 0; j < NB; ++j) {
+    const uint8_t* qr = P.q + (n0 + j) * P.q_s0;
+    float* out = panel + j * P.K;
+    for (int64_t gi = 0; gi < P.G; ++gi) {
+      const __m512 s = _mm512_set1_ps(P.scales[(n0 + j) * P.G + gi]);
+      const __m512 z = ZEROS ? _mm512_set1_ps(P.zeros[(n0 + j) * P.G + gi]) : _mm512_setzero_ps();
+      for (int64_t c = 0; c < steps; ++c) {
+        const int64_t k = gi * P.g + c * V::kStep;
+        const __m512i raw = V::load(qr, k);
+        QMM_UNROLL for (int v = 0; v < V::kVecs; ++v) {
+          const __m512 qf = V::vec(raw, v);
+          _mm512_storeu_ps(out + k + 16 * v, ZEROS ? _mm512_fmadd_ps(qf, s, z) : _mm512_mul_ps(qf, s));
+        }
+      }
+    }
+  }
+}
+
+template <int MB, int NB>
+QMM_AVX512 static QMM_INLINE void panel_tile_avx512(const Problem& P, const float* panel, int64_t m0, int64_t n0) {
+  __m512 acc[MB][NB];
+  QMM_UNROLL for (int i = 0; i < MB; ++i) {
+    QMM_UNROLL for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  }
+  const float* xr = P.x + m0 * P.x_s0;
+  for (int64_t k = 0; k < P.K; k += 16) {
+    __m512 w[NB];
+    QMM_UNROLL for (int j = 0; j < NB; ++j) w[j] = _mm512_loadu_ps(panel + j * P.K + k);
+    QMM_UNROLL for (int i = 0; i < MB; ++i) {
+      const __m512 xv = _mm512_loadu_ps(xr + i * P.x_s0 + k);
+      QMM_UNROLL for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(xv, w[j], acc[i][j]);
+    }
+  }
+  QMM_UNROLL for (int i = 0; i < MB; ++i) {
+    QMM_UNROLL for (int j = 0; j < NB; ++j) store(P, m0 + i, n0 + j, _mm512_reduce_add_ps(acc[i][j]));
+  }
+}
+
+template <int NB>
+QMM_AVX512 static void panel_rows_avx512(const Problem& P, const float* panel, int64_t n0) {
+  int64_t m0 = 0;
+  for (; m0 + QMM_PANEL_MB <= P.M; m0 += QMM_PANEL_MB) panel_tile_avx512<QMM_PANEL_MB, NB>(P, panel, m0, n0);
+  for (; m0 < P.M; ++m0) panel_tile_avx512<1, NB>(P, panel, m0, n0);
+}
+
 template <class F, bool ZEROS>
 QMM_AVX512 static void rows_avx512_t(const Problem& P, int64_t n0, int64_t n1) {
   int64_t n = n0;
+  if (P.M >= kPanelMinRows && P.K % 16 == 0) {
+    std::vector<float> panel(size_t(QMM_PANEL_NB * P.K));
+    for (; n + QMM_PANEL_NB <= n1; n += QMM_PANEL_NB) {
+      fill_panel_avx512<F, QMM_PANEL_NB, ZEROS>(P, n, panel.data());
+      panel_rows_avx512<QMM_PANEL_NB>(P, panel.data(), n);
+    }
+    for (; n < n1; ++n) {
+      fill_panel_avx512<F, 1, ZEROS>(P, n, panel.data());
+      panel_rows_avx512<1>(P, panel.data(), n);
+    }
+    return;
+  }
   for (; n + 4 <= n1; n += 4) ntile_avx512<F, 4, ZEROS>(P, n);
   for (; n < n1; ++n) ntile_avx512<F, 1, ZEROS>(P, n);
 }
