@@ -199,11 +199,21 @@ class TorchPagedAttention(AttentionBackend):
             probs = torch.softmax(scores, dim=-1).to(q.dtype)
             o = torch.matmul(probs, vals)  # [KVH, n, G, D]
             out[s:s + n] = o.transpose(0, 1).reshape(n, num_heads, head_dim)
+        fresh_is_cached = not isinstance(k_cache, QuantizedKV) and k_cache.dtype == k.dtype
         for c in meta.prefills:
             s, n = c.query_start, c.query_len
+            qc = q[s:s + n].transpose(0, 1)  # [H, n, D]
+            if c.causal and softcap is None and fresh_is_cached:
+                # The chunk sees only its own keys, just written to the cache as they are: read
+                # them from k / v rather than gather its whole block table back (same values).
+                o = F.scaled_dot_product_attention(
+                    qc.unsqueeze(0), k[s:s + n].transpose(0, 1).unsqueeze(0),
+                    v[s:s + n].transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale, enable_gqa=group > 1,
+                )
+                out[s:s + n] = o[0].transpose(0, 1)
+                continue
             keys = kv_quant.gather_blocks(k_cache, c.block_table, bs, q.dtype)  # [KVH, C, D]
             vals = kv_quant.gather_blocks(v_cache, c.block_table, bs, q.dtype)
-            qc = q[s:s + n].transpose(0, 1)  # [H, n, D]
             if softcap is not None:  # SDPA cannot cap scores before the mask
                 out[s:s + n] = _softcapped_attention(qc, keys, vals, c.mask, scale, softcap).transpose(0, 1)
                 continue

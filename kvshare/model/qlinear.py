@@ -56,11 +56,15 @@ class DequantScratch:
             buf = self._buffers[key] = torch.empty(n, k, dtype=dtype)
         return buf
 
-    def matmul(self, x: torch.Tensor, lin) -> torch.Tensor:
-        """x @ lin's weights by a dense GEMM over the scratch copy, in x's dtype."""
+    def matmul(self, x: torch.Tensor, lin, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ lin's weights by a dense GEMM over the scratch copy, in x's dtype (into `out` when
+        given)."""
         dtype = self.gemm_dtype or x.dtype
         w = lin.dense(self.get(lin.out_features, lin.in_features, dtype))
-        return F.linear(x.to(dtype), w).to(x.dtype)
+        y = F.linear(x.to(dtype), w)
+        if out is None:
+            return y.to(x.dtype)
+        return out.copy_(y)
 
     @property
     def nbytes(self) -> int:
@@ -117,14 +121,21 @@ class GroupInt8Linear:
             return self._packed(x)  # (the vocab projection never gets a scratch copy)
         if decode_rows <= 0:
             return self._dense(x)
-        return torch.cat([self._packed(x[:decode_rows]), self._dense(x[decode_rows:])])
+        # Both parts written into one output (no torch.cat copy of a prompt-sized result).
+        y = torch.empty(m, self.out_features, dtype=x.dtype)
+        self._packed(x[:decode_rows], y[:decode_rows])
+        self.scratch.matmul(x[decode_rows:], self, y[decode_rows:])
+        return y
 
-    def _packed(self, x: torch.Tensor) -> torch.Tensor:
+    def _packed(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         m = x.shape[0]
         if m > PACKED_MAX_ROWS:  # in slices: a row's result does not depend on its slice
-            return torch.cat([self._packed(x[i:i + PACKED_MAX_ROWS]) for i in range(0, m, PACKED_MAX_ROWS)])
+            y = torch.empty(m, self.out_features, dtype=x.dtype) if out is None else out
+            for i in range(0, m, PACKED_MAX_ROWS):
+                self._packed(x[i:i + PACKED_MAX_ROWS], y[i:i + PACKED_MAX_ROWS])
+            return y
         if _qmatmul_ready():
-            return self._kernel(x.contiguous())
+            return self._kernel(x.contiguous(), out)
         if cpu_kernels.disabled_by_env() or cpu_kernels.QMATMUL.is_done():
             # The kernel cannot be built here (no compiler, or disabled): keep a dense copy
             # rather than dequantizing on every call. Correct, but not kept quantized.
@@ -132,8 +143,8 @@ class GroupInt8Linear:
                            "to dense %s", cpu_kernels.QMATMUL.unavailable_reason(), self.out_features,
                            self.in_features, self.dtype)
             self._fallback = self.dense()
-            return F.linear(x, self._fallback)
-        return self._dense(x)  # the kernel is still being built: never wait for it
+            return _into(F.linear(x, self._fallback), out)
+        return _into(self._dense(x), out)  # the kernel is still being built: never wait for it
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         if self.out_features * self.in_features > SCRATCH_MAX_ELEMENTS:
@@ -147,8 +158,8 @@ class GroupInt8Linear:
     def _store(self, q: torch.Tensor) -> None:
         self.q = q.to(torch.int8).contiguous()  # codes of 4, 5 and 6 bits fit int8 as they are
 
-    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_kernels.int8_group_matmul(x, self.q, self.scale, self.zero, self.group)
+    def _kernel(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return cpu_kernels.int8_group_matmul(x, self.q, self.scale, self.zero, self.group, out)
 
     def _codes(self, rows) -> torch.Tensor:
         return self.q[rows]
@@ -197,11 +208,15 @@ class GroupInt4Linear(GroupInt8Linear):
     def _store(self, q: torch.Tensor) -> None:
         self.q = cpu_kernels.pack_int4_rows(q)  # [N, K / 2]
 
-    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_kernels.int4_group_matmul(x, self.q, self.scale, self.zero, self.group)
+    def _kernel(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return cpu_kernels.int4_group_matmul(x, self.q, self.scale, self.zero, self.group, out)
 
     def _codes(self, rows) -> torch.Tensor:
         return cpu_kernels.unpack_int4_rows(self.q[rows])
+
+
+def _into(y: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    return y if out is None else out.copy_(y)
 
 
 def _qmatmul_ready() -> bool:
