@@ -9,6 +9,8 @@ setup: $(STAMP)
 
 # torch is pinned and installed first: an unpinned torch would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml Makefile
+	# The dashboard tests drive Debian's chromium through Playwright (which downloads no browser).
+	test -x /usr/bin/chromium || (apt-get update && apt-get install -y --no-install-recommends chromium)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0

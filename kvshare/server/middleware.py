@@ -154,8 +154,8 @@ def is_view_path(path: str) -> bool:
 
 
 def _unauthorized_view() -> APIError:
-    # Both challenges: a script sends the Bearer header, a browser's login dialog answers Basic.
+    # The Basic challenge makes a browser ask for the key (a script just sends the Bearer header).
     return APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>', or open the "
                          "page in a browser and give the key as the password (any user name)",
                     code="invalid_api_key",
-                    headers={"WWW-Authenticate": f'Bearer, Basic realm="{BASIC_REALM}", charset="UTF-8"'})
+                    headers={"WWW-Authenticate": f'Basic realm="{BASIC_REALM}", charset="UTF-8"'})

@@ -560,7 +560,7 @@
       this.error = null;
       this.logLines = [];
       this.series = { usage: [], hit_rate: [], evictions: [], cow: [], preemptions: [] };
-      this.lastTotals = null;
+      this.lastTotals = { ...this.model.totals }; // rates count from the page's first event on
       this.lastPrefix = null;
       this.frameTimes = [];
       this.lastFrame = null;
@@ -866,7 +866,7 @@
       } catch (err) {
         this.lastPrefix = null;
       }
-      const last = this.lastTotals ?? totals;
+      const last = this.lastTotals;
       this.lastTotals = totals;
       const usage = m.numBlocks ? (m.counts.in_use + m.counts.shared) / m.numBlocks : 0;
       const values = {
@@ -905,6 +905,7 @@
     block(id) { return dash.model.block(id); },
     cellCentre(id) { return dash.grid ? dash.grid.centre(id) : null; },
     sharingGroups() { return sharingGroups(dash.model).map((g) => ({ owners: g.owners, blocks: g.blocks.slice().sort((a, b) => a - b) })); },
+    series() { return Object.fromEntries(Object.entries(dash.series).map(([k, v]) => [k, v.slice()])); },
     frameTimes() { return dash.frameTimes.slice(); },
   };
   dash.start();
