@@ -211,6 +211,19 @@ def test_shared_prefix_counts_owners_then_abort_leaves_nothing_in_use(server, br
         wait_until(lambda: all(row.count() == 1 for row in rows.values()), "both requests in the table")
         mine = [b for b in snap["blocks"] if b["state"] == "in_use" and b["owners"] == [ids[0]]]
         assert mine and pixel_at_block(page, mine[0]["id"]) == hex_rgb(palette["in_use"])
+
+        # Paused: neither the numbers nor the drawing move while the engine steps on (each
+        # request takes a new block every 16 tokens); resumed, the page catches up.
+        page.click("#pause")
+        assert page.evaluate("() => kvDashboard.paused") and page.locator("#pause").inner_text() == "Resume"
+        frozen_step, frozen_grid = page.evaluate("() => kvDashboard.step"), page.locator("#grid").screenshot()
+        frozen_counts = shown_counts(page)
+        wait_until(lambda: snapshot(server, "none")["step"] > frozen_step + 20, "the engine to step on")
+        assert page.evaluate("() => kvDashboard.step") == frozen_step and shown_counts(page) == frozen_counts
+        assert page.locator("#grid").screenshot() == frozen_grid
+        page.click("#pause")
+        wait_until(lambda: page.evaluate("() => kvDashboard.step") > frozen_step + 20, "the page to catch up")
+        wait_until(lambda: shown_counts(page) != frozen_counts, "the shown counts to move again")
     finally:
         for s in streams:
             s.close()  # the server aborts both
