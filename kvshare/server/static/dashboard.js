@@ -21,6 +21,8 @@
   const RECONNECT_MS = 3000;
   const FRAME_SAMPLES = 2000;
   const REQUEST_ROWS = 100;
+  const TOOLTIP_OWNERS = 8;
+  const HIT_RATE_WINDOW = 10;       // seconds of prompt lookups the hit rate is taken over
   const FINISHED_REQUEST_MS = 30000; // a finished request stays in the table this long
 
   const $ = (sel) => document.querySelector(sel);
@@ -394,8 +396,10 @@
       const b = model.block(first);
       const lines = [`block ${b.id} · ${b.state.replace("_", " ")} · ref count ${b.ref_count}`];
       if (b.violation) lines.unshift(`AUDIT VIOLATION: ${b.violation.invariant} (step ${b.violation.step})`);
-      lines.push(`owners: ${b.owners.length ? b.owners.join(", ") : "none"}`);
-      if (b.sequences.length > b.owners.length) lines.push(`sequences: ${b.sequences.join(", ")}`);
+      lines.push(`owners: ${b.owners.length ? "" : "none"}`);
+      for (const o of b.owners.slice(0, TOOLTIP_OWNERS)) lines.push(`  ${o}`);
+      if (b.owners.length > TOOLTIP_OWNERS) lines.push(`  and ${b.owners.length - TOOLTIP_OWNERS} more`);
+      if (b.sequences.length > b.owners.length) lines.push(`sequences: ${b.sequences.slice(0, TOOLTIP_OWNERS).join(", ")}`);
       lines.push(`hash: ${b.hash ?? "none (not cached)"}${b.parent ? ` · after ${b.parent}` : ""}`);
       if (b.position !== null) lines.push(`position in its table: ${b.position}`);
       lines.push(`last event: ${b.last_event ? `${b.last_event.ev} at step ${b.last_event.step}` : "none seen"}`);
@@ -561,7 +565,7 @@
       this.logLines = [];
       this.series = { usage: [], hit_rate: [], evictions: [], cow: [], preemptions: [] };
       this.lastTotals = { ...this.model.totals }; // rates count from the page's first event on
-      this.lastPrefix = null;
+      this.prefixWindow = [];   // /metrics prefix cache counters, one reading a second
       this.frameTimes = [];
       this.lastFrame = null;
       this.tooltipCell = -1;
@@ -859,12 +863,15 @@
         const text = await resp.text();
         const prefix = { hits: metricValue(text, "vllm:prefix_cache_hits_total"),
           queries: metricValue(text, "vllm:prefix_cache_queries_total") };
-        if (this.lastPrefix && prefix.queries !== null && prefix.queries > this.lastPrefix.queries) {
-          hitRate = (prefix.hits - this.lastPrefix.hits) / (prefix.queries - this.lastPrefix.queries);
+        // Prompts arrive now and then: the rate over the last few seconds' lookups, not just this one's.
+        if (prefix.queries !== null) {
+          this.prefixWindow.push(prefix);
+          if (this.prefixWindow.length > HIT_RATE_WINDOW + 1) this.prefixWindow.shift();
+          const first = this.prefixWindow[0];
+          if (prefix.queries > first.queries) hitRate = (prefix.hits - first.hits) / (prefix.queries - first.queries);
         }
-        this.lastPrefix = prefix;
       } catch (err) {
-        this.lastPrefix = null;
+        this.prefixWindow = [];
       }
       const last = this.lastTotals;
       this.lastTotals = totals;
