@@ -399,7 +399,11 @@
       lines.push(`owners: ${b.owners.length ? "" : "none"}`);
       for (const o of b.owners.slice(0, TOOLTIP_OWNERS)) lines.push(`  ${o}`);
       if (b.owners.length > TOOLTIP_OWNERS) lines.push(`  and ${b.owners.length - TOOLTIP_OWNERS} more`);
-      if (b.sequences.length > b.owners.length) lines.push(`sequences: ${b.sequences.slice(0, TOOLTIP_OWNERS).join(", ")}`);
+      if (b.sequences.length > b.owners.length) {
+        // A request with several sequences (n > 1) holds a block once per sequence.
+        lines.push("sequences:");
+        for (const q of b.sequences.slice(0, TOOLTIP_OWNERS)) lines.push(`  ${q}`);
+      }
       lines.push(`hash: ${b.hash ?? "none (not cached)"}${b.parent ? ` · after ${b.parent}` : ""}`);
       if (b.position !== null) lines.push(`position in its table: ${b.position}`);
       lines.push(`last event: ${b.last_event ? `${b.last_event.ev} at step ${b.last_event.step}` : "none seen"}`);
