@@ -16,8 +16,11 @@ import pytest
 
 from server_proc import MODEL, ServerProcess
 
-playwright_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the test extra (make setup)")
-Image = pytest.importorskip("PIL.Image")
+try:
+    from playwright import sync_api as playwright_api
+except ImportError:  # reported by the browser fixture, so every browser test says why it cannot run
+    playwright_api = None
+from PIL import Image  # matplotlib's dependency: reads the screenshots' pixels
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -34,12 +37,13 @@ PREFIX = ("The history of the lighthouse keepers of the northern coast is a long
 # block that the first decoded token writes into.
 MID_BLOCK_PROMPT = list(range(300, 320))
 
-pytestmark = pytest.mark.skipif(not os.access(CHROMIUM, os.X_OK),
-                                reason=f"{CHROMIUM} missing: `make setup` installs Debian's chromium")
 
 
 @pytest.fixture(scope="module")
 def browser():
+    # `make setup` installs both; a missing one is a broken setup, not a reason to skip.
+    assert playwright_api is not None, "playwright is missing: `make setup` installs the test extra"
+    assert os.access(CHROMIUM, os.X_OK), f"{CHROMIUM} is missing: `make setup` installs Debian's chromium"
     with playwright_api.sync_playwright() as pw:
         # launch() gives the browser a fresh temporary profile of its own.
         b = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
@@ -117,7 +121,7 @@ def wait_until(pred, what: str, timeout: float = 30.0):
         time.sleep(0.1)
 
 
-def test_page_and_its_data_refuse_a_request_without_the_key(server, browser):
+def test_page_and_its_data_refuse_a_request_without_the_key(server):
     basic = base64.b64encode(f"anyone:{KEY}".encode()).decode()
     wrong = base64.b64encode(b"anyone:not-the-key").decode()
     for path in ("/dashboard", "/dashboard/dashboard.js", "/dashboard/dashboard.css", "/kv/snapshot", "/kv/events"):
@@ -139,7 +143,9 @@ def test_page_and_its_data_refuse_a_request_without_the_key(server, browser):
                                   headers={"Authorization": f"Basic {basic}"})
     assert status == 401
 
-    # A browser without the key, or offering a wrong one, is refused and never gets the page.
+
+def test_a_browser_without_the_key_gets_no_page(server, browser):
+    """Without the key, or offering a wrong one, the browser is refused and never gets the page."""
     for creds in ({}, {"http_credentials": {"username": "x", "password": "wrong"}}):
         ctx = browser.new_context(viewport=VIEWPORT, **creds)
         try:
