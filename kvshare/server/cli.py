@@ -17,7 +17,7 @@ def add_serve_parser(sub) -> None:
     g.add_argument("--served-model-name", default=None,
                    help="model id clients send and /v1/models lists (default: from the model file)")
     g.add_argument("--api-key", default=os.environ.get("KVSHARE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/ and /kv/ (default: $KVSHARE_API_KEY; unset: open)")
+                   help="require 'Authorization: Bearer KEY' on /v1/, /kv/ and /dashboard (a browser: the key as Basic password; default: $KVSHARE_API_KEY; unset: open)")
     g.add_argument("--max-waiting", type=int, default=None,
                    help="answer 429 when this many requests already wait to be scheduled (default: unbounded)")
     g.add_argument("--request-timeout", type=float, default=None,

@@ -19,7 +19,7 @@
   const LOG_LINES = 200;
   const PAUSED_EVENTS_MAX = 200000; // beyond this, a resume starts again from a fresh snapshot
   const RECONNECT_MS = 3000;
-  const FRAME_SAMPLES = 2000;
+  const FRAME_SAMPLES = 36000;     // ten minutes at 60 frames a second, for the cost benchmark
   const REQUEST_ROWS = 100;
   const TOOLTIP_OWNERS = 8;
   const HIT_RATE_WINDOW = 10;       // seconds of prompt lookups the hit rate is taken over
