@@ -53,7 +53,10 @@ def browser():
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess("--api-key", KEY).wait_ready()
+    # Room for two long requests (they must outlast every check made while they run, on a fast
+    # machine too) without preemption: 182 blocks of 16 tokens.
+    srv = ServerProcess("--api-key", KEY, engine_args=["--kv-cache-memory", "128MiB", "--max-model-len", "1536"])
+    srv.wait_ready()
     yield srv
     srv.close()
 
@@ -177,7 +180,7 @@ def test_shared_prefix_counts_owners_then_abort_leaves_nothing_in_use(server, br
     try:
         # Two long-running requests on one long prefix: the second admits on the first's blocks.
         for question in (" Question one:", " Question two:"):
-            stream = client.completions.create(model=MODEL, prompt=PREFIX + question, max_tokens=400,
+            stream = client.completions.create(model=MODEL, prompt=PREFIX + question, max_tokens=1200,
                                                temperature=0, stream=True, extra_body={"ignore_eos": True})
             streams.append(stream)
             ids.append(next(iter(stream)).id + "-0")  # running: its prompt is computed
@@ -256,7 +259,7 @@ def test_forced_copy_on_write_shows_as_it_happens(server, browser):
     ctx, page = open_dashboard(browser, server, KEY)
     palette = page.evaluate("() => kvDashboard.palette")
     client = openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=0, timeout=120)
-    stream = client.completions.create(model=MODEL, prompt=MID_BLOCK_PROMPT, n=2, max_tokens=300, temperature=0.9,
+    stream = client.completions.create(model=MODEL, prompt=MID_BLOCK_PROMPT, n=2, max_tokens=1000, temperature=0.9,
                                        seed=3, stream=True, extra_body={"ignore_eos": True})
     try:
         rid = next(iter(stream)).id + "-0"
