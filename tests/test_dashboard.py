@@ -61,10 +61,10 @@ def server():
     srv.close()
 
 
-def open_dashboard(browser, srv: ServerProcess, key: str | None):
+def open_dashboard(browser, srv: ServerProcess, key: str | None, viewport: dict = VIEWPORT):
     """A fresh browser context (own credentials, own cache) with the page loaded and live."""
     creds = {"http_credentials": {"username": "dash", "password": key}} if key is not None else {}
-    ctx = browser.new_context(viewport=VIEWPORT, **creds)
+    ctx = browser.new_context(viewport=viewport, **creds)
     page = ctx.new_page()
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
@@ -293,28 +293,42 @@ def test_forced_copy_on_write_shows_as_it_happens(server, browser):
 
 
 def test_injected_audit_violation_is_highlighted_on_the_named_block(browser):
-    """A server with the audit on and a planted bug (forks write into their shared tail block in
-    place): the audit stops the engine and names the block; the page shows it on that block."""
-    srv = ServerProcess("--audit", "--inject-fault", "no_copy_on_write").wait_ready()
+    """A server with the audit on and a planted bug (a prefix hit shares cached blocks without
+    counting the new holder): the audit stops the engine and names a block; the page paints that
+    block red. Its pool of 1-token blocks is too big for one cell per block in a narrow window,
+    so this is also the page's aggregated grid (several blocks a cell)."""
+    srv = ServerProcess("--audit", "--inject-fault", "share_without_incref",
+                        engine_args=["--kv-cache-memory", "96MiB", "--max-model-len", "512", "--block-size", "1",
+                                     "--kv-cache-dtype", "int8"]).wait_ready()
     try:
-        ctx, page = open_dashboard(browser, srv, None)  # no --api-key: the page is open
+        ctx, page = open_dashboard(browser, srv, None, viewport={"width": 400, "height": 900})  # no --api-key: open
         palette = page.evaluate("() => kvDashboard.palette")
-        status, _ = srv.post_json("/v1/completions", {"model": MODEL, "prompt": MID_BLOCK_PROMPT, "n": 2,
-                                                      "max_tokens": 4, "temperature": 0.9, "seed": 1})
-        assert status == 503  # the engine stopped at the violation
+        assert page.evaluate("() => kvDashboard.blocksPerCell") >= 2
+        prompt = list(range(300, 340))
+        status, _ = srv.post_json("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 3})
+        assert status == 200
+        status, _ = srv.post_json("/v1/completions", {"model": MODEL, "prompt": prompt + [5, 6], "max_tokens": 3})
+        assert status == 503  # its prefix hit broke an invariant: the engine stopped
         logged = wait_until(lambda: re.search(r"invariant '(\w+)' violated at step (\d+).*\n\s+block (\d+)",
                                               srv.log_text()), "the audit's report in the server log")
         invariant, step, block = logged.group(1), int(logged.group(2)), int(logged.group(3))
-        assert invariant == "write_into_shared_block"
+        assert invariant == "refcount_matches_tables"
         violations = wait_until(lambda: page.evaluate("() => kvDashboard.violations"), "the violation on the page")
         assert violations == [{"block": block, "invariant": invariant, "step": step}]
         banner = page.locator(f'#violations [data-block="{block}"]')
-        assert banner.is_visible() and invariant in banner.inner_text()
+        banner.wait_for()
+        assert invariant in banner.inner_text()
         assert pixel_at_block(page, block) == hex_rgb(palette["violation"])
-        assert f"AUDIT VIOLATION: {invariant}" in hover_text(page, block)
-        # The other blocks keep their own colours.
-        others = [b for b in range(page.evaluate("() => kvDashboard.numBlocks")) if b != block]
-        assert pixel_at_block(page, others[-1]) != hex_rgb(palette["violation"])
+        c = page.evaluate("(b) => kvDashboard.cellCentre(b)", block)
+        page.mouse.move(c["x"], c["y"])
+        tip = page.locator("#tooltip")
+        tip.wait_for(state="visible")
+        assert f"AUDIT VIOLATION: {invariant} on block {block} (step {step})" in tip.inner_text()
+        # The rest of the grid keeps its own colours: one red cell, however many blocks it holds.
+        img = Image.open(io.BytesIO(page.locator("#grid").screenshot())).convert("RGB")
+        red = sum(n for n, rgb in img.getcolors(maxcolors=1 << 16) if rgb == hex_rgb(palette["violation"]))
+        side = page.evaluate("() => kvDashboard.cellPixels")
+        assert 0 < red <= side * side  # one cell's worth at most
         ctx.close()
     finally:
         srv.close()

@@ -411,15 +411,15 @@
     }
     const counts = { free: 0, cached: 0, in_use: 0, shared: 0 };
     const owners = new Set();
-    let violations = 0;
+    const violations = [];
     for (let id = first; id < end; id++) {
       counts[STATES[model.code[id]]] += 1;
       for (const o of model.ownerRequests(id)) owners.add(o);
-      if (model.violated.has(id)) violations += 1;
+      const v = model.violated.get(id);
+      if (v) violations.push(`AUDIT VIOLATION: ${v.invariant} on block ${id} (step ${v.step})`);
     }
-    const lines = [`blocks ${first}–${end - 1}`,
+    const lines = [...violations, `blocks ${first}–${end - 1}`,
       STATES.map((s) => `${s.replace("_", " ")} ${counts[s]}`).join(" · ")];
-    if (violations) lines.unshift(`AUDIT VIOLATION on ${violations} block(s)`);
     if (owners.size) lines.push(`owners: ${[...owners].sort().slice(0, 8).join(", ")}${owners.size > 8 ? " …" : ""}`);
     return { text: lines.join("\n"), block: null };
   }
@@ -907,6 +907,7 @@
     get step() { return dash.model.step; },
     get numBlocks() { return dash.model.numBlocks; },
     get blocksPerCell() { return dash.grid ? dash.grid.perCell : null; },
+    get cellPixels() { return dash.grid ? dash.grid.cell * dash.grid.dpr : null; }, // a cell's side, in canvas pixels
     get counts() { return { ...dash.model.counts }; },
     get totals() { return { ...dash.model.totals }; },
     get violations() { return dash.model.violations.map((v) => ({ ...v })); },
