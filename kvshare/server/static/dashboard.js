@@ -114,6 +114,7 @@
         this.counts[STATES[before]] -= 1;
         this.counts[STATES[after]] += 1;
         this.code[id] = after;
+        if (this.hash[id] !== null) this.treeDirty = true; // the tree colours its blocks by state
       }
       if (this.ref[id] > 0) this.held.add(id); else this.held.delete(id);
       this.dirtyBlocks.add(id);
@@ -613,11 +614,12 @@
     // again to a snapshot that already has it changes nothing).
     async connect() {
       for (;;) {
+        const stop = new AbortController(); // a failed attempt must not leave its stream open
         try {
           this.syncing = true;
           this.held = [];
           const hello = new Promise((resolve, reject) => {
-            this.streaming = this.stream(resolve).then(
+            this.streaming = this.stream(resolve, stop.signal).then(
               () => reject(new Error("the event stream ended")), reject);
           });
           await hello;
@@ -627,6 +629,7 @@
           await this.streaming;
           throw new Error("the event stream ended");
         } catch (err) {
+          stop.abort();
           this.error = String(err.message ?? err);
           const stopped = this.model.violations.length ? "stopped" : "error";
           this.setStatus(stopped, `${stopped === "stopped" ? "engine stopped at an audit violation" : "disconnected"}: ${this.error}; retrying`);
@@ -635,8 +638,8 @@
       }
     }
 
-    async stream(onHello) {
-      const resp = await fetch("kv/events", { cache: "no-store" });
+    async stream(onHello, signal) {
+      const resp = await fetch("kv/events", { cache: "no-store", signal });
       if (!resp.ok) throw new Error(`GET kv/events: HTTP ${resp.status} ${(await resp.text()).slice(0, 200)}`);
       const reader = resp.body.getReader();
       const decoder = new TextDecoder();
@@ -797,7 +800,7 @@
       }
       for (const rid of held.keys()) {
         const r = m.request(rid);
-        if (r.status === "finished" || r.status === "preempted") r.status = "running";
+        if (r.status !== "aborted") r.status = "running";
       }
       const rows = [...m.requests.entries()].map(([rid, r]) => ({ rid, r, h: held.get(rid) ?? { blocks: 0, shared: 0 } }))
         .sort((a, b) => b.h.blocks - a.h.blocks || a.rid.localeCompare(b.rid));
