@@ -2,25 +2,27 @@
 
 One run, a fresh `kvshare serve` per configuration:
   1. throughput: total tok/s of a shared-prefix closed loop at --concurrency (kvshare bench serve's
-     sweep), once with nobody watching, once with the page open and live in a real headless
-     Chromium (Debian's /usr/bin/chromium driven by Playwright); the cost is the drop in %.
+     sweep), with nobody watching and with the page open and live in a real headless Chromium
+     (Debian's /usr/bin/chromium driven by Playwright), --repeats times each in A-B-B-A order;
+     the cost is the drop of the mean in %. The browser runs on the same machine, so its own CPU
+     time is part of the cost.
   2. responsiveness: a server with a KV pool of at least --pool-blocks blocks (small blocks, so the
      pool fits in memory: --pool-block-size tokens each, the KV memory sized from the first server's
      bytes per token), the page open while the same load runs for --seconds; the frame times the
      browser reports (requestAnimationFrame) give the median and p95, and the time the page took
      to load the whole pool.
 
-The recording run (a quiet machine, ~10 minutes):
+The recording run (a quiet machine, ~15 minutes):
 
     python benchmarks/dashboard_cost.py --concurrency 16 --requests 96 --max-tokens 64 \\
         --pool-blocks 50000 --seconds 20 --out-json bench_out/dashboard_cost.json
 
-A smoke run (a minute, sizes too small to mean anything):
+A smoke run (a minute or two, sizes too small to mean anything):
 
-    python benchmarks/dashboard_cost.py --concurrency 2 --requests 4 --max-tokens 4 \\
+    python benchmarks/dashboard_cost.py --concurrency 2 --requests 4 --max-tokens 4 --repeats 1 \\
         --pool-blocks 3000 --seconds 3
 
---screenshot PATH saves the page as it looked a few seconds into the watched throughput run.
+--screenshot PATH saves the page as it looked a few seconds into the first watched throughput run.
 """
 from __future__ import annotations
 
@@ -118,7 +120,7 @@ def sweep_in_thread(opts: SweepOptions) -> concurrent.futures.Future:
     return future
 
 
-def throughput(args, browser, watched: bool) -> tuple[float, dict]:
+def throughput(args, browser, watched: bool, screenshot: bool) -> tuple[float, dict]:
     srv = ServeProcess(args.engine_args).wait_ready()
     ctx = None
     try:
@@ -126,7 +128,7 @@ def throughput(args, browser, watched: bool) -> tuple[float, dict]:
         if watched:
             ctx, page, extra["page_load_s"] = open_dashboard(browser, srv)
         future = sweep_in_thread(sweep_options(args, srv, args.requests))
-        if watched and args.screenshot:
+        if watched and screenshot and args.screenshot:
             # Mid-run: the page as it looks under load.
             while not future.done() and page.evaluate("() => kvDashboard.counts.in_use + kvDashboard.counts.shared") == 0:
                 time.sleep(0.2)
@@ -207,6 +209,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--requests", type=int, default=96, help="requests per throughput run")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="throughput runs per configuration, in A-B-B-A order (each on a fresh server)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--pool-blocks", type=int, default=50_000, help="at least this many blocks in the big pool")
     p.add_argument("--pool-block-size", type=int, default=1, help="tokens per block in the big pool")
@@ -218,7 +222,8 @@ def main(argv=None) -> int:
     p.add_argument("--out-json", default=None)
     args = p.parse_args(argv)
     args.engine_args = args.engine_args.split()
-    if min(args.concurrency, args.requests, args.max_tokens, args.pool_blocks, args.pool_block_size) < 1 \
+    if min(args.concurrency, args.requests, args.repeats, args.max_tokens, args.pool_blocks,
+           args.pool_block_size) < 1 \
             or args.seconds <= 0:
         p.error("sizes must be positive")
     if not os.access(CHROMIUM, os.X_OK):
@@ -229,19 +234,29 @@ def main(argv=None) -> int:
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
-            bare, _ = throughput(args, browser, watched=False)
-            watched, watched_info = throughput(args, browser, watched=True)
+            # A-B-B-A...: a drift of the machine over the run (clock, heat, neighbours) falls on both.
+            order = [w for i in range(args.repeats) for w in ((False, True) if i % 2 == 0 else (True, False))]
+            runs = {False: [], True: []}
+            watched_info = None
+            for watched_run in order:
+                tok_s, info = throughput(args, browser, watched=watched_run, screenshot=not runs[True])
+                runs[watched_run].append(tok_s)
+                watched_info = info if watched_run else watched_info
             big = responsiveness(args, browser, bytes_per_token(args))
         finally:
             browser.close()
+    bare, watched = statistics.mean(runs[False]), statistics.mean(runs[True])
     cost = 100.0 * (bare - watched) / bare
     result = {"concurrency": args.concurrency, "requests": args.requests, "max_tokens": args.max_tokens,
               "total_tok_s_without": bare, "total_tok_s_with_dashboard": watched, "cost_pct": cost,
+              "runs_without": runs[False], "runs_with_dashboard": runs[True],
               "dashboard_during_throughput": watched_info, "big_pool": big}
     print(f"throughput, shared prefix, concurrency {args.concurrency}, {args.requests} requests x "
           f"{args.max_tokens} tokens:")
-    print(f"  no dashboard       {bare:9.1f} total tok/s")
-    print(f"  dashboard open     {watched:9.1f} total tok/s   (page showed {watched_info['events_shown']} events)")
+    each = lambda xs: ", ".join(f"{x:.1f}" for x in xs)  # noqa: E731
+    print(f"  no dashboard       {bare:9.1f} total tok/s   (mean of {each(runs[False])})")
+    print(f"  dashboard open     {watched:9.1f} total tok/s   (mean of {each(runs[True])}; the last page showed "
+          f"{watched_info['events_shown']} events)")
     print(f"  cost               {cost:9.1f} %")
     fm = big["frame_ms"]
     print(f"responsiveness, pool of {big['num_blocks']} blocks ({big['blocks_per_cell']} per cell), "
