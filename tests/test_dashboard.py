@@ -101,9 +101,8 @@ def grid_colours(page) -> set[tuple[int, int, int]]:
 
 
 def shown_counts(page) -> dict[str, int]:
-    """The counts as the page prints them (its text), checked against its own state object."""
-    text = {s: int(page.locator(f'[data-count="{s}"]').inner_text()) for s in STATES}
-    return text
+    """The counts as the page prints them (its text, not its state object)."""
+    return {s: int(page.locator(f'[data-count="{s}"]').inner_text()) for s in STATES}
 
 
 def snapshot(srv: ServerProcess, blocks: str = "all") -> dict:
@@ -286,6 +285,7 @@ def test_forced_copy_on_write_shows_as_it_happens(server, browser):
         # The per-second series counts it at its next sample.
         wait_until(lambda: max(page.evaluate("() => kvDashboard.series().cow"), default=0) >= 1,
                    "the copy in the copy-on-write/s series", 5)
+        assert page.dash_errors == []
     finally:
         stream.close()
         ctx.close()
@@ -329,6 +329,7 @@ def test_injected_audit_violation_is_highlighted_on_the_named_block(browser):
         red = sum(n for n, rgb in img.getcolors(maxcolors=1 << 16) if rgb == hex_rgb(palette["violation"]))
         side = page.evaluate("() => kvDashboard.cellPixels")
         assert 0 < red <= side * side  # one cell's worth at most
+        assert page.dash_errors == []
         ctx.close()
     finally:
         srv.close()
