@@ -2,6 +2,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.kvshare-installed
+# apt-get needs root: CI runs as root, a developer's machine goes through sudo.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: setup serve test bench clean
 
@@ -9,6 +11,8 @@ setup: $(STAMP)
 
 # torch is pinned and installed first: an unpinned torch would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml Makefile
+	# The dashboard tests drive Debian's chromium through Playwright (which downloads no browser).
+	test -x /usr/bin/chromium || ($(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends chromium)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0

@@ -1,4 +1,4 @@
-"""`kvshare bench serve`'s arithmetic: percentiles, the knee, workloads (no server needed)."""
+"""`kvshare bench serve`'s arithmetic: percentiles, the knee, workloads (no kvshare server needed)."""
 from __future__ import annotations
 
 from kvshare.bench.report import RequestResult, build_figure, find_knee, percentile, summarize
@@ -100,3 +100,47 @@ def test_bench_against_an_unreachable_server_is_one_clear_line(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert rc != 0
     assert len(err) == 1 and "cannot reach" in err[0] and url in err[0] and "Traceback" not in err[0]
+
+
+def test_dashboard_url_only_for_a_server_that_answers_with_a_kv_pool():
+    """Another OpenAI-compatible server (404 on /kv/snapshot), a kvshare one refusing the key (401)
+    and one answering with something else get no dashboard link; a pool gets one."""
+    import asyncio
+    import http.server
+    import json
+    import threading
+
+    import httpx2
+
+    from kvshare.bench.serve import kvshare_dashboard_url
+
+    replies = {"other": (404, {"detail": "Not Found"}), "refusing": (401, {"error": {"code": "invalid_api_key"}}),
+               "odd": (200, {"num_blocks": "many"}), "kvshare": (200, {"num_blocks": 91, "counts": {"free": 91}})}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            kind, _, rest = self.path.lstrip("/").partition("/")
+            status, body = replies[kind] if rest == "kv/snapshot?blocks=none" else (404, {})
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    root = f"http://127.0.0.1:{httpd.server_address[1]}"
+
+    async def probe(kind):
+        async with httpx2.AsyncClient() as client:
+            return await kvshare_dashboard_url(client, f"{root}/{kind}/v1", {})
+
+    try:
+        got = {kind: asyncio.run(probe(kind)) for kind in replies}
+    finally:
+        httpd.shutdown()
+    assert got == {"other": None, "refusing": None, "odd": None, "kvshare": f"{root}/kvshare/dashboard"}

@@ -50,11 +50,14 @@ def test_pool_read_states_owners_positions_and_counts():
     assert counts == {"free": 3, "cached": 0, "in_use": 2, "shared": 3} == manager_counts(mgr)
     shared = [r for r in rows if r["state"] == "shared"]
     assert [r["position"] for r in shared] == [0, 1, 2]
+    # Each names the block before it in the chain (what the dashboard's prefix tree is drawn from).
+    assert shared[0]["parent"] is None and [r["parent"] for r in shared[1:]] == [r["hash"] for r in shared[:-1]]
     for r in shared:
         assert r["owners"] == ["req-a", "req-b"] and r["ref_count"] == 2 and r["group"] == 0
         assert HEX12.match(r["hash"]) and r["last_event"]["ev"] == "incref"
     free = [r for r in rows if r["state"] == "free"]
-    assert all(r["owners"] == [] and r["position"] is None and r["hash"] is None for r in free)
+    assert all(r["owners"] == [] and r["position"] is None and r["hash"] is None and r["parent"] is None
+               for r in free)
     kinds = {e["ev"] for e in tap.take()}
     assert {"admit", "alloc", "register", "cache_hit", "incref"} <= kinds and tap.take() == []
 

@@ -611,7 +611,10 @@ def test_bench_serve_sweeps_this_server(server, tmp_path):
                            capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="2"))
         assert r.returncode == 0, r.stderr[-2000:]
         assert "knee:" in r.stdout and "total tok/s" in r.stdout
+        # A kvshare server: the sweep names its live KV view's page.
+        assert f"watch its KV cache live at {server.url}/dashboard" in r.stderr
         sweep = json.loads(out_json.read_text())
+        assert sweep["dashboard_url"] == server.url + "/dashboard"
         levels = [float(x) for x in load[1].split(",")]
         assert [s["level"] for s in sweep["levels"]] == levels and sweep["model"] == MODEL
         assert sweep["mode"] == ("rate" if "--request-rate" in load else "concurrency")

@@ -254,6 +254,22 @@ async def _discover_model(client, base: str, headers: dict, model: str | None) -
                          f"give --model") from None
 
 
+async def kvshare_dashboard_url(client, base: str, headers: dict) -> str | None:
+    """The live KV view's page when the server is kvshare (it answers /kv/snapshot with a pool),
+    else None: any other server, or a kvshare one refusing this key."""
+    import httpx2
+
+    root = base[:-len("/v1")] if base.endswith("/v1") else base
+    try:
+        resp = await client.get(f"{root}/kv/snapshot", params={"blocks": "none"}, headers=headers)
+        body = resp.json() if resp.status_code == 200 else None
+    except (httpx2.HTTPError, ValueError):
+        return None
+    if isinstance(body, dict) and isinstance(body.get("num_blocks"), int) and isinstance(body.get("counts"), dict):
+        return f"{root}/dashboard"
+    return None
+
+
 async def run_sweep(opts: SweepOptions, log=print) -> dict:
     import httpx2
 
@@ -265,6 +281,10 @@ async def run_sweep(opts: SweepOptions, log=print) -> dict:
     timeout = httpx2.Timeout(opts.timeout, connect=30.0)
     async with httpx2.AsyncClient(limits=limits, timeout=timeout) as client:
         model = await _discover_model(client, base, headers, opts.model)
+        dashboard = await kvshare_dashboard_url(client, base, headers)
+        if dashboard is not None:
+            key_hint = " (the browser asks for the API key: give it as the password)" if opts.api_key else ""
+            log(f"  kvshare server: watch its KV cache live at {dashboard}{key_hint}")
         extra = {"ignore_eos": True} if opts.ignore_eos else {}
 
         def sender(req: BenchRequest):
@@ -292,7 +312,8 @@ async def run_sweep(opts: SweepOptions, log=print) -> dict:
             if errors:  # say why, or a failed sweep is a bare exit status
                 log(f"    failed requests: {'; '.join(errors[:3])}")
     sweep = {"label": opts.label, "base_url": opts.base_url, "model": model, "endpoint": opts.endpoint,
-             "workload": opts.workload, "mode": opts.mode, "max_tokens": opts.max_tokens, "levels": levels}
+             "workload": opts.workload, "mode": opts.mode, "max_tokens": opts.max_tokens, "levels": levels,
+             "dashboard_url": dashboard}
     sweep["knee"] = find_knee(levels)
     return sweep
 

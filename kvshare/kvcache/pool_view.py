@@ -56,6 +56,9 @@ def read_pool(manager, request_of: Callable[[str], str],
             "owners": sorted({request_of(s) for s in b.owners}),
             "group": group, "position": position,
             "hash": b.block_hash.hex()[:HASH_HEX] if b.block_hash is not None else None,
+            # The block before it in its chain (None: the first block, or not cached), so a view
+            # can draw the prefix tree; the register event carries the same pair.
+            "parent": b.parent_hash.hex()[:HASH_HEX] if b.block_hash is not None and b.parent_hash else None,
             "last_event": None if last is None else {"ev": last[0], "step": last[1]},
         })
     return rows, counts

@@ -13,6 +13,7 @@ from starlette.responses import JSONResponse, PlainTextResponse
 
 from kvshare import __version__
 from kvshare.errors import InvalidRequestError
+from kvshare.server.dashboard import add_dashboard_routes
 from kvshare.server.errors import APIError
 from kvshare.server.kv_routes import add_kv_view_routes
 from kvshare.server.middleware import GuardMiddleware
@@ -108,6 +109,7 @@ def build_app(state: ServerState) -> FastAPI:
         return await tokenizing.detokenize(await raw.body())
 
     add_kv_view_routes(app, state)
+    add_dashboard_routes(app)
 
     return app
 

@@ -17,7 +17,7 @@ def add_serve_parser(sub) -> None:
     g.add_argument("--served-model-name", default=None,
                    help="model id clients send and /v1/models lists (default: from the model file)")
     g.add_argument("--api-key", default=os.environ.get("KVSHARE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/ and /kv/ (default: $KVSHARE_API_KEY; unset: open)")
+                   help="require 'Authorization: Bearer KEY' on /v1/, /kv/ and /dashboard (a browser: the key as Basic password; default: $KVSHARE_API_KEY; unset: open)")
     g.add_argument("--max-waiting", type=int, default=None,
                    help="answer 429 when this many requests already wait to be scheduled (default: unbounded)")
     g.add_argument("--request-timeout", type=float, default=None,
@@ -39,6 +39,9 @@ def add_serve_parser(sub) -> None:
                         "<tool_call> JSON), llama3_json, pythonic")
     t.add_argument("--grammar-compile-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="refuse (400) a structured-output grammar that takes longer than this to compile")
+    # Test-only: plant a known bug class (kvshare.testing.faults) so the dashboard's test can show
+    # an audit violation on a real server (with --audit the engine stops at the violation).
+    p.add_argument("--inject-fault", default=None, help=argparse.SUPPRESS)
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 
@@ -70,7 +73,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
         grammar_compile_timeout=args.grammar_compile_timeout,
     )
+    if args.inject_fault is not None:
+        from kvshare.testing.faults import FAULTS
+        if args.inject_fault not in FAULTS:
+            raise ValueError(f"--inject-fault {args.inject_fault!r} is unknown; known: {sorted(FAULTS)}")
     engine = LLMEngine(EngineConfig.from_kwargs(**engine_options(args)))
+    if args.inject_fault is not None:
+        from kvshare.testing.faults import plant
+        plant(engine, args.inject_fault)
     name = cfg.served_model_name or default_model_name(args.model)
     metrics = ServerMetrics(name)
     state = ServerState(

@@ -1,9 +1,19 @@
 """The gate in front of the /v1/ routes, as plain ASGI so it runs before any body parsing:
 refuse while draining (503), check the API key (401), cap the body (413), count in-flight requests
-for the shutdown drain. /tokenize and /detokenize are guarded too; the live KV view (/kv/) only
-needs the key; health, readiness, metrics and version stay open."""
+for the shutdown drain. /tokenize and /detokenize are guarded too; the live KV view (/kv/ and the
+/dashboard page) only needs the key; health, readiness, metrics and version stay open.
+
+The view also takes the key as HTTP Basic credentials (any user name, the key as password): a
+browser cannot add a Bearer header to a page it navigates to, but it asks for Basic credentials
+on a 401 that offers them and then sends them with the page's own fetches. Basic is accepted on
+the view only (read-only GETs): the browser attaches those credentials by itself, so they must
+open nothing that changes state; and a Basic request another site made the browser send
+(Sec-Fetch-Site cross-site or same-site) is refused.
+"""
 from __future__ import annotations
 
+import base64
+import binascii
 import hmac
 
 from kvshare.server.errors import APIError
@@ -17,6 +27,8 @@ GUARDED_PATHS = frozenset({"/tokenize", "/detokenize"})
 # The live KV view: behind the key, but neither drained nor counted in flight (an open event
 # stream must not hold a shutdown up: it ends by itself once draining starts) and bodiless.
 VIEW_PREFIX = "/kv/"
+DASHBOARD_PATH = "/dashboard"  # the page, and its script and style under /dashboard/
+BASIC_REALM = "kvshare"
 
 
 class GuardMiddleware:
@@ -25,7 +37,7 @@ class GuardMiddleware:
         self.state = state
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(VIEW_PREFIX):
+        if scope["type"] == "http" and is_view_path(scope["path"]):
             await self._view(scope, receive, send)
             return
         if scope["type"] != "http" or not (scope["path"].startswith("/v1/") or scope["path"] in GUARDED_PATHS):
@@ -67,9 +79,14 @@ class GuardMiddleware:
         await self._forward(scope, b"".join(body), receive, send)
 
     async def _view(self, scope, receive, send) -> None:
-        if self.state.config.api_key is not None and \
-                not self._authorized(dict(scope["headers"]).get(b"authorization", b"")):
-            return await self._reject(scope, receive, send, "unauthorized", _unauthorized())
+        if self.state.config.api_key is not None:
+            headers = dict(scope["headers"])
+            header = headers.get(b"authorization", b"")
+            ok = self._authorized(header) or (
+                self._basic_authorized(header) and headers.get(b"sec-fetch-site", b"same-origin")
+                in (b"same-origin", b"none"))
+            if not ok:
+                return await self._reject(scope, receive, send, "unauthorized", _unauthorized_view())
         await self.app(scope, receive, send)
 
     async def _forward(self, scope, body: bytes, receive, send) -> None:
@@ -94,6 +111,16 @@ class GuardMiddleware:
         # compare_digest on every attempt, so the time taken says nothing about the key.
         ok = hmac.compare_digest(token.strip(), expected)
         return ok and scheme.lower() == b"bearer"
+
+    def _basic_authorized(self, header: bytes) -> bool:
+        """'Basic base64(user:key)', any user name (a browser's login dialog asks for one)."""
+        scheme, _, encoded = header.partition(b" ")
+        try:
+            _, sep, password = base64.b64decode(encoded.strip(), validate=True).partition(b":")
+        except (binascii.Error, ValueError):
+            sep, password = b"", b""
+        ok = hmac.compare_digest(password, self.state.config.api_key.encode())
+        return ok and sep == b":" and scheme.lower() == b"basic"
 
     @staticmethod
     async def _discard(receive, budget: int, more: bool = True) -> None:
@@ -120,3 +147,15 @@ class GuardMiddleware:
 def _unauthorized() -> APIError:
     return APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
                     code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def is_view_path(path: str) -> bool:
+    return path.startswith(VIEW_PREFIX) or path == DASHBOARD_PATH or path.startswith(DASHBOARD_PATH + "/")
+
+
+def _unauthorized_view() -> APIError:
+    # The Basic challenge makes a browser ask for the key (a script just sends the Bearer header).
+    return APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>', or open the "
+                         "page in a browser and give the key as the password (any user name)",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": f'Basic realm="{BASIC_REALM}", charset="UTF-8"'})

@@ -1,7 +1,7 @@
 """Fault injection: plant, into one engine instance, a bug class that has really shipped in
-inference engines, so tests (and `kvshare doctor --inject-fault`) can prove the audit and the
-doctor catch it. Test-only: nothing here is reachable from normal configuration, and planting
-patches the given engine object alone.
+inference engines, so tests (and the hidden `--inject-fault` of `kvshare doctor` and `kvshare
+serve`) can prove the audit, the doctor and the dashboard catch it. Test-only: nothing here is
+reachable from normal configuration, and planting patches the given engine object alone.
 
   share_without_incref   (a) a prefix hit puts cached blocks in the table without counting them
   no_copy_on_write       (b) a sequence appends into a block it shares (fork tail) in place

@@ -1,0 +1,335 @@
+"""The live KV view's page (/dashboard) in a real browser: Debian's headless Chromium driven by
+Playwright, against a real `kvshare serve` on loopback. What the page says (its kvDashboard
+object, its text) is checked against the server's /kv/snapshot and /metrics, and what it drew is
+checked too: the colour of a block's cell in a screenshot, the hover tooltip, the whole grid."""
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import re
+import time
+
+import openai
+import pytest
+
+from server_proc import MODEL, ServerProcess
+
+try:
+    from playwright import sync_api as playwright_api
+except ImportError:  # reported by the browser fixture, so every browser test says why it cannot run
+    playwright_api = None
+from PIL import Image  # matplotlib's dependency: reads the screenshots' pixels
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+KEY = "dashboard-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+STATES = ("free", "cached", "in_use", "shared")
+VIEWPORT = {"width": 1280, "height": 900}
+# Long enough for several full blocks: the second request hits the first's cached prefix.
+PREFIX = ("The history of the lighthouse keepers of the northern coast is a long one. Each keeper kept a log "
+          "of ships, storms, tides and lamps, and every log was read by the next keeper before the season "
+          "began. ") * 2
+# 20 token ids: one full block of 16 and 4 tokens into the next, so n=2's forks share a partial
+# block that the first decoded token writes into.
+MID_BLOCK_PROMPT = list(range(300, 320))
+
+
+
+@pytest.fixture(scope="module")
+def browser():
+    # `make setup` installs both; a missing one is a broken setup, not a reason to skip.
+    assert playwright_api is not None, "playwright is missing: `make setup` installs the test extra"
+    assert os.access(CHROMIUM, os.X_OK), f"{CHROMIUM} is missing: `make setup` installs Debian's chromium"
+    with playwright_api.sync_playwright() as pw:
+        # launch() gives the browser a fresh temporary profile of its own.
+        b = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def server():
+    # Room for two long requests (they must outlast every check made while they run, on a fast
+    # machine too) without preemption: 182 blocks of 16 tokens.
+    srv = ServerProcess("--api-key", KEY, engine_args=["--kv-cache-memory", "128MiB", "--max-model-len", "1536"])
+    srv.wait_ready()
+    yield srv
+    srv.close()
+
+
+def open_dashboard(browser, srv: ServerProcess, key: str | None, viewport: dict = VIEWPORT):
+    """A fresh browser context (own credentials, own cache) with the page loaded and live."""
+    creds = {"http_credentials": {"username": "dash", "password": key}} if key is not None else {}
+    ctx = browser.new_context(viewport=viewport, **creds)
+    page = ctx.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    resp = page.goto(srv.url + "/dashboard")
+    assert resp.status == 200, resp.status
+    page.wait_for_function("() => window.kvDashboard && window.kvDashboard.ready", timeout=30_000)
+    page.dash_errors = errors
+    return ctx, page
+
+
+def hex_rgb(colour: str) -> tuple[int, int, int]:
+    return tuple(int(colour[i:i + 2], 16) for i in (1, 3, 5))
+
+
+def pixel_at_block(page, block: int) -> tuple[int, int, int]:
+    """The colour actually on screen in the middle of a block's cell."""
+    c = page.evaluate("(b) => kvDashboard.cellCentre(b)", block)
+    png = page.screenshot(clip={"x": int(c["x"]), "y": int(c["y"]), "width": 1, "height": 1})
+    return Image.open(io.BytesIO(png)).convert("RGB").getpixel((0, 0))
+
+
+def hover_text(page, block: int) -> str:
+    c = page.evaluate("(b) => kvDashboard.cellCentre(b)", block)
+    page.mouse.move(c["x"], c["y"])
+    tip = page.locator("#tooltip")
+    tip.wait_for(state="visible")
+    page.wait_for_function("(b) => document.querySelector('#tooltip').dataset.block === String(b)", arg=block)
+    return tip.inner_text()
+
+
+def grid_colours(page) -> set[tuple[int, int, int]]:
+    img = Image.open(io.BytesIO(page.locator("#grid").screenshot())).convert("RGB")
+    return {rgb for _, rgb in img.getcolors(maxcolors=1 << 16)}
+
+
+def shown_counts(page) -> dict[str, int]:
+    """The counts as the page prints them (its text, not its state object)."""
+    return {s: int(page.locator(f'[data-count="{s}"]').inner_text()) for s in STATES}
+
+
+def snapshot(srv: ServerProcess, blocks: str = "all") -> dict:
+    status, _, body = srv.request("GET", f"/kv/snapshot?blocks={blocks}", headers=AUTH)
+    assert status == 200, body
+    snap = json.loads(body)
+    assert snap["counts"] == snap["engine_counts"]
+    return snap
+
+
+def wait_until(pred, what: str, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        got = pred()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_page_and_its_data_refuse_a_request_without_the_key(server):
+    basic = base64.b64encode(f"anyone:{KEY}".encode()).decode()
+    wrong = base64.b64encode(b"anyone:not-the-key").decode()
+    for path in ("/dashboard", "/dashboard/dashboard.js", "/dashboard/dashboard.css", "/kv/snapshot", "/kv/events"):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {wrong}"},
+                        {"Authorization": "Basic !!not-base64"},
+                        # the right key, but another site made the browser send it
+                        {"Authorization": f"Basic {basic}", "Sec-Fetch-Site": "cross-site"}):
+            status, hdrs, body = server.request("GET", path, headers=headers)
+            assert status == 401, (path, headers)
+            assert json.loads(body)["error"]["code"] == "invalid_api_key"
+            assert hdrs["www-authenticate"].startswith("Basic realm=")  # a browser asks for the key
+    for headers in (AUTH, {"Authorization": f"Basic {basic}", "Sec-Fetch-Site": "same-origin"}):
+        status, hdrs, body = server.request("GET", "/dashboard", headers=headers)
+        assert status == 200 and b"<canvas" in body and hdrs["content-security-policy"].startswith("default-src 'self'")
+    status, _, body = server.request("GET", "/dashboard/nope.js", headers=AUTH)
+    assert status == 404 and "nope.js" in json.loads(body)["error"]["message"]
+    # Basic opens the read-only view only, never the API (a browser sends it by itself).
+    status, _, _ = server.request("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1},
+                                  headers={"Authorization": f"Basic {basic}"})
+    assert status == 401
+
+
+def test_a_browser_without_the_key_gets_no_page(server, browser):
+    """Without the key, or offering a wrong one, the browser is refused and never gets the page."""
+    for creds in ({}, {"http_credentials": {"username": "x", "password": "wrong"}}):
+        ctx = browser.new_context(viewport=VIEWPORT, **creds)
+        try:
+            page = ctx.new_page()
+            assert refused_navigation(page, server.url + "/dashboard")
+        finally:
+            ctx.close()
+
+
+def refused_navigation(page, url: str) -> bool:
+    """Whether the server refused the browser the page: a 401 shown, or (when the browser had a
+    challenge it could not answer, as headless Chromium can ask nobody) a failed navigation."""
+    statuses = []
+    page.on("response", lambda r: statuses.append(r.status) if r.url == url else None)
+    try:
+        resp = page.goto(url)
+    except playwright_api.Error as e:
+        assert "ERR_INVALID_AUTH_CREDENTIALS" in str(e), e
+        return all(s == 401 for s in statuses)
+    return (resp.status == 401 and set(statuses) == {401} and "missing or wrong API key" in page.content()
+            and page.evaluate("() => typeof window.kvDashboard") == "undefined")
+
+
+def test_shared_prefix_counts_owners_then_abort_leaves_nothing_in_use(server, browser):
+    ctx, page = open_dashboard(browser, server, KEY)
+    palette = page.evaluate("() => kvDashboard.palette")
+    client = openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=0, timeout=120)
+    streams, ids = [], []
+    try:
+        # Two long-running requests on one long prefix: the second admits on the first's blocks.
+        for question in (" Question one:", " Question two:"):
+            stream = client.completions.create(model=MODEL, prompt=PREFIX + question, max_tokens=1200,
+                                               temperature=0, stream=True, extra_body={"ignore_eos": True})
+            streams.append(stream)
+            ids.append(next(iter(stream)).id + "-0")  # running: its prompt is computed
+
+        # The counts change while both decode: a page reading between two equal server readings
+        # (snapshot and /metrics) held for that whole moment.
+        def agreeing():
+            before, in_use_before = snapshot(server, "none")["counts"], server.metric("kvshare:kv_cache_blocks_in_use")
+            page_counts = page.evaluate("() => kvDashboard.counts")
+            text = shown_counts(page)
+            after, in_use_after = snapshot(server, "none")["counts"], server.metric("kvshare:kv_cache_blocks_in_use")
+            same = before == after == page_counts == text and in_use_before == in_use_after
+            return (page_counts, in_use_after) if same else None
+
+        counts, in_use_metric = wait_until(agreeing, "the page's counts to match the server's")
+        assert counts["shared"] > 0 and counts["in_use"] > 0
+        assert counts["in_use"] + counts["shared"] == in_use_metric
+        assert sum(counts.values()) == server.metric("kvshare:kv_cache_blocks_total")
+
+        snap = snapshot(server)
+        shared = [b for b in snap["blocks"] if b["state"] == "shared"]
+        assert shared and all(b["owners"] == sorted(ids) for b in shared)
+        block = shared[0]["id"]
+        shown = page.evaluate("(b) => kvDashboard.block(b)", block)
+        assert shown["state"] == "shared" and shown["owners"] == sorted(ids) and shown["ref_count"] == 2
+        assert shown["hash"] == shared[0]["hash"]
+        tip = hover_text(page, block)
+        assert f"block {block} · shared · ref count 2" in tip
+        assert all(rid in tip for rid in ids), tip
+        assert pixel_at_block(page, block) == hex_rgb(palette["shared"])
+        groups = page.evaluate("() => kvDashboard.sharingGroups()")
+        assert {"owners": sorted(ids), "blocks": sorted(b["id"] for b in shared)} in groups
+        group = page.locator(f'#share-groups li[data-owners="{" ".join(sorted(ids))}"]')
+        group.wait_for()  # the panels are redrawn twice a second
+        assert f"share {len(shared)} block(s)" in group.inner_text()
+        rows = {r: page.locator(f'#requests tr[data-request="{r}"]') for r in ids}
+        wait_until(lambda: all(row.count() == 1 for row in rows.values()), "both requests in the table")
+        mine = [b for b in snap["blocks"] if b["state"] == "in_use" and b["owners"] == [ids[0]]]
+        assert mine and pixel_at_block(page, mine[0]["id"]) == hex_rgb(palette["in_use"])
+
+        # Paused: neither the numbers nor the drawing move while the engine steps on (each
+        # request takes a new block every 16 tokens); resumed, the page catches up.
+        page.click("#pause")
+        assert page.evaluate("() => kvDashboard.paused") and page.locator("#pause").inner_text() == "Resume"
+        frozen_step, frozen_grid = page.evaluate("() => kvDashboard.step"), page.locator("#grid").screenshot()
+        frozen_counts = shown_counts(page)
+        wait_until(lambda: snapshot(server, "none")["step"] > frozen_step + 20, "the engine to step on")
+        assert page.evaluate("() => kvDashboard.step") == frozen_step and shown_counts(page) == frozen_counts
+        assert page.locator("#grid").screenshot() == frozen_grid
+        page.click("#pause")
+        wait_until(lambda: page.evaluate("() => kvDashboard.step") > frozen_step + 20, "the page to catch up")
+        wait_until(lambda: shown_counts(page) != frozen_counts, "the shown counts to move again")
+    finally:
+        for s in streams:
+            s.close()  # the server aborts both
+    try:
+        server.wait_idle()
+        final = snapshot(server)
+        assert final["counts"]["in_use"] == final["counts"]["shared"] == 0 and final["counts"]["cached"] > 0
+        wait_until(lambda: page.evaluate("() => kvDashboard.counts") == final["counts"] == shown_counts(page),
+                   "the page to show the aborted requests' blocks released")
+        # Drawn: not one pixel of the grid in an in-use or shared colour, cached cells cached.
+        colours = grid_colours(page)
+        assert hex_rgb(palette["in_use"]) not in colours and hex_rgb(palette["shared"]) not in colours
+        cached = next(b["id"] for b in final["blocks"] if b["state"] == "cached")
+        assert pixel_at_block(page, cached) == hex_rgb(palette["cached"])
+        log = page.locator('#log li[data-ev="abort"]')
+        wait_until(lambda: all(any(rid in line for line in log.all_inner_texts()) for rid in ids),
+                   "both aborts in the event log")
+        assert page.dash_errors == []
+    finally:
+        ctx.close()
+
+
+def test_forced_copy_on_write_shows_as_it_happens(server, browser):
+    ctx, page = open_dashboard(browser, server, KEY)
+    palette = page.evaluate("() => kvDashboard.palette")
+    client = openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=0, timeout=120)
+    stream = client.completions.create(model=MODEL, prompt=MID_BLOCK_PROMPT, n=2, max_tokens=1000, temperature=0.9,
+                                       seed=3, stream=True, extra_body={"ignore_eos": True})
+    try:
+        rid = next(iter(stream)).id + "-0"
+        # While the request still runs: the page got the copy from the event stream.
+        cows = wait_until(lambda: [c for c in page.evaluate("() => kvDashboard.cows") if c["seq"].startswith(rid)],
+                          "the copy-on-write to reach the page")
+        cow = cows[0]
+        assert cow["seq"] in (f"{rid}#0", f"{rid}#1") and cow["src"] != cow["dst"]
+        live = snapshot(server)["blocks"]
+        # The copy is the writer's own block; the original stays with the other fork.
+        assert live[cow["dst"]]["owners"] == [rid] and live[cow["dst"]]["position"] == 1
+        assert live[cow["src"]]["owners"] == [rid] and live[cow["src"]]["ref_count"] == 1
+        shown = page.evaluate("(b) => kvDashboard.block(b)", cow["dst"])
+        assert shown["owners"] == [rid] and shown["sequences"] == [cow["seq"]]
+        # Its last event: the copy, or what came after it (the block fills up and is cached).
+        last = shown["last_event"]
+        assert last == {"ev": "cow", "step": cow["step"]} or (last["ev"] == "register" and last["step"] > cow["step"])
+        assert f"block {cow['dst']} · in use · ref count 1" in hover_text(page, cow["dst"])
+        assert pixel_at_block(page, cow["dst"]) == hex_rgb(palette["in_use"])
+        line = f"copies shared block {cow['src']} into block {cow['dst']}"
+        page.wait_for_function("(t) => [...document.querySelectorAll('#log li[data-ev=\"cow\"]')]"
+                               ".some((li) => li.textContent.includes(t))", arg=line)
+        assert page.evaluate("() => kvDashboard.totals.cow") >= 1
+        # The per-second series counts it at its next sample.
+        wait_until(lambda: max(page.evaluate("() => kvDashboard.series().cow"), default=0) >= 1,
+                   "the copy in the copy-on-write/s series", 5)
+        assert page.dash_errors == []
+    finally:
+        stream.close()
+        ctx.close()
+    server.wait_idle()
+
+
+def test_injected_audit_violation_is_highlighted_on_the_named_block(browser):
+    """A server with the audit on and a planted bug (a prefix hit shares cached blocks without
+    counting the new holder): the audit stops the engine and names a block; the page paints that
+    block red. Its pool of 1-token blocks is too big for one cell per block in a narrow window,
+    so this is also the page's aggregated grid (several blocks a cell)."""
+    srv = ServerProcess("--audit", "--inject-fault", "share_without_incref",
+                        engine_args=["--kv-cache-memory", "96MiB", "--max-model-len", "512", "--block-size", "1",
+                                     "--kv-cache-dtype", "int8"]).wait_ready()
+    try:
+        ctx, page = open_dashboard(browser, srv, None, viewport={"width": 400, "height": 900})  # no --api-key: open
+        palette = page.evaluate("() => kvDashboard.palette")
+        assert page.evaluate("() => kvDashboard.blocksPerCell") >= 2
+        prompt = list(range(300, 340))
+        status, _ = srv.post_json("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 3})
+        assert status == 200
+        status, _ = srv.post_json("/v1/completions", {"model": MODEL, "prompt": prompt + [5, 6], "max_tokens": 3})
+        assert status == 503  # its prefix hit broke an invariant: the engine stopped
+        logged = wait_until(lambda: re.search(r"invariant '(\w+)' violated at step (\d+).*\n\s+block (\d+)",
+                                              srv.log_text()), "the audit's report in the server log")
+        invariant, step, block = logged.group(1), int(logged.group(2)), int(logged.group(3))
+        assert invariant == "refcount_matches_tables"
+        violations = wait_until(lambda: page.evaluate("() => kvDashboard.violations"), "the violation on the page")
+        assert violations == [{"block": block, "invariant": invariant, "step": step}]
+        banner = page.locator(f'#violations [data-block="{block}"]')
+        banner.wait_for()
+        assert invariant in banner.inner_text()
+        assert pixel_at_block(page, block) == hex_rgb(palette["violation"])
+        c = page.evaluate("(b) => kvDashboard.cellCentre(b)", block)
+        page.mouse.move(c["x"], c["y"])
+        tip = page.locator("#tooltip")
+        tip.wait_for(state="visible")
+        assert f"AUDIT VIOLATION: {invariant} on block {block} (step {step})" in tip.inner_text()
+        # The rest of the grid keeps its own colours: one red cell, however many blocks it holds.
+        img = Image.open(io.BytesIO(page.locator("#grid").screenshot())).convert("RGB")
+        red = sum(n for n, rgb in img.getcolors(maxcolors=1 << 16) if rgb == hex_rgb(palette["violation"]))
+        side = page.evaluate("() => kvDashboard.cellPixels")
+        assert 0 < red <= side * side  # one cell's worth at most
+        assert page.dash_errors == []
+        ctx.close()
+    finally:
+        srv.close()
