@@ -8,7 +8,9 @@ many leading blocks each replica holds. The balance rule follows SGLang's cache-
 when the loads are far apart (by more than `balance_abs_threshold` requests and by a factor of
 `balance_rel_threshold`) the least-loaded replica gets the request whatever it caches; otherwise
 the best match wins if it covers at least `cache_threshold` of the request's blocks, else the
-least-loaded replica does (ties: the lowest index).
+least-loaded replica does. "Least loaded" means fewest requests in flight (routed by the front
+end and not finished: running or queued on the replica), then the lowest KV cache usage (what the
+replica last reported), then the lowest index.
 """
 from __future__ import annotations
 
@@ -25,11 +27,20 @@ class ReplicaState:
     index: int
     cached: set[bytes] = field(default_factory=set)  # block hashes, from the replica's KV events
     in_flight: int = 0  # requests routed to it and not finished
+    kv_usage: float = 0.0  # fraction of its KV blocks in use, as the replica last reported it
     alive: bool = True
 
     def apply(self, events) -> None:
         """Decoded wire events ([tag, fields...]) of one batch, in order."""
         apply_kv_events(self.cached, events)
+
+
+@dataclass(frozen=True)
+class RoutingDecision:
+    index: int  # the replica chosen
+    matched_blocks: int  # leading blocks of the prompt the chosen replica holds (router's view)
+    prompt_blocks: int  # full blocks of the prompt (0 when the router has no hasher)
+    reason: str  # prefix (a cache match won), load (no usable match), imbalance, round_robin, least_loaded
 
 
 class Router:
@@ -60,29 +71,39 @@ class Router:
         return n
 
     def _least_loaded(self, live: list[ReplicaState]) -> ReplicaState:
-        return min(live, key=lambda r: (r.in_flight, r.index))
+        return min(live, key=lambda r: (r.in_flight, r.kv_usage, r.index))
 
     def choose(self, token_ids: list[int], cache_salt: str | None = None) -> int:
         """The replica index for a request; raises RuntimeError when no replica is alive."""
+        return self.route(token_ids, cache_salt).index
+
+    def route(self, token_ids: list[int], cache_salt: str | None = None) -> RoutingDecision:
+        """The replica for a request and why; raises RuntimeError when no replica is alive. The
+        match is computed whatever the policy (when the router has a hasher), so prefix hits can
+        be counted for round-robin and least-loaded routing too."""
         live = [r for r in self.replicas if r.alive]
         if not live:
             raise RuntimeError("no replica is alive")
+        hashes = self.hasher.prefix_hashes(token_ids, cache_salt) if self.hasher is not None else []
+
+        def decided(r: ReplicaState, reason: str) -> RoutingDecision:
+            return RoutingDecision(r.index, self.matched_blocks(r, hashes), len(hashes), reason)
+
         if self.policy == "round_robin":
             for _ in range(len(self.replicas)):
                 r = self.replicas[self._next % len(self.replicas)]
                 self._next += 1
                 if r.alive:
-                    return r.index
+                    return decided(r, "round_robin")
         if self.policy == "least_loaded":
-            return self._least_loaded(live).index
+            return decided(self._least_loaded(live), "least_loaded")
         loads = [r.in_flight for r in live]
         lo, hi = min(loads), max(loads)
         if hi - lo > self.balance_abs_threshold and hi > self.balance_rel_threshold * lo:
-            return self._least_loaded(live).index
-        hashes = self.hasher.prefix_hashes(token_ids, cache_salt)
+            return decided(self._least_loaded(live), "imbalance")
         if hashes:
-            best = max(live, key=lambda r: (self.matched_blocks(r, hashes), -r.in_flight, -r.index))
-            if self.matched_blocks(best, hashes) >= self.cache_threshold * len(hashes) and \
-                    self.matched_blocks(best, hashes) > 0:
-                return best.index
-        return self._least_loaded(live).index
+            best = max(live, key=lambda r: (self.matched_blocks(r, hashes), -r.in_flight, -r.kv_usage, -r.index))
+            matched = self.matched_blocks(best, hashes)
+            if matched >= self.cache_threshold * len(hashes) and matched > 0:
+                return RoutingDecision(best.index, matched, len(hashes), "prefix")
+        return decided(self._least_loaded(live), "load")
