@@ -1,0 +1,358 @@
+"""Data-parallel serving (issue 14 item 2): `kvshare serve --data-parallel-size 2` runs two real
+engine processes behind one front end. The router learns each replica's cache from its KV events,
+keeps a tenant's requests on the replica holding its prefix (prefix_aware) or alternates
+(round_robin); disconnects reach the replica, 429s reach the client, a SIGKILLed replica fails its
+own requests at once while the other keeps serving and leaks no block, SIGTERM drains to exit 0."""
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import time
+
+import openai
+import pytest
+
+from kvshare import LLM, SamplingParams
+from kvshare.bench.workloads import ENGLISH_TEXT, token_prompts
+from kvshare.kvcache.hashing import BlockHasher
+from kvshare.server.kv_subscriber import KVEventSubscriber
+from kvshare.server.routing import Router
+from server_proc import MODEL, ServerProcess
+
+DP = ["--data-parallel-size", "2"]
+BLOCK = 16
+
+
+def aclient(srv: ServerProcess) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+def system_prompt(tenant: int) -> str:
+    start = 97 * tenant
+    return f"You are the assistant of tenant {tenant}. Policy: " + ENGLISH_TEXT[start:start + 900]
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
+        time.sleep(0.1)
+
+
+def by_engine(srv: ServerProcess, name: str, **labels: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for n, lab, v in srv.metrics():
+        if n == name and all(lab.get(k) == x for k, x in labels.items()):
+            out[lab.get("engine", "")] = out.get(lab.get("engine", ""), 0.0) + v
+    return out
+
+
+def ready_body(srv: ServerProcess) -> tuple[int, dict]:
+    status, _, data = srv.request("GET", "/ready")
+    return status, json.loads(data)
+
+
+# ---- the subscriber, against a real engine's publisher --------------------------------------------
+
+def test_subscriber_rebuilds_a_real_engines_cache_and_the_router_matches_it():
+    """Batches published before the subscriber connected come from the replay socket; evictions
+    (BlockRemoved) are followed; the router then matches a prompt's cached blocks exactly."""
+    llm = LLM(kv_cache_memory=46080 * BLOCK * 60, kv_events_endpoint="tcp://127.0.0.1:0",
+              kv_events_replay_endpoint="tcp://127.0.0.1:0", prefix_caching_hash_seed="dp-test")
+    try:
+        pub = llm.engine.kv_event_publisher
+        pool = llm.engine.manager.pool
+        tok = llm.get_tokenizer()
+        shared = token_prompts(tok.encode, [300], offset_step=11)[0]
+        early = [shared + token_prompts(tok.encode, [40 + 8 * i], offset_step=53 + i)[0] for i in range(3)]
+        late = token_prompts(tok.encode, [200, 250, 330], offset_step=97) + [shared + [5, 6, 7] * 20]
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        for p in early:  # published before anyone listens: only the replay socket still has them
+            llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)
+        router = Router(1, block_size=BLOCK, hash_seed="dp-test")
+
+        async def follow():
+            import zmq.asyncio
+
+            ctx = zmq.asyncio.Context()
+            sub = KVEventSubscriber(ctx, router.replicas[0], pub.endpoint, pub.replay_endpoint)
+            task = asyncio.ensure_future(sub.run())
+            await asyncio.sleep(0.3)  # the subscription reaches the publisher
+            for p in late:
+                await asyncio.to_thread(llm.generate, [{"prompt_token_ids": p}], params, use_tqdm=False)
+            deadline = time.monotonic() + 10
+            while sub.next_seq != pub._seq and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            ctx.destroy(linger=0)
+            return sub
+
+        sub = asyncio.run(follow())
+        assert sub.replayed > 0, "the batches sent before subscribing were not replayed"
+        assert sub.next_seq == pub._seq and sub.lost == 0
+        assert pool.num_evictions > 0  # BlockRemoved events were part of what it followed
+        assert router.replicas[0].cached == set(pool.cached)
+        hashes = BlockHasher.seeded(BLOCK, "dp-test").prefix_hashes(shared + [1] * 40)
+        expected = 0
+        for h in hashes:
+            if h not in pool.cached:
+                break
+            expected += 1
+        assert expected >= 300 // BLOCK - 2  # the shared prefix, fresh from the last prompt, is still cached
+        assert router.matched_blocks(router.replicas[0], hashes) == expected
+    finally:
+        llm.engine.close()
+
+
+# ---- prefix-aware front end ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def prefix_server():
+    srv = ServerProcess(*DP).wait_ready()
+    yield srv
+    srv.close()
+
+
+async def _chat(client, tenant: int, question: str, max_tokens: int = 2):
+    raw = await client.chat.completions.with_raw_response.create(
+        model=MODEL, max_tokens=max_tokens, temperature=0,
+        messages=[{"role": "system", "content": system_prompt(tenant)}, {"role": "user", "content": question}])
+    return raw.headers["x-kvshare-engine"], raw.parse()
+
+
+def test_prefix_aware_keeps_each_tenant_on_the_replica_that_caches_it(prefix_server):
+    srv = prefix_server
+    hits_before = by_engine(srv, "vllm:prefix_cache_hits_total")
+
+    async def main():
+        client = aclient(srv)
+        try:
+            # Tenant 2 arrives while tenant 1's first request runs: it goes to the idle replica.
+            t1 = asyncio.ensure_future(_chat(client, 1, "Hi?", max_tokens=24))
+            await asyncio.to_thread(wait_for, lambda: sum(by_engine(srv, "kvshare:router_in_flight_requests")
+                                                          .values()) == 1, 20, "tenant 1's request to be routed")
+            first = [await _chat(client, 2, "Hello?"), await t1]
+            home = {1: first[1][0], 2: first[0][0]}
+            assert home[1] != home[2], home
+            # Both replicas' events reached the router before the tenants come back.
+            await asyncio.to_thread(wait_for, lambda: all(v >= 10 for v in by_engine(
+                srv, "kvshare:router_cached_blocks").values()), 20, "the router to learn both caches")
+            later = await asyncio.gather(*(_chat(client, t, f"Question {i} for tenant {t}?")
+                                           for i in range(4) for t in (1, 2)))
+            return home, later
+        finally:
+            await client.close()
+
+    home, later = asyncio.run(main())
+    for i, (engine, resp) in enumerate(later):
+        tenant = (1, 2)[i % 2]
+        assert engine == home[tenant], f"tenant {tenant}'s request went to engine {engine}, its prefix is on {home[tenant]}"
+        assert resp.usage.prompt_tokens_details.cached_tokens >= 10 * BLOCK
+    hits = by_engine(srv, "vllm:prefix_cache_hits_total")
+    for engine in home.values():  # the replicas' own counters agree: each served its tenant from cache
+        assert hits[engine] - hits_before.get(engine, 0) >= 4 * 10 * BLOCK
+    decisions = by_engine(srv, "kvshare:router_decisions_total", reason="prefix")
+    assert sum(decisions.values()) >= 8
+    assert sum(by_engine(srv, "kvshare:router_prefix_hit_blocks_total").values()) >= 8 * 10
+
+
+def test_metrics_label_every_replica_series_and_count_routing(prefix_server):
+    srv = prefix_server
+    status, _, data = srv.request("GET", "/metrics")
+    assert status == 200
+    text = data.decode()
+    types = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")]
+    assert len(types) == len(set(types)), "a family was written twice"
+    for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:prefix_cache_hits_total",
+                 "vllm:time_to_first_token_seconds_count", "kvshare:kv_cache_blocks_in_use",
+                 "kvshare:router_routed_requests_total", "kvshare:router_in_flight_requests",
+                 "kvshare:router_engine_alive"):
+        engines = by_engine(srv, name, model_name=MODEL)
+        assert set(engines) == {"0", "1"}, (name, engines)
+    routed = by_engine(srv, "kvshare:router_routed_requests_total", policy="prefix_aware")
+    assert sum(routed.values()) >= 1
+    assert by_engine(srv, "kvshare:router_engine_alive") == {"0": 1.0, "1": 1.0}
+    status, body = ready_body(srv)
+    assert status == 200 and body["status"] == "ready" and body["dead_engines"] == []
+    assert [e["engine"] for e in body["engines"]] == [0, 1] and body["routing_policy"] == "prefix_aware"
+    status, _, data = srv.request("GET", "/health")
+    assert status == 200 and json.loads(data)["status"] == "ok"
+
+
+def test_a_client_disconnect_aborts_the_request_on_its_replica(prefix_server):
+    srv = prefix_server
+    aborted_before = sum(by_engine(srv, "kvshare:aborted_requests_total", reason="client_disconnect").values())
+
+    async def stream_then_leave():
+        client = aclient(srv)
+        try:
+            stream = await client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=400,
+                                                     temperature=0, stream=True, extra_body={"ignore_eos": True})
+            n = 0
+            async for _ in stream:
+                n += 1
+                if n == 3:
+                    break
+            await stream.close()
+        finally:
+            await client.close()
+
+    asyncio.run(stream_then_leave())
+    # A non-streaming request whose client hangs up while it runs.
+    body = json.dumps({"model": MODEL, "prompt": "The weather today", "max_tokens": 400,
+                       "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", srv.port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        wait_for(lambda: sum(by_engine(srv, "kvshare:router_in_flight_requests").values()) == 1, 20,
+                 "the request to be routed")
+        time.sleep(0.5)
+    wait_for(lambda: sum(by_engine(srv, "kvshare:aborted_requests_total", reason="client_disconnect").values())
+             >= aborted_before + 2, 30, "both replicas' client_disconnect aborts")
+    wait_for(lambda: sum(by_engine(srv, "kvshare:kv_cache_blocks_in_use").values()) == 0
+             and sum(by_engine(srv, "kvshare:router_in_flight_requests").values()) == 0, 30,
+             "no block held and nothing in flight")
+
+
+# ---- round robin, backpressure -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def rr_server():
+    srv = ServerProcess(*DP, "--routing-policy", "round_robin", "--max-num-seqs", "2", "--max-waiting", "1").wait_ready()
+    yield srv
+    srv.close()
+
+
+def test_round_robin_alternates(rr_server):
+    srv = rr_server
+    engines = []
+    for i in range(4):
+        status, headers, data = srv.request("POST", "/v1/completions", {
+            "model": MODEL, "prompt": system_prompt(3) + f" Question {i}", "max_tokens": 1})
+        assert status == 200, data
+        engines.append(headers["x-kvshare-engine"])
+    assert engines in (["0", "1", "0", "1"], ["1", "0", "1", "0"])
+
+
+def test_429s_reach_the_client(rr_server):
+    srv = rr_server
+
+    async def one(client):
+        try:
+            return await client.completions.create(model=MODEL, prompt="Count to ten:", max_tokens=24,
+                                                   temperature=0, extra_body={"ignore_eos": True})
+        except openai.RateLimitError as e:
+            return e
+
+    async def main():
+        client = aclient(srv)
+        try:
+            return await asyncio.gather(*(one(client) for _ in range(14)))
+        finally:
+            await client.close()
+
+    results = asyncio.run(main())
+    refused = [r for r in results if isinstance(r, Exception)]
+    ok = [r for r in results if not isinstance(r, Exception)]
+    # 2 engines x (2 running + 1 waiting) = 6 at most in flight: the front end refuses the rest.
+    assert len(refused) >= 14 - 6 and len(ok) >= 2
+    for e in refused:
+        assert e.status_code == 429 and e.response.headers["retry-after"]
+        assert e.response.json()["error"]["code"] == "queue_full"
+    assert all(r.usage.completion_tokens == 24 for r in ok)
+    assert sum(by_engine(srv, "kvshare:rejected_requests_total", reason="queue_full").values()) >= len(refused)
+
+
+# ---- a replica dies; then the front end drains ---------------------------------------------------
+
+def test_a_killed_replica_fails_its_requests_and_the_other_keeps_serving():
+    srv = ServerProcess(*DP, "--routing-policy", "round_robin").wait_ready()
+    try:
+        _, body = ready_body(srv)
+        victim = body["engines"][1]
+
+        async def one(client, i: int):
+            try:
+                raw = await client.completions.with_raw_response.create(
+                    model=MODEL, prompt=f"Story number {i}:", max_tokens=160, temperature=0,
+                    extra_body={"ignore_eos": True})
+                return raw.headers["x-kvshare-engine"], raw.parse()
+            except openai.APIError as e:
+                return None, e
+
+        async def streamed(client):
+            try:
+                stream = await client.completions.create(model=MODEL, prompt="A long tale:", max_tokens=160,
+                                                         temperature=0, stream=True, extra_body={"ignore_eos": True})
+                text = ""
+                async for chunk in stream:
+                    text += chunk.choices[0].text if chunk.choices else ""
+                return "stream", text
+            except openai.APIError as e:
+                return None, e
+
+        async def main():
+            client = aclient(srv)
+            try:
+                tasks = [asyncio.ensure_future(one(client, i)) for i in range(6)]
+                tasks += [asyncio.ensure_future(streamed(client)) for _ in range(2)]
+                await asyncio.to_thread(wait_for, lambda: by_engine(srv, "vllm:num_requests_running").get("1", 0) > 0
+                                        and by_engine(srv, "vllm:generation_tokens_total").get("1", 0) > 0, 30,
+                                        "engine 1 to be generating")
+                import os
+                os.kill(victim["pid"], signal.SIGKILL)
+                # Every request ends (answer or error) well within the timeout: none hangs.
+                return await asyncio.wait_for(asyncio.gather(*tasks), 90)
+            finally:
+                await client.close()
+
+        results = asyncio.run(main())
+        failed = [r for _, r in results if isinstance(r, Exception)]
+        served = [(e, r) for e, r in results if not isinstance(r, Exception)]
+        assert failed, "killing engine 1 mid-load failed none of its requests"
+        for e in failed:
+            assert "engine 1" in str(e), e
+        for engine, r in served:
+            assert engine in ("0", "stream"), engine
+            if engine == "0":
+                assert r.usage.completion_tokens == 160
+        assert sum(1 for e, _ in served if e == "0") == 3  # round robin gave engine 0 three of the six
+        status, body = ready_body(srv)
+        assert status == 200 and body["status"] == "degraded" and body["dead_engines"] == [1]
+        assert body["engines"][1]["status"] == "dead" and "SIGKILL" in body["engines"][1]["detail"]
+        # New requests go to the survivor only.
+        for i in range(3):
+            status, headers, data = srv.request("POST", "/v1/completions",
+                                                {"model": MODEL, "prompt": f"After {i}", "max_tokens": 2})
+            assert status == 200 and headers["x-kvshare-engine"] == "0", data
+        # The survivor holds no block once idle: nothing leaked by the failed neighbour's requests.
+        wait_for(lambda: by_engine(srv, "kvshare:kv_cache_blocks_in_use").get("0") == 0
+                 and by_engine(srv, "vllm:num_requests_running").get("0") == 0
+                 and sum(by_engine(srv, "kvshare:router_in_flight_requests").values()) == 0, 30,
+                 "the survivor to be idle with no block in use")
+        assert by_engine(srv, "kvshare:router_engine_alive") == {"0": 1.0, "1": 0.0}
+        assert by_engine(srv, "kvshare:router_failed_requests_total", reason="replica_died").get("1", 0) >= 1
+
+        # SIGTERM with a request in flight: it completes, the survivor drains, the front end exits 0.
+        async def drain():
+            client = aclient(srv)
+            try:
+                task = asyncio.ensure_future(one(client, 99))
+                await asyncio.to_thread(wait_for, lambda: by_engine(srv, "vllm:num_requests_running").get("0", 0)
+                                        > 0, 20, "the request to run")
+                srv.proc.send_signal(signal.SIGTERM)
+                return await asyncio.wait_for(task, 60)
+            finally:
+                await client.close()
+
+        engine, r = asyncio.run(drain())
+        assert engine == "0" and r.usage.completion_tokens == 160
+        assert srv.proc.wait(60) == 0
+    finally:
+        srv.close()
