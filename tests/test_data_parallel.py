@@ -356,3 +356,57 @@ def test_a_killed_replica_fails_its_requests_and_the_other_keeps_serving():
         assert srv.proc.wait(60) == 0
     finally:
         srv.close()
+
+
+# ---- the front end's plumbing, without servers ---------------------------------------------------
+
+def test_replica_endpoints_are_offset_by_rank_as_in_vllm():
+    from kvshare.server.data_parallel import connect_endpoint, offset_endpoint
+
+    assert offset_endpoint("tcp://*:5557", 1, "--kv-events-endpoint") == "tcp://*:5558"
+    assert connect_endpoint("tcp://*:5558") == "tcp://127.0.0.1:5558"
+    assert connect_endpoint("tcp://10.0.0.2:5558") == "tcp://10.0.0.2:5558"
+    assert offset_endpoint("ipc:///tmp/kv", 2, "--kv-events-endpoint") == "ipc:///tmp/kv.2"
+    with pytest.raises(ValueError, match=r"--kv-events-endpoint 'tcp://127.0.0.1:0' is invalid with "
+                                         r"--data-parallel-size: give tcp://HOST:PORT with an explicit port"):
+        offset_endpoint("tcp://127.0.0.1:0", 0, "--kv-events-endpoint")
+
+
+def test_cpus_and_threads_are_split_between_replicas():
+    import os
+
+    from kvshare.server.data_parallel import split_cpus
+
+    cpus = sorted(os.sched_getaffinity(0))
+    shares = split_cpus(2, None)
+    assert [t for t, _ in shares] == [max(1, len(cpus) // 2)] * 2
+    if len(cpus) >= 2:
+        assert set(shares[0][1]).isdisjoint(shares[1][1])
+    assert [t for t, _ in split_cpus(2, 2)] == [1, 1]  # OMP_NUM_THREADS=2 is the budget of both together
+    assert all(cpu is None for _, cpu in split_cpus(len(cpus) + 1, None))  # fewer CPUs than replicas: no pinning
+
+
+def test_replica_command_line_passes_the_users_flags_and_sets_its_own():
+    from kvshare.cli import build_parser
+    from kvshare.server.cli import replica_argv
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "-dp", "2", "--port", "9000", "--max-model-len", "512", "--audit",
+                              "--api-key", "k", "--kv-events-endpoint", "tcp://*:5557", "--routing-policy",
+                              "round_robin"])
+    serve = args.func.keywords["parser"]
+    argv = replica_argv(serve, args, {"port": 9100, "kv_events_endpoint": "tcp://*:5558"})
+    assert argv[:3] == ["--max-model-len", "512", "--audit"]
+    assert argv[3:] == ["--port", "9100", "--kv-events-endpoint", "tcp://*:5558"]
+    assert "k" not in argv  # the key travels in the environment, not where `ps` shows it
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--data-parallel-size", "0"], "--data-parallel-size 0 is invalid: must be >= 1"),
+    (["-dp", "2", "--kv-events-endpoint", "tcp://127.0.0.1:0"], "--kv-events-endpoint 'tcp://127.0.0.1:0' is invalid"),
+])
+def test_bad_data_parallel_flags_name_the_flag(argv, message, capsys):
+    from kvshare.cli import main
+
+    assert main(["serve", *argv]) == 2
+    assert message in capsys.readouterr().err

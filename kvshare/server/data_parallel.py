@@ -85,6 +85,10 @@ class DataParallelOptions:
     def __post_init__(self) -> None:
         if self.size < 1:
             raise ValueError(f"--data-parallel-size {self.size} is invalid: must be >= 1")
+        if self.kv_events_endpoint:  # checked now, before any replica starts
+            offset_endpoint(self.kv_events_endpoint, 0, "--kv-events-endpoint")
+        if self.kv_events_replay_endpoint:
+            offset_endpoint(self.kv_events_replay_endpoint, 0, "--kv-events-replay-endpoint")
 
 
 def offset_endpoint(endpoint: str, rank: int, flag: str) -> str:
