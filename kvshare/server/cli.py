@@ -134,11 +134,15 @@ def serve_replicas(args: argparse.Namespace, parser: argparse.ArgumentParser, cf
         max_num_seqs=engine_cfg.max_num_seqs,
     )
 
+    # The default KV pool (a fraction of available memory) is split between the replicas, so N
+    # replicas hold as much KV as one engine would; an explicit --kv-cache-memory is per replica.
+    pool = {"kv_cache_memory": engine_cfg.kv_budget_bytes() // options.size} if args.kv_cache_memory is None else {}
+
     def argv(rank: int, port: int, events: str, replay: str) -> list[str]:
         # The front end writes the access log (one line per client request); a replica's would
         # also list the front end's /metrics polls.
         return replica_argv(parser, args, {"host": "127.0.0.1", "port": port, "kv_events_endpoint": events,
                                            "kv_events_replay_endpoint": replay,
-                                           "prefix_caching_hash_seed": options.hash_seed}) + ["--no-access-log"]
+                                           "prefix_caching_hash_seed": options.hash_seed, **pool}) + ["--no-access-log"]
 
     return serve_data_parallel(cfg, options, argv, args.model)

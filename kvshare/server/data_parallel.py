@@ -151,6 +151,7 @@ class FrontendState:
             return
         rep.alive = False
         rep.cached.clear()  # nothing is cached on a dead replica; never route by it again
+        rep.pending.clear()
         self.dead_detail[index] = detail
         if self.draining:
             logger.info("engine %d stopped: %s", index, detail)
@@ -264,7 +265,13 @@ class Proxy:
             index = decision.index
             rep = st.router.replicas[index]
             rep.in_flight += 1
-            release = _Once(lambda rep=rep: setattr(rep, "in_flight", rep.in_flight - 1))
+            rep.hold(decision.block_hashes)
+
+            def finished(rep=rep, hashes=decision.block_hashes) -> None:
+                rep.in_flight -= 1
+                rep.release(hashes)
+
+            release = _Once(finished)
             try:
                 upstream = await self._send(raw, st.replicas[index], path, body, headers)
             except ClientGone:

@@ -4,7 +4,10 @@ or round-robin / least-loaded.
 Prefix-aware routing learns what each replica caches from that replica's KV events (BlockStored
 / BlockRemoved, kvshare.kvcache.kv_events), never by guessing: with a shared hash seed the router
 hashes a request's full blocks as the replicas do (BlockHasher.prefix_hashes) and counts how
-many leading blocks each replica holds. The balance rule follows SGLang's cache-aware policy:
+many leading blocks each replica holds. The blocks of requests in flight on a replica count as
+held there too (ReplicaState.hold / release): they are in its cache as soon as it prefills them,
+and without this a tenant's first requests arriving together would scatter over the replicas
+before the first event comes back. The balance rule follows SGLang's cache-aware policy:
 when the loads are far apart (by more than `balance_abs_threshold` requests and by a factor of
 `balance_rel_threshold`) the least-loaded replica gets the request whatever it caches; otherwise
 the best match wins if it covers at least `cache_threshold` of the request's blocks, else the
@@ -26,6 +29,7 @@ ROUTING_POLICIES = ("prefix_aware", "round_robin", "least_loaded")
 class ReplicaState:
     index: int
     cached: set[bytes] = field(default_factory=set)  # block hashes, from the replica's KV events
+    pending: dict[bytes, int] = field(default_factory=dict)  # block hashes of requests in flight there -> count
     in_flight: int = 0  # requests routed to it and not finished
     kv_usage: float = 0.0  # fraction of its KV blocks in use, as the replica last reported it
     alive: bool = True
@@ -34,6 +38,23 @@ class ReplicaState:
         """Decoded wire events ([tag, fields...]) of one batch, in order."""
         apply_kv_events(self.cached, events)
 
+    def holds(self, block_hash: bytes) -> bool:
+        return block_hash in self.cached or block_hash in self.pending
+
+    def hold(self, hashes) -> None:
+        """A request with these block hashes was sent here."""
+        for h in hashes:
+            self.pending[h] = self.pending.get(h, 0) + 1
+
+    def release(self, hashes) -> None:
+        """That request finished (or failed): from now on only the events say what is cached."""
+        for h in hashes:
+            left = self.pending.get(h, 0) - 1
+            if left > 0:
+                self.pending[h] = left
+            else:
+                self.pending.pop(h, None)
+
 
 @dataclass(frozen=True)
 class RoutingDecision:
@@ -41,6 +62,7 @@ class RoutingDecision:
     matched_blocks: int  # leading blocks of the prompt the chosen replica holds (router's view)
     prompt_blocks: int  # full blocks of the prompt (0 when the router has no hasher)
     reason: str  # prefix (a cache match won), load (no usable match), imbalance, round_robin, least_loaded
+    block_hashes: tuple[bytes, ...] = ()  # the prompt's, for ReplicaState.hold / release
 
 
 class Router:
@@ -65,7 +87,7 @@ class Router:
     def matched_blocks(self, replica: ReplicaState, hashes: list[bytes]) -> int:
         n = 0
         for h in hashes:
-            if h not in replica.cached:
+            if not replica.holds(h):
                 break
             n += 1
         return n
@@ -87,7 +109,7 @@ class Router:
         hashes = self.hasher.prefix_hashes(token_ids, cache_salt) if self.hasher is not None else []
 
         def decided(r: ReplicaState, reason: str) -> RoutingDecision:
-            return RoutingDecision(r.index, self.matched_blocks(r, hashes), len(hashes), reason)
+            return RoutingDecision(r.index, self.matched_blocks(r, hashes), len(hashes), reason, tuple(hashes))
 
         if self.policy == "round_robin":
             for _ in range(len(self.replicas)):
@@ -105,5 +127,5 @@ class Router:
             best = max(live, key=lambda r: (self.matched_blocks(r, hashes), -r.in_flight, -r.kv_usage, -r.index))
             matched = self.matched_blocks(best, hashes)
             if matched >= self.cache_threshold * len(hashes) and matched > 0:
-                return RoutingDecision(best.index, matched, len(hashes), "prefix")
+                return RoutingDecision(best.index, matched, len(hashes), "prefix", tuple(hashes))
         return decided(self._least_loaded(live), "load")
