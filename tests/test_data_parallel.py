@@ -274,7 +274,8 @@ def test_429s_reach_the_client(rr_server):
 def test_a_killed_replica_fails_its_requests_and_the_other_keeps_serving():
     srv = ServerProcess(*DP, "--routing-policy", "round_robin").wait_ready()
     try:
-        _, body = ready_body(srv)
+        status, body = ready_body(srv)
+        assert status == 200 and body["status"] == "ready"
         victim = body["engines"][1]
 
         async def one(client, i: int):
@@ -289,11 +290,12 @@ def test_a_killed_replica_fails_its_requests_and_the_other_keeps_serving():
         async def streamed(client):
             try:
                 stream = await client.completions.create(model=MODEL, prompt="A long tale:", max_tokens=160,
-                                                         temperature=0, stream=True, extra_body={"ignore_eos": True})
-                text = ""
+                                                         temperature=0, stream=True, extra_body={"ignore_eos": True},
+                                                         stream_options={"include_usage": True})
+                usage = None
                 async for chunk in stream:
-                    text += chunk.choices[0].text if chunk.choices else ""
-                return "stream", text
+                    usage = chunk.usage or usage
+                return "stream", usage  # None if the stream ended early without an error
             except openai.APIError as e:
                 return None, e
 
@@ -318,11 +320,13 @@ def test_a_killed_replica_fails_its_requests_and_the_other_keeps_serving():
         assert failed, "killing engine 1 mid-load failed none of its requests"
         for e in failed:
             assert "engine 1" in str(e), e
-        for engine, r in served:
+        for engine, r in served:  # everything that did not fail is whole, wherever it ran
             assert engine in ("0", "stream"), engine
-            if engine == "0":
-                assert r.usage.completion_tokens == 160
-        assert sum(1 for e, _ in served if e == "0") == 3  # round robin gave engine 0 three of the six
+            usage = r.usage if engine == "0" else r
+            assert usage is not None and usage.completion_tokens == 160
+        # Round robin gave engine 0 half of them (more if a request that never reached engine 1
+        # was sent on to it); all of those were served.
+        assert len(served) >= 4 and len(failed) + len(served) == 8
         status, body = ready_body(srv)
         assert status == 200 and body["status"] == "degraded" and body["dead_engines"] == [1]
         assert body["engines"][1]["status"] == "dead" and "SIGKILL" in body["engines"][1]["detail"]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import re
@@ -51,7 +52,8 @@ from kvshare.server.kv_subscriber import KVEventSubscriber
 from kvshare.server.middleware import GuardMiddleware
 from kvshare.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from kvshare.server.replica import ReplicaLaunch, ReplicaProcess
-from kvshare.server.routing import Router
+from kvshare.server.routing import Router, RoutingDecision
+from kvshare.server.runner import ABORT_GRACE_SECONDS
 from kvshare.server.settings import ServerConfig
 
 logger = logging.getLogger("kvshare.server")
@@ -245,8 +247,6 @@ class Proxy:
         live = [r for r in self.state.router.replicas if r.alive]
         if not live:
             raise RuntimeError("no replica is alive")
-        from kvshare.server.routing import RoutingDecision
-
         r = min(live, key=lambda r: (r.in_flight, r.kv_usage, r.index))
         return RoutingDecision(r.index, 0, 0, "least_loaded")
 
@@ -380,8 +380,6 @@ class Proxy:
 
 
 def _json(obj) -> str:
-    import json
-
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
 
@@ -442,6 +440,16 @@ async def wait_replicas_ready(state: FrontendState, timeout: float = STARTUP_TIM
             await asyncio.sleep(0.25)
 
 
+async def _wait_started(state: FrontendState) -> None:
+    async with httpx2.AsyncClient(timeout=httpx2.Timeout(10.0)) as client:
+        state.client = client
+        try:
+            await wait_replicas_ready(state)
+        finally:
+            state.client = None
+    state.started = True
+
+
 async def monitor_replicas(state: FrontendState) -> None:
     """Notice a replica process exiting (SIGKILL, crash, OOM) within MONITOR_SECONDS."""
     while True:
@@ -480,8 +488,6 @@ def build_frontend_app(state: FrontendState, subscribers: list[KVEventSubscriber
                                           limits=httpx2.Limits(max_connections=None, max_keepalive_connections=64))
         try:
             tasks.extend(asyncio.ensure_future(s.run()) for s in subscribers)
-            await wait_replicas_ready(state)
-            state.started = True
             tasks.append(asyncio.ensure_future(monitor_replicas(state)))
             tasks.append(asyncio.ensure_future(poll_replica_load(state)))
             logger.info("data-parallel front end: %d engines, routing %s", len(state.replicas),
@@ -610,8 +616,6 @@ class DrainingFrontend(uvicorn.Server):
         logger.info("shutting down: draining %d engine(s) with %d request(s) in flight", len(st.live()), st.inflight)
         for rep in st.replicas:
             rep.signal(signal.SIGTERM)
-        from kvshare.server.runner import ABORT_GRACE_SECONDS
-
         deadline = loop.time() + st.config.shutdown_timeout + ABORT_GRACE_SECONDS + DRAIN_MARGIN_SECONDS
         while any(rep.exit_code() is None for rep in st.replicas) and loop.time() < deadline:
             await asyncio.sleep(0.05)
@@ -674,13 +678,18 @@ def serve_data_parallel(config: ServerConfig, options: DataParallelOptions, repl
         try:
             for rep in replicas:
                 rep.start()
+            # Before uvicorn: --port is bound only once every replica serves, and a replica that
+            # fails to start is one error line, not a lifespan traceback. The SUB sockets are
+            # connected already; ZMQ queues what the replicas publish meanwhile.
+            try:
+                asyncio.run(_wait_started(state))
+            except RuntimeError as e:
+                logger.error("the data-parallel front end did not start: %s", e)
+                return 1
             server.run()
         finally:
             for rep in replicas:
                 rep.kill_and_wait()
-        if not state.started:
-            logger.error("the data-parallel front end did not start (see the errors above)")
-            return 1
         return 0
     finally:
         ctx.destroy(linger=0)  # closes the SUB sockets of subscribers that never ran

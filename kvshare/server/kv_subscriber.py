@@ -80,7 +80,8 @@ class KVEventSubscriber:
         self._apply(seq, payload)
 
     def _apply(self, seq: int, payload: bytes) -> None:
-        self.replica.apply(decode_events(payload))
+        if self.replica.alive:  # a dead replica's last batches must not refill what was cleared
+            self.replica.apply(decode_events(payload))
         self.batches += 1
         self.next_seq = seq + 1
 
