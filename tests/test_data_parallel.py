@@ -25,8 +25,11 @@ DP = ["--data-parallel-size", "2"]
 BLOCK = 16
 
 
-def aclient(srv: ServerProcess) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=120)
+KEY = "sk-dp-test"
+
+
+def aclient(srv: ServerProcess, key: str = "unused") -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=srv.base_url, api_key=key, max_retries=0, timeout=120)
 
 
 def system_prompt(tenant: int) -> str:
@@ -224,17 +227,21 @@ def test_a_client_disconnect_aborts_the_request_on_its_replica(prefix_server):
 
 @pytest.fixture(scope="module")
 def rr_server():
-    srv = ServerProcess(*DP, "--routing-policy", "round_robin", "--max-num-seqs", "2", "--max-waiting", "1").wait_ready()
+    srv = ServerProcess(*DP, "--routing-policy", "round_robin", "--max-num-seqs", "2", "--max-waiting", "1",
+                        "--api-key", KEY).wait_ready()
     yield srv
     srv.close()
 
 
-def test_round_robin_alternates(rr_server):
+def test_round_robin_alternates_behind_the_api_key(rr_server):
     srv = rr_server
+    status, _, data = srv.request("POST", "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 1})
+    assert status == 401 and json.loads(data)["error"]["code"] == "invalid_api_key"
     engines = []
     for i in range(4):
         status, headers, data = srv.request("POST", "/v1/completions", {
-            "model": MODEL, "prompt": system_prompt(3) + f" Question {i}", "max_tokens": 1})
+            "model": MODEL, "prompt": system_prompt(3) + f" Question {i}", "max_tokens": 1},
+            headers={"Authorization": f"Bearer {KEY}"})
         assert status == 200, data
         engines.append(headers["x-kvshare-engine"])
     assert engines in (["0", "1", "0", "1"], ["1", "0", "1", "0"])
@@ -251,7 +258,7 @@ def test_429s_reach_the_client(rr_server):
             return e
 
     async def main():
-        client = aclient(srv)
+        client = aclient(srv, KEY)
         try:
             return await asyncio.gather(*(one(client) for _ in range(14)))
         finally:
