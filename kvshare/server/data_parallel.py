@@ -62,6 +62,7 @@ PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 ENGINE_HEADER = "x-kvshare-engine"  # which replica answered: for clients and tests that want to know
 STARTUP_TIMEOUT_SECONDS = 600.0
 MONITOR_SECONDS = 0.1  # how often replica processes are checked for an exit
+EXIT_WAIT_SECONDS = 0.5  # after a failed connection or read: how long to wait to see the process exit
 LOAD_POLL_SECONDS = 1.0  # how often each replica's KV usage is read from its /metrics
 DRAIN_MARGIN_SECONDS = 20.0  # beyond a replica's own drain (--shutdown-timeout + its abort grace)
 LONG_BODY = 16 * 1024  # bytes; tokenizing a body larger than this for routing runs off the event loop
@@ -310,9 +311,9 @@ class Proxy:
             try:
                 upstream = sending.result()
             except httpx2.ConnectError as e:
-                raise self._failure(replica, "connection_failed", e) from None
+                raise await self._failure(replica, "connection_failed", e) from None
             except httpx2.TransportError as e:
-                raise self._failure(replica, "replica_died", e) from None
+                raise await self._failure(replica, "replica_died", e) from None
             if upstream.headers.get("content-type", "").startswith("text/event-stream"):
                 return upstream
             # A whole body (JSON): read it here, still watching for the client leaving.
@@ -328,13 +329,18 @@ class Proxy:
                 reading.result()
             except httpx2.TransportError as e:
                 await upstream.aclose()
-                raise self._failure(replica, "replica_died", e) from None
+                raise await self._failure(replica, "replica_died", e) from None
             return upstream
         finally:
             watcher.cancel()
 
-    def _failure(self, replica: ReplicaProcess, reason: str, err: Exception) -> ReplicaFailed:
+    async def _failure(self, replica: ReplicaProcess, reason: str, err: Exception) -> ReplicaFailed:
         st = self.state
+        # A killed process closes its sockets a moment before it can be reaped: wait that moment,
+        # so the error says why (and a request that never reached it can go elsewhere).
+        deadline = time.monotonic() + EXIT_WAIT_SECONDS
+        while replica.exit_code() is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
         code = replica.exit_code()
         if code is not None:
             st.mark_dead(replica.index, replica.describe_exit())
@@ -364,7 +370,7 @@ class Proxy:
                         yield pending[:cut + 2]
                         pending = pending[cut + 2:]
             except httpx2.TransportError as e:
-                failure = self._failure(replica, "replica_died", e)
+                failure = await self._failure(replica, "replica_died", e)
                 self.state.metrics.on_failed(index, failure.reason)
                 yield f"data: {_json(APIError(502, failure.detail, code='engine_failed').body())}\n\n".encode()
                 yield b"data: [DONE]\n\n"
