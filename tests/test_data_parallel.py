@@ -421,3 +421,19 @@ def test_bad_data_parallel_flags_name_the_flag(argv, message, capsys):
 
     assert main(["serve", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_front_end_refuses_bad_requests_itself_in_openais_shape(prefix_server):
+    srv = prefix_server
+    status, body = srv.post_json("/v1/chat/completions", {"model": MODEL, "messages": [], "max_tokens": 1})
+    assert status == 400 and body["error"]["param"] == "messages"
+    status, body = srv.post_json("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0})
+    assert status == 400 and body["error"]["param"] == "max_tokens"
+    status, _, data = srv.request("GET", "/v1/completions")
+    assert status == 405 and "not allowed" in json.loads(data)["error"]["message"]
+    status, _, data = srv.request("GET", "/kv/snapshot")
+    assert status == 404 and "its url is in /ready" in json.loads(data)["error"]["message"]
+    status, body = srv.post_json("/v1/completions", {"model": "other", "prompt": "x", "max_tokens": 1})
+    assert status == 404 and body["error"]["code"] == "model_not_found"  # the replica's answer, passed through
+    status, _, data = srv.request("GET", "/v1/models")
+    assert status == 200 and json.loads(data)["data"][0]["id"] == MODEL

@@ -570,6 +570,15 @@ def build_frontend_app(state: FrontendState, subscribers: list[KVEventSubscriber
         state.metrics.on_rejected("invalid_request")
         return APIError(400, str(exc), param=exc.param).response()
 
+    async def not_allowed(req: Request, _exc=None):
+        state.metrics.on_rejected("invalid_request")
+        return APIError(405, f"method {req.method} is not allowed on {req.url.path}").response()
+
+    async def internal(_req, exc: Exception):
+        logger.exception("internal error in the data-parallel front end")
+        return APIError(500, f"internal server error ({type(exc).__name__}); the request was not completed",
+                        code="internal_error").response()
+
     routes = [
         Route("/health", health, methods=probe),
         Route("/ready", ready, methods=probe),
@@ -583,7 +592,8 @@ def build_frontend_app(state: FrontendState, subscribers: list[KVEventSubscriber
         Route("/detokenize", proxy.passthrough, methods=["POST"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
-                    exception_handlers={404: not_found, APIError: api_error, InvalidRequestError: invalid})
+                    exception_handlers={404: not_found, 405: not_allowed, APIError: api_error,
+                                        InvalidRequestError: invalid, Exception: internal})
     app.add_middleware(GuardMiddleware, state=state)
     return app
 
