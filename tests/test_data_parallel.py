@@ -23,6 +23,7 @@ from server_proc import MODEL, ServerProcess
 
 DP = ["--data-parallel-size", "2"]
 BLOCK = 16
+LONG_TOKENS = 120  # long enough that a replica killed mid-load still has all of its requests running
 
 
 KEY = "sk-dp-test"
@@ -288,7 +289,7 @@ def test_a_killed_replica_fails_its_requests_and_the_other_keeps_serving():
         async def one(client, i: int):
             try:
                 raw = await client.completions.with_raw_response.create(
-                    model=MODEL, prompt=f"Story number {i}:", max_tokens=160, temperature=0,
+                    model=MODEL, prompt=f"Story number {i}:", max_tokens=LONG_TOKENS, temperature=0,
                     extra_body={"ignore_eos": True})
                 return raw.headers["x-kvshare-engine"], raw.parse()
             except openai.APIError as e:
@@ -296,7 +297,7 @@ def test_a_killed_replica_fails_its_requests_and_the_other_keeps_serving():
 
         async def streamed(client):
             try:
-                stream = await client.completions.create(model=MODEL, prompt="A long tale:", max_tokens=160,
+                stream = await client.completions.create(model=MODEL, prompt="A long tale:", max_tokens=LONG_TOKENS,
                                                          temperature=0, stream=True, extra_body={"ignore_eos": True},
                                                          stream_options={"include_usage": True})
                 usage = None
@@ -330,7 +331,7 @@ def test_a_killed_replica_fails_its_requests_and_the_other_keeps_serving():
         for engine, r in served:  # everything that did not fail is whole, wherever it ran
             assert engine in ("0", "stream"), engine
             usage = r.usage if engine == "0" else r
-            assert usage is not None and usage.completion_tokens == 160
+            assert usage is not None and usage.completion_tokens == LONG_TOKENS
         # Round robin gave engine 0 half of them (more if a request that never reached engine 1
         # was sent on to it); all of those were served.
         assert len(served) >= 4 and len(failed) + len(served) == 8
@@ -363,7 +364,7 @@ def test_a_killed_replica_fails_its_requests_and_the_other_keeps_serving():
                 await client.close()
 
         engine, r = asyncio.run(drain())
-        assert engine == "0" and r.usage.completion_tokens == 160
+        assert engine == "0" and r.usage.completion_tokens == LONG_TOKENS
         assert srv.proc.wait(60) == 0
     finally:
         srv.close()
