@@ -67,7 +67,8 @@ def test_subscriber_rebuilds_a_real_engines_cache_and_the_router_matches_it():
     """Batches published before the subscriber connected come from the replay socket; evictions
     (BlockRemoved) are followed; the router then matches a prompt's cached blocks exactly."""
     llm = LLM(kv_cache_memory=46080 * BLOCK * 60, kv_events_endpoint="tcp://127.0.0.1:0",
-              kv_events_replay_endpoint="tcp://127.0.0.1:0", prefix_caching_hash_seed="dp-test")
+              kv_events_replay_endpoint="tcp://127.0.0.1:0", prefix_caching_hash_seed="dp-test",
+              data_parallel_rank=0)
     try:
         pub = llm.engine.kv_event_publisher
         pool = llm.engine.manager.pool
@@ -99,7 +100,7 @@ def test_subscriber_rebuilds_a_real_engines_cache_and_the_router_matches_it():
 
         sub = asyncio.run(follow())
         assert sub.replayed > 0, "the batches sent before subscribing were not replayed"
-        assert sub.next_seq == pub._seq and sub.lost == 0
+        assert sub.next_seq == pub._seq and sub.lost == 0 and sub.foreign == 0
         assert pool.num_evictions > 0  # BlockRemoved events were part of what it followed
         assert router.replicas[0].cached == set(pool.cached)
         hashes = BlockHasher.seeded(BLOCK, "dp-test").prefix_hashes(shared + [1] * 40)
@@ -438,3 +439,28 @@ def test_the_front_end_refuses_bad_requests_itself_in_openais_shape(prefix_serve
     assert status == 404 and body["error"]["code"] == "model_not_found"  # the replica's answer, passed through
     status, _, data = srv.request("GET", "/v1/models")
     assert status == 200 and json.loads(data)["data"][0]["id"] == MODEL
+
+
+def test_batches_of_another_rank_are_ignored():
+    """Every replica's batches carry its data_parallel_rank (as vLLM's do); a subscriber that gets
+    another rank's events (a misconfigured endpoint) does not believe them."""
+    import zmq.asyncio
+
+    from kvshare.engine.kv_event_publisher import encode_batch
+    from kvshare.kvcache.kv_events import BlockStored
+
+    def batch(rank: int, h: bytes) -> bytes:
+        return encode_batch([BlockStored((h,), None, tuple(range(BLOCK)), BLOCK)], 0.0, rank)
+
+    async def main():
+        ctx = zmq.asyncio.Context()
+        router = Router(2, block_size=BLOCK, hash_seed="s")
+        sub = KVEventSubscriber(ctx, router.replicas[1], "tcp://127.0.0.1:1")  # nothing publishes there
+        await sub._accept(0, batch(0, b"a" * 32))
+        await sub._accept(1, batch(1, b"b" * 32))
+        ctx.destroy(linger=0)
+        return router, sub
+
+    router, sub = asyncio.run(main())
+    assert router.replicas[1].cached == {b"b" * 32}
+    assert sub.foreign == 1 and sub.batches == 1 and sub.next_seq == 2

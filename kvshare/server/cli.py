@@ -55,7 +55,8 @@ def add_serve_parser(sub) -> None:
 
 # Flags the front end sets for each replica itself (or keeps to itself), never passed through as given.
 FRONTEND_ONLY = frozenset({"help", "host", "port", "api_key", "no_access_log", "data_parallel_size", "routing_policy",
-                           "kv_events_endpoint", "kv_events_replay_endpoint", "prefix_caching_hash_seed"})
+                           "kv_events_endpoint", "kv_events_replay_endpoint", "prefix_caching_hash_seed",
+                           "data_parallel_rank"})
 
 
 def replica_argv(parser: argparse.ArgumentParser, args: argparse.Namespace, overrides: dict) -> list[str]:
@@ -141,7 +142,8 @@ def serve_replicas(args: argparse.Namespace, parser: argparse.ArgumentParser, cf
     def argv(rank: int, port: int, events: str, replay: str) -> list[str]:
         # The front end writes the access log (one line per client request); a replica's would
         # also list the front end's /metrics polls.
-        return replica_argv(parser, args, {"host": "127.0.0.1", "port": port, "kv_events_endpoint": events,
+        return replica_argv(parser, args, {"host": "127.0.0.1", "port": port, "data_parallel_rank": rank,
+                                           "kv_events_endpoint": events,
                                            "kv_events_replay_endpoint": replay,
                                            "prefix_caching_hash_seed": options.hash_seed, **pool}) + ["--no-access-log"]
 

@@ -25,10 +25,10 @@ logger = logging.getLogger("kvshare.server")
 REPLAY_TIMEOUT_MS = 5000
 
 
-def decode_events(payload: bytes) -> list:
-    """The events of one batch: payload is msgpack of [ts, events] or [ts, events, data_parallel_rank]."""
+def decode_batch(payload: bytes) -> tuple[list, int | None]:
+    """(events, data_parallel_rank) of one batch: msgpack of [ts, events] or [ts, events, rank]."""
     batch = msgpack.unpackb(payload, raw=False)
-    return batch[1]
+    return batch[1], (batch[2] if len(batch) > 2 else None)
 
 
 def seq_number(frame: bytes) -> int:
@@ -47,6 +47,7 @@ class KVEventSubscriber:
         self.batches = 0  # batches applied (live or replayed)
         self.replayed = 0  # of which came from the replay socket
         self.lost = 0  # batches neither received nor replayable (the view may be stale until cleared)
+        self.foreign = 0  # batches from another rank than this replica's, ignored
         self._sub = ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.SUBSCRIBE, self.topic)
@@ -80,10 +81,19 @@ class KVEventSubscriber:
         self._apply(seq, payload)
 
     def _apply(self, seq: int, payload: bytes) -> None:
-        if self.replica.alive:  # a dead replica's last batches must not refill what was cleared
-            self.replica.apply(decode_events(payload))
-        self.batches += 1
+        events, rank = decode_batch(payload)
         self.next_seq = seq + 1
+        if rank is not None and rank != self.replica.index:
+            # Another engine's events on this endpoint (a misconfigured --kv-events-endpoint):
+            # believing them would route by a cache this replica does not have.
+            self.foreign += 1
+            if self.foreign == 1:
+                logger.error("KV events on %s carry data_parallel_rank %s, not %d: ignored (is another server "
+                             "publishing there?)", self.endpoint, rank, self.replica.index)
+            return
+        if self.replica.alive:  # a dead replica's last batches must not refill what was cleared
+            self.replica.apply(events)
+        self.batches += 1
 
     async def _replay(self, start: int, stop: int) -> None:
         """Apply the replica's buffered batches start <= seq < stop (those it still has)."""
