@@ -71,8 +71,9 @@ class RouterMetrics:
         for i, by in enumerate(self.failed):
             for k, v in by.items():
                 failed.add_metric([name, str(i), k], v)
-        rejected = CounterMetricFamily("kvshare:rejected_requests", "HTTP requests refused before reaching the "
-                                       "front end's router.", labels=["model_name", "reason"])
+        rejected = CounterMetricFamily("kvshare:rejected_requests", "HTTP requests refused before reaching an "
+                                       "engine (without an engine label: by the front end itself).",
+                                       labels=["model_name", "reason"])
         for k, v in self.rejected.items():
             rejected.add_metric([name, k], v)
         return [
