@@ -10,7 +10,6 @@ is cached.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import msgpack
