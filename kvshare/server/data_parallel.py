@@ -31,6 +31,7 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -104,6 +105,15 @@ def offset_endpoint(endpoint: str, rank: int, flag: str) -> str:
         return f"{endpoint}.{rank}"
     raise ValueError(f"{flag} {endpoint!r} is invalid with --data-parallel-size: give tcp://HOST:PORT with an "
                      f"explicit port (replica r publishes on PORT + r, as in vLLM) or ipc://PATH")
+
+
+def free_loopback_port() -> int:
+    """A port for a replica's internal server. Another process may take it before the replica
+    binds it (unlikely on loopback); that replica then fails to start, which stops the front end
+    with the replica's own error."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def connect_endpoint(bound: str) -> str:
@@ -650,7 +660,6 @@ def serve_data_parallel(config: ServerConfig, options: DataParallelOptions, repl
     replica's `kvshare serve` arguments. Returns the exit status."""
     from kvshare.model.loader import load_tokenizer
     from kvshare.server.state import default_model_name
-    from kvshare.testing.ports import free_port
 
     # Each proxied request would be logged twice (httpx2's line and the access log's).
     logging.getLogger("httpx2").setLevel(logging.WARNING)
@@ -675,7 +684,7 @@ def serve_data_parallel(config: ServerConfig, options: DataParallelOptions, repl
             else:
                 events = f"ipc://{socket_dir}/engine-{r}.events"
                 replay = f"ipc://{socket_dir}/engine-{r}.replay"
-            port = free_port()
+            port = free_loopback_port()
             threads, cpus = shares[r]
             launch = ReplicaLaunch(index=r, port=port, argv=replica_argv(r, port, events, replay),
                                    kv_events_endpoint=events, kv_events_replay_endpoint=replay,
