@@ -464,3 +464,50 @@ def test_batches_of_another_rank_are_ignored():
     router, sub = asyncio.run(main())
     assert router.replicas[1].cached == {b"b" * 32}
     assert sub.foreign == 1 and sub.batches == 1 and sub.next_seq == 2
+
+
+def test_a_replica_whose_engine_thread_stopped_is_marked_dead_and_the_request_goes_on():
+    """A replica process can outlive its engine thread: it then answers 503 engine_dead. The front
+    end (driven in-process here, its replicas' HTTP answers scripted) marks it dead and sends the
+    request to another replica, where it has not run yet."""
+    import httpx2
+
+    from kvshare.server.data_parallel import DataParallelOptions, FrontendState, build_frontend_app
+    from kvshare.server.dp_metrics import RouterMetrics
+    from kvshare.server.replica import ReplicaLaunch, ReplicaProcess
+    from kvshare.server.settings import ServerConfig
+
+    replicas = [ReplicaProcess(ReplicaLaunch(i, 41000 + i, [], "ipc://unused", "ipc://unused", 1, None, None))
+                for i in range(2)]
+    asked = []
+
+    def replica_http(request: httpx2.Request) -> httpx2.Response:
+        asked.append(request.url.port)
+        if request.url.port == 41000:
+            return httpx2.Response(503, json={"error": {
+                "message": "the engine loop has stopped (RuntimeError: boom); restart the server",
+                "type": "server_error", "param": None, "code": "engine_dead"}})
+        return httpx2.Response(200, json={"object": "text_completion", "choices": []})
+
+    state = FrontendState(config=ServerConfig(), options=DataParallelOptions(2, "least_loaded", BLOCK, "s"),
+                          metrics=RouterMetrics(MODEL, 2, "least_loaded"), router=Router(2, "least_loaded"),
+                          replicas=replicas, tokenizer=None, model_name=MODEL)
+    app = build_frontend_app(state, [])
+
+    async def main():
+        state.client = httpx2.AsyncClient(transport=httpx2.MockTransport(replica_http))
+        async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://front") as c:
+            answer = await c.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1})
+            again = await c.post("/v1/completions", json={"prompt": [4, 5, 6], "max_tokens": 1})
+            ready = await c.get("/ready")
+        await state.client.aclose()
+        return answer, again, ready
+
+    answer, again, ready = asyncio.run(main())
+    assert answer.status_code == 200 and answer.headers["x-kvshare-engine"] == "1"
+    assert again.status_code == 200 and again.headers["x-kvshare-engine"] == "1"
+    assert asked == [41000, 41001, 41001]  # engine 0 was asked once, then never again
+    body = ready.json()
+    assert ready.status_code == 200 and body["status"] == "degraded" and body["dead_engines"] == [0]
+    assert "engine thread stopped" in body["engines"][0]["detail"] and "boom" in body["engines"][0]["detail"]
+    assert state.metrics.failed[0]["engine_dead"] == 1 and state.metrics.routed == [0, 2]

@@ -64,7 +64,7 @@ ENGINE_HEADER = "x-kvshare-engine"  # which replica answered: for clients and te
 STARTUP_TIMEOUT_SECONDS = 600.0
 MONITOR_SECONDS = 0.1  # how often replica processes are checked for an exit
 EXIT_WAIT_SECONDS = 0.5  # after a failed connection or read: how long to wait to see the process exit
-LOAD_POLL_SECONDS = 1.0  # how often each replica's KV usage is read from its /metrics
+POLL_SECONDS = 1.0  # how often each replica's /health and KV usage (from its /metrics) are read
 DRAIN_MARGIN_SECONDS = 20.0  # beyond a replica's own drain (--shutdown-timeout + its abort grace)
 LONG_BODY = 16 * 1024  # bytes; tokenizing a body larger than this for routing runs off the event loop
 # Never forwarded: they describe one connection, not the request (RFC 9110 7.6.1), or are recomputed.
@@ -297,6 +297,13 @@ class Proxy:
             except BaseException:
                 release()
                 raise
+            dead = _engine_dead_detail(upstream)
+            if dead is not None:  # refused by a replica whose engine thread has stopped: never ran there
+                release()
+                st.metrics.on_failed(index, "engine_dead")
+                st.mark_dead(index, dead)
+                st.replicas[index].signal(signal.SIGTERM)  # a process without an engine serves nothing
+                continue
             if count:
                 st.metrics.on_routed(decision)
             return self._respond(upstream, index, release)
@@ -395,6 +402,25 @@ class Proxy:
         return _ClosingStream(events(), upstream.status_code, headers, on_close)
 
 
+def _engine_dead_detail(upstream: httpx2.Response) -> str | None:
+    """Why a replica's engine thread stopped, when this (whole, read) response says it did: a 503
+    with code engine_dead (the replica's EngineDeadError) or /health's status engine_dead."""
+    if upstream.status_code != 503 or upstream.headers.get("content-type", "").startswith("text/event-stream"):
+        return None
+    try:
+        body = upstream.json()
+    except ValueError:
+        return None
+    if not isinstance(body, dict):
+        return None
+    err = body.get("error")
+    if isinstance(err, dict) and err.get("code") == "engine_dead":
+        return f"its engine thread stopped: {err.get('message')}"
+    if body.get("status") == "engine_dead":
+        return f"its engine thread stopped: {body.get('detail')}"
+    return None
+
+
 def _json(obj) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
@@ -475,21 +501,28 @@ async def monitor_replicas(state: FrontendState) -> None:
         await asyncio.sleep(MONITOR_SECONDS)
 
 
-async def poll_replica_load(state: FrontendState) -> None:
-    """Each live replica's KV usage, for the router's tie-breaks and /ready."""
+async def poll_replicas(state: FrontendState) -> None:
+    """Each live replica's /health (a replica whose engine thread stopped is dead, though its
+    process lives) and KV usage (for the router's tie-breaks and /ready)."""
     while True:
         for rep in state.replicas:
             view = state.router.replicas[rep.index]
             if not view.alive or state.draining:
                 continue
             try:
+                health = await state.client.get(rep.url + "/health", timeout=5)
+                dead = _engine_dead_detail(health)
+                if dead is not None:
+                    state.mark_dead(rep.index, dead)
+                    rep.signal(signal.SIGTERM)
+                    continue
                 resp = await state.client.get(rep.url + "/metrics", timeout=5)
                 m = _KV_USAGE.search(resp.content)
                 if m:
                     view.kv_usage = float(m.group(1))
             except (httpx2.TransportError, ValueError):
                 pass  # a dead replica is the monitor's to notice
-        await asyncio.sleep(LOAD_POLL_SECONDS)
+        await asyncio.sleep(POLL_SECONDS)
 
 
 # ---- the app ------------------------------------------------------------------------------------
@@ -505,7 +538,7 @@ def build_frontend_app(state: FrontendState, subscribers: list[KVEventSubscriber
         try:
             tasks.extend(asyncio.ensure_future(s.run()) for s in subscribers)
             tasks.append(asyncio.ensure_future(monitor_replicas(state)))
-            tasks.append(asyncio.ensure_future(poll_replica_load(state)))
+            tasks.append(asyncio.ensure_future(poll_replicas(state)))
             logger.info("data-parallel front end: %d engines, routing %s", len(state.replicas),
                         state.options.policy)
             yield

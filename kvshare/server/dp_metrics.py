@@ -19,7 +19,7 @@ from kvshare.server.routing import RoutingDecision
 ENGINE_LABEL = "engine"
 # Reasons the front end itself refuses a request (GuardMiddleware's, plus its own).
 FRONTEND_REJECT_REASONS = REJECT_REASONS + ("no_live_replica",)
-FAILURE_REASONS = ("replica_died", "connection_failed")
+FAILURE_REASONS = ("replica_died", "connection_failed", "engine_dead")
 
 
 class RouterMetrics:
@@ -66,8 +66,9 @@ class RouterMetrics:
                                       "round_robin, least_loaded.", labels=["model_name", "reason"])
         for k, v in sorted(self.by_reason.items()):
             reasons.add_metric([name, k], v)
-        failed = CounterMetricFamily("kvshare:router_failed_requests", "Requests that failed because their engine "
-                                     "died or refused the connection.", labels=["model_name", ENGINE_LABEL, "reason"])
+        failed = CounterMetricFamily("kvshare:router_failed_requests", "Requests that failed on an engine because "
+                                     "it died, refused the connection, or its engine thread had stopped (these are "
+                                     "sent on to another engine).", labels=["model_name", ENGINE_LABEL, "reason"])
         for i, by in enumerate(self.failed):
             for k, v in by.items():
                 failed.add_metric([name, str(i), k], v)
