@@ -131,6 +131,10 @@ class EngineConfig:
     # the same seed hashes alike, and a router can compute them from token ids); a tenant's
     # cache_salt still keeps its blocks apart.
     prefix_caching_hash_seed: str | None = None
+    # This engine's rank among data-parallel replicas (`kvshare serve --data-parallel-size` sets it):
+    # its KV event batches carry it, as vLLM's do, so a consumer of several replicas' events can
+    # tell them apart. None: a single engine, batches without it.
+    data_parallel_rank: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.dtype, torch.dtype):
@@ -173,6 +177,10 @@ class EngineConfig:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint: there is nothing to replay")
         if not isinstance(self.kv_events_topic, str):
             raise ValueError(f"kv_events_topic={self.kv_events_topic!r} is invalid: must be a string")
+        if self.data_parallel_rank is not None and (
+                not isinstance(self.data_parallel_rank, int) or isinstance(self.data_parallel_rank, bool)
+                or self.data_parallel_rank < 0):
+            raise ValueError(f"data_parallel_rank={self.data_parallel_rank!r} is invalid: must be an integer >= 0")
         if self.prefix_caching_hash_seed is not None and (
                 not isinstance(self.prefix_caching_hash_seed, str) or not self.prefix_caching_hash_seed):
             raise ValueError(f"prefix_caching_hash_seed={self.prefix_caching_hash_seed!r} is invalid: must be a "

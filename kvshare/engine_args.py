@@ -51,6 +51,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-caching-hash-seed", default=engine_default("prefix_caching_hash_seed"),
                    help="derive prefix-cache block hashes from this seed instead of a random per-process "
                         "root, so replicas (and a router) compute the same hashes from token ids")
+    g.add_argument("--data-parallel-rank", type=int, default=engine_default("data_parallel_rank"),
+                   help="this engine's rank among data-parallel replicas, carried in its KV event batches (set "
+                        "by --data-parallel-size for each replica; default: none)")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -61,7 +64,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
         seed=args.seed, kv_event_log=args.kv_event_log, kv_events_endpoint=args.kv_events_endpoint,
         kv_events_replay_endpoint=args.kv_events_replay_endpoint, kv_events_topic=args.kv_events_topic,
-        prefix_caching_hash_seed=args.prefix_caching_hash_seed, kv_policy=args.kv_policy,
+        prefix_caching_hash_seed=args.prefix_caching_hash_seed, data_parallel_rank=args.data_parallel_rank,
+        kv_policy=args.kv_policy,
         sink_tokens=args.sink_tokens, window_tokens=args.window_tokens,
         kv_cache_groups=not args.disable_hybrid_kv_cache_manager,
         # Only an explicit --audit overrides KVSHARE_AUDIT.

@@ -92,3 +92,19 @@ def test_round_robin_least_loaded_and_dead_replicas():
 def test_bad_router_options(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Router(2, **kwargs)
+
+
+def test_blocks_of_requests_in_flight_count_until_they_finish():
+    """A tenant's requests arriving together stay together before any event comes back."""
+    r = Router(2, block_size=BS, hash_seed=SEED)
+    prefix = tokens(100, 160)
+    first = r.route(prefix + [1, 2])
+    assert first.index == 0 and first.reason == "load" and first.matched_blocks == 0
+    r.replicas[0].in_flight += 1
+    r.replicas[0].hold(first.block_hashes)
+    second = r.route(prefix + [3, 4])
+    assert second.index == 0 and second.reason == "prefix" and second.matched_blocks == 10
+    r.replicas[0].release(first.block_hashes)
+    r.replicas[0].in_flight -= 1
+    assert r.replicas[0].pending == {}
+    assert r.route(prefix + [5, 6]).matched_blocks == 0  # finished, and no event said it is cached

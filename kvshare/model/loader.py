@@ -170,6 +170,29 @@ def resolve_model_path(model: str | os.PathLike[str] | None) -> tuple[str, str]:
     raise ModelLoadError(f"model={model!r} does not exist. Accepted: {ACCEPTED_DESCRIPTION}.")
 
 
+def load_tokenizer(model: str | os.PathLike[str] | None) -> Tokenizer | None:
+    """The tokenizer ``load_model`` would build for ``model``, without reading any weight: what a
+    data-parallel front end needs to tokenize prompts exactly as its replicas do."""
+    kind, path = resolve_model_path(model)
+    if kind == "hf":
+        tok_json = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(tok_json):
+            return None
+        try:
+            return Tokenizer.from_file(tok_json)
+        except Exception as exc:  # noqa: BLE001
+            raise ModelLoadError(f"{tok_json} cannot be loaded ({exc}).") from exc
+    meta = gguf_loader.open_gguf_file(path).metadata
+    if "tokenizer.ggml.model" not in meta:
+        return None
+    try:
+        return Tokenizer.from_gguf_metadata(meta)
+    except NotImplementedError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise ModelLoadError(f"{path}: cannot build the tokenizer from GGUF metadata ({exc}).") from exc
+
+
 QUANTIZATION_CHOICES = ("auto", None)
 
 

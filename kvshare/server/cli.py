@@ -1,10 +1,13 @@
-"""`kvshare serve`: the OpenAI-compatible HTTP server on one engine."""
+"""`kvshare serve`: the OpenAI-compatible HTTP server on one engine, or on N data-parallel
+replicas behind one front end (--data-parallel-size N, kvshare.server.data_parallel)."""
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 
 from kvshare.engine_args import add_engine_args, engine_options
+from kvshare.server.routing import ROUTING_POLICIES
 from kvshare.server.settings import DEFAULT_MAX_BODY_BYTES
 from kvshare.server.tool_parsers import TOOL_PARSERS
 
@@ -39,11 +42,46 @@ def add_serve_parser(sub) -> None:
                         "<tool_call> JSON), llama3_json, pythonic")
     t.add_argument("--grammar-compile-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="refuse (400) a structured-output grammar that takes longer than this to compile")
+    d = p.add_argument_group("data parallel (docs/data_parallel.md)")
+    d.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
+                   help="run N engine replicas (each its own process, with its share of the CPU threads) behind "
+                        "one front end on --port (default: 1, a single engine)")
+    d.add_argument("--routing-policy", default="prefix_aware", choices=ROUTING_POLICIES,
+                   help="how the front end picks a replica: prefix_aware (where the longest prefix of the prompt "
+                        "is cached, balanced against load), round_robin, least_loaded (default: prefix_aware)")
     # Test-only: plant a known bug class (kvshare.testing.faults) so the dashboard's test can show
     # an audit violation on a real server (with --audit the engine stops at the violation).
     p.add_argument("--inject-fault", default=None, help=argparse.SUPPRESS)
     add_engine_args(p)
-    p.set_defaults(func=cmd_serve)
+    p.set_defaults(func=functools.partial(cmd_serve, parser=p))
+
+
+# Flags the front end sets for each replica itself (or keeps to itself), never passed through as given.
+FRONTEND_ONLY = frozenset({"help", "host", "port", "api_key", "no_access_log", "data_parallel_size", "routing_policy",
+                           "kv_events_endpoint", "kv_events_replay_endpoint", "prefix_caching_hash_seed",
+                           "data_parallel_rank"})
+
+
+def replica_argv(parser: argparse.ArgumentParser, args: argparse.Namespace, overrides: dict) -> list[str]:
+    """The `kvshare serve` arguments of one replica: every flag the user gave (or that differs from
+    its default) except the front end's own, then `overrides` (dest -> value)."""
+    out: list[str] = []
+    for action in parser._actions:
+        if not action.option_strings or action.dest in FRONTEND_ONLY:
+            continue
+        flag = max(action.option_strings, key=len)
+        value = getattr(args, action.dest, action.default)
+        if isinstance(action, argparse._StoreTrueAction):
+            if value:
+                out.append(flag)
+        elif isinstance(action, argparse._StoreAction):
+            if value is not None and value != action.default:
+                out += [flag, str(value)]
+        else:
+            raise TypeError(f"replica_argv cannot pass {flag} on ({type(action).__name__})")
+    for dest, value in overrides.items():
+        out += ["--" + dest.replace("_", "-"), str(value)]
+    return out
 
 
 def read_chat_template(path: str | None) -> str | None:
@@ -56,7 +94,7 @@ def read_chat_template(path: str | None) -> str | None:
         raise ValueError(f"--chat-template {path}: cannot read the template file ({e})") from None
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
     from kvshare.config import EngineConfig
     from kvshare.engine.llm_engine import LLMEngine
     from kvshare.server.async_engine import AsyncEngine
@@ -77,6 +115,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from kvshare.testing.faults import FAULTS
         if args.inject_fault not in FAULTS:
             raise ValueError(f"--inject-fault {args.inject_fault!r} is unknown; known: {sorted(FAULTS)}")
+    if args.data_parallel_size != 1:
+        return serve_replicas(args, parser, cfg)
     engine = LLMEngine(EngineConfig.from_kwargs(**engine_options(args)))
     if args.inject_fault is not None:
         from kvshare.testing.faults import plant
@@ -90,3 +130,31 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     serve(state)
     return 0
+
+
+def serve_replicas(args: argparse.Namespace, parser: argparse.ArgumentParser, cfg) -> int:
+    from kvshare.config import EngineConfig
+    from kvshare.server.data_parallel import DataParallelOptions, new_hash_seed, serve_data_parallel
+
+    # The engine options are checked here, once, so a bad flag is one error and not N dying replicas.
+    engine_cfg = EngineConfig.from_kwargs(**engine_options(args))
+    options = DataParallelOptions(
+        size=args.data_parallel_size, policy=args.routing_policy, block_size=engine_cfg.block_size,
+        hash_seed=args.prefix_caching_hash_seed or new_hash_seed(), kv_events_topic=args.kv_events_topic,
+        kv_events_endpoint=args.kv_events_endpoint, kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+        max_num_seqs=engine_cfg.max_num_seqs,
+    )
+
+    # The default KV pool (a fraction of available memory) is split between the replicas, so N
+    # replicas hold as much KV as one engine would; an explicit --kv-cache-memory is per replica.
+    pool = {"kv_cache_memory": engine_cfg.kv_budget_bytes() // options.size} if args.kv_cache_memory is None else {}
+
+    def argv(rank: int, port: int, events: str, replay: str) -> list[str]:
+        # The front end writes the access log (one line per client request); a replica's would
+        # also list the front end's /metrics polls.
+        return replica_argv(parser, args, {"host": "127.0.0.1", "port": port, "data_parallel_rank": rank,
+                                           "kv_events_endpoint": events,
+                                           "kv_events_replay_endpoint": replay,
+                                           "prefix_caching_hash_seed": options.hash_seed, **pool}) + ["--no-access-log"]
+
+    return serve_data_parallel(cfg, options, argv, args.model)

@@ -1,0 +1,136 @@
+"""One data-parallel replica: a full `kvshare serve` child process on an internal loopback port,
+publishing its KV cache events for the front end (kvshare.server.data_parallel).
+
+The child runs in its own session, so a Ctrl+C in the terminal reaches only the front end, which
+then drains the replicas itself (a second signal would make a replica exit at once); on Linux it
+also gets SIGTERM if the front end dies without cleaning up, so no replica outlives it. Its
+output is copied line by line to the front end's stderr with an "[engine N]" prefix, and the
+last lines are kept to explain a replica that fails to start.
+"""
+from __future__ import annotations
+
+import collections
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+
+logger = logging.getLogger("kvshare.server")
+
+LOG_TAIL_LINES = 40
+_PR_SET_PDEATHSIG = 1
+
+
+def _parent_death_signal():
+    """A function for the child to call between fork and exec, asking the kernel for SIGTERM when
+    the front end goes away (Linux prctl); None elsewhere. libc is looked up here, in the parent:
+    the child of a threaded process must not load libraries."""
+    if sys.platform != "linux":
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass(frozen=True)
+class ReplicaLaunch:
+    """What one replica is started with."""
+
+    index: int
+    port: int
+    argv: list[str]  # the `kvshare serve` arguments (engine and server flags), without the program
+    kv_events_endpoint: str
+    kv_events_replay_endpoint: str
+    omp_threads: int
+    cpus: tuple[int, ...] | None  # CPU affinity; None: whatever the front end has
+    api_key: str | None
+
+
+class ReplicaProcess:
+    def __init__(self, launch: ReplicaLaunch) -> None:
+        self.launch = launch
+        self.index = launch.index
+        self.url = f"http://127.0.0.1:{launch.port}"
+        self.log_tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
+        self.proc: subprocess.Popen | None = None
+        self._pump: threading.Thread | None = None
+
+    def start(self) -> None:
+        threads = str(self.launch.omp_threads)
+        env = dict(os.environ, OMP_NUM_THREADS=threads, KVSHARE_NUM_THREADS=threads)
+        env.pop("KVSHARE_API_KEY", None)
+        if self.launch.api_key is not None:
+            env["KVSHARE_API_KEY"] = self.launch.api_key  # not on the command line, where `ps` shows it
+        cmd = [sys.executable, "-m", "kvshare.cli", "serve", *self.launch.argv]
+        cpus = self.launch.cpus
+        die_with_parent = _parent_death_signal()
+
+        def child_setup() -> None:
+            if die_with_parent is not None:
+                die_with_parent()
+            if cpus is not None:
+                os.sched_setaffinity(0, cpus)
+
+        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, start_new_session=True,
+                                     preexec_fn=child_setup if sys.platform == "linux" else None)
+        self._pump = threading.Thread(target=self._copy_output, name=f"engine-{self.index}-log", daemon=True)
+        self._pump.start()
+        logger.info("engine %d: pid %d on %s, KV events %s, %d thread(s)%s", self.index, self.proc.pid, self.url,
+                    self.launch.kv_events_endpoint, self.launch.omp_threads,
+                    f", CPUs {','.join(map(str, cpus))}" if cpus is not None else "")
+
+    def _copy_output(self) -> None:
+        prefix = f"[engine {self.index}] "
+        for raw in self.proc.stdout:
+            line = raw.decode("utf-8", errors="replace").rstrip("\n")
+            self.log_tail.append(line)
+            try:
+                sys.stderr.write(prefix + line + "\n")
+                sys.stderr.flush()
+            except (OSError, ValueError):  # stderr closed at exit: keep draining the pipe
+                pass
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def exit_code(self) -> int | None:
+        """None while it runs; else its exit status (negative: the signal that ended it)."""
+        return self.proc.poll() if self.proc is not None else None
+
+    def describe_exit(self) -> str:
+        code = self.exit_code()
+        if code is None:
+            return "running"
+        if code < 0:
+            try:
+                return f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return f"exited with code {code}"
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                self.proc.send_signal(sig)
+            except ProcessLookupError:
+                pass
+
+    def kill_and_wait(self, timeout: float = 10.0) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.kill()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            logger.error("engine %d (pid %d) did not exit after SIGKILL", self.index, self.proc.pid)
+        if self._pump is not None:
+            self._pump.join(timeout=2)

@@ -1,0 +1,513 @@
+"""Data-parallel serving (issue 14 item 2): `kvshare serve --data-parallel-size 2` runs two real
+engine processes behind one front end. The router learns each replica's cache from its KV events,
+keeps a tenant's requests on the replica holding its prefix (prefix_aware) or alternates
+(round_robin); disconnects reach the replica, 429s reach the client, a SIGKILLed replica fails its
+own requests at once while the other keeps serving and leaks no block, SIGTERM drains to exit 0."""
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import time
+
+import openai
+import pytest
+
+from kvshare import LLM, SamplingParams
+from kvshare.bench.workloads import ENGLISH_TEXT, token_prompts
+from kvshare.kvcache.hashing import BlockHasher
+from kvshare.server.kv_subscriber import KVEventSubscriber
+from kvshare.server.routing import Router
+from server_proc import MODEL, ServerProcess
+
+DP = ["--data-parallel-size", "2"]
+BLOCK = 16
+LONG_TOKENS = 120  # long enough that a replica killed mid-load still has all of its requests running
+
+
+KEY = "sk-dp-test"
+
+
+def aclient(srv: ServerProcess, key: str = "unused") -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=srv.base_url, api_key=key, max_retries=0, timeout=120)
+
+
+def system_prompt(tenant: int) -> str:
+    start = 97 * tenant
+    return f"You are the assistant of tenant {tenant}. Policy: " + ENGLISH_TEXT[start:start + 900]
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
+        time.sleep(0.1)
+
+
+def by_engine(srv: ServerProcess, name: str, **labels: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for n, lab, v in srv.metrics():
+        if n == name and all(lab.get(k) == x for k, x in labels.items()):
+            out[lab.get("engine", "")] = out.get(lab.get("engine", ""), 0.0) + v
+    return out
+
+
+def ready_body(srv: ServerProcess) -> tuple[int, dict]:
+    status, _, data = srv.request("GET", "/ready")
+    return status, json.loads(data)
+
+
+# ---- the subscriber, against a real engine's publisher --------------------------------------------
+
+def test_subscriber_rebuilds_a_real_engines_cache_and_the_router_matches_it():
+    """Batches published before the subscriber connected come from the replay socket; evictions
+    (BlockRemoved) are followed; the router then matches a prompt's cached blocks exactly."""
+    llm = LLM(kv_cache_memory=46080 * BLOCK * 60, kv_events_endpoint="tcp://127.0.0.1:0",
+              kv_events_replay_endpoint="tcp://127.0.0.1:0", prefix_caching_hash_seed="dp-test",
+              data_parallel_rank=0)
+    try:
+        pub = llm.engine.kv_event_publisher
+        pool = llm.engine.manager.pool
+        tok = llm.get_tokenizer()
+        shared = token_prompts(tok.encode, [300], offset_step=11)[0]
+        early = [shared + token_prompts(tok.encode, [40 + 8 * i], offset_step=53 + i)[0] for i in range(3)]
+        late = token_prompts(tok.encode, [200, 250, 330], offset_step=97) + [shared + [5, 6, 7] * 20]
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        for p in early:  # published before anyone listens: only the replay socket still has them
+            llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)
+        router = Router(1, block_size=BLOCK, hash_seed="dp-test")
+
+        async def follow():
+            import zmq.asyncio
+
+            ctx = zmq.asyncio.Context()
+            sub = KVEventSubscriber(ctx, router.replicas[0], pub.endpoint, pub.replay_endpoint)
+            task = asyncio.ensure_future(sub.run())
+            await asyncio.sleep(0.3)  # the subscription reaches the publisher
+            for p in late:
+                await asyncio.to_thread(llm.generate, [{"prompt_token_ids": p}], params, use_tqdm=False)
+            deadline = time.monotonic() + 10
+            while sub.next_seq != pub._seq and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            ctx.destroy(linger=0)
+            return sub
+
+        sub = asyncio.run(follow())
+        assert sub.replayed > 0, "the batches sent before subscribing were not replayed"
+        assert sub.next_seq == pub._seq and sub.lost == 0 and sub.foreign == 0
+        assert pool.num_evictions > 0  # BlockRemoved events were part of what it followed
+        assert router.replicas[0].cached == set(pool.cached)
+        hashes = BlockHasher.seeded(BLOCK, "dp-test").prefix_hashes(shared + [1] * 40)
+        expected = 0
+        for h in hashes:
+            if h not in pool.cached:
+                break
+            expected += 1
+        assert expected >= 300 // BLOCK - 2  # the shared prefix, fresh from the last prompt, is still cached
+        assert router.matched_blocks(router.replicas[0], hashes) == expected
+    finally:
+        llm.engine.close()
+
+
+# ---- prefix-aware front end ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def prefix_server():
+    srv = ServerProcess(*DP).wait_ready()
+    yield srv
+    srv.close()
+
+
+async def _chat(client, tenant: int, question: str, max_tokens: int = 2):
+    raw = await client.chat.completions.with_raw_response.create(
+        model=MODEL, max_tokens=max_tokens, temperature=0,
+        messages=[{"role": "system", "content": system_prompt(tenant)}, {"role": "user", "content": question}])
+    return raw.headers["x-kvshare-engine"], raw.parse()
+
+
+def test_prefix_aware_keeps_each_tenant_on_the_replica_that_caches_it(prefix_server):
+    srv = prefix_server
+    hits_before = by_engine(srv, "vllm:prefix_cache_hits_total")
+
+    async def main():
+        client = aclient(srv)
+        try:
+            # Tenant 2 arrives while tenant 1's first request runs: it goes to the idle replica.
+            t1 = asyncio.ensure_future(_chat(client, 1, "Hi?", max_tokens=24))
+            await asyncio.to_thread(wait_for, lambda: sum(by_engine(srv, "kvshare:router_in_flight_requests")
+                                                          .values()) == 1, 20, "tenant 1's request to be routed")
+            first = [await _chat(client, 2, "Hello?"), await t1]
+            home = {1: first[1][0], 2: first[0][0]}
+            assert home[1] != home[2], home
+            # Both replicas' events reached the router before the tenants come back.
+            await asyncio.to_thread(wait_for, lambda: all(v >= 10 for v in by_engine(
+                srv, "kvshare:router_cached_blocks").values()), 20, "the router to learn both caches")
+            later = await asyncio.gather(*(_chat(client, t, f"Question {i} for tenant {t}?")
+                                           for i in range(4) for t in (1, 2)))
+            return home, later
+        finally:
+            await client.close()
+
+    home, later = asyncio.run(main())
+    for i, (engine, resp) in enumerate(later):
+        tenant = (1, 2)[i % 2]
+        assert engine == home[tenant], f"tenant {tenant}'s request went to engine {engine}, its prefix is on {home[tenant]}"
+        assert resp.usage.prompt_tokens_details.cached_tokens >= 10 * BLOCK
+    hits = by_engine(srv, "vllm:prefix_cache_hits_total")
+    for engine in home.values():  # the replicas' own counters agree: each served its tenant from cache
+        assert hits[engine] - hits_before.get(engine, 0) >= 4 * 10 * BLOCK
+    decisions = by_engine(srv, "kvshare:router_decisions_total", reason="prefix")
+    assert sum(decisions.values()) >= 8
+    assert sum(by_engine(srv, "kvshare:router_prefix_hit_blocks_total").values()) >= 8 * 10
+
+
+def test_metrics_label_every_replica_series_and_count_routing(prefix_server):
+    srv = prefix_server
+    status, _, data = srv.request("GET", "/metrics")
+    assert status == 200
+    text = data.decode()
+    types = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")]
+    assert len(types) == len(set(types)), "a family was written twice"
+    for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:prefix_cache_hits_total",
+                 "vllm:time_to_first_token_seconds_count", "kvshare:kv_cache_blocks_in_use",
+                 "kvshare:router_routed_requests_total", "kvshare:router_in_flight_requests",
+                 "kvshare:router_engine_alive"):
+        engines = by_engine(srv, name, model_name=MODEL)
+        assert set(engines) == {"0", "1"}, (name, engines)
+    routed = by_engine(srv, "kvshare:router_routed_requests_total", policy="prefix_aware")
+    assert sum(routed.values()) >= 1
+    assert by_engine(srv, "kvshare:router_engine_alive") == {"0": 1.0, "1": 1.0}
+    status, body = ready_body(srv)
+    assert status == 200 and body["status"] == "ready" and body["dead_engines"] == []
+    assert [e["engine"] for e in body["engines"]] == [0, 1] and body["routing_policy"] == "prefix_aware"
+    status, _, data = srv.request("GET", "/health")
+    assert status == 200 and json.loads(data)["status"] == "ok"
+
+
+def test_a_client_disconnect_aborts_the_request_on_its_replica(prefix_server):
+    srv = prefix_server
+    aborted_before = sum(by_engine(srv, "kvshare:aborted_requests_total", reason="client_disconnect").values())
+
+    async def stream_then_leave():
+        client = aclient(srv)
+        try:
+            stream = await client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=400,
+                                                     temperature=0, stream=True, extra_body={"ignore_eos": True})
+            n = 0
+            async for _ in stream:
+                n += 1
+                if n == 3:
+                    break
+            await stream.close()
+        finally:
+            await client.close()
+
+    asyncio.run(stream_then_leave())
+    # A non-streaming request whose client hangs up while it runs.
+    body = json.dumps({"model": MODEL, "prompt": "The weather today", "max_tokens": 400,
+                       "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", srv.port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        wait_for(lambda: sum(by_engine(srv, "kvshare:router_in_flight_requests").values()) == 1, 20,
+                 "the request to be routed")
+        time.sleep(0.5)
+    wait_for(lambda: sum(by_engine(srv, "kvshare:aborted_requests_total", reason="client_disconnect").values())
+             >= aborted_before + 2, 30, "both replicas' client_disconnect aborts")
+    wait_for(lambda: sum(by_engine(srv, "kvshare:kv_cache_blocks_in_use").values()) == 0
+             and sum(by_engine(srv, "kvshare:router_in_flight_requests").values()) == 0, 30,
+             "no block held and nothing in flight")
+
+
+# ---- round robin, backpressure -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def rr_server():
+    srv = ServerProcess(*DP, "--routing-policy", "round_robin", "--max-num-seqs", "2", "--max-waiting", "1",
+                        "--api-key", KEY).wait_ready()
+    yield srv
+    srv.close()
+
+
+def test_round_robin_alternates_behind_the_api_key(rr_server):
+    srv = rr_server
+    status, _, data = srv.request("POST", "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 1})
+    assert status == 401 and json.loads(data)["error"]["code"] == "invalid_api_key"
+    engines = []
+    for i in range(4):
+        status, headers, data = srv.request("POST", "/v1/completions", {
+            "model": MODEL, "prompt": system_prompt(3) + f" Question {i}", "max_tokens": 1},
+            headers={"Authorization": f"Bearer {KEY}"})
+        assert status == 200, data
+        engines.append(headers["x-kvshare-engine"])
+    assert engines in (["0", "1", "0", "1"], ["1", "0", "1", "0"])
+
+
+def test_429s_reach_the_client(rr_server):
+    srv = rr_server
+
+    async def one(client):
+        try:
+            return await client.completions.create(model=MODEL, prompt="Count to ten:", max_tokens=24,
+                                                   temperature=0, extra_body={"ignore_eos": True})
+        except openai.RateLimitError as e:
+            return e
+
+    async def main():
+        client = aclient(srv, KEY)
+        try:
+            return await asyncio.gather(*(one(client) for _ in range(14)))
+        finally:
+            await client.close()
+
+    results = asyncio.run(main())
+    refused = [r for r in results if isinstance(r, Exception)]
+    ok = [r for r in results if not isinstance(r, Exception)]
+    # 2 engines x (2 running + 1 waiting) = 6 at most in flight: the front end refuses the rest.
+    assert len(refused) >= 14 - 6 and len(ok) >= 2
+    for e in refused:
+        assert e.status_code == 429 and e.response.headers["retry-after"]
+        assert e.response.json()["error"]["code"] == "queue_full"
+    assert all(r.usage.completion_tokens == 24 for r in ok)
+    assert sum(by_engine(srv, "kvshare:rejected_requests_total", reason="queue_full").values()) >= len(refused)
+
+
+# ---- a replica dies; then the front end drains ---------------------------------------------------
+
+def test_a_killed_replica_fails_its_requests_and_the_other_keeps_serving():
+    srv = ServerProcess(*DP, "--routing-policy", "round_robin").wait_ready()
+    try:
+        status, body = ready_body(srv)
+        assert status == 200 and body["status"] == "ready"
+        victim = body["engines"][1]
+
+        async def one(client, i: int):
+            try:
+                raw = await client.completions.with_raw_response.create(
+                    model=MODEL, prompt=f"Story number {i}:", max_tokens=LONG_TOKENS, temperature=0,
+                    extra_body={"ignore_eos": True})
+                return raw.headers["x-kvshare-engine"], raw.parse()
+            except openai.APIError as e:
+                return None, e
+
+        async def streamed(client):
+            try:
+                stream = await client.completions.create(model=MODEL, prompt="A long tale:", max_tokens=LONG_TOKENS,
+                                                         temperature=0, stream=True, extra_body={"ignore_eos": True},
+                                                         stream_options={"include_usage": True})
+                usage = None
+                async for chunk in stream:
+                    usage = chunk.usage or usage
+                return "stream", usage  # None if the stream ended early without an error
+            except openai.APIError as e:
+                return None, e
+
+        async def main():
+            client = aclient(srv)
+            try:
+                tasks = [asyncio.ensure_future(one(client, i)) for i in range(6)]
+                tasks += [asyncio.ensure_future(streamed(client)) for _ in range(2)]
+                await asyncio.to_thread(wait_for, lambda: by_engine(srv, "vllm:num_requests_running").get("1", 0) > 0
+                                        and by_engine(srv, "vllm:generation_tokens_total").get("1", 0) > 0, 30,
+                                        "engine 1 to be generating")
+                import os
+                os.kill(victim["pid"], signal.SIGKILL)
+                # Every request ends (answer or error) well within the timeout: none hangs.
+                return await asyncio.wait_for(asyncio.gather(*tasks), 90)
+            finally:
+                await client.close()
+
+        results = asyncio.run(main())
+        failed = [r for _, r in results if isinstance(r, Exception)]
+        served = [(e, r) for e, r in results if not isinstance(r, Exception)]
+        assert failed, "killing engine 1 mid-load failed none of its requests"
+        for e in failed:
+            assert "engine 1" in str(e) and "killed by SIGKILL" in str(e), e
+        for engine, r in served:  # everything that did not fail is whole, wherever it ran
+            assert engine in ("0", "stream"), engine
+            usage = r.usage if engine == "0" else r
+            assert usage is not None and usage.completion_tokens == LONG_TOKENS
+        # Round robin gave engine 0 half of them (more if a request that never reached engine 1
+        # was sent on to it); all of those were served.
+        assert len(served) >= 4 and len(failed) + len(served) == 8
+        status, body = ready_body(srv)
+        assert status == 200 and body["status"] == "degraded" and body["dead_engines"] == [1]
+        assert body["engines"][1]["status"] == "dead" and "SIGKILL" in body["engines"][1]["detail"]
+        # New requests go to the survivor only.
+        for i in range(3):
+            status, headers, data = srv.request("POST", "/v1/completions",
+                                                {"model": MODEL, "prompt": f"After {i}", "max_tokens": 2})
+            assert status == 200 and headers["x-kvshare-engine"] == "0", data
+        # The survivor holds no block once idle: nothing leaked by the failed neighbour's requests.
+        wait_for(lambda: by_engine(srv, "kvshare:kv_cache_blocks_in_use").get("0") == 0
+                 and by_engine(srv, "vllm:num_requests_running").get("0") == 0
+                 and sum(by_engine(srv, "kvshare:router_in_flight_requests").values()) == 0, 30,
+                 "the survivor to be idle with no block in use")
+        assert by_engine(srv, "kvshare:router_engine_alive") == {"0": 1.0, "1": 0.0}
+        assert by_engine(srv, "kvshare:router_failed_requests_total", reason="replica_died").get("1", 0) >= 1
+
+        # SIGTERM with a request in flight: it completes, the survivor drains, the front end exits 0.
+        async def drain():
+            client = aclient(srv)
+            try:
+                task = asyncio.ensure_future(one(client, 99))
+                await asyncio.to_thread(wait_for, lambda: by_engine(srv, "vllm:num_requests_running").get("0", 0)
+                                        > 0, 20, "the request to run")
+                srv.proc.send_signal(signal.SIGTERM)
+                return await asyncio.wait_for(task, 60)
+            finally:
+                await client.close()
+
+        engine, r = asyncio.run(drain())
+        assert engine == "0" and r.usage.completion_tokens == LONG_TOKENS
+        assert srv.proc.wait(60) == 0
+    finally:
+        srv.close()
+
+
+# ---- the front end's plumbing, without servers ---------------------------------------------------
+
+def test_replica_endpoints_are_offset_by_rank_as_in_vllm():
+    from kvshare.server.data_parallel import connect_endpoint, offset_endpoint
+
+    assert offset_endpoint("tcp://*:5557", 1, "--kv-events-endpoint") == "tcp://*:5558"
+    assert connect_endpoint("tcp://*:5558") == "tcp://127.0.0.1:5558"
+    assert connect_endpoint("tcp://10.0.0.2:5558") == "tcp://10.0.0.2:5558"
+    assert offset_endpoint("ipc:///tmp/kv", 2, "--kv-events-endpoint") == "ipc:///tmp/kv.2"
+    with pytest.raises(ValueError, match=r"--kv-events-endpoint 'tcp://127.0.0.1:0' is invalid with "
+                                         r"--data-parallel-size: give tcp://HOST:PORT with an explicit port"):
+        offset_endpoint("tcp://127.0.0.1:0", 0, "--kv-events-endpoint")
+
+
+def test_cpus_and_threads_are_split_between_replicas():
+    import os
+
+    from kvshare.server.data_parallel import split_cpus
+
+    cpus = sorted(os.sched_getaffinity(0))
+    shares = split_cpus(2, None)
+    assert [t for t, _ in shares] == [max(1, len(cpus) // 2)] * 2
+    if len(cpus) >= 2:
+        assert set(shares[0][1]).isdisjoint(shares[1][1])
+    assert [t for t, _ in split_cpus(2, 2)] == [1, 1]  # OMP_NUM_THREADS=2 is the budget of both together
+    assert all(cpu is None for _, cpu in split_cpus(len(cpus) + 1, None))  # fewer CPUs than replicas: no pinning
+
+
+def test_replica_command_line_passes_the_users_flags_and_sets_its_own():
+    from kvshare.cli import build_parser
+    from kvshare.server.cli import replica_argv
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "-dp", "2", "--port", "9000", "--max-model-len", "512", "--audit",
+                              "--api-key", "k", "--kv-events-endpoint", "tcp://*:5557", "--routing-policy",
+                              "round_robin"])
+    serve = args.func.keywords["parser"]
+    argv = replica_argv(serve, args, {"port": 9100, "kv_events_endpoint": "tcp://*:5558"})
+    assert argv[:3] == ["--max-model-len", "512", "--audit"]
+    assert argv[3:] == ["--port", "9100", "--kv-events-endpoint", "tcp://*:5558"]
+    assert "k" not in argv  # the key travels in the environment, not where `ps` shows it
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--data-parallel-size", "0"], "--data-parallel-size 0 is invalid: must be >= 1"),
+    (["-dp", "2", "--kv-events-endpoint", "tcp://127.0.0.1:0"], "--kv-events-endpoint 'tcp://127.0.0.1:0' is invalid"),
+])
+def test_bad_data_parallel_flags_name_the_flag(argv, message, capsys):
+    from kvshare.cli import main
+
+    assert main(["serve", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_front_end_refuses_bad_requests_itself_in_openais_shape(prefix_server):
+    srv = prefix_server
+    status, body = srv.post_json("/v1/chat/completions", {"model": MODEL, "messages": [], "max_tokens": 1})
+    assert status == 400 and body["error"]["param"] == "messages"
+    status, body = srv.post_json("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0})
+    assert status == 400 and body["error"]["param"] == "max_tokens"
+    status, _, data = srv.request("GET", "/v1/completions")
+    assert status == 405 and "not allowed" in json.loads(data)["error"]["message"]
+    status, _, data = srv.request("GET", "/kv/snapshot")
+    assert status == 404 and "its url is in /ready" in json.loads(data)["error"]["message"]
+    status, body = srv.post_json("/v1/completions", {"model": "other", "prompt": "x", "max_tokens": 1})
+    assert status == 404 and body["error"]["code"] == "model_not_found"  # the replica's answer, passed through
+    status, _, data = srv.request("GET", "/v1/models")
+    assert status == 200 and json.loads(data)["data"][0]["id"] == MODEL
+
+
+def test_batches_of_another_rank_are_ignored():
+    """Every replica's batches carry its data_parallel_rank (as vLLM's do); a subscriber that gets
+    another rank's events (a misconfigured endpoint) does not believe them."""
+    import zmq.asyncio
+
+    from kvshare.engine.kv_event_publisher import encode_batch
+    from kvshare.kvcache.kv_events import BlockStored
+
+    def batch(rank: int, h: bytes) -> bytes:
+        return encode_batch([BlockStored((h,), None, tuple(range(BLOCK)), BLOCK)], 0.0, rank)
+
+    async def main():
+        ctx = zmq.asyncio.Context()
+        router = Router(2, block_size=BLOCK, hash_seed="s")
+        sub = KVEventSubscriber(ctx, router.replicas[1], "tcp://127.0.0.1:1")  # nothing publishes there
+        await sub._accept(0, batch(0, b"a" * 32))
+        await sub._accept(1, batch(1, b"b" * 32))
+        ctx.destroy(linger=0)
+        return router, sub
+
+    router, sub = asyncio.run(main())
+    assert router.replicas[1].cached == {b"b" * 32}
+    assert sub.foreign == 1 and sub.batches == 1 and sub.next_seq == 2
+
+
+def test_a_replica_whose_engine_thread_stopped_is_marked_dead_and_the_request_goes_on():
+    """A replica process can outlive its engine thread: it then answers 503 engine_dead. The front
+    end (driven in-process here, its replicas' HTTP answers scripted) marks it dead and sends the
+    request to another replica, where it has not run yet."""
+    import httpx2
+
+    from kvshare.server.data_parallel import DataParallelOptions, FrontendState, build_frontend_app
+    from kvshare.server.dp_metrics import RouterMetrics
+    from kvshare.server.replica import ReplicaLaunch, ReplicaProcess
+    from kvshare.server.settings import ServerConfig
+
+    replicas = [ReplicaProcess(ReplicaLaunch(i, 41000 + i, [], "ipc://unused", "ipc://unused", 1, None, None))
+                for i in range(2)]
+    asked = []
+
+    def replica_http(request: httpx2.Request) -> httpx2.Response:
+        asked.append(request.url.port)
+        if request.url.port == 41000:
+            return httpx2.Response(503, json={"error": {
+                "message": "the engine loop has stopped (RuntimeError: boom); restart the server",
+                "type": "server_error", "param": None, "code": "engine_dead"}})
+        return httpx2.Response(200, json={"object": "text_completion", "choices": []})
+
+    state = FrontendState(config=ServerConfig(), options=DataParallelOptions(2, "least_loaded", BLOCK, "s"),
+                          metrics=RouterMetrics(MODEL, 2, "least_loaded"), router=Router(2, "least_loaded"),
+                          replicas=replicas, tokenizer=None, model_name=MODEL)
+    app = build_frontend_app(state, [])
+
+    async def main():
+        state.client = httpx2.AsyncClient(transport=httpx2.MockTransport(replica_http))
+        async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://front") as c:
+            answer = await c.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1})
+            again = await c.post("/v1/completions", json={"prompt": [4, 5, 6], "max_tokens": 1})
+            ready = await c.get("/ready")
+        await state.client.aclose()
+        return answer, again, ready
+
+    answer, again, ready = asyncio.run(main())
+    assert answer.status_code == 200 and answer.headers["x-kvshare-engine"] == "1"
+    assert again.status_code == 200 and again.headers["x-kvshare-engine"] == "1"
+    assert asked == [41000, 41001, 41001]  # engine 0 was asked once, then never again
+    body = ready.json()
+    assert ready.status_code == 200 and body["status"] == "degraded" and body["dead_engines"] == [0]
+    assert "engine thread stopped" in body["engines"][0]["detail"] and "boom" in body["engines"][0]["detail"]
+    assert state.metrics.failed[0]["engine_dead"] == 1 and state.metrics.routed == [0, 2]
