@@ -7,12 +7,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import time
 import urllib.error
 import urllib.request
 
 import pytest
+
+# A single-node cluster entirely on loopback: without this Ray takes the machine's routable
+# address as its node IP (its own servers, and the replicas' KV event sockets, which bind on the
+# node IP as they would on a multi-machine cluster). Read by Ray at import, in every Ray process.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install -e '.[ray]')")
 openai = pytest.importorskip("openai")
@@ -61,14 +67,13 @@ def ray_app():
     free loopback port, and the application deployed with two engine replicas."""
     from ray import serve
 
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 2**20, _node_ip_address="127.0.0.1",
-             log_to_driver=False, configure_logging=False)
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 2**20, log_to_driver=False, configure_logging=False)
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(APP_ARGS), name="kvshare", route_prefix="/", blocking=False)
         base = f"http://127.0.0.1:{port}"
-        wait_for(lambda: get_json(base + "/ready")[0] == 200, 120, "both replicas to be ready")
+        wait_for(lambda: get_json(base + "/ready")[1].get("status") == "ready", 120, "both replicas to be ready")
         yield base
     finally:
         try:
@@ -83,7 +88,7 @@ def client(base: str) -> openai.AsyncOpenAI:
 
 def engines(base: str) -> dict[int, dict]:
     status, body = get_json(base + "/ready")
-    assert status == 200, body
+    assert status == 200 and body["status"] == "ready", body
     return {row["rank"]: row for row in body["engines"]}
 
 

@@ -114,12 +114,18 @@ class OpenAIIngress:
         async def one(rank: int) -> dict:
             call = self.engine.kv_state.remote(route={"engine_rank": rank})
             try:
-                return await asyncio.wait_for(_result(call), PROBE_TIMEOUT_SECONDS)
+                row = await asyncio.wait_for(_result(call), PROBE_TIMEOUT_SECONDS)
             except Exception as e:  # noqa: BLE001 - every failure is reported in the body
                 call.cancel()
                 return {"rank": rank, "status": "not_answering", "detail": f"{type(e).__name__}: {e}"}
+            if row["rank"] != rank:  # the router pins by rank: another replica answering is a bug to see
+                return {"rank": rank, "status": "not_answering", "detail": f"rank {row['rank']} answered instead"}
+            return {"status": "ready", **row}
 
-        rows = await asyncio.gather(*(one(r) for r in range(self.num_replicas)))
+        # One after another: calls made while serving one request share Serve's internal request
+        # id, and Serve hands a routed replica to the pending call with that id, which concurrent
+        # probes would mix up.
+        rows = [await one(r) for r in range(self.num_replicas)]
         answering = [r for r in rows if r.get("status") != "not_answering"]
         status = "ready" if len(answering) == len(rows) else ("degraded" if answering else "engine_dead")
         return JSONResponse({"status": status, "replicas": self.num_replicas, "engines": rows},

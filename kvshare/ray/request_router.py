@@ -32,7 +32,8 @@ from kvshare.server.routing import ReplicaState, Router, RoutingDecision
 logger = logging.getLogger("kvshare.ray")
 
 ROUTE_KWARG = "route"  # the ingress's routing input: {"token_ids", "cache_salt", "engine_rank"}
-ROUTED_KWARG = "routed"  # the router's decision and, for pinned probes, its view of the replica
+ROUTED_KWARG = "routed"
+UNKNOWN_RANK = -1  # a replica whose metadata has not reached this router yet  # the router's decision and, for pinned probes, its view of the replica
 
 
 @dataclass
@@ -77,13 +78,12 @@ class KVSharePrefixRouter(RequestRouter):
                 if gone.task is not None:
                     gone.task.cancel()
         for rid, replica in current.items():
-            if rid not in self._followed:
-                meta = replica.replica_metadata
-                rank = meta.get("rank")
-                if rank is None:
-                    logger.warning("replica %s reported no kvshare metadata; routing to it by load only", rid)
-                    rank = -1
-                self._followed[rid] = _Followed(ReplicaState(int(rank)), rid.unique_id)
+            rank = replica.replica_metadata.get("rank")
+            followed = self._followed.get(rid)
+            if followed is None:
+                followed = self._followed[rid] = _Followed(ReplicaState(UNKNOWN_RANK), rid.unique_id)
+            if rank is not None:  # the metadata can come with a later update than the replica itself
+                followed.state.index = int(rank)
         self._follow_events()
 
     def _follow_events(self) -> None:
@@ -96,7 +96,7 @@ class KVSharePrefixRouter(RequestRouter):
         if self._zmq is None:
             self._zmq = zmq.asyncio.Context()
         for rid, followed in self._followed.items():
-            if followed.subscriber is not None:
+            if followed.subscriber is not None or followed.state.index == UNKNOWN_RANK:
                 continue
             meta = self._replicas[rid].replica_metadata if rid in self._replicas else {}
             endpoint = meta.get("kv_events_endpoint")
@@ -112,6 +112,10 @@ class KVSharePrefixRouter(RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         self._follow_events()
+        if pending_request is not None:
+            # Every candidate is in what this returns: when none can take the request, Serve
+            # should back off before asking again, not ask again at once (a busy loop).
+            pending_request.routing_context.should_backoff = True
         candidates = [r for r in candidate_replicas if r.replica_id in self._followed]
         if not candidates:
             return [candidate_replicas] if candidate_replicas else []
