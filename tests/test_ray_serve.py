@@ -28,7 +28,9 @@ from kvshare.ray import build_app, parse_app_args  # noqa: E402
 
 BLOCK = 16
 MODEL = "SmolLM2-135M-Instruct"
-APP_ARGS = {"num_replicas": "2", "max_num_seqs": "4", "kv_cache_memory": "24MiB", "max_model_len": "1024",
+LATER_TENANTS = (1, 1, 2, 2, 1, 2)
+KEY = "sk-ray-test"
+APP_ARGS = {"api_key": KEY, "num_replicas": "2", "max_num_seqs": "4", "kv_cache_memory": "24MiB", "max_model_len": "1024",
             "num_cpus_per_replica": "1"}
 
 
@@ -82,8 +84,8 @@ def ray_app():
             ray.shutdown()
 
 
-def client(base: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+def client(base: str, key: str = KEY) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=base + "/v1", api_key=key, max_retries=0, timeout=120)
 
 
 def engines(base: str) -> dict[int, dict]:
@@ -127,7 +129,16 @@ def test_openai_endpoints_through_serve(ray_app):
         finally:
             await c.close()
 
+    async def wrong_key():
+        c = client(ray_app, key="sk-wrong")
+        try:
+            with pytest.raises(openai.AuthenticationError):
+                await c.completions.create(model=MODEL, prompt="x", max_tokens=1)
+        finally:
+            await c.close()
+
     asyncio.run(main())
+    asyncio.run(wrong_key())
     status, health = get_json(ray_app + "/health")
     assert status == 200 and health["status"] == "ok"
 
@@ -147,16 +158,16 @@ def test_prefix_aware_routing_keeps_each_tenant_on_its_replica(ray_app):
             await asyncio.to_thread(wait_for, lambda: all(
                 e["router"]["cached_digest"] == e["cached_digest"] and e["cached_blocks"] >= 10
                 for e in engines(ray_app).values()), 30, "the router's view to match both replicas' caches")
+            # An order that round-robin (or any alternation) would scatter over both replicas.
             later = await asyncio.gather(*(_chat(c, t, f"Question {i} for tenant {t}?")
-                                           for i in range(3) for t in (1, 2)))
+                                           for i, t in enumerate(LATER_TENANTS)))
             return home, later
         finally:
             await c.close()
 
     before = engines(ray_app)
     home, later = asyncio.run(main())
-    for i, (engine, resp) in enumerate(later):
-        tenant = (1, 2)[i % 2]
+    for tenant, (engine, resp) in zip(LATER_TENANTS, later):
         assert engine == home[tenant], f"tenant {tenant}'s request went to engine {engine}, its prefix is on {home[tenant]}"
         assert resp.usage.prompt_tokens_details.cached_tokens >= 10 * BLOCK
     after = wait_for(lambda: (lambda e: e if all(x["router"]["cached_digest"] == x["cached_digest"]
@@ -181,3 +192,29 @@ def test_bad_application_options_name_the_option():
         parse_app_args({"routing_policy": "nearest"})
     opts = parse_app_args({"num_replicas": "3", "kv_cache_memory": "64MiB", "enable_prefix_caching": "true"})
     assert opts.num_replicas == 3 and opts.engine == {"kv_cache_memory": "64MiB", "enable_prefix_caching": True}
+
+
+def test_a_client_that_leaves_mid_stream_aborts_its_request_on_the_replica(ray_app):
+    async def main():
+        c = client(ray_app)
+        try:
+            stream = await c.completions.create(model=MODEL, prompt="Tell a very long story.", max_tokens=400,
+                                                temperature=0, stream=True, extra_body={"ignore_eos": True})
+            received = 0
+            async for _chunk in stream:
+                received += 1
+                if received == 3:
+                    break
+            await stream.close()  # closes the connection: Serve cancels the call, the replica aborts
+        finally:
+            await c.close()
+
+    def disconnects() -> int:
+        return sum(e["aborted"].get("client_disconnect", 0) for e in engines(ray_app).values())
+
+    before = disconnects()
+    asyncio.run(main())
+    # The replica's own count: the request was aborted because its client left (not run to its end).
+    wait_for(lambda: disconnects() == before + 1, 15, "the replica to abort the request")
+    wait_for(lambda: all(e["running"] == 0 and e["router"]["in_flight"] == 0 for e in engines(ray_app).values()),
+             15, "the request to be gone from the replica and from the router's count")

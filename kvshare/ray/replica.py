@@ -123,6 +123,7 @@ class EngineReplica:
         snap = self.state.engine.snapshot
         return {"rank": self.rank, "replica_id": self.replica_id, "kv_events_endpoint": self.kv_events_endpoint,
                 "cached_blocks": len(own), "cached_digest": cached_digest(own),
+                "running": snap.running, "waiting": snap.waiting, "aborted": dict(self.state.metrics.aborted),
                 "prefix_cache_queries": snap.prefix_cache_queries, "prefix_cache_hits": snap.prefix_cache_hits,
                 "kv_cache_usage": round(snap.kv_cache_usage, 4), "engine_alive": self.state.engine.is_alive(),
                 "router": (routed or {}).get("view")}
