@@ -218,3 +218,54 @@ def test_a_client_that_leaves_mid_stream_aborts_its_request_on_the_replica(ray_a
     wait_for(lambda: disconnects() == before + 1, 15, "the replica to abort the request")
     wait_for(lambda: all(e["running"] == 0 and e["router"]["in_flight"] == 0 for e in engines(ray_app).values()),
              15, "the request to be gone from the replica and from the router's count")
+
+
+@pytest.mark.slow
+def test_a_killed_replica_fails_its_stream_serve_replaces_it_and_the_router_follows_the_new_one(ray_app):
+    """Last in this file: it kills one of the fixture's replicas."""
+    async def main():
+        c = client(ray_app)
+        try:
+            raw = await c.completions.with_raw_response.create(
+                model=MODEL, prompt="Tell a very long story.", max_tokens=400, temperature=0, stream=True,
+                extra_body={"ignore_eos": True})
+            rank, replica_id = raw.headers["x-kvshare-engine"], raw.headers["x-kvshare-replica"]
+            stream = raw.parse()
+            received = 0
+            with pytest.raises(openai.APIError, match="engine replica failed while serving this request"):
+                async for _chunk in stream:
+                    received += 1
+                    if received == 3:
+                        actor = next(a for a in ray.util.list_named_actors(all_namespaces=True)
+                                     if a["name"].endswith(f"#{replica_id}"))
+                        ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
+            # The other replica (and soon the replacement) serves on.
+            answers = await asyncio.gather(*(c.completions.create(model=MODEL, prompt=f"Count to {i}:", max_tokens=3)
+                                             for i in range(4)))
+            assert all(a.usage.completion_tokens == 3 for a in answers)
+            return int(rank), replica_id
+        finally:
+            await c.close()
+
+    rank, dead = asyncio.run(main())
+
+    def replaced():
+        status, body = get_json(ray_app + "/ready")
+        if status != 200 or body["status"] != "ready":
+            return None
+        rows = {row["rank"]: row for row in body["engines"]}
+        return rows if rank in rows and rows[rank]["replica_id"] != dead else None
+
+    rows = wait_for(replaced, 180, f"Serve to replace the killed replica of rank {rank}")
+    new = rows[rank]
+    assert new["router"]["following"] == new["kv_events_endpoint"]  # the new replica's events, not the dead one's
+    async def one_more():
+        c = client(ray_app)
+        try:
+            await _chat(c, 3, "Hi?")
+        finally:
+            await c.close()
+
+    asyncio.run(one_more())
+    wait_for(lambda: all(e["router"]["cached_digest"] == e["cached_digest"] for e in engines(ray_app).values()),
+             30, "the router's view to match both replicas, the new one included")
