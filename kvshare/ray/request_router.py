@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import zmq.asyncio
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -33,13 +33,18 @@ logger = logging.getLogger("kvshare.ray")
 
 ROUTE_KWARG = "route"  # the ingress's routing input: {"token_ids", "cache_salt", "engine_rank"}
 ROUTED_KWARG = "routed"
-UNKNOWN_RANK = -1  # a replica whose metadata has not reached this router yet  # the router's decision and, for pinned probes, its view of the replica
+UNKNOWN_RANK = -1  # a replica whose metadata has not reached this router yet
+# Decisions wait here for Serve's on_request_routed; a call cancelled before it was sent never
+# gets one, so the oldest are dropped beyond this many (far more than can be in routing at once).
+MAX_PENDING_DECISIONS = 10_000  # the router's decision and, for pinned probes, its view of the replica
 
 
 @dataclass
 class _Followed:
     state: ReplicaState
     replica_id: str
+    kv_events_endpoint: str | None = None  # from the replica's metadata
+    kv_events_replay_endpoint: str | None = None
     subscriber: KVEventSubscriber | None = None
     task: asyncio.Task | None = None
     routed: int = 0  # requests this router sent it
@@ -78,12 +83,14 @@ class KVSharePrefixRouter(RequestRouter):
                 if gone.task is not None:
                     gone.task.cancel()
         for rid, replica in current.items():
-            rank = replica.replica_metadata.get("rank")
+            meta = replica.replica_metadata
             followed = self._followed.get(rid)
             if followed is None:
                 followed = self._followed[rid] = _Followed(ReplicaState(UNKNOWN_RANK), rid.unique_id)
-            if rank is not None:  # the metadata can come with a later update than the replica itself
-                followed.state.index = int(rank)
+            if meta.get("rank") is not None:  # the metadata can come with a later update than the replica
+                followed.state.index = int(meta["rank"])
+                followed.kv_events_endpoint = meta.get("kv_events_endpoint")
+                followed.kv_events_replay_endpoint = meta.get("kv_events_replay_endpoint")
         self._follow_events()
 
     def _follow_events(self) -> None:
@@ -95,18 +102,14 @@ class KVSharePrefixRouter(RequestRouter):
             return
         if self._zmq is None:
             self._zmq = zmq.asyncio.Context()
-        for rid, followed in self._followed.items():
-            if followed.subscriber is not None or followed.state.index == UNKNOWN_RANK:
+        for followed in self._followed.values():
+            if followed.subscriber is not None or not followed.kv_events_endpoint:
                 continue
-            meta = self._replicas[rid].replica_metadata if rid in self._replicas else {}
-            endpoint = meta.get("kv_events_endpoint")
-            if not endpoint:
-                continue
-            followed.subscriber = KVEventSubscriber(self._zmq, followed.state, endpoint,
-                                                    meta.get("kv_events_replay_endpoint"), self._topic)
+            followed.subscriber = KVEventSubscriber(self._zmq, followed.state, followed.kv_events_endpoint,
+                                                    followed.kv_events_replay_endpoint, self._topic)
             followed.task = asyncio.ensure_future(followed.subscriber.run())
             logger.info("following KV events of replica rank %d (%s) on %s", followed.state.index,
-                        followed.replica_id, endpoint)
+                        followed.replica_id, followed.kv_events_endpoint)
 
     # ---- choosing ---------------------------------------------------------------------------------
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -142,6 +145,8 @@ class KVSharePrefixRouter(RequestRouter):
         chosen_state = next(s for s in states if s.index == decision.index)
         chosen = by_state[id(chosen_state)]
         if pending_request is not None:
+            while len(self._decisions) >= MAX_PENDING_DECISIONS:  # calls cancelled before Serve sent them
+                self._decisions.pop(next(iter(self._decisions)))
             self._decisions[pending_request.metadata.internal_request_id] = decision
             pending_request.kwargs[ROUTED_KWARG] = {
                 "replica_id": chosen.replica_id.unique_id, "reason": decision.reason,
