@@ -269,3 +269,18 @@ def test_a_killed_replica_fails_its_stream_serve_replaces_it_and_the_router_foll
     asyncio.run(one_more())
     wait_for(lambda: all(e["router"]["cached_digest"] == e["cached_digest"] for e in engines(ray_app).values()),
              30, "the router's view to match both replicas, the new one included")
+
+
+def test_serve_run_app_reads_its_options_from_the_environment(monkeypatch):
+    import kvshare.ray
+
+    monkeypatch.setenv("KVSHARE_RAY_NUM_REPLICAS", "3")
+    monkeypatch.setenv("KVSHARE_RAY_MAX_NUM_SEQS", "6")
+    app = kvshare.ray.app  # what `serve run kvshare.ray:app` looks up
+    # The ingress is bound to the engine deployment (Ray's Application internals, pinned 2.60.0).
+    engine = app._bound_deployment.init_args[0]._bound_deployment
+    assert engine.num_replicas == 3 and engine.max_ongoing_requests == 12  # 6 running + 6 waiting
+    assert engine.init_args[0] == {"max_num_seqs": 6}  # the replicas' engine options
+    monkeypatch.setenv("KVSHARE_RAY_MAX_NUM_SEQ", "6")
+    with pytest.raises(ValueError, match="unknown option 'max_num_seq'"):
+        kvshare.ray.app  # noqa: B018
