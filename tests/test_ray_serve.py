@@ -212,10 +212,21 @@ def test_a_client_that_leaves_mid_stream_aborts_its_request_on_the_replica(ray_a
     def disconnects() -> int:
         return sum(e["aborted"].get("client_disconnect", 0) for e in engines(ray_app).values())
 
+    async def impatient():  # not streamed: the client gives up before the whole answer is ready
+        c = openai.AsyncOpenAI(base_url=ray_app + "/v1", api_key=KEY, max_retries=0, timeout=1.5)
+        try:
+            with pytest.raises(openai.APITimeoutError):
+                await c.completions.create(model=MODEL, prompt="Tell a very long story.", max_tokens=400,
+                                           temperature=0, extra_body={"ignore_eos": True})
+        finally:
+            await c.close()
+
     before = disconnects()
     asyncio.run(main())
     # The replica's own count: the request was aborted because its client left (not run to its end).
-    wait_for(lambda: disconnects() == before + 1, 15, "the replica to abort the request")
+    wait_for(lambda: disconnects() == before + 1, 15, "the replica to abort the streamed request")
+    asyncio.run(impatient())
+    wait_for(lambda: disconnects() == before + 2, 15, "the replica to abort the request whose client timed out")
     wait_for(lambda: all(e["running"] == 0 and e["router"]["in_flight"] == 0 for e in engines(ray_app).values()),
              15, "the request to be gone from the replica and from the router's count")
 

@@ -147,6 +147,9 @@ class OpenAIIngress:
                                                                    headers, body, route=route)
         try:
             head = await call.__anext__()
+        except asyncio.CancelledError:  # the client left (Serve cancels this handler): so does the call
+            call.cancel()
+            raise
         except Exception as e:  # noqa: BLE001 - the replica died or could not be reached
             call.cancel()
             return _engine_failed(e, started=False).response()
@@ -154,6 +157,9 @@ class OpenAIIngress:
         if not out_headers.get("content-type", "").startswith("text/event-stream"):
             try:
                 content = b"".join([chunk async for chunk in call])
+            except asyncio.CancelledError:
+                call.cancel()
+                raise
             except Exception as e:  # noqa: BLE001
                 call.cancel()
                 return _engine_failed(e, started=True).response()
