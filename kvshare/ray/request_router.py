@@ -119,7 +119,10 @@ class KVSharePrefixRouter(RequestRouter):
             # Every candidate is in what this returns: when none can take the request, Serve
             # should back off before asking again, not ask again at once (a busy loop).
             pending_request.routing_context.should_backoff = True
-        candidates = [r for r in candidate_replicas if r.replica_id in self._followed]
+        # Router decides by rank: a replica whose rank is not known yet is left to Serve's own
+        # choice below until its metadata arrives.
+        candidates = [r for r in candidate_replicas if r.replica_id in self._followed
+                      and self._followed[r.replica_id].state.index != UNKNOWN_RANK]
         if not candidates:
             return [candidate_replicas] if candidate_replicas else []
         route = (pending_request.kwargs.get(ROUTE_KWARG) if pending_request is not None else None) or {}
