@@ -180,6 +180,24 @@ class FrontendState:
         return len(self.live()) * (self.options.max_num_seqs + mw)
 
 
+def prompt_for_routing(tokenizer, chat_template: str | None, body: bytes, chat: bool) -> tuple[list[int], str | None]:
+    """The first prompt's token ids as a replica computes them, and the request's cache_salt.
+    Raises InvalidRequestError for a body a replica would refuse (the same check, so the same 400).
+    Shared with the Ray Serve ingress (kvshare.ray), which routes the same way."""
+    req = parse_body(body, ChatCompletionRequest if chat else CompletionRequest)
+    if chat:
+        ids = render_chat_prompt(tokenizer, req, chat_template).token_ids
+    else:
+        first = req.prompt[0]
+        if isinstance(first, str):
+            if tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer: send the prompt as token ids", "prompt")
+            ids = tokenizer.encode(first) if first else []
+        else:
+            ids = list(first)
+    return ids, req.cache_salt
+
+
 class ClientGone(Exception):
     """The client disconnected before its response started: nothing is left to answer."""
 
@@ -200,21 +218,7 @@ class Proxy:
 
     # ---- routing input ------------------------------------------------------------------------
     def _prompt_for_routing(self, body: bytes, chat: bool) -> tuple[list[int], str | None]:
-        """The first prompt's token ids as a replica computes them, and the request's cache_salt.
-        Raises InvalidRequestError for a body a replica would refuse (the same check, so the same 400)."""
-        st = self.state
-        req = parse_body(body, ChatCompletionRequest if chat else CompletionRequest)
-        if chat:
-            ids = render_chat_prompt(st.tokenizer, req, st.config.chat_template).token_ids
-        else:
-            first = req.prompt[0]
-            if isinstance(first, str):
-                if st.tokenizer is None:
-                    raise InvalidRequestError("this model has no tokenizer: send the prompt as token ids", "prompt")
-                ids = st.tokenizer.encode(first) if first else []
-            else:
-                ids = list(first)
-        return ids, req.cache_salt
+        return prompt_for_routing(self.state.tokenizer, self.state.config.chat_template, body, chat)
 
     async def routing_input(self, body: bytes, chat: bool) -> tuple[list[int], str | None]:
         try:

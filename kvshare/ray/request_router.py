@@ -1,0 +1,199 @@
+"""The engine deployment's request router: Ray Serve's custom RequestRouter API with kvshare's
+routing policy (kvshare.server.routing.Router: prefix-aware, balanced against load).
+
+Serve builds one router per deployment handle, in the process holding the handle (here: each
+ingress replica), and asks it for a replica for every request. This router:
+- follows every replica's KV events (a ZMQ SUB on the TCP endpoints the replica reported in its
+  replica metadata, kvshare.server.kv_subscriber, with the replay socket filling gaps), so it
+  knows which block hashes each replica caches, whichever machine the replica runs on;
+- hashes the request's prompt with the replicas' shared seed (the ingress tokenized it and passes
+  the token ids and cache_salt as the `route` keyword argument) and lets Router.route choose;
+- counts the requests it sent each replica and has not seen finish (on_request_routed /
+  on_request_completed), holding their blocks as cached there meanwhile, as the data-parallel
+  front end does;
+- adds what it decided as the `routed` keyword argument, so the replica can say so in its headers.
+
+A request without `route` (/v1/models, /tokenize, ...) goes to the least loaded replica; one whose
+route pins an engine rank (the ingress's /ready probes) goes to that replica only, and carries the
+router's view of it (block count and digest) so it can be compared with the replica's own.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import zmq.asyncio
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from kvshare.server.kv_subscriber import KVEventSubscriber
+from kvshare.server.routing import ReplicaState, Router, RoutingDecision
+
+logger = logging.getLogger("kvshare.ray")
+
+ROUTE_KWARG = "route"  # the ingress's routing input: {"token_ids", "cache_salt", "engine_rank"}
+ROUTED_KWARG = "routed"
+UNKNOWN_RANK = -1  # a replica whose metadata has not reached this router yet
+# Decisions wait here for Serve's on_request_routed; a call cancelled before it was sent never
+# gets one, so the oldest are dropped beyond this many (far more than can be in routing at once).
+MAX_PENDING_DECISIONS = 10_000  # the router's decision and, for pinned probes, its view of the replica
+
+
+@dataclass
+class _Followed:
+    state: ReplicaState
+    replica_id: str
+    kv_events_endpoint: str | None = None  # from the replica's metadata
+    kv_events_replay_endpoint: str | None = None
+    subscriber: KVEventSubscriber | None = None
+    task: asyncio.Task | None = None
+    routed: int = 0  # requests this router sent it
+    prefix_hit_blocks: int = 0  # of their prompt blocks, those it held (this router's view)
+    prompt_blocks: int = 0
+
+
+@dataclass
+class _InFlight:
+    replica_id: ReplicaID
+    hashes: tuple[bytes, ...]
+
+
+class KVSharePrefixRouter(RequestRouter):
+    def initialize_state(self, policy: str = "prefix_aware", block_size: int = 16, hash_seed: str | None = None,
+                         kv_events_topic: str = "", balance_abs_threshold: int = 32,
+                         balance_rel_threshold: float = 1.5, cache_threshold: float = 0.5) -> None:
+        self._router = Router(1, policy, block_size=block_size, hash_seed=hash_seed,
+                              balance_abs_threshold=balance_abs_threshold,
+                              balance_rel_threshold=balance_rel_threshold, cache_threshold=cache_threshold)
+        self._router.replicas = []  # set per decision to the candidates' states
+        self._topic = kv_events_topic
+        self._followed: dict[ReplicaID, _Followed] = {}
+        self._in_flight: dict[str, _InFlight] = {}  # internal request id -> where it went
+        self._decisions: dict[str, RoutingDecision] = {}  # internal request id -> the last decision
+        self._reasons: dict[str, int] = {}
+        self._zmq: zmq.asyncio.Context | None = None
+
+    # ---- replicas and their events ----------------------------------------------------------------
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        current = {r.replica_id: r for r in replicas}
+        for rid in list(self._followed):
+            if rid not in current:  # stopped or dead: forget what it cached, stop following it
+                gone = self._followed.pop(rid)
+                if gone.task is not None:
+                    gone.task.cancel()
+        for rid, replica in current.items():
+            meta = replica.replica_metadata
+            followed = self._followed.get(rid)
+            if followed is None:
+                followed = self._followed[rid] = _Followed(ReplicaState(UNKNOWN_RANK), rid.unique_id)
+            if meta.get("rank") is not None:  # the metadata can come with a later update than the replica
+                followed.state.index = int(meta["rank"])
+                followed.kv_events_endpoint = meta.get("kv_events_endpoint")
+                followed.kv_events_replay_endpoint = meta.get("kv_events_replay_endpoint")
+        self._follow_events()
+
+    def _follow_events(self) -> None:
+        """Subscribe to every known replica's KV events; on the router's event loop (the SUB
+        sockets and their tasks live there), so a call outside it waits for the next routing."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        if self._zmq is None:
+            self._zmq = zmq.asyncio.Context()
+        for followed in self._followed.values():
+            if followed.subscriber is not None or not followed.kv_events_endpoint:
+                continue
+            followed.subscriber = KVEventSubscriber(self._zmq, followed.state, followed.kv_events_endpoint,
+                                                    followed.kv_events_replay_endpoint, self._topic)
+            followed.task = asyncio.ensure_future(followed.subscriber.run())
+            logger.info("following KV events of replica rank %d (%s) on %s", followed.state.index,
+                        followed.replica_id, followed.kv_events_endpoint)
+
+    # ---- choosing ---------------------------------------------------------------------------------
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        self._follow_events()
+        if pending_request is not None:
+            # Every candidate is in what this returns: when none can take the request, Serve
+            # should back off before asking again, not ask again at once (a busy loop).
+            pending_request.routing_context.should_backoff = True
+        # Router decides by rank: a replica whose rank is not known yet is left to Serve's own
+        # choice below until its metadata arrives.
+        candidates = [r for r in candidate_replicas if r.replica_id in self._followed
+                      and self._followed[r.replica_id].state.index != UNKNOWN_RANK]
+        if not candidates:
+            return [candidate_replicas] if candidate_replicas else []
+        route = (pending_request.kwargs.get(ROUTE_KWARG) if pending_request is not None else None) or {}
+        by_state = {id(self._followed[r.replica_id].state): r for r in candidates}
+        states = []
+        for r in candidates:
+            state = self._followed[r.replica_id].state
+            state.kv_usage = float((r.routing_stats or {}).get("kv_cache_usage", 0.0))
+            states.append(state)
+        pinned = route.get("engine_rank")
+        if pinned is not None:
+            chosen = [r for r in candidates if self._followed[r.replica_id].state.index == pinned]
+            if chosen and pending_request is not None:
+                followed = self._followed[chosen[0].replica_id]
+                pending_request.kwargs[ROUTED_KWARG] = {"replica_id": followed.replica_id, "view": self._view(followed)}
+            return [chosen]
+        self._router.replicas = states
+        if "token_ids" in route:
+            decision = self._router.route(route["token_ids"], route.get("cache_salt"))
+        else:  # nothing to match: the least loaded
+            least = min(states, key=lambda s: (s.in_flight, s.kv_usage, s.index))
+            decision = RoutingDecision(least.index, 0, 0, "least_loaded")
+        chosen_state = next(s for s in states if s.index == decision.index)
+        chosen = by_state[id(chosen_state)]
+        if pending_request is not None:
+            while len(self._decisions) >= MAX_PENDING_DECISIONS:  # calls cancelled before Serve sent them
+                self._decisions.pop(next(iter(self._decisions)))
+            self._decisions[pending_request.metadata.internal_request_id] = decision
+            pending_request.kwargs[ROUTED_KWARG] = {
+                "replica_id": chosen.replica_id.unique_id, "reason": decision.reason,
+                "matched_blocks": decision.matched_blocks, "prompt_blocks": decision.prompt_blocks}
+        # The others after it: Serve takes one of them if the chosen replica is at max_ongoing_requests.
+        rest = sorted((r for r in candidates if r is not chosen),
+                      key=lambda r: (self._followed[r.replica_id].state.in_flight,
+                                     self._followed[r.replica_id].state.kv_usage))
+        return [[chosen], rest] if rest else [[chosen]]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        request_id = pending_request.metadata.internal_request_id
+        decision = self._decisions.pop(request_id, None)
+        followed = self._followed.get(replica_id)
+        if decision is None or followed is None:
+            return  # a pinned probe, or a replica not followed: nothing to count
+        hashes = decision.block_hashes
+        state = followed.state
+        # Counted on the replica that took it (Serve may take the next rank if the first was full).
+        followed.prefix_hit_blocks += self._router.matched_blocks(state, list(hashes))
+        followed.prompt_blocks += decision.prompt_blocks
+        followed.routed += 1
+        state.in_flight += 1
+        state.hold(hashes)
+        self._in_flight[request_id] = _InFlight(replica_id, hashes)
+        self._reasons[decision.reason] = self._reasons.get(decision.reason, 0) + 1
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._decisions.pop(internal_request_id, None)  # chosen, then never sent
+        done = self._in_flight.pop(internal_request_id, None)
+        if done is None:
+            return
+        followed = self._followed.get(done.replica_id)
+        if followed is not None:
+            followed.state.in_flight -= 1
+            followed.state.release(done.hashes)
+
+    def _view(self, followed: _Followed) -> dict:
+        from kvshare.ray.replica import cached_digest
+
+        sub = followed.subscriber
+        return {"cached_blocks": len(followed.state.cached), "cached_digest": cached_digest(followed.state.cached),
+                "in_flight": followed.state.in_flight, "routed_requests": followed.routed,
+                "prefix_hit_blocks": followed.prefix_hit_blocks, "prompt_blocks": followed.prompt_blocks,
+                "decisions": dict(self._reasons),
+                "event_batches": sub.batches if sub else 0, "replayed_batches": sub.replayed if sub else 0,
+                "lost_batches": sub.lost if sub else 0, "following": sub.endpoint if sub else None}

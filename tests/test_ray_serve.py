@@ -1,0 +1,297 @@
+"""kvshare on Ray Serve (kvshare.ray): a real local Ray cluster on loopback, the application with
+two replicas of the bundled model, real HTTP requests through Serve's proxy with the official
+openai client. The routing shown: each tenant's requests land on the replica that caches its
+system prompt, and the router's view of each replica's cache (from its KV events) is the
+replica's own."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+# A single-node cluster entirely on loopback: without this Ray takes the machine's routable
+# address as its node IP (its own servers, and the replicas' KV event sockets, which bind on the
+# node IP as they would on a multi-machine cluster). Read by Ray at import, in every Ray process.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+import openai  # noqa: E402
+import ray  # noqa: E402 - in the test extra: a missing ray is a broken setup, not a skip
+
+from kvshare.bench.workloads import ENGLISH_TEXT  # noqa: E402
+from kvshare.ray import build_app, parse_app_args  # noqa: E402
+
+BLOCK = 16
+MODEL = "SmolLM2-135M-Instruct"
+LATER_TENANTS = (1, 1, 2, 2, 1, 2)
+KEY = "sk-ray-test"
+APP_ARGS = {"api_key": KEY, "num_replicas": "2", "max_num_seqs": "4", "kv_cache_memory": "24MiB", "max_model_len": "1024",
+            "num_cpus_per_replica": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def system_prompt(tenant: int) -> str:
+    start = 97 * tenant
+    return f"You are the assistant of tenant {tenant}. Policy: " + ENGLISH_TEXT[start:start + 900]
+
+
+def get_json(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def ray_app():
+    """A local Ray cluster on loopback (2 CPUs, a small object store), Serve's HTTP proxy on a
+    free loopback port, and the application deployed with two engine replicas."""
+    from ray import serve
+
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 2**20, log_to_driver=False, configure_logging=False)
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(APP_ARGS), name="kvshare", route_prefix="/", blocking=False)
+        base = f"http://127.0.0.1:{port}"
+        wait_for(lambda: get_json(base + "/ready")[1].get("status") == "ready", 120, "both replicas to be ready")
+        yield base
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+def client(base: str, key: str = KEY) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=base + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def engines(base: str) -> dict[int, dict]:
+    status, body = get_json(base + "/ready")
+    assert status == 200 and body["status"] == "ready", body
+    return {row["rank"]: row for row in body["engines"]}
+
+
+async def _chat(c, tenant: int, question: str, max_tokens: int = 2):
+    raw = await c.chat.completions.with_raw_response.create(
+        model=MODEL, max_tokens=max_tokens, temperature=0,
+        messages=[{"role": "system", "content": system_prompt(tenant)}, {"role": "user", "content": question}])
+    return raw.headers["x-kvshare-engine"], raw.parse()
+
+
+def test_openai_endpoints_through_serve(ray_app):
+    async def main():
+        c = client(ray_app)
+        try:
+            models = await c.models.list()
+            assert [m.id for m in models.data] == [MODEL]
+            raw = await c.completions.with_raw_response.create(model=MODEL, prompt="The capital of France is",
+                                                               max_tokens=4, temperature=0)
+            comp = raw.parse()
+            assert raw.headers["x-kvshare-engine"] in ("0", "1")
+            assert comp.usage.completion_tokens == 4 and comp.choices[0].text
+            stream = await c.chat.completions.create(model=MODEL, max_tokens=5, temperature=0, stream=True,
+                                                     messages=[{"role": "user", "content": "Say hi"}])
+            pieces, finish = [], None
+            async for chunk in stream:
+                if chunk.choices:
+                    pieces.append(chunk.choices[0].delta.content or "")
+                    finish = chunk.choices[0].finish_reason or finish
+            chat = await c.chat.completions.create(model=MODEL, max_tokens=5, temperature=0,
+                                                   messages=[{"role": "user", "content": "Say hi"}])
+            # Greedy: the stream and the whole answer are the same text.
+            assert "".join(pieces) == chat.choices[0].message.content and finish == "length"
+            with pytest.raises(openai.BadRequestError) as bad:
+                await c.completions.create(model=MODEL, prompt="x", max_tokens=-1)
+            assert bad.value.body["param"] == "max_tokens"
+        finally:
+            await c.close()
+
+    async def wrong_key():
+        c = client(ray_app, key="sk-wrong")
+        try:
+            with pytest.raises(openai.AuthenticationError):
+                await c.completions.create(model=MODEL, prompt="x", max_tokens=1)
+        finally:
+            await c.close()
+
+    asyncio.run(main())
+    asyncio.run(wrong_key())
+    status, health = get_json(ray_app + "/health")
+    assert status == 200 and health["status"] == "ok"
+
+
+def test_prefix_aware_routing_keeps_each_tenant_on_its_replica(ray_app):
+    async def main():
+        c = client(ray_app)
+        try:
+            # Tenant 2 arrives while tenant 1's first request runs: it goes to the idle replica.
+            t1 = asyncio.ensure_future(_chat(c, 1, "Hi?", max_tokens=32))
+            await asyncio.to_thread(wait_for, lambda: sum(e["router"]["in_flight"] for e in engines(ray_app).values())
+                                    == 1, 30, "tenant 1's request to be routed")
+            first = [await _chat(c, 2, "Hello?"), await t1]
+            home = {1: first[1][0], 2: first[0][0]}
+            assert home[1] != home[2], home
+            # The router learns both caches from the replicas' events: its view is theirs, block for block.
+            await asyncio.to_thread(wait_for, lambda: all(
+                e["router"]["cached_digest"] == e["cached_digest"] and e["cached_blocks"] >= 10
+                for e in engines(ray_app).values()), 30, "the router's view to match both replicas' caches")
+            # An order that round-robin (or any alternation) would scatter over both replicas.
+            later = await asyncio.gather(*(_chat(c, t, f"Question {i} for tenant {t}?")
+                                           for i, t in enumerate(LATER_TENANTS)))
+            return home, later
+        finally:
+            await c.close()
+
+    before = engines(ray_app)
+    home, later = asyncio.run(main())
+    for tenant, (engine, resp) in zip(LATER_TENANTS, later):
+        assert engine == home[tenant], f"tenant {tenant}'s request went to engine {engine}, its prefix is on {home[tenant]}"
+        assert resp.usage.prompt_tokens_details.cached_tokens >= 10 * BLOCK
+    after = wait_for(lambda: (lambda e: e if all(x["router"]["cached_digest"] == x["cached_digest"]
+                                                 for x in e.values()) else None)(engines(ray_app)),
+                     30, "the router's view to match again")
+    for tenant, engine in home.items():  # the replicas' own counters: each served its tenant from cache
+        rank = int(engine)
+        hits = after[rank]["prefix_cache_hits"] - before[rank]["prefix_cache_hits"]
+        assert hits >= 3 * 10 * BLOCK, (tenant, hits)
+        assert after[rank]["router"]["lost_batches"] == 0
+    assert sum(e["router"]["decisions"].get("prefix", 0) for e in after.values()) >= 6
+
+
+def test_bad_application_options_name_the_option():
+    with pytest.raises(ValueError, match="unknown option 'num_replica'.*allowed are num_replicas"):
+        parse_app_args({"num_replica": "2"})
+    with pytest.raises(ValueError, match="max_num_seqs='many' is invalid: must be an integer"):
+        parse_app_args({"max_num_seqs": "many"})
+    with pytest.raises(ValueError, match="kv_events_endpoint is set by the application"):
+        parse_app_args({"kv_events_endpoint": "tcp://127.0.0.1:5557"})
+    with pytest.raises(ValueError, match="routing_policy='nearest' is invalid: allowed are prefix_aware"):
+        parse_app_args({"routing_policy": "nearest"})
+    opts = parse_app_args({"num_replicas": "3", "kv_cache_memory": "64MiB", "enable_prefix_caching": "true"})
+    assert opts.num_replicas == 3 and opts.engine == {"kv_cache_memory": "64MiB", "enable_prefix_caching": True}
+
+
+def test_a_client_that_leaves_mid_stream_aborts_its_request_on_the_replica(ray_app):
+    async def main():
+        c = client(ray_app)
+        try:
+            stream = await c.completions.create(model=MODEL, prompt="Tell a very long story.", max_tokens=400,
+                                                temperature=0, stream=True, extra_body={"ignore_eos": True})
+            received = 0
+            async for _chunk in stream:
+                received += 1
+                if received == 3:
+                    break
+            await stream.close()  # closes the connection: Serve cancels the call, the replica aborts
+        finally:
+            await c.close()
+
+    def disconnects() -> int:
+        return sum(e["aborted"].get("client_disconnect", 0) for e in engines(ray_app).values())
+
+    async def impatient():  # not streamed: the client gives up before the whole answer is ready
+        c = openai.AsyncOpenAI(base_url=ray_app + "/v1", api_key=KEY, max_retries=0, timeout=1.5)
+        try:
+            with pytest.raises(openai.APITimeoutError):
+                await c.completions.create(model=MODEL, prompt="Tell a very long story.", max_tokens=400,
+                                           temperature=0, extra_body={"ignore_eos": True})
+        finally:
+            await c.close()
+
+    before = disconnects()
+    asyncio.run(main())
+    # The replica's own count: the request was aborted because its client left (not run to its end).
+    wait_for(lambda: disconnects() == before + 1, 15, "the replica to abort the streamed request")
+    asyncio.run(impatient())
+    wait_for(lambda: disconnects() == before + 2, 15, "the replica to abort the request whose client timed out")
+    wait_for(lambda: all(e["running"] == 0 and e["router"]["in_flight"] == 0 for e in engines(ray_app).values()),
+             15, "the request to be gone from the replica and from the router's count")
+
+
+@pytest.mark.slow
+def test_a_killed_replica_fails_its_stream_serve_replaces_it_and_the_router_follows_the_new_one(ray_app):
+    """Last in this file: it kills one of the fixture's replicas."""
+    async def main():
+        c = client(ray_app)
+        try:
+            raw = await c.completions.with_raw_response.create(
+                model=MODEL, prompt="Tell a very long story.", max_tokens=400, temperature=0, stream=True,
+                extra_body={"ignore_eos": True})
+            rank, replica_id = raw.headers["x-kvshare-engine"], raw.headers["x-kvshare-replica"]
+            stream = raw.parse()
+            received = 0
+            with pytest.raises(openai.APIError, match="engine replica failed while serving this request"):
+                async for _chunk in stream:
+                    received += 1
+                    if received == 3:
+                        actor = next(a for a in ray.util.list_named_actors(all_namespaces=True)
+                                     if a["name"].endswith(f"#{replica_id}"))
+                        ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
+            # The other replica (and soon the replacement) serves on.
+            answers = await asyncio.gather(*(c.completions.create(model=MODEL, prompt=f"Count to {i}:", max_tokens=3)
+                                             for i in range(4)))
+            assert all(a.usage.completion_tokens == 3 for a in answers)
+            return int(rank), replica_id
+        finally:
+            await c.close()
+
+    rank, dead = asyncio.run(main())
+
+    def replaced():
+        status, body = get_json(ray_app + "/ready")
+        if status != 200 or body["status"] != "ready":
+            return None
+        rows = {row["rank"]: row for row in body["engines"]}
+        return rows if rank in rows and rows[rank]["replica_id"] != dead else None
+
+    rows = wait_for(replaced, 180, f"Serve to replace the killed replica of rank {rank}")
+    new = rows[rank]
+    assert new["router"]["following"] == new["kv_events_endpoint"]  # the new replica's events, not the dead one's
+    async def one_more():
+        c = client(ray_app)
+        try:
+            await _chat(c, 3, "Hi?")
+        finally:
+            await c.close()
+
+    asyncio.run(one_more())
+    wait_for(lambda: all(e["router"]["cached_digest"] == e["cached_digest"] for e in engines(ray_app).values()),
+             30, "the router's view to match both replicas, the new one included")
+
+
+def test_serve_run_app_reads_its_options_from_the_environment(monkeypatch):
+    import kvshare.ray
+
+    monkeypatch.setenv("KVSHARE_RAY_NUM_REPLICAS", "3")
+    monkeypatch.setenv("KVSHARE_RAY_MAX_NUM_SEQS", "6")
+    app = kvshare.ray.app  # what `serve run kvshare.ray:app` looks up
+    # The ingress is bound to the engine deployment (Ray's Application internals, pinned 2.60.0).
+    engine = app._bound_deployment.init_args[0]._bound_deployment
+    assert engine.num_replicas == 3 and engine.max_ongoing_requests == 12  # 6 running + 6 waiting
+    assert engine.init_args[0] == {"max_num_seqs": 6}  # the replicas' engine options
+    monkeypatch.setenv("KVSHARE_RAY_MAX_NUM_SEQ", "6")
+    with pytest.raises(ValueError, match="unknown option 'max_num_seq'"):
+        kvshare.ray.app  # noqa: B018
