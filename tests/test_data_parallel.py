@@ -511,3 +511,155 @@ def test_a_replica_whose_engine_thread_stopped_is_marked_dead_and_the_request_go
     assert ready.status_code == 200 and body["status"] == "degraded" and body["dead_engines"] == [0]
     assert "engine thread stopped" in body["engines"][0]["detail"] and "boom" in body["engines"][0]["detail"]
     assert state.metrics.failed[0]["engine_dead"] == 1 and state.metrics.routed == [0, 2]
+
+
+# ---- supervision, against stand-in replica processes (tests/fake_replica.py) ----------------------
+
+def _fake_replicas(n: int):
+    """n running stand-in replicas (ReplicaProcess objects with their process set) on their ports."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from kvshare.server.replica import ReplicaLaunch, ReplicaProcess
+
+    script = str(Path(__file__).with_name("fake_replica.py"))
+    procs = [subprocess.Popen([sys.executable, script], stdout=subprocess.PIPE, text=True) for _ in range(n)]
+    replicas = []
+    for i, proc in enumerate(procs):
+        word, port = proc.stdout.readline().split()  # blocks until it is bound: no guessing how long
+        assert word == "listening"
+        rep = ReplicaProcess(ReplicaLaunch(i, int(port), [], "ipc://unused", "ipc://unused", 1, None, None))
+        rep.proc = proc
+        replicas.append(rep)
+    return replicas
+
+
+def _frontend(replicas, policy: str = "least_loaded", **state_fields):
+    from kvshare.server.data_parallel import DataParallelOptions, FrontendState, build_frontend_app
+    from kvshare.server.dp_metrics import RouterMetrics
+    from kvshare.server.settings import ServerConfig
+
+    n = len(replicas)
+    state = FrontendState(config=ServerConfig(), options=DataParallelOptions(n, policy, BLOCK, "s"),
+                          metrics=RouterMetrics(MODEL, n, policy), router=Router(n, policy),
+                          replicas=replicas, tokenizer=None, model_name=MODEL, **state_fields)
+    return state, build_frontend_app(state, [])
+
+
+def test_a_stuck_replica_is_killed_and_its_requests_fail_while_the_other_serves():
+    """A replica process that stops answering (SIGSTOP: alive, accepting connections, answering
+    nothing) is found by the poller after `stuck_polls` timed-out polls and SIGKILLed: the request
+    that was waiting on it fails with 502 engine_failed within a bound, new ones go to the other."""
+    import os
+
+    import httpx2
+
+    from kvshare.server.data_parallel import new_upstream_client, start_background
+
+    replicas = _fake_replicas(2)
+    state, app = _frontend(replicas, poll_seconds=0.1, poll_timeout=0.5, stuck_polls=3)
+
+    async def main():
+        state.client = new_upstream_client()
+        tasks = start_background(state, [])
+        try:
+            async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://front",
+                                          timeout=60) as c:
+                first = await c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1})
+                os.kill(replicas[0].pid, signal.SIGSTOP)
+                started = time.monotonic()
+                stuck = await c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1})
+                waited = time.monotonic() - started
+                after = [await c.post("/v1/completions", json={"prompt": [3], "max_tokens": 1}) for _ in range(2)]
+                ready = await c.get("/ready")
+            return first, stuck, waited, after, ready
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await state.client.aclose()
+
+    try:
+        first, stuck, waited, after, ready = asyncio.run(main())
+    finally:
+        for rep in replicas:
+            rep.kill_and_wait()
+    assert first.status_code == 200 and first.headers["x-kvshare-engine"] == "0"
+    assert stuck.status_code == 502, stuck.text
+    error = stuck.json()["error"]
+    assert error["code"] == "engine_failed" and "engine 0" in error["message"] and "stuck" in error["message"]
+    assert waited < 10, f"the request to the stuck replica took {waited:.1f}s to fail"
+    assert [(r.status_code, r.headers["x-kvshare-engine"]) for r in after] == [(200, "1"), (200, "1")]
+    body = ready.json()
+    assert body["status"] == "degraded" and body["dead_engines"] == [0] and "SIGKILL" in body["engines"][0]["detail"]
+    assert replicas[0].exit_code() == -signal.SIGKILL
+    assert state.metrics.failed[0]["replica_died"] == 1
+
+
+def test_a_connect_timeout_sends_the_request_to_another_replica_and_passthroughs_are_not_load():
+    """A replica that cannot be connected to in time never got the request: it goes to the other
+    replica (counted connection_failed, not replica_died). A /tokenize waiting on a replica is not
+    a request in flight there (it takes no sequence slot)."""
+    import httpx2
+
+    from kvshare.server.replica import ReplicaLaunch, ReplicaProcess
+
+    replicas = [ReplicaProcess(ReplicaLaunch(i, 41000 + i, [], "ipc://unused", "ipc://unused", 1, None, None))
+                for i in range(2)]
+    state, app = _frontend(replicas)
+    tokenize_arrived, tokenize_go = asyncio.Event(), asyncio.Event()
+
+    async def replica_http(request: httpx2.Request) -> httpx2.Response:
+        if request.url.path == "/tokenize":
+            tokenize_arrived.set()
+            await tokenize_go.wait()
+            return httpx2.Response(200, json={"tokens": [1]})
+        if request.url.port == 41000:
+            raise httpx2.ConnectTimeout("timed out", request=request)
+        return httpx2.Response(200, json={"object": "text_completion", "choices": []})
+
+    async def main():
+        state.client = httpx2.AsyncClient(transport=httpx2.MockTransport(replica_http))
+        async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://front") as c:
+            answer = await c.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1})
+            tokenizing = asyncio.ensure_future(c.post("/tokenize", json={"prompt": "x"}))
+            await tokenize_arrived.wait()
+            load = [r.in_flight for r in state.router.replicas]
+            tokenize_go.set()
+            tokenized = await tokenizing
+        await state.client.aclose()
+        return answer, load, tokenized
+
+    answer, load, tokenized = asyncio.run(main())
+    assert answer.status_code == 200 and answer.headers["x-kvshare-engine"] == "1"
+    assert state.metrics.failed[0]["connection_failed"] == 1 and state.metrics.failed[0]["replica_died"] == 0
+    assert load == [0, 0] and tokenized.status_code == 200
+    assert [r.in_flight for r in state.router.replicas] == [0, 0]
+
+
+def test_prefix_aware_routes_by_load_when_prefix_caching_is_off():
+    from kvshare.server.data_parallel import DataParallelOptions, build_router
+
+    assert build_router(DataParallelOptions(2, "prefix_aware", BLOCK, "s"), None).policy == "prefix_aware"
+    router = build_router(DataParallelOptions(2, "prefix_aware", BLOCK, "s", max_num_seqs=4, prefix_caching=False), 2)
+    assert router.policy == "least_loaded" and router.replica_limit == 6
+    prompt = list(range(100))
+    first = router.route(prompt)
+    router.replicas[first.index].in_flight += 1
+    router.replicas[first.index].hold(first.block_hashes)
+    # With nothing cached, the blocks held in flight would have pulled the same prompt to the same replica.
+    assert router.route(prompt).index != first.index
+
+
+def test_pooled_connections_expire_well_before_the_replicas_keep_alive():
+    """A connection the replica closes (uvicorn's keep-alive timeout) just as the front end reuses
+    it fails a request that never reached the replica: the pool drops idle connections first."""
+    import uvicorn
+
+    from kvshare.server.data_parallel import KEEPALIVE_EXPIRY_SECONDS, new_upstream_client
+
+    replica_keep_alive = uvicorn.Config(app=None).timeout_keep_alive  # runner.serve keeps uvicorn's default
+    assert KEEPALIVE_EXPIRY_SECONDS <= replica_keep_alive / 2
+    client = new_upstream_client()
+    assert client._transport._pool._keepalive_expiry == KEEPALIVE_EXPIRY_SECONDS

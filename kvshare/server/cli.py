@@ -142,7 +142,7 @@ def serve_replicas(args: argparse.Namespace, parser: argparse.ArgumentParser, cf
         size=args.data_parallel_size, policy=args.routing_policy, block_size=engine_cfg.block_size,
         hash_seed=args.prefix_caching_hash_seed or new_hash_seed(), kv_events_topic=args.kv_events_topic,
         kv_events_endpoint=args.kv_events_endpoint, kv_events_replay_endpoint=args.kv_events_replay_endpoint,
-        max_num_seqs=engine_cfg.max_num_seqs,
+        max_num_seqs=engine_cfg.max_num_seqs, prefix_caching=engine_cfg.enable_prefix_caching,
     )
 
     # The default KV pool (a fraction of available memory) is split between the replicas, so N

@@ -65,6 +65,17 @@ STARTUP_TIMEOUT_SECONDS = 600.0
 MONITOR_SECONDS = 0.1  # how often replica processes are checked for an exit
 EXIT_WAIT_SECONDS = 0.5  # after a failed connection or read: how long to wait to see the process exit
 POLL_SECONDS = 1.0  # how often each replica's /health and KV usage (from its /metrics) are read
+# A replica that answers neither /health nor /metrics within POLL_TIMEOUT_SECONDS, STUCK_POLLS
+# times in a row, is stuck (stopped, deadlocked, swapping): it is SIGKILLed, which fails its
+# requests in flight at once (the upstream client has no read timeout: a generation may be long).
+POLL_TIMEOUT_SECONDS = 5.0
+STUCK_POLLS = 3
+# A replica retired while its process lives (its engine thread stopped) gets SIGTERM, then SIGKILL
+# after this long: it has nothing left to drain.
+RETIRE_GRACE_SECONDS = 10.0
+# Below the replicas' keep-alive (uvicorn's timeout_keep_alive, 5 s): a pooled connection is never
+# reused just as the replica closes it, which would fail a request that never reached it.
+KEEPALIVE_EXPIRY_SECONDS = 2.0
 DRAIN_MARGIN_SECONDS = 20.0  # beyond a replica's own drain (--shutdown-timeout + its abort grace)
 LONG_BODY = 16 * 1024  # bytes; tokenizing a body larger than this for routing runs off the event loop
 # Never forwarded: they describe one connection, not the request (RFC 9110 7.6.1), or are recomputed.
@@ -85,6 +96,7 @@ class DataParallelOptions:
     kv_events_endpoint: str | None = None  # the user's base endpoint (rank r publishes on port + r)
     kv_events_replay_endpoint: str | None = None
     max_num_seqs: int = 256
+    prefix_caching: bool = True  # the replicas' (--no-prefix-caching: False); prefix_aware then routes by load
 
     def __post_init__(self) -> None:
         if self.size < 1:
@@ -154,6 +166,14 @@ class FrontendState:
     started: bool = False  # every replica answered /ready
     dead_detail: dict[int, str] = field(default_factory=dict)  # replica index -> why it is dead
     client: httpx2.AsyncClient | None = None
+    poll_seconds: float = POLL_SECONDS
+    poll_timeout: float = POLL_TIMEOUT_SECONDS
+    stuck_polls: int = STUCK_POLLS
+    retire_grace: float = RETIRE_GRACE_SECONDS
+    poll_timeouts: dict[int, int] = field(default_factory=dict)  # replica index -> consecutive poll timeouts
+    died: int = 0  # replicas that died while serving (not drained): all of them -> the exit status is 1
+    killed_after_drain: list[int] = field(default_factory=list)  # replicas SIGKILLed at the drain timeout
+    background: set = field(default_factory=set)  # tasks to keep referenced until done (retirements)
 
     def live(self) -> list[int]:
         return [r.index for r in self.router.replicas if r.alive]
@@ -169,8 +189,31 @@ class FrontendState:
         if self.draining:
             logger.info("engine %d stopped: %s", index, detail)
         else:
+            self.died += 1
             logger.error("engine %d is dead (%s): its requests fail, new ones go to engine(s) %s", index, detail,
                          ", ".join(map(str, self.live())) or "none")
+
+    def retire(self, index: int) -> None:
+        """Stop a replica marked dead whose process lives on: SIGTERM, then SIGKILL after
+        `retire_grace`, and reap it either way (no zombie, no process serving nothing)."""
+        rep = self.replicas[index]
+        if rep.proc is None or rep.exit_code() is not None:
+            return
+        rep.signal(signal.SIGTERM)
+        task = asyncio.ensure_future(self._reap(rep))
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+        task.add_done_callback(log_task_failure)
+
+    async def _reap(self, rep: ReplicaProcess) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.retire_grace
+        while rep.exit_code() is None and loop.time() < deadline:  # exit_code() reaps it once it exits
+            await asyncio.sleep(0.1)
+        if rep.exit_code() is None:
+            logger.warning("engine %d did not exit %.0fs after SIGTERM; killing it", rep.index, self.retire_grace)
+            rep.signal(signal.SIGKILL)
+            await asyncio.to_thread(rep.kill_and_wait)
 
     def capacity(self) -> int | None:
         """Requests the live replicas take at once (running + waiting), with --max-waiting; else None."""
@@ -247,15 +290,15 @@ class Proxy:
                                  f"engine(s) (--max-num-seqs {st.options.max_num_seqs} + --max-waiting "
                                  f"{st.config.max_waiting} each); retry after {retry}s", code="queue_full",
                             headers={"Retry-After": str(retry)}).response()
-        return await self._forward(raw, body, lambda: st.router.route(token_ids, salt))
+        return await self._forward(raw, body, lambda tried: st.router.route(token_ids, salt, exclude=tried))
 
     async def passthrough(self, raw: Request) -> Response:
         """A request any replica answers alike (/v1/models, /tokenize, ...): the least loaded one."""
         body = await raw.body()
-        return await self._forward(raw, body, lambda: self._least_loaded_decision(), count=False)
+        return await self._forward(raw, body, self._least_loaded_decision, count=False)
 
-    def _least_loaded_decision(self):
-        live = [r for r in self.state.router.replicas if r.alive]
+    def _least_loaded_decision(self, tried=()):
+        live = [r for r in self.state.router.replicas if r.alive and r.index not in tried]
         if not live:
             raise RuntimeError("no replica is alive")
         r = min(live, key=lambda r: (r.in_flight, r.kv_usage, r.index))
@@ -266,21 +309,29 @@ class Proxy:
         # No accept-encoding: replicas answer uncompressed, so bodies pass through byte for byte.
         headers = [(k, v) for k, v in raw.headers.items() if k.lower() not in HOP_BY_HOP | {"accept-encoding"}]
         path = raw.url.path + (f"?{raw.url.query}" if raw.url.query else "")
+        tried: set[int] = set()  # replicas that could not be reached: the request goes to another one
+        failure: ReplicaFailed | None = None
         for _attempt in range(len(st.replicas)):
             try:
-                decision = decide()
+                decision = decide(tried)
             except RuntimeError:
+                if failure is not None:  # live replicas remain, but none could be reached
+                    return APIError(502, failure.detail, code="engine_failed").response()
                 st.metrics.on_rejected("no_live_replica")
                 return APIError(503, "no engine is alive to serve this request: every data-parallel replica has "
                                      "died (see /ready); restart the server", code="no_live_replica").response()
             index = decision.index
             rep = st.router.replicas[index]
-            rep.in_flight += 1
-            rep.hold(decision.block_hashes)
+            # Only API requests count as load (and toward --max-waiting's capacity): a /tokenize or
+            # /v1/models never waits for a sequence slot on the replica.
+            if count:
+                rep.in_flight += 1
+                rep.hold(decision.block_hashes)
 
-            def finished(rep=rep, hashes=decision.block_hashes) -> None:
-                rep.in_flight -= 1
-                rep.release(hashes)
+            def finished(rep=rep, hashes=decision.block_hashes, counted=count) -> None:
+                if counted:
+                    rep.in_flight -= 1
+                    rep.release(hashes)
 
             release = _Once(finished)
             try:
@@ -291,7 +342,9 @@ class Proxy:
             except ReplicaFailed as e:
                 release()
                 st.metrics.on_failed(index, e.reason)
-                if e.reason == "connection_failed" and not st.router.replicas[index].alive:
+                if e.reason == "connection_failed":
+                    tried.add(index)
+                    failure = e
                     continue  # never reached it: another replica can take the request as it is
                 return APIError(502, e.detail, code="engine_failed").response()
             except BaseException:
@@ -302,11 +355,13 @@ class Proxy:
                 release()
                 st.metrics.on_failed(index, "engine_dead")
                 st.mark_dead(index, dead)
-                st.replicas[index].signal(signal.SIGTERM)  # a process without an engine serves nothing
+                st.retire(index)  # a process without an engine serves nothing
                 continue
             if count:
                 st.metrics.on_routed(decision)
             return self._respond(upstream, index, release)
+        if failure is not None and st.live():
+            return APIError(502, failure.detail, code="engine_failed").response()
         st.metrics.on_rejected("no_live_replica")
         return APIError(503, "no engine is alive to serve this request: every data-parallel replica has died (see "
                              "/ready); restart the server", code="no_live_replica").response()
@@ -327,7 +382,7 @@ class Proxy:
                 raise ClientGone()
             try:
                 upstream = sending.result()
-            except httpx2.ConnectError as e:
+            except (httpx2.ConnectError, httpx2.ConnectTimeout) as e:  # never sent: another replica can take it
                 raise await self._failure(replica, "connection_failed", e) from None
             except httpx2.TransportError as e:
                 raise await self._failure(replica, "replica_died", e) from None
@@ -361,7 +416,9 @@ class Proxy:
         code = replica.exit_code()
         if code is not None:
             st.mark_dead(replica.index, replica.describe_exit())
-        what = replica.describe_exit() if code is not None else f"{type(err).__name__}: {err}"
+        # Why the front end marked it dead (e.g. stuck, then killed) says more than its exit status.
+        what = (st.dead_detail.get(replica.index) or replica.describe_exit() if code is not None
+                else f"{type(err).__name__}: {err}")
         if reason == "connection_failed":
             detail = f"engine {replica.index} could not be reached ({what}); the request was not sent"
         else:
@@ -396,8 +453,10 @@ class Proxy:
                 yield pending
 
         async def on_close():
-            await upstream.aclose()  # before its end: closes the connection, so the replica aborts the request
-            release()
+            try:
+                await upstream.aclose()  # before its end: closes the connection, so the replica aborts the request
+            finally:
+                release()  # even when closing fails or is cancelled: a leaked in_flight skews routing forever
 
         return _ClosingStream(events(), upstream.status_code, headers, on_close)
 
@@ -492,40 +551,98 @@ async def _wait_started(state: FrontendState) -> None:
     state.started = True
 
 
+def log_task_failure(task: asyncio.Task) -> None:
+    """Done-callback of the front end's background tasks: one that ends with an exception says so
+    (asyncio would only mention it when the task is garbage-collected, if ever)."""
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None:
+        logger.error("data-parallel background task %s failed: %s", task.get_name(), exc,
+                     exc_info=(type(exc), exc, exc.__traceback__))
+
+
+def start_background(state: FrontendState, subscribers: list[KVEventSubscriber]) -> list[asyncio.Task]:
+    """The KV event subscribers, the process monitor and the poller, each logging how it failed."""
+    named = [(s.run(), f"kv-events-engine-{s.replica.index}") for s in subscribers]
+    named += [(monitor_replicas(state), "monitor-replicas"), (poll_replicas(state), "poll-replicas")]
+    tasks = []
+    for coro, name in named:
+        task = asyncio.ensure_future(coro)
+        task.set_name(name)
+        task.add_done_callback(log_task_failure)
+        tasks.append(task)
+    return tasks
+
+
 async def monitor_replicas(state: FrontendState) -> None:
     """Notice a replica process exiting (SIGKILL, crash, OOM) within MONITOR_SECONDS."""
     while True:
         for rep in state.replicas:
-            if state.router.replicas[rep.index].alive and rep.exit_code() is not None:
-                state.mark_dead(rep.index, rep.describe_exit())
+            try:
+                if state.router.replicas[rep.index].alive and rep.exit_code() is not None:
+                    state.mark_dead(rep.index, rep.describe_exit())
+            except Exception:  # one replica's trouble must not stop watching the others
+                logger.exception("checking engine %d's process failed", rep.index)
         await asyncio.sleep(MONITOR_SECONDS)
 
 
 async def poll_replicas(state: FrontendState) -> None:
     """Each live replica's /health (a replica whose engine thread stopped is dead, though its
-    process lives) and KV usage (for the router's tie-breaks and /ready)."""
+    process lives) and KV usage (for the router's tie-breaks and /ready), all replicas at once (a
+    stuck one must not delay the others' readings)."""
     while True:
-        for rep in state.replicas:
-            view = state.router.replicas[rep.index]
-            if not view.alive or state.draining:
-                continue
-            try:
-                health = await state.client.get(rep.url + "/health", timeout=5)
-                dead = _engine_dead_detail(health)
-                if dead is not None:
-                    state.mark_dead(rep.index, dead)
-                    rep.signal(signal.SIGTERM)
-                    continue
-                resp = await state.client.get(rep.url + "/metrics", timeout=5)
-                m = _KV_USAGE.search(resp.content)
-                if m:
-                    view.kv_usage = float(m.group(1))
-            except (httpx2.TransportError, ValueError):
-                pass  # a dead replica is the monitor's to notice
-        await asyncio.sleep(POLL_SECONDS)
+        polled = [rep for rep in state.replicas if state.router.replicas[rep.index].alive and not state.draining]
+        for rep, result in zip(polled, await asyncio.gather(*(poll_replica(state, r) for r in polled),
+                                                            return_exceptions=True)):
+            if isinstance(result, Exception):
+                logger.error("polling engine %d failed: %s", rep.index, result,
+                             exc_info=(type(result), result, result.__traceback__))
+        await asyncio.sleep(state.poll_seconds)
+
+
+async def poll_replica(state: FrontendState, rep: ReplicaProcess) -> None:
+    view = state.router.replicas[rep.index]
+    try:
+        health = await state.client.get(rep.url + "/health", timeout=state.poll_timeout)
+        dead = _engine_dead_detail(health)
+        if dead is not None:
+            state.mark_dead(rep.index, dead)
+            state.retire(rep.index)
+            return
+        resp = await state.client.get(rep.url + "/metrics", timeout=state.poll_timeout)
+    except httpx2.TimeoutException as e:
+        # Connect or read: a process that accepts nothing or answers nothing serves nothing either.
+        n = state.poll_timeouts[rep.index] = state.poll_timeouts.get(rep.index, 0) + 1
+        if not view.alive or state.draining:
+            return
+        if n < state.stuck_polls:
+            logger.warning("engine %d did not answer a poll within %.1fs (%s; %d of %d before it is killed)",
+                           rep.index, state.poll_timeout, type(e).__name__, n, state.stuck_polls)
+            return
+        state.mark_dead(rep.index, f"stuck: no answer to /health or /metrics within {state.poll_timeout:g}s, "
+                                   f"{n} times in a row; killed by SIGKILL")
+        rep.signal(signal.SIGKILL)  # its connections close: its requests in flight fail now, not never
+        return
+    except httpx2.TransportError:
+        return  # refused or reset: an exited process is the monitor's to notice
+    state.poll_timeouts[rep.index] = 0
+    m = _KV_USAGE.search(resp.content)
+    if m:
+        with contextlib.suppress(ValueError):
+            view.kv_usage = float(m.group(1))
 
 
 # ---- the app ------------------------------------------------------------------------------------
+
+def new_upstream_client() -> httpx2.AsyncClient:
+    """The front end's client to the replicas. No read timeout (a generation may take minutes; a
+    stuck replica is found by the poller instead); pooled connections expire before the replicas'
+    keep-alive does (KEEPALIVE_EXPIRY_SECONDS)."""
+    return httpx2.AsyncClient(timeout=httpx2.Timeout(None, connect=5.0),
+                              limits=httpx2.Limits(max_connections=None, max_keepalive_connections=64,
+                                                   keepalive_expiry=KEEPALIVE_EXPIRY_SECONDS))
+
 
 def build_frontend_app(state: FrontendState, subscribers: list[KVEventSubscriber]) -> Starlette:
     proxy = Proxy(state)
@@ -533,12 +650,9 @@ def build_frontend_app(state: FrontendState, subscribers: list[KVEventSubscriber
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
-        state.client = httpx2.AsyncClient(timeout=httpx2.Timeout(None, connect=5.0),
-                                          limits=httpx2.Limits(max_connections=None, max_keepalive_connections=64))
+        state.client = new_upstream_client()
         try:
-            tasks.extend(asyncio.ensure_future(s.run()) for s in subscribers)
-            tasks.append(asyncio.ensure_future(monitor_replicas(state)))
-            tasks.append(asyncio.ensure_future(poll_replicas(state)))
+            tasks.extend(start_background(state, subscribers))
             logger.info("data-parallel front end: %d engines, routing %s", len(state.replicas),
                         state.options.policy)
             yield
@@ -681,11 +795,25 @@ class DrainingFrontend(uvicorn.Server):
         for rep in st.replicas:
             if rep.exit_code() is None:
                 logger.warning("engine %d did not exit after draining; killing it", rep.index)
+                st.killed_after_drain.append(rep.index)
                 rep.signal(signal.SIGKILL)
         grace = loop.time() + 5.0  # for the last bytes of passed-through responses
         while st.inflight > 0 and loop.time() < grace:
             await asyncio.sleep(0.05)
         self.should_exit = True
+
+
+def build_router(options: DataParallelOptions, max_waiting: int | None) -> Router:
+    """The front end's router: each replica's --max-num-seqs + --max-waiting bound its share."""
+    policy = options.policy
+    if policy == "prefix_aware" and not options.prefix_caching:
+        # Replicas that cache no prefix publish no BlockStored: every match would be the blocks of
+        # requests in flight, which would pile a tenant onto one replica for nothing.
+        logger.info("prefix caching is off (--no-prefix-caching): prefix_aware routing sends each request to the "
+                    "least loaded engine")
+        policy = "least_loaded"
+    return Router(options.size, policy, block_size=options.block_size, hash_seed=options.hash_seed,
+                  max_num_seqs=options.max_num_seqs, max_waiting=max_waiting)
 
 
 def serve_data_parallel(config: ServerConfig, options: DataParallelOptions, replica_argv, model_arg: str | None) -> int:
@@ -698,7 +826,7 @@ def serve_data_parallel(config: ServerConfig, options: DataParallelOptions, repl
     logging.getLogger("httpx2").setLevel(logging.WARNING)
     tokenizer = load_tokenizer(model_arg)
     name = config.served_model_name or default_model_name(model_arg)
-    router = Router(options.size, options.policy, block_size=options.block_size, hash_seed=options.hash_seed)
+    router = build_router(options, config.max_waiting)
     socket_dir = tempfile.mkdtemp(prefix="kvshare-dp-")
     ctx = zmq.asyncio.Context()
     try:
@@ -748,10 +876,23 @@ def serve_data_parallel(config: ServerConfig, options: DataParallelOptions, repl
         finally:
             for rep in replicas:
                 rep.kill_and_wait()
-        return 0
+        return exit_status(state)
     finally:
         ctx.destroy(linger=0)  # closes the SUB sockets of subscribers that never ran
         shutil.rmtree(socket_dir, ignore_errors=True)
+
+
+def exit_status(state: FrontendState) -> int:
+    """0 after a clean drain; 1 when replicas had to be killed at the drain timeout or every
+    replica died while serving (a supervisor should see that this run went wrong)."""
+    if state.killed_after_drain:
+        logger.error("exiting with status 1: engine(s) %s had to be killed after the drain timeout",
+                     ", ".join(map(str, state.killed_after_drain)))
+        return 1
+    if state.died == len(state.replicas):
+        logger.error("exiting with status 1: every engine died while serving")
+        return 1
+    return 0
 
 
 def new_hash_seed() -> str:

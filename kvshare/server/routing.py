@@ -122,15 +122,16 @@ class Router:
     def _least_loaded(self, live: list[ReplicaState]) -> ReplicaState:
         return min(live, key=lambda r: (r.in_flight, r.kv_usage, r.index))
 
-    def choose(self, token_ids: list[int], cache_salt: str | None = None) -> int:
+    def choose(self, token_ids: list[int], cache_salt: str | None = None, exclude=()) -> int:
         """The replica index for a request; raises RuntimeError when no replica is alive."""
-        return self.route(token_ids, cache_salt).index
+        return self.route(token_ids, cache_salt, exclude).index
 
-    def route(self, token_ids: list[int], cache_salt: str | None = None) -> RoutingDecision:
-        """The replica for a request and why; raises RuntimeError when no replica is alive. The
-        match is computed whatever the policy (when the router has a hasher), so prefix hits can
-        be counted for round-robin and least-loaded routing too."""
-        live = [r for r in self.replicas if r.alive]
+    def route(self, token_ids: list[int], cache_salt: str | None = None, exclude=()) -> RoutingDecision:
+        """The replica for a request and why; raises RuntimeError when no replica is alive (or
+        none outside `exclude`: indices already tried for this request). The match is computed
+        whatever the policy (when the router has a hasher), so prefix hits can be counted for
+        round-robin and least-loaded routing too."""
+        live = [r for r in self.replicas if r.alive and r.index not in exclude]
         if not live:
             raise RuntimeError("no replica is alive")
         # Full replicas are passed over; when all are full the front end refuses (429) before asking.
