@@ -663,3 +663,67 @@ def test_pooled_connections_expire_well_before_the_replicas_keep_alive():
     assert KEEPALIVE_EXPIRY_SECONDS <= replica_keep_alive / 2
     client = new_upstream_client()
     assert client._transport._pool._keepalive_expiry == KEEPALIVE_EXPIRY_SECONDS
+
+
+def test_malformed_kv_event_batches_are_skipped_and_a_failed_subscription_clears_the_view():
+    """Bad payloads published on a replica's events socket (not msgpack, the wrong shape, an
+    unknown event tag) are skipped one by one: the batch after them is applied. A subscription
+    whose socket fails clears the replica's cached set (no stale affinity) and raises."""
+    import zmq
+    import zmq.asyncio
+
+    from kvshare.engine.kv_event_publisher import encode_batch
+    from kvshare.kvcache.kv_events import BlockStored
+
+    def good(h: bytes) -> bytes:
+        return encode_batch([BlockStored((h,), None, tuple(range(BLOCK)), BLOCK)], 0.0, 0)
+
+    async def main():
+        import msgpack
+
+        ctx = zmq.asyncio.Context()
+        pub = ctx.socket(zmq.PUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        port = pub.bind_to_random_port("tcp://127.0.0.1")
+        router = Router(1, block_size=BLOCK, hash_seed="s")
+        sub = KVEventSubscriber(ctx, router.replicas[0], f"tcp://127.0.0.1:{port}")
+        task = asyncio.ensure_future(sub.run())
+        bad = [b"\xc1 not msgpack", msgpack.packb(7), msgpack.packb([0.0, [["NoSuchEvent", 1]], 0])]
+        seq = 0
+        deadline = time.monotonic() + 10
+        while sub.malformed == 0:  # ZMQ's slow joiner: send until the subscription is up
+            assert time.monotonic() < deadline and not task.done(), "the subscriber never received a batch"
+            await pub.send_multipart((b"", seq.to_bytes(8, "big", signed=True), bad[0]))
+            seq += 1
+            await asyncio.sleep(0.02)
+        for payload in bad[1:] + [good(b"g" * 32)]:
+            await pub.send_multipart((b"", seq.to_bytes(8, "big", signed=True), payload))
+            seq += 1
+        while sub.next_seq != seq:
+            assert time.monotonic() < deadline and not task.done(), (sub.next_seq, seq, task)
+            await asyncio.sleep(0.02)
+        alive_after_bad_batches = not task.done()
+        cached_after = set(router.replicas[0].cached)
+
+        class BrokenSocket:  # the subscription's socket failing (e.g. the context terminated)
+            async def recv_multipart(self):
+                raise zmq.ZMQError(zmq.ETERM)
+
+            def close(self, linger=None):
+                pass
+
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        broken = KVEventSubscriber(ctx, router.replicas[0], f"tcp://127.0.0.1:{port}")
+        broken._sub.close(0)
+        broken._sub = BrokenSocket()
+        with pytest.raises(zmq.ZMQError):
+            await broken.run()
+        pub.close(0)
+        ctx.destroy(linger=0)
+        return sub, broken, alive_after_bad_batches, cached_after
+
+    sub, broken, alive, cached_after = asyncio.run(main())
+    assert alive, "a malformed batch ended the subscription"
+    assert sub.malformed >= 3 and sub.batches == 1 and cached_after == {b"g" * 32}
+    assert broken.failed and broken.replica.cached == set()  # nothing stale left to route by
