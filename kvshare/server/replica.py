@@ -10,7 +10,6 @@ last lines are kept to explain a replica that fails to start.
 from __future__ import annotations
 
 import collections
-import ctypes
 import logging
 import os
 import signal
@@ -22,20 +21,22 @@ from dataclasses import dataclass
 logger = logging.getLogger("kvshare.server")
 
 LOG_TAIL_LINES = 40
-_PR_SET_PDEATHSIG = 1
-
-
-def _parent_death_signal():
-    """A function for the child to call between fork and exec, asking the kernel for SIGTERM when
-    the front end goes away (Linux prctl); None elsewhere. libc is looked up here, in the parent:
-    the child of a threaded process must not load libraries."""
-    if sys.platform != "linux":
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    return lambda: prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+PARENT_ENV = "KVSHARE_DIE_WITH_PARENT"  # the front end's pid, for the replica's first lines (REPLICA_BOOT)
+# The replica's entry point, run with `python -c`: before anything heavy is imported (and before
+# any thread exists in it), it asks the kernel for SIGTERM when its parent dies (Linux prctl
+# PR_SET_PDEATHSIG = 1), then checks that its parent is still the front end that started it: one
+# that died before the prctl sends no signal, so the replica exits itself. This replaces a
+# preexec_fn, which is unsafe in the threaded front end (fork, then Python code before exec).
+REPLICA_BOOT = f"""import os, sys
+parent = os.environ.pop({PARENT_ENV!r}, "")
+if parent and sys.platform == "linux":
+    import ctypes, signal
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+    if os.getppid() != int(parent):
+        sys.exit("kvshare replica: the data-parallel front end (pid " + parent + ") exited before it started")
+from kvshare.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
 
 
 @dataclass(frozen=True)
@@ -67,19 +68,18 @@ class ReplicaProcess:
         env.pop("KVSHARE_API_KEY", None)
         if self.launch.api_key is not None:
             env["KVSHARE_API_KEY"] = self.launch.api_key  # not on the command line, where `ps` shows it
-        cmd = [sys.executable, "-m", "kvshare.cli", "serve", *self.launch.argv]
+        env[PARENT_ENV] = str(os.getpid())
+        cmd = [sys.executable, "-c", REPLICA_BOOT, "serve", *self.launch.argv]
         cpus = self.launch.cpus
-        die_with_parent = _parent_death_signal()
-
-        def child_setup() -> None:
-            if die_with_parent is not None:
-                die_with_parent()
-            if cpus is not None:
-                os.sched_setaffinity(0, cpus)
-
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, start_new_session=True,
-                                     preexec_fn=child_setup if sys.platform == "linux" else None)
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        if cpus is not None and hasattr(os, "sched_setaffinity"):
+            # From here, right after exec: the child is still importing, single-threaded, so the
+            # threads torch starts later inherit this affinity.
+            try:
+                os.sched_setaffinity(self.proc.pid, cpus)
+            except OSError as e:  # e.g. a CPU taken away meanwhile: it runs unpinned, still correct
+                logger.warning("engine %d: could not pin it to CPUs %s (%s)", self.index, cpus, e)
         self._pump = threading.Thread(target=self._copy_output, name=f"engine-{self.index}-log", daemon=True)
         self._pump.start()
         logger.info("engine %d: pid %d on %s, KV events %s, %d thread(s)%s", self.index, self.proc.pid, self.url,
