@@ -138,12 +138,16 @@ def test_prefix_aware_keeps_each_tenant_on_the_replica_that_caches_it(prefix_ser
     async def main():
         client = aclient(srv)
         try:
-            # Tenant 2 arrives while tenant 1's first request runs: it goes to the idle replica.
-            t1 = asyncio.ensure_future(_chat(client, 1, "Hi?", max_tokens=24))
-            await asyncio.to_thread(wait_for, lambda: sum(by_engine(srv, "kvshare:router_in_flight_requests")
-                                                          .values()) == 1, 20, "tenant 1's request to be routed")
-            first = [await _chat(client, 2, "Hello?"), await t1]
-            home = {1: first[1][0], 2: first[0][0]}
+            # Tenant 2 arrives while tenant 1's first request runs (its stream is held open until
+            # then, whatever the machine's speed): it goes to the idle replica.
+            raw = await client.chat.completions.with_raw_response.create(
+                model=MODEL, max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True},
+                messages=[{"role": "system", "content": system_prompt(1)}, {"role": "user", "content": "Hi?"}])
+            stream = raw.parse()
+            async for _ in stream:
+                break  # a first event: tenant 1's request is routed and running
+            home = {1: raw.headers["x-kvshare-engine"], 2: (await _chat(client, 2, "Hello?"))[0]}
+            await stream.close()  # aborted there; its prompt's blocks stay cached
             assert home[1] != home[2], home
             # Both replicas' events reached the router before the tenants come back.
             await asyncio.to_thread(wait_for, lambda: all(v >= 10 for v in by_engine(
@@ -169,6 +173,9 @@ def test_prefix_aware_keeps_each_tenant_on_the_replica_that_caches_it(prefix_ser
 
 def test_metrics_label_every_replica_series_and_count_routing(prefix_server):
     srv = prefix_server
+    routed_before = sum(by_engine(srv, "kvshare:router_routed_requests_total", policy="prefix_aware").values())
+    status, _, _ = srv.request("POST", "/v1/completions", {"model": MODEL, "prompt": "Count:", "max_tokens": 1})
+    assert status == 200
     status, _, data = srv.request("GET", "/metrics")
     assert status == 200
     text = data.decode()
@@ -181,7 +188,7 @@ def test_metrics_label_every_replica_series_and_count_routing(prefix_server):
         engines = by_engine(srv, name, model_name=MODEL)
         assert set(engines) == {"0", "1"}, (name, engines)
     routed = by_engine(srv, "kvshare:router_routed_requests_total", policy="prefix_aware")
-    assert sum(routed.values()) >= 1
+    assert sum(routed.values()) == routed_before + 1
     assert by_engine(srv, "kvshare:router_engine_alive") == {"0": 1.0, "1": 1.0}
     status, body = ready_body(srv)
     assert status == 200 and body["status"] == "ready" and body["dead_engines"] == []
@@ -250,32 +257,58 @@ def test_round_robin_alternates_behind_the_api_key(rr_server):
 
 
 def test_429s_reach_the_client(rr_server):
+    """2 engines x (2 running + 1 waiting): with 6 streams held open, the front end refuses the
+    next requests itself (429 queue_full, Retry-After), however fast the machine is."""
     srv = rr_server
+
+    def total(name: str) -> float:
+        return sum(by_engine(srv, name).values())
+
+    async def hold(client):
+        stream = await client.completions.create(model=MODEL, prompt="Count to ten:", max_tokens=400,
+                                                 temperature=0, stream=True, extra_body={"ignore_eos": True})
+        return stream
 
     async def one(client):
         try:
-            return await client.completions.create(model=MODEL, prompt="Count to ten:", max_tokens=24,
-                                                   temperature=0, extra_body={"ignore_eos": True})
+            return await client.completions.create(model=MODEL, prompt="Count to ten:", max_tokens=4, temperature=0)
         except openai.RateLimitError as e:
             return e
 
     async def main():
         client = aclient(srv, KEY)
+        held = []
         try:
-            return await asyncio.gather(*(one(client) for _ in range(14)))
+            # Two running on each engine first, then one waiting on each: never two waiting at
+            # once on an engine (it would refuse the second itself).
+            for _ in range(4):
+                held.append(asyncio.ensure_future(hold(client)))
+            await asyncio.to_thread(wait_for, lambda: total("vllm:num_requests_running") == 4, 60,
+                                    "4 streams to run")
+            for _ in range(2):
+                held.append(asyncio.ensure_future(hold(client)))
+            await asyncio.to_thread(wait_for, lambda: total("kvshare:router_in_flight_requests") == 6, 60,
+                                    "6 requests in flight")
+            return await asyncio.gather(*(one(client) for _ in range(8)))
         finally:
+            for task in held:
+                task.cancel()
+            for stream in await asyncio.gather(*held, return_exceptions=True):
+                if not isinstance(stream, BaseException):
+                    await stream.close()
             await client.close()
 
+    refused_before = sum(by_engine(srv, "kvshare:rejected_requests_total", reason="queue_full").values())
     results = asyncio.run(main())
-    refused = [r for r in results if isinstance(r, Exception)]
-    ok = [r for r in results if not isinstance(r, Exception)]
-    # 2 engines x (2 running + 1 waiting) = 6 at most in flight: the front end refuses the rest.
-    assert len(refused) >= 14 - 6 and len(ok) >= 2
-    for e in refused:
+    assert all(isinstance(r, openai.RateLimitError) for r in results), results
+    for e in results:
         assert e.status_code == 429 and e.response.headers["retry-after"]
         assert e.response.json()["error"]["code"] == "queue_full"
-    assert all(r.usage.completion_tokens == 24 for r in ok)
-    assert sum(by_engine(srv, "kvshare:rejected_requests_total", reason="queue_full").values()) >= len(refused)
+    assert sum(by_engine(srv, "kvshare:rejected_requests_total", reason="queue_full").values()) == refused_before + 8
+    wait_for(lambda: total("kvshare:router_in_flight_requests") == 0, 30, "the held streams to be released")
+    status, _, data = srv.request("POST", "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 1},
+                                  headers={"Authorization": f"Bearer {KEY}"})
+    assert status == 200, data
 
 
 # ---- a replica dies; then the front end drains ---------------------------------------------------
@@ -727,3 +760,21 @@ def test_malformed_kv_event_batches_are_skipped_and_a_failed_subscription_clears
     assert alive, "a malformed batch ended the subscription"
     assert sub.malformed >= 3 and sub.batches == 1 and cached_after == {b"g" * 32}
     assert broken.failed and broken.replica.cached == set()  # nothing stale left to route by
+
+
+def test_a_replica_whose_front_end_is_gone_before_it_starts_exits_at_once():
+    """The replica asks for SIGTERM on its parent's death in its first lines (no preexec_fn in the
+    threaded front end); a parent that died before that sends no signal, which the replica
+    notices (its parent is not the pid it was given) and exits, before importing anything heavy."""
+    import os
+    import subprocess
+    import sys
+
+    from kvshare.server.replica import PARENT_ENV, REPLICA_BOOT
+
+    not_my_parent = os.getpid() + 1_000_000  # no process has it: the replica's parent is this test
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", REPLICA_BOOT, "serve"], capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, **{PARENT_ENV: str(not_my_parent)}))
+    assert proc.returncode == 1 and f"front end (pid {not_my_parent}) exited before it started" in proc.stderr
+    assert time.monotonic() - started < 10 and "Traceback" not in proc.stderr
