@@ -1,9 +1,13 @@
 """A stand-in for a data-parallel replica in the front end's tests: a tiny HTTP server (no model)
 that answers /health, /metrics and /v1/completions the way `kvshare serve` does, fast to start,
-so a test can stop (SIGSTOP) or kill it like a real replica process. Prints "listening PORT" once bound."""
+so a test can stop (SIGSTOP) or kill it like a real replica process. Prints "listening PORT" once bound.
+Flags: --engine-dead (its engine thread stopped: /health and requests answer 503 engine_dead, as
+kvshare serve does then), --ignore-sigterm (a process that does not exit when asked)."""
 from __future__ import annotations
 
 import json
+import signal
+import sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
@@ -18,7 +22,9 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def do_GET(self) -> None:
-        if self.path == "/health":
+        if self.path == "/health" and ENGINE_DEAD:
+            self._send(503, b'{"status":"engine_dead","detail":"RuntimeError: boom"}', "application/json")
+        elif self.path == "/health":
             self._send(200, b'{"status":"ok"}', "application/json")
         elif self.path == "/metrics":
             self._send(200, b"vllm:kv_cache_usage_perc 0.25\n", "text/plain")
@@ -33,7 +39,11 @@ class Handler(BaseHTTPRequestHandler):
         pass
 
 
+ENGINE_DEAD = "--engine-dead" in sys.argv
+
 if __name__ == "__main__":
+    if "--ignore-sigterm" in sys.argv:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     print("listening", server.server_address[1], flush=True)
     server.serve_forever()

@@ -24,6 +24,7 @@ from server_proc import MODEL, ServerProcess
 DP = ["--data-parallel-size", "2"]
 BLOCK = 16
 LONG_TOKENS = 120  # long enough that a replica killed mid-load still has all of its requests running
+HOLD_TOKENS = 900  # a stream held open while a test checks what its being in flight does (~15 s here)
 
 
 KEY = "sk-dp-test"
@@ -141,7 +142,7 @@ def test_prefix_aware_keeps_each_tenant_on_the_replica_that_caches_it(prefix_ser
             # Tenant 2 arrives while tenant 1's first request runs (its stream is held open until
             # then, whatever the machine's speed): it goes to the idle replica.
             raw = await client.chat.completions.with_raw_response.create(
-                model=MODEL, max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True},
+                model=MODEL, max_tokens=250, temperature=0, stream=True, extra_body={"ignore_eos": True},
                 messages=[{"role": "system", "content": system_prompt(1)}, {"role": "user", "content": "Hi?"}])
             stream = raw.parse()
             async for _ in stream:
@@ -236,8 +237,10 @@ def test_a_client_disconnect_aborts_the_request_on_its_replica(prefix_server):
 
 @pytest.fixture(scope="module")
 def rr_server():
+    # max-model-len 1024: a held stream (HOLD_TOKENS) runs for many seconds on any machine.
     srv = ServerProcess(*DP, "--routing-policy", "round_robin", "--max-num-seqs", "2", "--max-waiting", "1",
-                        "--api-key", KEY).wait_ready()
+                        "--api-key", KEY, engine_args=["--kv-cache-memory", "64MiB", "--max-model-len", "1024"]
+                        ).wait_ready()
     yield srv
     srv.close()
 
@@ -265,9 +268,8 @@ def test_429s_reach_the_client(rr_server):
         return sum(by_engine(srv, name).values())
 
     async def hold(client):
-        stream = await client.completions.create(model=MODEL, prompt="Count to ten:", max_tokens=400,
-                                                 temperature=0, stream=True, extra_body={"ignore_eos": True})
-        return stream
+        return await client.completions.create(model=MODEL, prompt="Count to ten:", max_tokens=HOLD_TOKENS,
+                                               temperature=0, stream=True, extra_body={"ignore_eos": True})
 
     async def one(client):
         try:
@@ -279,16 +281,15 @@ def test_429s_reach_the_client(rr_server):
         client = aclient(srv, KEY)
         held = []
         try:
-            # Two running on each engine first, then one waiting on each: never two waiting at
-            # once on an engine (it would refuse the second itself).
-            for _ in range(4):
+            # One at a time, each running (or, the last two, waiting) before the next is sent: an
+            # engine refuses a request itself while another still waits to be scheduled there.
+            for k in range(1, 7):
                 held.append(asyncio.ensure_future(hold(client)))
-            await asyncio.to_thread(wait_for, lambda: total("vllm:num_requests_running") == 4, 60,
-                                    "4 streams to run")
-            for _ in range(2):
-                held.append(asyncio.ensure_future(hold(client)))
-            await asyncio.to_thread(wait_for, lambda: total("kvshare:router_in_flight_requests") == 6, 60,
-                                    "6 requests in flight")
+                running, waiting = min(k, 4), max(0, k - 4)
+                await asyncio.to_thread(wait_for, lambda: total("vllm:num_requests_running") == running
+                                        and total("vllm:num_requests_waiting") == waiting, 60,
+                                        f"{running} streams running, {waiting} waiting")
+            assert total("kvshare:router_in_flight_requests") == 6
             return await asyncio.gather(*(one(client) for _ in range(8)))
         finally:
             for task in held:
@@ -548,8 +549,9 @@ def test_a_replica_whose_engine_thread_stopped_is_marked_dead_and_the_request_go
 
 # ---- supervision, against stand-in replica processes (tests/fake_replica.py) ----------------------
 
-def _fake_replicas(n: int):
-    """n running stand-in replicas (ReplicaProcess objects with their process set) on their ports."""
+def _fake_replicas(n: int, *flags: str):
+    """n running stand-in replicas (ReplicaProcess objects with their process set) on their ports;
+    `flags` are the first one's (tests/fake_replica.py)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -557,7 +559,8 @@ def _fake_replicas(n: int):
     from kvshare.server.replica import ReplicaLaunch, ReplicaProcess
 
     script = str(Path(__file__).with_name("fake_replica.py"))
-    procs = [subprocess.Popen([sys.executable, script], stdout=subprocess.PIPE, text=True) for _ in range(n)]
+    procs = [subprocess.Popen([sys.executable, script, *(flags if i == 0 else ())], stdout=subprocess.PIPE, text=True)
+             for i in range(n)]
     replicas = []
     for i, proc in enumerate(procs):
         word, port = proc.stdout.readline().split()  # blocks until it is bound: no guessing how long
@@ -778,3 +781,53 @@ def test_a_replica_whose_front_end_is_gone_before_it_starts_exits_at_once():
                           env=dict(os.environ, **{PARENT_ENV: str(not_my_parent)}))
     assert proc.returncode == 1 and f"front end (pid {not_my_parent}) exited before it started" in proc.stderr
     assert time.monotonic() - started < 10 and "Traceback" not in proc.stderr
+
+
+def test_a_replica_retired_alive_is_killed_after_a_grace_and_reaped():
+    """A replica whose engine thread stopped (its /health says engine_dead) is marked dead and sent
+    SIGTERM; one that ignores it is SIGKILLed after `retire_grace` and reaped (no zombie left)."""
+    from kvshare.server.data_parallel import new_upstream_client, start_background
+
+    replicas = _fake_replicas(2, "--engine-dead", "--ignore-sigterm")
+    state, _app = _frontend(replicas, poll_seconds=0.1, retire_grace=0.5)
+
+    async def main():
+        state.client = new_upstream_client()
+        tasks = start_background(state, [])
+        try:
+            deadline = time.monotonic() + 20
+            while replicas[0].proc.returncode is None:  # set once reaped (by exit_code's poll)
+                assert time.monotonic() < deadline, "the retired replica was never killed and reaped"
+                await asyncio.sleep(0.05)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await state.client.aclose()
+
+    try:
+        asyncio.run(main())
+    finally:
+        for rep in replicas:
+            rep.kill_and_wait()
+    assert replicas[0].proc.returncode == -signal.SIGKILL  # SIGTERM was ignored: it took the SIGKILL
+    assert state.live() == [1] and "engine thread stopped" in state.dead_detail[0]
+
+
+def test_the_exit_status_says_when_replicas_were_killed_or_all_died():
+    from kvshare.server.data_parallel import exit_status
+
+    replicas = [object(), object()]
+    state, _app = _frontend(replicas)
+    assert exit_status(state) == 0
+    state.mark_dead(0, "killed by SIGKILL")
+    assert exit_status(state) == 0  # one engine still served
+    state.mark_dead(1, "killed by SIGKILL")
+    assert exit_status(state) == 1
+    state, _app = _frontend(replicas)
+    state.draining = True
+    state.mark_dead(0, "exited with code 0")  # drained: not a death
+    state.mark_dead(1, "exited with code 0")
+    assert exit_status(state) == 0
+    state.killed_after_drain.append(1)
+    assert exit_status(state) == 1
