@@ -257,6 +257,8 @@ def test_round_robin_alternates_behind_the_api_key(rr_server):
         assert status == 200, data
         engines.append(headers["x-kvshare-engine"])
     assert engines in (["0", "1", "0", "1"], ["1", "0", "1", "0"])
+    # Each replica serves the socket the front end bound for it (no race for a free port).
+    assert srv.log_text().count("socket fd") == 2
 
 
 def test_429s_reach_the_client(rr_server):

@@ -119,10 +119,22 @@ def offset_endpoint(endpoint: str, rank: int, flag: str) -> str:
                      f"explicit port (replica r publishes on PORT + r, as in vLLM) or ipc://PATH")
 
 
+def bind_loopback_socket() -> socket.socket:
+    """A replica's listening socket, bound here on a free loopback port and inherited by the
+    replica (ReplicaLaunch.listen_fd), so no other process can take the port in between. Not
+    listening yet: connections are refused until the replica serves it."""
+    sock = socket.socket()
+    try:
+        sock.bind(("127.0.0.1", 0))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def free_loopback_port() -> int:
-    """A port for a replica's internal server. Another process may take it before the replica
-    binds it (unlikely on loopback); that replica then fails to start, which stops the front end
-    with the replica's own error."""
+    """A free loopback port, released again: another process may take it before it is bound (the
+    replicas get bound sockets instead, bind_loopback_socket)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -845,12 +857,14 @@ def serve_data_parallel(config: ServerConfig, options: DataParallelOptions, repl
             else:
                 events = f"ipc://{socket_dir}/engine-{r}.events"
                 replay = f"ipc://{socket_dir}/engine-{r}.replay"
-            port = free_loopback_port()
+            sock = bind_loopback_socket()
+            port = sock.getsockname()[1]
             threads, cpus = shares[r]
-            launch = ReplicaLaunch(index=r, port=port, argv=replica_argv(r, port, events, replay),
+            launch = ReplicaLaunch(index=r, port=port,
+                                   argv=replica_argv(r, port, events, replay) + ["--listen-fd", str(sock.fileno())],
                                    kv_events_endpoint=events, kv_events_replay_endpoint=replay,
-                                   omp_threads=threads, cpus=cpus, api_key=config.api_key)
-            replicas.append(ReplicaProcess(launch))
+                                   omp_threads=threads, cpus=cpus, api_key=config.api_key, listen_fd=sock.fileno())
+            replicas.append(ReplicaProcess(launch, listen_socket=sock))
         state = FrontendState(config=config, options=options, metrics=RouterMetrics(name, options.size, options.policy),
                               router=router, replicas=replicas, tokenizer=tokenizer, model_name=name)
         for rep, view in zip(replicas, router.replicas):

@@ -51,11 +51,14 @@ class ReplicaLaunch:
     omp_threads: int
     cpus: tuple[int, ...] | None  # CPU affinity; None: whatever the front end has
     api_key: str | None
+    listen_fd: int | None = None  # the bound socket the replica serves (inherited, same number); None: it binds port
 
 
 class ReplicaProcess:
-    def __init__(self, launch: ReplicaLaunch) -> None:
+    def __init__(self, launch: ReplicaLaunch, listen_socket=None) -> None:
+        """`listen_socket`: the socket whose fd is launch.listen_fd; closed here once the replica has it."""
         self.launch = launch
+        self._listen_socket = listen_socket
         self.index = launch.index
         self.url = f"http://127.0.0.1:{launch.port}"
         self.log_tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
@@ -71,8 +74,16 @@ class ReplicaProcess:
         env[PARENT_ENV] = str(os.getpid())
         cmd = [sys.executable, "-c", REPLICA_BOOT, "serve", *self.launch.argv]
         cpus = self.launch.cpus
-        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        fds = (self.launch.listen_fd,) if self.launch.listen_fd is not None else ()
+        try:
+            self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, start_new_session=True, pass_fds=fds)
+        finally:
+            # The replica holds the only copy: once it exits, connecting is refused (the sign of a
+            # dead replica) instead of queueing on a socket nobody serves.
+            if self._listen_socket is not None:
+                self._listen_socket.close()
+                self._listen_socket = None
         if cpus is not None and hasattr(os, "sched_setaffinity"):
             # From here, right after exec: the child is still importing, single-threaded, so the
             # threads torch starts later inherit this affinity.
@@ -124,6 +135,9 @@ class ReplicaProcess:
                 pass
 
     def kill_and_wait(self, timeout: float = 10.0) -> None:
+        if self._listen_socket is not None:  # never started
+            self._listen_socket.close()
+            self._listen_socket = None
         if self.proc is None:
             return
         if self.proc.poll() is None:
