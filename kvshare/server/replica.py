@@ -12,7 +12,9 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -37,6 +39,66 @@ if parent and sys.platform == "linux":
 from kvshare.cli import main
 sys.exit(main(sys.argv[1:]))
 """
+
+
+# ---- launch planning: endpoints, ports and CPUs per replica --------------------------------------
+def offset_endpoint(endpoint: str, rank: int, flag: str) -> str:
+    """Replica `rank`'s endpoint from a base one, as vLLM offsets it under data parallelism:
+    tcp://host:PORT -> tcp://host:PORT+rank; ipc://PATH -> ipc://PATH.rank."""
+    m = re.fullmatch(r"(tcp://.+):(\d+)", endpoint)
+    if m and int(m.group(2)) > 0:
+        return f"{m.group(1)}:{int(m.group(2)) + rank}"
+    if endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"):
+        return f"{endpoint}.{rank}"
+    raise ValueError(f"{flag} {endpoint!r} is invalid with --data-parallel-size: give tcp://HOST:PORT with an "
+                     f"explicit port (replica r publishes on PORT + r, as in vLLM) or ipc://PATH")
+
+
+
+def bind_loopback_socket() -> socket.socket:
+    """A replica's listening socket, bound here on a free loopback port and inherited by the
+    replica (ReplicaLaunch.listen_fd), so no other process can take the port in between. Not
+    listening yet: connections are refused until the replica serves it."""
+    sock = socket.socket()
+    try:
+        sock.bind(("127.0.0.1", 0))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+
+def free_loopback_port() -> int:
+    """A free loopback port, released again: another process may take it before it is bound (the
+    replicas get bound sockets instead, bind_loopback_socket)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+
+def connect_endpoint(bound: str) -> str:
+    """Where the front end connects to reach an endpoint a replica binds (a wildcard host is loopback here)."""
+    return re.sub(r"^tcp://(\*|0\.0\.0\.0)(?=:)", "tcp://127.0.0.1", bound)
+
+
+
+def split_cpus(size: int, thread_budget: int | None) -> list[tuple[int, tuple[int, ...] | None]]:
+    """(torch threads, CPU affinity) per replica: the front end's CPUs split evenly, each replica
+    pinned to its share when there is at least one CPU each; `thread_budget` (OMP_NUM_THREADS
+    given to the front end) caps the threads all replicas use together."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = list(range(os.cpu_count() or 1))
+    total = min(len(cpus), thread_budget) if thread_budget else len(cpus)
+    threads = max(1, total // size)
+    if len(cpus) < size:
+        return [(threads, None)] * size
+    share = len(cpus) // size
+    return [(threads, tuple(cpus[r * share:(r + 1) * share])) for r in range(size)]
+
 
 
 @dataclass(frozen=True)
