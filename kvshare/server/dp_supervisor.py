@@ -275,6 +275,11 @@ class DrainingFrontend(uvicorn.Server):
 
     def _start_drain(self) -> None:
         self._drain_task = asyncio.ensure_future(self._drain())
+        self._drain_task.set_name("drain")
+        self._drain_task.add_done_callback(log_task_failure)
+        # However the drain ends (an error included), the server stops: never a front end that
+        # refuses everything forever. Replicas still running are killed on the way out.
+        self._drain_task.add_done_callback(lambda _task: setattr(self, "should_exit", True))
 
     async def _drain(self) -> None:
         st = self.state
