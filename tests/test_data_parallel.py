@@ -833,3 +833,42 @@ def test_the_exit_status_says_when_replicas_were_killed_or_all_died():
     assert exit_status(state) == 0
     state.killed_after_drain.append(1)
     assert exit_status(state) == 1
+
+
+def test_a_stream_whose_upstream_fails_to_close_still_releases_its_slot():
+    """The request's in-flight slot is released however the passed-through stream ends, even when
+    closing the upstream response raises (it would otherwise count as load forever)."""
+    import httpx2
+
+    from kvshare.server.dp_proxy import Proxy
+
+    released = []
+
+    class Upstream:
+        status_code = 200
+        headers = httpx2.Headers({"content-type": "text/event-stream"})
+
+        async def aiter_raw(self):
+            yield b"data: {}\n\n"
+
+        async def aclose(self):
+            raise RuntimeError("closing failed")
+
+    replicas = [object()]
+    state, _app = _frontend(replicas)
+    response = Proxy(state)._respond(Upstream(), 0, lambda: released.append(True))
+    sent = []
+
+    async def receive():
+        await asyncio.Event().wait()  # the client never leaves
+
+    async def send(message):
+        sent.append(message)
+
+    async def main():
+        with pytest.raises(RuntimeError, match="closing failed"):
+            await response({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
+
+    asyncio.run(main())
+    assert released == [True]
+    assert any(m.get("body") == b"data: {}\n\n" for m in sent)
