@@ -96,13 +96,14 @@ class FrontendState:
             logger.error("engine %d is dead (%s): its requests fail, new ones go to engine(s) %s", index, detail,
                          ", ".join(map(str, self.live())) or "none")
 
-    def retire(self, index: int) -> None:
-        """Stop a replica marked dead whose process lives on: SIGTERM, then SIGKILL after
-        `retire_grace`, and reap it either way (no zombie, no process serving nothing)."""
+    def retire(self, index: int, sig: int = signal.SIGTERM) -> None:
+        """Stop a replica marked dead whose process lives on: `sig` (SIGTERM, or SIGKILL for one
+        that is stuck), then SIGKILL after `retire_grace`, and reap it either way (no zombie, no
+        process serving nothing)."""
         rep = self.replicas[index]
         if rep.proc is None or rep.exit_code() is not None:
             return
-        rep.signal(signal.SIGTERM)
+        rep.signal(sig)
         task = asyncio.ensure_future(self._reap(rep))
         self.background.add(task)
         task.add_done_callback(self.background.discard)
@@ -236,7 +237,7 @@ async def poll_replica(state: FrontendState, rep: ReplicaProcess) -> None:
             return
         state.mark_dead(rep.index, f"stuck: no answer to /health or /metrics within {state.poll_timeout:g}s, "
                                    f"{n} times in a row; killed by SIGKILL")
-        rep.signal(signal.SIGKILL)  # its connections close: its requests in flight fail now, not never
+        state.retire(rep.index, signal.SIGKILL)  # its connections close: its requests in flight fail now, not never
         return
     except httpx2.TransportError:
         return  # refused or reset: an exited process is the monitor's to notice
