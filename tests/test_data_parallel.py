@@ -24,6 +24,7 @@ from server_proc import MODEL, ServerProcess
 DP = ["--data-parallel-size", "2"]
 BLOCK = 16
 LONG_TOKENS = 120  # long enough that a replica killed mid-load still has all of its requests running
+HOLD_TOKENS = 900  # a stream held open while a test checks what its being in flight does (~15 s here)
 
 
 KEY = "sk-dp-test"
@@ -138,12 +139,16 @@ def test_prefix_aware_keeps_each_tenant_on_the_replica_that_caches_it(prefix_ser
     async def main():
         client = aclient(srv)
         try:
-            # Tenant 2 arrives while tenant 1's first request runs: it goes to the idle replica.
-            t1 = asyncio.ensure_future(_chat(client, 1, "Hi?", max_tokens=24))
-            await asyncio.to_thread(wait_for, lambda: sum(by_engine(srv, "kvshare:router_in_flight_requests")
-                                                          .values()) == 1, 20, "tenant 1's request to be routed")
-            first = [await _chat(client, 2, "Hello?"), await t1]
-            home = {1: first[1][0], 2: first[0][0]}
+            # Tenant 2 arrives while tenant 1's first request runs (its stream is held open until
+            # then, whatever the machine's speed): it goes to the idle replica.
+            raw = await client.chat.completions.with_raw_response.create(
+                model=MODEL, max_tokens=250, temperature=0, stream=True, extra_body={"ignore_eos": True},
+                messages=[{"role": "system", "content": system_prompt(1)}, {"role": "user", "content": "Hi?"}])
+            stream = raw.parse()
+            async for _ in stream:
+                break  # a first event: tenant 1's request is routed and running
+            home = {1: raw.headers["x-kvshare-engine"], 2: (await _chat(client, 2, "Hello?"))[0]}
+            await stream.close()  # aborted there; its prompt's blocks stay cached
             assert home[1] != home[2], home
             # Both replicas' events reached the router before the tenants come back.
             await asyncio.to_thread(wait_for, lambda: all(v >= 10 for v in by_engine(
@@ -169,6 +174,9 @@ def test_prefix_aware_keeps_each_tenant_on_the_replica_that_caches_it(prefix_ser
 
 def test_metrics_label_every_replica_series_and_count_routing(prefix_server):
     srv = prefix_server
+    routed_before = sum(by_engine(srv, "kvshare:router_routed_requests_total", policy="prefix_aware").values())
+    status, _, _ = srv.request("POST", "/v1/completions", {"model": MODEL, "prompt": "Count:", "max_tokens": 1})
+    assert status == 200
     status, _, data = srv.request("GET", "/metrics")
     assert status == 200
     text = data.decode()
@@ -181,7 +189,7 @@ def test_metrics_label_every_replica_series_and_count_routing(prefix_server):
         engines = by_engine(srv, name, model_name=MODEL)
         assert set(engines) == {"0", "1"}, (name, engines)
     routed = by_engine(srv, "kvshare:router_routed_requests_total", policy="prefix_aware")
-    assert sum(routed.values()) >= 1
+    assert sum(routed.values()) == routed_before + 1
     assert by_engine(srv, "kvshare:router_engine_alive") == {"0": 1.0, "1": 1.0}
     status, body = ready_body(srv)
     assert status == 200 and body["status"] == "ready" and body["dead_engines"] == []
@@ -229,8 +237,10 @@ def test_a_client_disconnect_aborts_the_request_on_its_replica(prefix_server):
 
 @pytest.fixture(scope="module")
 def rr_server():
+    # max-model-len 1024: a held stream (HOLD_TOKENS) runs for many seconds on any machine.
     srv = ServerProcess(*DP, "--routing-policy", "round_robin", "--max-num-seqs", "2", "--max-waiting", "1",
-                        "--api-key", KEY).wait_ready()
+                        "--api-key", KEY, engine_args=["--kv-cache-memory", "64MiB", "--max-model-len", "1024"]
+                        ).wait_ready()
     yield srv
     srv.close()
 
@@ -247,35 +257,61 @@ def test_round_robin_alternates_behind_the_api_key(rr_server):
         assert status == 200, data
         engines.append(headers["x-kvshare-engine"])
     assert engines in (["0", "1", "0", "1"], ["1", "0", "1", "0"])
+    # Each replica serves the socket the front end bound for it (no race for a free port).
+    assert srv.log_text().count("socket fd") == 2
 
 
 def test_429s_reach_the_client(rr_server):
+    """2 engines x (2 running + 1 waiting): with 6 streams held open, the front end refuses the
+    next requests itself (429 queue_full, Retry-After), however fast the machine is."""
     srv = rr_server
+
+    def total(name: str) -> float:
+        return sum(by_engine(srv, name).values())
+
+    async def hold(client):
+        return await client.completions.create(model=MODEL, prompt="Count to ten:", max_tokens=HOLD_TOKENS,
+                                               temperature=0, stream=True, extra_body={"ignore_eos": True})
 
     async def one(client):
         try:
-            return await client.completions.create(model=MODEL, prompt="Count to ten:", max_tokens=24,
-                                                   temperature=0, extra_body={"ignore_eos": True})
+            return await client.completions.create(model=MODEL, prompt="Count to ten:", max_tokens=4, temperature=0)
         except openai.RateLimitError as e:
             return e
 
     async def main():
         client = aclient(srv, KEY)
+        held = []
         try:
-            return await asyncio.gather(*(one(client) for _ in range(14)))
+            # One at a time, each running (or, the last two, waiting) before the next is sent: an
+            # engine refuses a request itself while another still waits to be scheduled there.
+            for k in range(1, 7):
+                held.append(asyncio.ensure_future(hold(client)))
+                running, waiting = min(k, 4), max(0, k - 4)
+                await asyncio.to_thread(wait_for, lambda: total("vllm:num_requests_running") == running
+                                        and total("vllm:num_requests_waiting") == waiting, 60,
+                                        f"{running} streams running, {waiting} waiting")
+            assert total("kvshare:router_in_flight_requests") == 6
+            return await asyncio.gather(*(one(client) for _ in range(8)))
         finally:
+            for task in held:
+                task.cancel()
+            for stream in await asyncio.gather(*held, return_exceptions=True):
+                if not isinstance(stream, BaseException):
+                    await stream.close()
             await client.close()
 
+    refused_before = sum(by_engine(srv, "kvshare:rejected_requests_total", reason="queue_full").values())
     results = asyncio.run(main())
-    refused = [r for r in results if isinstance(r, Exception)]
-    ok = [r for r in results if not isinstance(r, Exception)]
-    # 2 engines x (2 running + 1 waiting) = 6 at most in flight: the front end refuses the rest.
-    assert len(refused) >= 14 - 6 and len(ok) >= 2
-    for e in refused:
+    assert all(isinstance(r, openai.RateLimitError) for r in results), results
+    for e in results:
         assert e.status_code == 429 and e.response.headers["retry-after"]
         assert e.response.json()["error"]["code"] == "queue_full"
-    assert all(r.usage.completion_tokens == 24 for r in ok)
-    assert sum(by_engine(srv, "kvshare:rejected_requests_total", reason="queue_full").values()) >= len(refused)
+    assert sum(by_engine(srv, "kvshare:rejected_requests_total", reason="queue_full").values()) == refused_before + 8
+    wait_for(lambda: total("kvshare:router_in_flight_requests") == 0, 30, "the held streams to be released")
+    status, _, data = srv.request("POST", "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 1},
+                                  headers={"Authorization": f"Bearer {KEY}"})
+    assert status == 200, data
 
 
 # ---- a replica dies; then the front end drains ---------------------------------------------------
@@ -511,3 +547,329 @@ def test_a_replica_whose_engine_thread_stopped_is_marked_dead_and_the_request_go
     assert ready.status_code == 200 and body["status"] == "degraded" and body["dead_engines"] == [0]
     assert "engine thread stopped" in body["engines"][0]["detail"] and "boom" in body["engines"][0]["detail"]
     assert state.metrics.failed[0]["engine_dead"] == 1 and state.metrics.routed == [0, 2]
+
+
+# ---- supervision, against stand-in replica processes (tests/fake_replica.py) ----------------------
+
+def _fake_replicas(n: int, *flags: str):
+    """n running stand-in replicas (ReplicaProcess objects with their process set) on their ports;
+    `flags` are the first one's (tests/fake_replica.py)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from kvshare.server.replica import ReplicaLaunch, ReplicaProcess
+
+    script = str(Path(__file__).with_name("fake_replica.py"))
+    procs = [subprocess.Popen([sys.executable, script, *(flags if i == 0 else ())], stdout=subprocess.PIPE, text=True)
+             for i in range(n)]
+    replicas = []
+    for i, proc in enumerate(procs):
+        word, port = proc.stdout.readline().split()  # blocks until it is bound: no guessing how long
+        assert word == "listening"
+        rep = ReplicaProcess(ReplicaLaunch(i, int(port), [], "ipc://unused", "ipc://unused", 1, None, None))
+        rep.proc = proc
+        replicas.append(rep)
+    return replicas
+
+
+def _frontend(replicas, policy: str = "least_loaded", **state_fields):
+    from kvshare.server.data_parallel import DataParallelOptions, FrontendState, build_frontend_app
+    from kvshare.server.dp_metrics import RouterMetrics
+    from kvshare.server.settings import ServerConfig
+
+    n = len(replicas)
+    state = FrontendState(config=ServerConfig(), options=DataParallelOptions(n, policy, BLOCK, "s"),
+                          metrics=RouterMetrics(MODEL, n, policy), router=Router(n, policy),
+                          replicas=replicas, tokenizer=None, model_name=MODEL, **state_fields)
+    return state, build_frontend_app(state, [])
+
+
+def test_a_stuck_replica_is_killed_and_its_requests_fail_while_the_other_serves():
+    """A replica process that stops answering (SIGSTOP: alive, accepting connections, answering
+    nothing) is found by the poller after `stuck_polls` timed-out polls and SIGKILLed: the request
+    that was waiting on it fails with 502 engine_failed within a bound, new ones go to the other."""
+    import os
+
+    import httpx2
+
+    from kvshare.server.data_parallel import new_upstream_client, start_background
+
+    replicas = _fake_replicas(2)
+    state, app = _frontend(replicas, poll_seconds=0.1, poll_timeout=0.5, stuck_polls=3)
+
+    async def main():
+        state.client = new_upstream_client()
+        tasks = start_background(state, [])
+        try:
+            async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://front",
+                                          timeout=60) as c:
+                first = await c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1})
+                os.kill(replicas[0].pid, signal.SIGSTOP)
+                started = time.monotonic()
+                stuck = await c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1})
+                waited = time.monotonic() - started
+                after = [await c.post("/v1/completions", json={"prompt": [3], "max_tokens": 1}) for _ in range(2)]
+                ready = await c.get("/ready")
+            return first, stuck, waited, after, ready
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await state.client.aclose()
+
+    try:
+        first, stuck, waited, after, ready = asyncio.run(main())
+        reaped = replicas[0].proc.returncode  # set by a wait/poll: the front end reaped it (no zombie)
+    finally:
+        for rep in replicas:
+            rep.kill_and_wait()
+    assert first.status_code == 200 and first.headers["x-kvshare-engine"] == "0"
+    assert stuck.status_code == 502, stuck.text
+    error = stuck.json()["error"]
+    assert error["code"] == "engine_failed" and "engine 0" in error["message"] and "stuck" in error["message"]
+    assert waited < 10, f"the request to the stuck replica took {waited:.1f}s to fail"
+    assert [(r.status_code, r.headers["x-kvshare-engine"]) for r in after] == [(200, "1"), (200, "1")]
+    body = ready.json()
+    assert body["status"] == "degraded" and body["dead_engines"] == [0] and "SIGKILL" in body["engines"][0]["detail"]
+    assert reaped == -signal.SIGKILL
+    assert state.metrics.failed[0]["replica_died"] == 1
+
+
+def test_a_connect_timeout_sends_the_request_to_another_replica_and_passthroughs_are_not_load():
+    """A replica that cannot be connected to in time never got the request: it goes to the other
+    replica (counted connection_failed, not replica_died). A /tokenize waiting on a replica is not
+    a request in flight there (it takes no sequence slot)."""
+    import httpx2
+
+    from kvshare.server.replica import ReplicaLaunch, ReplicaProcess
+
+    replicas = [ReplicaProcess(ReplicaLaunch(i, 41000 + i, [], "ipc://unused", "ipc://unused", 1, None, None))
+                for i in range(2)]
+    state, app = _frontend(replicas)
+    tokenize_arrived, tokenize_go = asyncio.Event(), asyncio.Event()
+
+    async def replica_http(request: httpx2.Request) -> httpx2.Response:
+        if request.url.path == "/tokenize":
+            tokenize_arrived.set()
+            await tokenize_go.wait()
+            return httpx2.Response(200, json={"tokens": [1]})
+        if request.url.port == 41000:
+            raise httpx2.ConnectTimeout("timed out", request=request)
+        return httpx2.Response(200, json={"object": "text_completion", "choices": []})
+
+    async def main():
+        state.client = httpx2.AsyncClient(transport=httpx2.MockTransport(replica_http))
+        async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://front") as c:
+            answer = await c.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1})
+            tokenizing = asyncio.ensure_future(c.post("/tokenize", json={"prompt": "x"}))
+            await tokenize_arrived.wait()
+            load = [r.in_flight for r in state.router.replicas]
+            tokenize_go.set()
+            tokenized = await tokenizing
+        await state.client.aclose()
+        return answer, load, tokenized
+
+    answer, load, tokenized = asyncio.run(main())
+    assert answer.status_code == 200 and answer.headers["x-kvshare-engine"] == "1"
+    assert state.metrics.failed[0]["connection_failed"] == 1 and state.metrics.failed[0]["replica_died"] == 0
+    assert load == [0, 0] and tokenized.status_code == 200
+    assert [r.in_flight for r in state.router.replicas] == [0, 0]
+
+
+def test_prefix_aware_routes_by_load_when_prefix_caching_is_off():
+    from kvshare.server.data_parallel import DataParallelOptions, build_router
+
+    assert build_router(DataParallelOptions(2, "prefix_aware", BLOCK, "s"), None).policy == "prefix_aware"
+    router = build_router(DataParallelOptions(2, "prefix_aware", BLOCK, "s", max_num_seqs=4, prefix_caching=False), 2)
+    assert router.policy == "least_loaded" and router.replica_limit == 6
+    prompt = list(range(100))
+    first = router.route(prompt)
+    router.replicas[first.index].in_flight += 1
+    router.replicas[first.index].hold(first.block_hashes)
+    # With nothing cached, the blocks held in flight would have pulled the same prompt to the same replica.
+    assert router.route(prompt).index != first.index
+
+
+def test_pooled_connections_expire_well_before_the_replicas_keep_alive():
+    """A connection the replica closes (uvicorn's keep-alive timeout) just as the front end reuses
+    it fails a request that never reached the replica: the pool drops idle connections first."""
+    import uvicorn
+
+    from kvshare.server.data_parallel import KEEPALIVE_EXPIRY_SECONDS, new_upstream_client
+
+    replica_keep_alive = uvicorn.Config(app=None).timeout_keep_alive  # runner.serve keeps uvicorn's default
+    assert KEEPALIVE_EXPIRY_SECONDS <= replica_keep_alive / 2
+    client = new_upstream_client()
+    assert client._transport._pool._keepalive_expiry == KEEPALIVE_EXPIRY_SECONDS
+
+
+def test_malformed_kv_event_batches_are_skipped_and_a_failed_subscription_clears_the_view():
+    """Bad payloads published on a replica's events socket (not msgpack, the wrong shape, an
+    unknown event tag) are skipped one by one: the batch after them is applied. A subscription
+    whose socket fails clears the replica's cached set (no stale affinity) and raises."""
+    import zmq
+    import zmq.asyncio
+
+    from kvshare.engine.kv_event_publisher import encode_batch
+    from kvshare.kvcache.kv_events import BlockStored
+
+    def good(h: bytes) -> bytes:
+        return encode_batch([BlockStored((h,), None, tuple(range(BLOCK)), BLOCK)], 0.0, 0)
+
+    async def main():
+        import msgpack
+
+        ctx = zmq.asyncio.Context()
+        pub = ctx.socket(zmq.PUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        port = pub.bind_to_random_port("tcp://127.0.0.1")
+        router = Router(1, block_size=BLOCK, hash_seed="s")
+        sub = KVEventSubscriber(ctx, router.replicas[0], f"tcp://127.0.0.1:{port}")
+        task = asyncio.ensure_future(sub.run())
+        bad = [b"\xc1 not msgpack", msgpack.packb(7), msgpack.packb([0.0, [["NoSuchEvent", 1]], 0])]
+        seq = 0
+        deadline = time.monotonic() + 10
+        while sub.malformed == 0:  # ZMQ's slow joiner: send until the subscription is up
+            assert time.monotonic() < deadline and not task.done(), "the subscriber never received a batch"
+            await pub.send_multipart((b"", seq.to_bytes(8, "big", signed=True), bad[0]))
+            seq += 1
+            await asyncio.sleep(0.02)
+        for payload in bad[1:] + [good(b"g" * 32)]:
+            await pub.send_multipart((b"", seq.to_bytes(8, "big", signed=True), payload))
+            seq += 1
+        while sub.next_seq != seq:
+            assert time.monotonic() < deadline and not task.done(), (sub.next_seq, seq, task)
+            await asyncio.sleep(0.02)
+        alive_after_bad_batches = not task.done()
+        cached_after = set(router.replicas[0].cached)
+
+        class BrokenSocket:  # the subscription's socket failing (e.g. the context terminated)
+            async def recv_multipart(self):
+                raise zmq.ZMQError(zmq.ETERM)
+
+            def close(self, linger=None):
+                pass
+
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        broken = KVEventSubscriber(ctx, router.replicas[0], f"tcp://127.0.0.1:{port}")
+        broken._sub.close(0)
+        broken._sub = BrokenSocket()
+        with pytest.raises(zmq.ZMQError):
+            await broken.run()
+        pub.close(0)
+        ctx.destroy(linger=0)
+        return sub, broken, alive_after_bad_batches, cached_after
+
+    sub, broken, alive, cached_after = asyncio.run(main())
+    assert alive, "a malformed batch ended the subscription"
+    assert sub.malformed >= 3 and sub.batches == 1 and cached_after == {b"g" * 32}
+    assert broken.failed and broken.replica.cached == set()  # nothing stale left to route by
+
+
+def test_a_replica_whose_front_end_is_gone_before_it_starts_exits_at_once():
+    """The replica asks for SIGTERM on its parent's death in its first lines (no preexec_fn in the
+    threaded front end); a parent that died before that sends no signal, which the replica
+    notices (its parent is not the pid it was given) and exits, before importing anything heavy."""
+    import os
+    import subprocess
+    import sys
+
+    from kvshare.server.replica import PARENT_ENV, REPLICA_BOOT
+
+    not_my_parent = os.getpid() + 1_000_000  # no process has it: the replica's parent is this test
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", REPLICA_BOOT, "serve"], capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, **{PARENT_ENV: str(not_my_parent)}))
+    assert proc.returncode == 1 and f"front end (pid {not_my_parent}) exited before it started" in proc.stderr
+    assert time.monotonic() - started < 10 and "Traceback" not in proc.stderr
+
+
+def test_a_replica_retired_alive_is_killed_after_a_grace_and_reaped():
+    """A replica whose engine thread stopped (its /health says engine_dead) is marked dead and sent
+    SIGTERM; one that ignores it is SIGKILLed after `retire_grace` and reaped (no zombie left)."""
+    from kvshare.server.data_parallel import new_upstream_client, start_background
+
+    replicas = _fake_replicas(2, "--engine-dead", "--ignore-sigterm")
+    state, _app = _frontend(replicas, poll_seconds=0.1, retire_grace=0.5)
+
+    async def main():
+        state.client = new_upstream_client()
+        tasks = start_background(state, [])
+        try:
+            deadline = time.monotonic() + 20
+            while replicas[0].proc.returncode is None:  # set once reaped (by exit_code's poll)
+                assert time.monotonic() < deadline, "the retired replica was never killed and reaped"
+                await asyncio.sleep(0.05)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await state.client.aclose()
+
+    try:
+        asyncio.run(main())
+    finally:
+        for rep in replicas:
+            rep.kill_and_wait()
+    assert replicas[0].proc.returncode == -signal.SIGKILL  # SIGTERM was ignored: it took the SIGKILL
+    assert state.live() == [1] and "engine thread stopped" in state.dead_detail[0]
+
+
+def test_the_exit_status_says_when_replicas_were_killed_or_all_died():
+    from kvshare.server.data_parallel import exit_status
+
+    replicas = [object(), object()]
+    state, _app = _frontend(replicas)
+    assert exit_status(state) == 0
+    state.mark_dead(0, "killed by SIGKILL")
+    assert exit_status(state) == 0  # one engine still served
+    state.mark_dead(1, "killed by SIGKILL")
+    assert exit_status(state) == 1
+    state, _app = _frontend(replicas)
+    state.draining = True
+    state.mark_dead(0, "exited with code 0")  # drained: not a death
+    state.mark_dead(1, "exited with code 0")
+    assert exit_status(state) == 0
+    state.killed_after_drain.append(1)
+    assert exit_status(state) == 1
+
+
+def test_a_stream_whose_upstream_fails_to_close_still_releases_its_slot():
+    """The request's in-flight slot is released however the passed-through stream ends, even when
+    closing the upstream response raises (it would otherwise count as load forever)."""
+    import httpx2
+
+    from kvshare.server.dp_proxy import Proxy
+
+    released = []
+
+    class Upstream:
+        status_code = 200
+        headers = httpx2.Headers({"content-type": "text/event-stream"})
+
+        async def aiter_raw(self):
+            yield b"data: {}\n\n"
+
+        async def aclose(self):
+            raise RuntimeError("closing failed")
+
+    replicas = [object()]
+    state, _app = _frontend(replicas)
+    response = Proxy(state)._respond(Upstream(), 0, lambda: released.append(True))
+    sent = []
+
+    async def receive():
+        await asyncio.Event().wait()  # the client never leaves
+
+    async def send(message):
+        sent.append(message)
+
+    async def main():
+        with pytest.raises(RuntimeError, match="closing failed"):
+            await response({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
+
+    asyncio.run(main())
+    assert released == [True]
+    assert any(m.get("body") == b"data: {}\n\n" for m in sent)

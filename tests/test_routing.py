@@ -108,3 +108,40 @@ def test_blocks_of_requests_in_flight_count_until_they_finish():
     r.replicas[0].in_flight -= 1
     assert r.replicas[0].pending == {}
     assert r.route(prefix + [5, 6]).matched_blocks == 0  # finished, and no event said it is cached
+
+
+def test_a_full_replica_is_passed_over_whatever_it_caches():
+    """--max-num-seqs 2 --max-waiting 1: a replica with 3 requests in flight would answer 429, so a
+    tenant whose prefix it caches goes to a replica with room (even with the imbalance rule off)."""
+    r = Router(2, block_size=BS, hash_seed=SEED, balance_abs_threshold=1000, max_num_seqs=2, max_waiting=1)
+    prefix = tokens(100, 160)
+    r.replicas[0].apply(stored(prefix))
+    r.replicas[0].in_flight = 2
+    assert r.route(prefix + [1]).index == 0  # room for one more: the cache wins
+    r.replicas[0].in_flight = 3
+    decision = r.route(prefix + [1])
+    assert decision.index == 1 and decision.reason == "load" and decision.matched_blocks == 0
+    r.replicas[1].in_flight = 3  # every replica full: the prefix decides (the front end refuses first)
+    assert r.route(prefix + [1]).index == 0
+    rr = Router(3, policy="round_robin", max_num_seqs=1, max_waiting=0)
+    rr.replicas[1].in_flight = 1
+    assert [rr.choose([1]) for _ in range(3)] == [0, 2, 0]
+    ll = Router(2, policy="least_loaded", max_num_seqs=1, max_waiting=0)
+    ll.replicas[0].in_flight, ll.replicas[0].kv_usage, ll.replicas[1].kv_usage = 0, 0.0, 0.5
+    assert ll.choose([1]) == 0
+
+
+def test_the_balance_threshold_scales_with_the_replicas_batch():
+    assert Router(2, block_size=BS, hash_seed=SEED).balance_abs_threshold == 32  # SGLang's, for 256 seqs
+    assert Router(2, block_size=BS, hash_seed=SEED, max_num_seqs=256).balance_abs_threshold == 32
+    assert Router(2, block_size=BS, hash_seed=SEED, max_num_seqs=16).balance_abs_threshold == 2
+    assert Router(2, block_size=BS, hash_seed=SEED, max_num_seqs=2).balance_abs_threshold == 1
+    assert Router(2, block_size=BS, hash_seed=SEED, max_num_seqs=16, balance_abs_threshold=5).balance_abs_threshold == 5
+    # max_num_seqs 16: 6 vs 1 in flight is far apart (more than 2 and 1.5x), whatever replica 0 caches.
+    r = Router(2, block_size=BS, hash_seed=SEED, max_num_seqs=16)
+    prefix = tokens(100, 160)
+    r.replicas[0].apply(stored(prefix))
+    r.replicas[0].in_flight, r.replicas[1].in_flight = 6, 1
+    assert r.route(prefix).reason == "imbalance" and r.choose(prefix) == 1
+    with pytest.raises(ValueError, match="max_num_seqs=0 is invalid"):
+        Router(2, max_num_seqs=0, policy="least_loaded")

@@ -1,6 +1,6 @@
 """The OpenAI front of the Ray Serve application: a Serve ingress deployment that tokenizes each
 completion and chat request exactly as a replica does (as the data-parallel front end does,
-kvshare.server.data_parallel.prompt_for_routing) and hands the token ids to the engine
+kvshare.server.dp_proxy.prompt_for_routing) and hands the token ids to the engine
 deployment's request router (kvshare.ray.request_router) with the call, which picks the replica.
 
 Bodies go to the replica as they came and its answer comes back as it sent it: the replica runs
@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvshare.errors import InvalidRequestError
-from kvshare.server.data_parallel import HOP_BY_HOP, LONG_BODY, prompt_for_routing
+from kvshare.server.dp_proxy import HOP_BY_HOP, LONG_BODY, prompt_for_routing
 from kvshare.server.errors import APIError
 
 logger = logging.getLogger("kvshare.ray")

@@ -52,6 +52,8 @@ def add_serve_parser(sub) -> None:
     # Test-only: plant a known bug class (kvshare.testing.faults) so the dashboard's test can show
     # an audit violation on a real server (with --audit the engine stops at the violation).
     p.add_argument("--inject-fault", default=None, help=argparse.SUPPRESS)
+    # Internal: a replica serves the socket its data-parallel front end bound for it (fd inherited).
+    p.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)
     add_engine_args(p)
     p.set_defaults(func=functools.partial(cmd_serve, parser=p))
 
@@ -59,7 +61,7 @@ def add_serve_parser(sub) -> None:
 # Flags the front end sets for each replica itself (or keeps to itself), never passed through as given.
 FRONTEND_ONLY = frozenset({"help", "host", "port", "api_key", "no_access_log", "data_parallel_size", "routing_policy",
                            "kv_events_endpoint", "kv_events_replay_endpoint", "prefix_caching_hash_seed",
-                           "data_parallel_rank"})
+                           "data_parallel_rank", "listen_fd"})
 
 
 def replica_argv(parser: argparse.ArgumentParser, args: argparse.Namespace, overrides: dict) -> list[str]:
@@ -109,7 +111,7 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser | None =
         max_body_bytes=args.max_body_bytes, log_prompts=args.log_prompts, access_log=not args.no_access_log,
         log_level=args.log_level, chat_template=read_chat_template(args.chat_template),
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-        grammar_compile_timeout=args.grammar_compile_timeout,
+        grammar_compile_timeout=args.grammar_compile_timeout, listen_fd=args.listen_fd,
     )
     if args.inject_fault is not None:
         from kvshare.testing.faults import FAULTS
@@ -142,7 +144,7 @@ def serve_replicas(args: argparse.Namespace, parser: argparse.ArgumentParser, cf
         size=args.data_parallel_size, policy=args.routing_policy, block_size=engine_cfg.block_size,
         hash_seed=args.prefix_caching_hash_seed or new_hash_seed(), kv_events_topic=args.kv_events_topic,
         kv_events_endpoint=args.kv_events_endpoint, kv_events_replay_endpoint=args.kv_events_replay_endpoint,
-        max_num_seqs=engine_cfg.max_num_seqs,
+        max_num_seqs=engine_cfg.max_num_seqs, prefix_caching=engine_cfg.enable_prefix_caching,
     )
 
     # The default KV pool (a fraction of available memory) is split between the replicas, so N

@@ -7,6 +7,11 @@ Batches carry consecutive sequence numbers. A gap (batches the SUB socket droppe
 joiner at startup, or a full high-water mark) is filled from the replica's replay socket before
 the newer batch is applied, so the view never skips a BlockRemoved and goes on believing a block
 is cached.
+
+A batch that cannot be decoded or applied (a foreign or corrupt publisher) is logged, counted as
+lost and skipped: one bad message never ends the subscription. If the subscription itself fails
+(the socket), the replica's cached set is cleared, so the router stops favouring a view nobody
+updates any more, and the error is raised (the front end's task callback logs it).
 """
 from __future__ import annotations
 
@@ -47,6 +52,8 @@ class KVEventSubscriber:
         self.replayed = 0  # of which came from the replay socket
         self.lost = 0  # batches neither received nor replayable (the view may be stale until cleared)
         self.foreign = 0  # batches from another rank than this replica's, ignored
+        self.malformed = 0  # batches that could not be decoded or applied, skipped
+        self.failed = False  # the subscription ended with an error: the replica's view was cleared
         self._sub = ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.SUBSCRIBE, self.topic)
@@ -59,11 +66,18 @@ class KVEventSubscriber:
         try:
             while True:
                 frames = await self._sub.recv_multipart()
-                if len(frames) != 3:
-                    logger.warning("KV events from engine %d: a message of %d frames, not [topic, seq, payload]; "
-                                   "skipped", self.replica.index, len(frames))
+                if len(frames) != 3 or len(frames[1]) != 8:
+                    logger.warning("KV events from engine %d: a message of %d frames, not [topic, 8-byte seq, "
+                                   "payload]; skipped", self.replica.index, len(frames))
                     continue
                 await self._accept(seq_number(frames[1]), frames[2])
+        except Exception as e:
+            self.failed = True
+            self.replica.cached.clear()
+            logger.error("KV events from engine %d: the subscription on %s stopped (%s: %s); its cached-prefix view is "
+                         "cleared and no longer updated: it is routed to by load and in-flight prefixes only",
+                         self.replica.index, self.endpoint, type(e).__name__, e)
+            raise
         finally:
             self._sub.close(0)
 
@@ -80,18 +94,28 @@ class KVEventSubscriber:
         self._apply(seq, payload)
 
     def _apply(self, seq: int, payload: bytes) -> None:
-        events, rank = decode_batch(payload)
-        self.next_seq = seq + 1
-        if rank is not None and rank != self.replica.index:
-            # Another engine's events on this endpoint (a misconfigured --kv-events-endpoint):
-            # believing them would route by a cache this replica does not have.
-            self.foreign += 1
-            if self.foreign == 1:
-                logger.error("KV events on %s carry data_parallel_rank %s, not %d: ignored (is another server "
-                             "publishing there?)", self.endpoint, rank, self.replica.index)
+        self.next_seq = seq + 1  # consumed even if it is bad: a replay would only bring it back
+        try:
+            events, rank = decode_batch(payload)
+            if not isinstance(events, list) or not (rank is None or isinstance(rank, int)):
+                raise ValueError(f"not [ts, events(, rank)]: {type(events).__name__} events, rank {rank!r}")
+            if rank is not None and rank != self.replica.index:
+                # Another engine's events on this endpoint (a misconfigured --kv-events-endpoint):
+                # believing them would route by a cache this replica does not have.
+                self.foreign += 1
+                if self.foreign == 1:
+                    logger.error("KV events on %s carry data_parallel_rank %s, not %d: ignored (is another server "
+                                 "publishing there?)", self.endpoint, rank, self.replica.index)
+                return
+            if self.replica.alive:  # a dead replica's last batches must not refill what was cleared
+                self.replica.apply(events)
+        except Exception as e:  # whatever a bad payload raises (msgpack, its shape, an event tag): skip it
+            # Events before the bad one may be applied: the view may be off, as after a lost batch.
+            self.malformed += 1
+            self.lost += 1
+            logger.warning("KV events from engine %d: batch %d is malformed (%s: %s); skipped, its cached-prefix view "
+                           "may be stale", self.replica.index, seq, type(e).__name__, e)
             return
-        if self.replica.alive:  # a dead replica's last batches must not refill what was cleared
-            self.replica.apply(events)
         self.batches += 1
 
     async def _replay(self, start: int, stop: int) -> None:
@@ -106,7 +130,12 @@ class KVEventSubscriber:
                     logger.warning("KV events from engine %d: no replay answer in %d ms", self.replica.index,
                                    REPLAY_TIMEOUT_MS)
                     return
-                _, seq_frame, payload = await sock.recv_multipart()
+                frames = await sock.recv_multipart()
+                if len(frames) != 3:
+                    logger.warning("KV events from engine %d: a replay answer of %d frames, not [empty, seq, "
+                                   "payload]; replay abandoned", self.replica.index, len(frames))
+                    return
+                _, seq_frame, payload = frames
                 if seq_frame == END_OF_REPLAY:
                     return
                 seq = seq_number(seq_frame)

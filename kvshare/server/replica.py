@@ -10,10 +10,11 @@ last lines are kept to explain a replica that fails to start.
 from __future__ import annotations
 
 import collections
-import ctypes
 import logging
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -22,20 +23,82 @@ from dataclasses import dataclass
 logger = logging.getLogger("kvshare.server")
 
 LOG_TAIL_LINES = 40
-_PR_SET_PDEATHSIG = 1
+PARENT_ENV = "KVSHARE_DIE_WITH_PARENT"  # the front end's pid, for the replica's first lines (REPLICA_BOOT)
+# The replica's entry point, run with `python -c`: before anything heavy is imported (and before
+# any thread exists in it), it asks the kernel for SIGTERM when its parent dies (Linux prctl
+# PR_SET_PDEATHSIG = 1), then checks that its parent is still the front end that started it: one
+# that died before the prctl sends no signal, so the replica exits itself. This replaces a
+# preexec_fn, which is unsafe in the threaded front end (fork, then Python code before exec).
+REPLICA_BOOT = f"""import os, sys
+parent = os.environ.pop({PARENT_ENV!r}, "")
+if parent and sys.platform == "linux":
+    import ctypes, signal
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+    if os.getppid() != int(parent):
+        sys.exit("kvshare replica: the data-parallel front end (pid " + parent + ") exited before it started")
+from kvshare.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
 
 
-def _parent_death_signal():
-    """A function for the child to call between fork and exec, asking the kernel for SIGTERM when
-    the front end goes away (Linux prctl); None elsewhere. libc is looked up here, in the parent:
-    the child of a threaded process must not load libraries."""
-    if sys.platform != "linux":
-        return None
+# ---- launch planning: endpoints, ports and CPUs per replica --------------------------------------
+def offset_endpoint(endpoint: str, rank: int, flag: str) -> str:
+    """Replica `rank`'s endpoint from a base one, as vLLM offsets it under data parallelism:
+    tcp://host:PORT -> tcp://host:PORT+rank; ipc://PATH -> ipc://PATH.rank."""
+    m = re.fullmatch(r"(tcp://.+):(\d+)", endpoint)
+    if m and int(m.group(2)) > 0:
+        return f"{m.group(1)}:{int(m.group(2)) + rank}"
+    if endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"):
+        return f"{endpoint}.{rank}"
+    raise ValueError(f"{flag} {endpoint!r} is invalid with --data-parallel-size: give tcp://HOST:PORT with an "
+                     f"explicit port (replica r publishes on PORT + r, as in vLLM) or ipc://PATH")
+
+
+
+def bind_loopback_socket() -> socket.socket:
+    """A replica's listening socket, bound here on a free loopback port and inherited by the
+    replica (ReplicaLaunch.listen_fd), so no other process can take the port in between. Not
+    listening yet: connections are refused until the replica serves it."""
+    sock = socket.socket()
     try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    return lambda: prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        sock.bind(("127.0.0.1", 0))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+
+def free_loopback_port() -> int:
+    """A free loopback port, released again: another process may take it before it is bound (the
+    replicas get bound sockets instead, bind_loopback_socket)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+
+def connect_endpoint(bound: str) -> str:
+    """Where the front end connects to reach an endpoint a replica binds (a wildcard host is loopback here)."""
+    return re.sub(r"^tcp://(\*|0\.0\.0\.0)(?=:)", "tcp://127.0.0.1", bound)
+
+
+
+def split_cpus(size: int, thread_budget: int | None) -> list[tuple[int, tuple[int, ...] | None]]:
+    """(torch threads, CPU affinity) per replica: the front end's CPUs split evenly, each replica
+    pinned to its share when there is at least one CPU each; `thread_budget` (OMP_NUM_THREADS
+    given to the front end) caps the threads all replicas use together."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = list(range(os.cpu_count() or 1))
+    total = min(len(cpus), thread_budget) if thread_budget else len(cpus)
+    threads = max(1, total // size)
+    if len(cpus) < size:
+        return [(threads, None)] * size
+    share = len(cpus) // size
+    return [(threads, tuple(cpus[r * share:(r + 1) * share])) for r in range(size)]
+
 
 
 @dataclass(frozen=True)
@@ -50,11 +113,14 @@ class ReplicaLaunch:
     omp_threads: int
     cpus: tuple[int, ...] | None  # CPU affinity; None: whatever the front end has
     api_key: str | None
+    listen_fd: int | None = None  # the bound socket the replica serves (inherited, same number); None: it binds port
 
 
 class ReplicaProcess:
-    def __init__(self, launch: ReplicaLaunch) -> None:
+    def __init__(self, launch: ReplicaLaunch, listen_socket=None) -> None:
+        """`listen_socket`: the socket whose fd is launch.listen_fd; closed here once the replica has it."""
         self.launch = launch
+        self._listen_socket = listen_socket
         self.index = launch.index
         self.url = f"http://127.0.0.1:{launch.port}"
         self.log_tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
@@ -67,19 +133,26 @@ class ReplicaProcess:
         env.pop("KVSHARE_API_KEY", None)
         if self.launch.api_key is not None:
             env["KVSHARE_API_KEY"] = self.launch.api_key  # not on the command line, where `ps` shows it
-        cmd = [sys.executable, "-m", "kvshare.cli", "serve", *self.launch.argv]
+        env[PARENT_ENV] = str(os.getpid())
+        cmd = [sys.executable, "-c", REPLICA_BOOT, "serve", *self.launch.argv]
         cpus = self.launch.cpus
-        die_with_parent = _parent_death_signal()
-
-        def child_setup() -> None:
-            if die_with_parent is not None:
-                die_with_parent()
-            if cpus is not None:
-                os.sched_setaffinity(0, cpus)
-
-        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, start_new_session=True,
-                                     preexec_fn=child_setup if sys.platform == "linux" else None)
+        fds = (self.launch.listen_fd,) if self.launch.listen_fd is not None else ()
+        try:
+            self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, start_new_session=True, pass_fds=fds)
+        finally:
+            # The replica holds the only copy: once it exits, connecting is refused (the sign of a
+            # dead replica) instead of queueing on a socket nobody serves.
+            if self._listen_socket is not None:
+                self._listen_socket.close()
+                self._listen_socket = None
+        if cpus is not None and hasattr(os, "sched_setaffinity"):
+            # From here, right after exec: the child is still importing, single-threaded, so the
+            # threads torch starts later inherit this affinity.
+            try:
+                os.sched_setaffinity(self.proc.pid, cpus)
+            except OSError as e:  # e.g. a CPU taken away meanwhile: it runs unpinned, still correct
+                logger.warning("engine %d: could not pin it to CPUs %s (%s)", self.index, cpus, e)
         self._pump = threading.Thread(target=self._copy_output, name=f"engine-{self.index}-log", daemon=True)
         self._pump.start()
         logger.info("engine %d: pid %d on %s, KV events %s, %d thread(s)%s", self.index, self.proc.pid, self.url,
@@ -124,6 +197,9 @@ class ReplicaProcess:
                 pass
 
     def kill_and_wait(self, timeout: float = 10.0) -> None:
+        if self._listen_socket is not None:  # never started
+            self._listen_socket.close()
+            self._listen_socket = None
         if self.proc is None:
             return
         if self.proc.poll() is None:

@@ -11,7 +11,11 @@ before the first event comes back. The balance rule follows SGLang's cache-aware
 when the loads are far apart (by more than `balance_abs_threshold` requests and by a factor of
 `balance_rel_threshold`) the least-loaded replica gets the request whatever it caches; otherwise
 the best match wins if it covers at least `cache_threshold` of the request's blocks, else the
-least-loaded replica does. "Least loaded" means fewest requests in flight (routed by the front
+least-loaded replica does. With a per-replica limit (`max_num_seqs` running + `max_waiting`
+queued: the replicas' own --max-num-seqs and --max-waiting) a replica with that many requests in
+flight is skipped whatever it caches: it would only answer 429 while another has room. The
+balance threshold then scales with max_num_seqs (an eighth of it: 32 for vLLM's default 256), so
+"far apart" means the same share of a replica's batch whatever its size. "Least loaded" means fewest requests in flight (routed by the front
 end and not finished: running or queued on the replica), then the lowest KV cache usage (what the
 replica last reported), then the lowest index.
 """
@@ -67,8 +71,12 @@ class RoutingDecision:
 
 class Router:
     def __init__(self, num_replicas: int, policy: str = "prefix_aware", block_size: int = 16,
-                 hash_seed: str | None = None, balance_abs_threshold: int = 32,
-                 balance_rel_threshold: float = 1.5, cache_threshold: float = 0.5) -> None:
+                 hash_seed: str | None = None, balance_abs_threshold: int | None = None,
+                 balance_rel_threshold: float = 1.5, cache_threshold: float = 0.5,
+                 max_num_seqs: int | None = None, max_waiting: int | None = None) -> None:
+        """`balance_abs_threshold` defaults to 32, or max_num_seqs / 8 when max_num_seqs is given.
+        `max_num_seqs` and `max_waiting` are each replica's own; with both set, a replica with
+        max_num_seqs + max_waiting requests in flight is full and passed over."""
         if policy not in ROUTING_POLICIES:
             raise ValueError(f"routing policy {policy!r} is invalid: allowed are {', '.join(ROUTING_POLICIES)}")
         if policy == "prefix_aware" and hash_seed is None:
@@ -76,13 +84,32 @@ class Router:
                              "block hashes cannot be computed from token ids")
         if num_replicas < 1:
             raise ValueError(f"num_replicas={num_replicas} is invalid: must be >= 1")
+        if max_num_seqs is not None and max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={max_num_seqs} is invalid: must be >= 1")
+        if max_waiting is not None and max_waiting < 0:
+            raise ValueError(f"max_waiting={max_waiting} is invalid: must be >= 0")
+        if balance_abs_threshold is None:
+            balance_abs_threshold = 32 if max_num_seqs is None else max(1, round(max_num_seqs / 8))
         self.policy = policy
         self.replicas = [ReplicaState(i) for i in range(num_replicas)]
         self.hasher = BlockHasher.seeded(block_size, hash_seed) if hash_seed is not None else None
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
         self.cache_threshold = cache_threshold
+        self.max_num_seqs = max_num_seqs
+        self.max_waiting = max_waiting
         self._next = 0
+
+    @property
+    def replica_limit(self) -> int | None:
+        """Requests one replica takes at once (running + waiting); None when unbounded."""
+        if self.max_num_seqs is None or self.max_waiting is None:
+            return None
+        return self.max_num_seqs + self.max_waiting
+
+    def has_room(self, replica: ReplicaState) -> bool:
+        limit = self.replica_limit
+        return limit is None or replica.in_flight < limit
 
     def matched_blocks(self, replica: ReplicaState, hashes: list[bytes]) -> int:
         n = 0
@@ -95,27 +122,31 @@ class Router:
     def _least_loaded(self, live: list[ReplicaState]) -> ReplicaState:
         return min(live, key=lambda r: (r.in_flight, r.kv_usage, r.index))
 
-    def choose(self, token_ids: list[int], cache_salt: str | None = None) -> int:
+    def choose(self, token_ids: list[int], cache_salt: str | None = None, exclude=()) -> int:
         """The replica index for a request; raises RuntimeError when no replica is alive."""
-        return self.route(token_ids, cache_salt).index
+        return self.route(token_ids, cache_salt, exclude).index
 
-    def route(self, token_ids: list[int], cache_salt: str | None = None) -> RoutingDecision:
-        """The replica for a request and why; raises RuntimeError when no replica is alive. The
-        match is computed whatever the policy (when the router has a hasher), so prefix hits can
-        be counted for round-robin and least-loaded routing too."""
-        live = [r for r in self.replicas if r.alive]
+    def route(self, token_ids: list[int], cache_salt: str | None = None, exclude=()) -> RoutingDecision:
+        """The replica for a request and why; raises RuntimeError when no replica is alive (or
+        none outside `exclude`: indices already tried for this request). The match is computed
+        whatever the policy (when the router has a hasher), so prefix hits can be counted for
+        round-robin and least-loaded routing too."""
+        live = [r for r in self.replicas if r.alive and r.index not in exclude]
         if not live:
             raise RuntimeError("no replica is alive")
+        # Full replicas are passed over; when all are full the front end refuses (429) before asking.
+        live = [r for r in live if self.has_room(r)] or live
         hashes = self.hasher.prefix_hashes(token_ids, cache_salt) if self.hasher is not None else []
 
         def decided(r: ReplicaState, reason: str) -> RoutingDecision:
             return RoutingDecision(r.index, self.matched_blocks(r, hashes), len(hashes), reason, tuple(hashes))
 
         if self.policy == "round_robin":
+            open_ = {r.index for r in live}
             for _ in range(len(self.replicas)):
                 r = self.replicas[self._next % len(self.replicas)]
                 self._next += 1
-                if r.alive:
+                if r.index in open_:
                     return decided(r, "round_robin")
         if self.policy == "least_loaded":
             return decided(self._least_loaded(live), "least_loaded")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 
 import uvicorn
 
@@ -67,4 +68,11 @@ def serve(state: ServerState) -> None:
         build_app(state), host=cfg.host, port=cfg.port, log_config=None, log_level=cfg.log_level,
         access_log=cfg.access_log, timeout_graceful_shutdown=5, lifespan="on",
     )
-    DrainingServer(config, state).run()
+    # An inherited socket (data-parallel replica) is bound already; uvicorn listens on it.
+    sockets = None
+    if cfg.listen_fd is not None:
+        sockets = [socket.socket(fileno=cfg.listen_fd)]
+        host, port = sockets[0].getsockname()[:2]
+        # uvicorn says where it runs only for sockets it binds itself.
+        logger.info("serving http://%s:%d (socket fd %d from the data-parallel front end)", host, port, cfg.listen_fd)
+    DrainingServer(config, state).run(sockets=sockets)

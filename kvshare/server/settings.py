@@ -32,6 +32,9 @@ class ServerConfig:
     retry_after_seconds: int = 1
     # A structured-output grammar that takes longer to compile is refused (400), not waited on.
     grammar_compile_timeout: float = 10.0
+    # A socket bound by the data-parallel front end and inherited (no race for a free port between
+    # choosing it and binding it): served instead of binding host:port.
+    listen_fd: int | None = None
 
     def __post_init__(self) -> None:
         if not (0 <= self.port <= 65535):
