@@ -61,8 +61,10 @@ def server():
     srv.close()
 
 
-def open_dashboard(browser, srv: ServerProcess, key: str | None, viewport: dict = VIEWPORT):
-    """A fresh browser context (own credentials, own cache) with the page loaded and live."""
+def open_dashboard(browser, srv: ServerProcess, key: str | None, viewport: dict = VIEWPORT,
+                   until: str = "kvDashboard.ready"):
+    """A fresh browser context (own credentials, own cache) with the page loaded and `until`
+    (a JS expression) true: by default, live."""
     creds = {"http_credentials": {"username": "dash", "password": key}} if key is not None else {}
     ctx = browser.new_context(viewport=viewport, **creds)
     page = ctx.new_page()
@@ -70,7 +72,7 @@ def open_dashboard(browser, srv: ServerProcess, key: str | None, viewport: dict 
     page.on("pageerror", lambda e: errors.append(str(e)))
     resp = page.goto(srv.url + "/dashboard")
     assert resp.status == 200, resp.status
-    page.wait_for_function("() => window.kvDashboard && window.kvDashboard.ready", timeout=30_000)
+    page.wait_for_function(f"() => window.kvDashboard && ({until})", timeout=30_000)
     page.dash_errors = errors
     return ctx, page
 
@@ -304,6 +306,7 @@ def test_injected_audit_violation_is_highlighted_on_the_named_block(browser):
         ctx, page = open_dashboard(browser, srv, None, viewport={"width": 400, "height": 900})  # no --api-key: open
         palette = page.evaluate("() => kvDashboard.palette")
         assert page.evaluate("() => kvDashboard.blocksPerCell") >= 2
+        page_blocks = page.evaluate("() => kvDashboard.numBlocks")
         prompt = list(range(300, 340))
         status, _ = srv.post_json("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 3})
         assert status == 200
@@ -329,6 +332,31 @@ def test_injected_audit_violation_is_highlighted_on_the_named_block(browser):
         red = sum(n for n, rgb in img.getcolors(maxcolors=1 << 16) if rgb == hex_rgb(palette["violation"]))
         side = page.evaluate("() => kvDashboard.cellPixels")
         assert 0 < red <= side * side  # one cell's worth at most
+        # Not "the event stream ended": the page asks the server why, and says so.
+        page.wait_for_function("() => kvDashboard.status === 'stopped'")
+        assert invariant in page.locator("#status").inner_text()
+        assert page.dash_errors == []
+        ctx.close()
+
+        # The stopped engine still answers for its pool: a 503 for scripts, with the verdict
+        # (redacted: no owners, no detail) and the pool as it stopped.
+        status, _, body = srv.request("GET", "/kv/snapshot")
+        dead = json.loads(body)
+        assert status == 503 and dead["error"]["code"] == "engine_dead"
+        assert dead["audit_failure"] == {"block": block, "invariant": invariant, "step": step}
+        assert dead["snapshot"]["num_blocks"] == page_blocks and len(dead["snapshot"]["blocks"]) == page_blocks
+        assert "owners" not in dead["error"]["message"] and invariant in dead["error"]["message"]
+
+        # A page opened after the stop (a reload) shows the violation too, on the named block.
+        ctx, page = open_dashboard(browser, srv, None, viewport={"width": 400, "height": 900},
+                                   until="kvDashboard.violations.length > 0")
+        assert page.evaluate("() => kvDashboard.violations") == [{"block": block, "invariant": invariant, "step": step}]
+        page.locator(f'#violations [data-block="{block}"]').wait_for()
+        page.wait_for_function("() => kvDashboard.status === 'stopped'")
+        assert "audit violation" in page.locator("#status").inner_text()
+        assert page.evaluate("(b) => kvDashboard.block(b).violation", block) == {"invariant": invariant, "step": step}
+        wait_until(lambda: pixel_at_block(page, block) == hex_rgb(palette["violation"]),
+                   "the named block painted red on the reloaded page")
         assert page.dash_errors == []
         ctx.close()
     finally:

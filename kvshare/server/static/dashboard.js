@@ -62,6 +62,9 @@
     }
 
     load(snap) {
+      // Hits, copies and preemptions are counted from events only (a snapshot has none of them):
+      // a request the snapshot still lists keeps what this page counted for it.
+      const before = this.requests ?? new Map();
       if (snap.num_blocks !== this.numBlocks || snap.block_size !== this.blockSize) {
         this.reset(snap.num_blocks, snap.block_size);
         this.layoutChanged = true;
@@ -82,7 +85,11 @@
       }
       this.recount();
       for (const r of snap.requests) {
-        this.request(r.request_id).status = r.status;
+        const old = before.get(r.request_id);
+        if (old !== undefined) this.requests.set(r.request_id, old);
+        // A preempted request waits again: still "preempted" here until it is re-admitted.
+        const row = this.request(r.request_id);
+        if (!(row.status === "preempted" && r.status === "waiting")) row.status = r.status;
       }
       this.step = snap.step;
       this.allDirty = true;
@@ -199,15 +206,19 @@
         case "fork":
           if (live) log(e, `fork ${e.parent} → ${e.seq}`);
           return;
-        case "preempt":
+        case "preempt": {
+          // Its row stays (holding no blocks, it would otherwise expire as finished) until it
+          // is re-admitted, and its count goes on from there.
+          const r = this.request(requestOf(e.seq));
+          r.status = "preempted";
+          r.seen = performance.now();
           if (live) {
             this.totals.preemptions += 1;
-            const r = this.request(requestOf(e.seq));
             r.preempted += 1;
-            r.status = "preempted";
             log(e, `preempt ${e.seq} (its blocks go back; recomputed later)`);
           }
           return;
+        }
         case "abort": {
           const r = this.request(requestOf(e.seq));
           r.status = "aborted";
@@ -227,6 +238,9 @@
 
     violate(e, log) {
       const v = { block: e.block ?? null, invariant: e.invariant, step: e.step };
+      // The same verdict can arrive twice: from the event stream, then from the stopped
+      // engine's snapshot answer on a reconnect.
+      if (this.violations.some((w) => w.block === v.block && w.invariant === v.invariant && w.step === v.step)) return;
       this.violations.push(v);
       if (v.block !== null) {
         this.violated.set(v.block, v);
@@ -554,6 +568,12 @@
   }
 
   // ---- the page --------------------------------------------------------------------------------
+  function httpError(path, status, body) {
+    let message = body.slice(0, 200);
+    try { message = JSON.parse(body).error.message ?? message; } catch (err) { /* not JSON: as sent */ }
+    return new Error(`GET ${path}: HTTP ${status}: ${message}`);
+  }
+
   class Dashboard {
     constructor() {
       this.model = new PoolModel();
@@ -564,6 +584,9 @@
       this.resyncOnResume = false;
       this.syncing = false;
       this.held = [];           // batches that arrive while a snapshot is read
+      // The step of the snapshot the model was last loaded from: a batch of an earlier step is
+      // already in it, one of that same step may be (so neither counts as news).
+      this.snapStep = -Infinity;
       this.ready = false;
       this.status = "connecting";
       this.error = null;
@@ -606,8 +629,33 @@
     async getJSON(path) {
       const resp = await fetch(path, { cache: "no-store" });
       const body = await resp.text();
-      if (!resp.ok) throw new Error(`GET ${path}: HTTP ${resp.status} ${body.slice(0, 200)}`);
+      if (!resp.ok) throw httpError(path, resp.status, body);
       return JSON.parse(body);
+    }
+
+    // After the stream failed or ended: whether the engine stopped. A stopped engine's
+    // kv/snapshot answer (503, engine_dead) still carries the pool as it stopped and the failed
+    // audit's verdict, so a page opened after the stop shows it too. Returns the server's
+    // reason, or null when the engine still runs (or the server cannot be asked).
+    async engineStopped() {
+      let resp, text;
+      try {
+        resp = await fetch("kv/snapshot", { cache: "no-store" });
+        text = await resp.text();
+      } catch (err) {
+        return null;
+      }
+      let body = null;
+      try { body = JSON.parse(text); } catch (err) { return null; }
+      if (resp.ok || body?.error?.code !== "engine_dead") return null;
+      if (body.snapshot) {
+        this.model.load(body.snapshot);
+        this.snapStep = body.snapshot.step;
+        this.renderPoolSize();
+      }
+      const f = body.audit_failure;
+      if (f) this.model.violate({ ev: "audit", ok: false, ...f }, (e, t) => this.log(e, t));
+      return body.error.message;
     }
 
     // Stream first, snapshot second: a step between the two is in the stream (and applying it
@@ -630,9 +678,17 @@
           throw new Error("the event stream ended");
         } catch (err) {
           stop.abort();
-          this.error = String(err.message ?? err);
-          const stopped = this.model.violations.length ? "stopped" : "error";
-          this.setStatus(stopped, `${stopped === "stopped" ? "engine stopped at an audit violation" : "disconnected"}: ${this.error}; retrying`);
+          this.ready = false;
+          // The stream ends (or is refused) for one reason the page must not hide: the engine
+          // stopped. Then the server's own reason is the error, not the stream's end.
+          const dead = await this.engineStopped();
+          this.error = dead ?? String(err.message ?? err);
+          if (dead !== null) {
+            const why = this.model.violations.length ? "engine stopped at an audit violation" : "engine stopped";
+            this.setStatus("stopped", `${why}: ${this.error}`);
+          } else {
+            this.setStatus("error", `disconnected: ${this.error}; retrying`);
+          }
           await new Promise((r) => setTimeout(r, RECONNECT_MS));
         }
       }
@@ -640,7 +696,7 @@
 
     async stream(onHello, signal) {
       const resp = await fetch("kv/events", { cache: "no-store", signal });
-      if (!resp.ok) throw new Error(`GET kv/events: HTTP ${resp.status} ${(await resp.text()).slice(0, 200)}`);
+      if (!resp.ok) throw httpError("kv/events", resp.status, await resp.text());
       const reader = resp.body.getReader();
       const decoder = new TextDecoder();
       let buf = "";
@@ -672,18 +728,27 @@
       try {
         const snap = await this.getJSON("kv/snapshot");
         this.model.load(snap);
+        this.snapStep = snap.step;
+        // What a pause kept is older than this snapshot: replayed on resume it would undo it.
+        this.pausedBatches = [];
+        this.pausedEvents = 0;
+        this.resyncOnResume = false;
         this.renderPoolSize();
         const held = this.held;
         this.held = [];
         this.syncing = false;
-        for (const batch of held) if (batch.step >= snap.step) this.receive(batch, batch.step > snap.step);
+        for (const batch of held) this.receive(batch);
       } finally {
         this.syncing = false;
       }
     }
 
-    receive(batch, live = true) {
+    receive(batch) {
       if (this.syncing) { this.held.push(batch); return; }
+      // Already in the snapshot (an earlier step), or perhaps in it (its own step: applied, as
+      // every event sets state absolutely, but not counted or logged again).
+      if (batch.step < this.snapStep) return;
+      const live = batch.step > this.snapStep;
       if (batch.dropped > 0) {
         // This client fell behind and lost batches: start again from a snapshot.
         if (this.paused) { this.resyncOnResume = true; return; }
@@ -796,7 +861,9 @@
       const now = performance.now();
       for (const [rid, r] of m.requests) {
         if (!held.has(rid) && r.status === "running") { r.status = "finished"; r.seen = now; }
-        if (!held.has(rid) && r.status !== "waiting" && now - r.seen > FINISHED_REQUEST_MS) m.requests.delete(rid);
+        // Waiting and preempted requests hold nothing yet are not done: they stay listed.
+        const pending = r.status === "waiting" || r.status === "preempted";
+        if (!held.has(rid) && !pending && now - r.seen > FINISHED_REQUEST_MS) m.requests.delete(rid);
       }
       for (const rid of held.keys()) {
         const r = m.request(rid);
