@@ -316,6 +316,7 @@ def test_injected_audit_violation_is_highlighted_on_the_named_block(browser):
                                               srv.log_text()), "the audit's report in the server log")
         invariant, step, block = logged.group(1), int(logged.group(2)), int(logged.group(3))
         assert invariant == "refcount_matches_tables"
+        assert re.search(r"WARNING .*--inject-fault share_without_incref", srv.log_text())  # said at startup
         violations = wait_until(lambda: page.evaluate("() => kvDashboard.violations"), "the violation on the page")
         assert violations == [{"block": block, "invariant": invariant, "step": step}]
         banner = page.locator(f'#violations [data-block="{block}"]')
