@@ -130,16 +130,30 @@ def test_page_and_its_data_refuse_a_request_without_the_key(server):
     wrong = base64.b64encode(b"anyone:not-the-key").decode()
     for path in ("/dashboard", "/dashboard/dashboard.js", "/dashboard/dashboard.css", "/kv/snapshot", "/kv/events"):
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {wrong}"},
-                        {"Authorization": "Basic !!not-base64"},
-                        # the right key, but another site made the browser send it
-                        {"Authorization": f"Basic {basic}", "Sec-Fetch-Site": "cross-site"}):
+                        {"Authorization": "Basic !!not-base64"}):
             status, hdrs, body = server.request("GET", path, headers=headers)
             assert status == 401, (path, headers)
             assert json.loads(body)["error"]["code"] == "invalid_api_key"
             assert hdrs["www-authenticate"].startswith("Basic realm=")  # a browser asks for the key
-    for headers in (AUTH, {"Authorization": f"Basic {basic}", "Sec-Fetch-Site": "same-origin"}):
+        # The right key (or a wrong one), but another site made the browser send it: a refusal of
+        # its own, saying why, and no challenge (the browser would only ask for the key again).
+        for site in ("cross-site", "same-site"):
+            for creds in (basic, wrong):
+                status, hdrs, body = server.request("GET", path, headers={"Authorization": f"Basic {creds}",
+                                                                          "Sec-Fetch-Site": site})
+                err = json.loads(body)["error"]
+                assert status == 403 and "www-authenticate" not in hdrs, (path, site)
+                assert err["code"] == "cross_site_request" and f"Sec-Fetch-Site: {site}" in err["message"]
+        # Other methods are behind the key too (the gate runs before any route).
+        for method in ("HEAD", "OPTIONS"):
+            status, _, _ = server.request(method, path)
+            assert status == 401, (method, path)
+    for headers in (AUTH, {"Authorization": f"Basic {basic}", "Sec-Fetch-Site": "same-origin"},
+                    {"Authorization": f"Basic {basic}", "Sec-Fetch-Site": "none"}):
         status, hdrs, body = server.request("GET", "/dashboard", headers=headers)
-        assert status == 200 and b"<canvas" in body and hdrs["content-security-policy"].startswith("default-src 'self'")
+        assert status == 200 and b"<canvas" in body
+        csp = {d.strip() for d in hdrs["content-security-policy"].split(";")}
+        assert {"default-src 'self'", "frame-ancestors 'none'", "base-uri 'none'", "form-action 'none'"} <= csp
     status, _, body = server.request("GET", "/dashboard/nope.js", headers=AUTH)
     assert status == 404 and "nope.js" in json.loads(body)["error"]["message"]
     # Basic opens the read-only view only, never the API (a browser sends it by itself).

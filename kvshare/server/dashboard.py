@@ -17,7 +17,10 @@ PAGE = "dashboard.html"
 # What the page may load besides itself: its own script and style, nothing from elsewhere.
 ASSETS = {"dashboard.js": "text/javascript; charset=utf-8", "dashboard.css": "text/css; charset=utf-8"}
 SECURITY_HEADERS = {
-    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'",
+    # base-uri and form-action do not fall back to default-src: without them an injected <base>
+    # or <form> could point the page's relative fetches or a submission elsewhere.
+    "Content-Security-Policy": ("default-src 'self'; img-src 'self' data:; frame-ancestors 'none'; "
+                                "base-uri 'none'; form-action 'none'"),
     "X-Content-Type-Options": "nosniff",
     "Cache-Control": "no-cache",
 }
