@@ -115,6 +115,24 @@ def snapshot(srv: ServerProcess, blocks: str = "all") -> dict:
     return snap
 
 
+def new_request_id(srv: ServerProcess, start) -> str:
+    """The engine's id of the one request start() sets running, as /kv/snapshot lists it (the
+    page shows the same ids); no guess at how the server derives it from the response id."""
+    before = {r["request_id"] for r in snapshot(srv, "none")["requests"]}
+    start()
+    new = {r["request_id"] for r in snapshot(srv, "none")["requests"]} - before
+    assert len(new) == 1, new
+    return new.pop()
+
+
+def advance(page, step: int) -> dict:
+    """A paused page advanced to exactly engine step `step` (its batches for it may still be on
+    their way): its counts there."""
+    wait_until(lambda: page.evaluate("(s) => kvDashboard.advanceTo(s)", step) == step,
+               f"the paused page to reach step {step}")
+    return page.evaluate("() => kvDashboard.counts")
+
+
 def wait_until(pred, what: str, timeout: float = 30.0):
     deadline = time.monotonic() + timeout
     while True:
@@ -182,7 +200,8 @@ def refused_navigation(page, url: str) -> bool:
         resp = page.goto(url)
     except playwright_api.Error as e:
         assert "ERR_INVALID_AUTH_CREDENTIALS" in str(e), e
-        return all(s == 401 for s in statuses)
+        # The failure must come from the server's refusal, seen at least once.
+        return bool(statuses) and all(s == 401 for s in statuses)
     return (resp.status == 401 and set(statuses) == {401} and "missing or wrong API key" in page.content()
             and page.evaluate("() => typeof window.kvDashboard") == "undefined")
 
@@ -195,25 +214,30 @@ def test_shared_prefix_counts_owners_then_abort_leaves_nothing_in_use(server, br
     try:
         # Two long-running requests on one long prefix: the second admits on the first's blocks.
         for question in (" Question one:", " Question two:"):
-            stream = client.completions.create(model=MODEL, prompt=PREFIX + question, max_tokens=1200,
-                                               temperature=0, stream=True, extra_body={"ignore_eos": True})
-            streams.append(stream)
-            ids.append(next(iter(stream)).id + "-0")  # running: its prompt is computed
+            def start():
+                streams.append(client.completions.create(model=MODEL, prompt=PREFIX + question, max_tokens=1200,
+                                                         temperature=0, stream=True, extra_body={"ignore_eos": True}))
+                next(iter(streams[-1]))  # running: its prompt is computed
+            ids.append(new_request_id(server, start))
 
-        # The counts change while both decode: a page reading between two equal server readings
-        # (snapshot and /metrics) held for that whole moment.
-        def agreeing():
-            before, in_use_before = snapshot(server, "none")["counts"], server.metric("kvshare:kv_cache_blocks_in_use")
-            page_counts = page.evaluate("() => kvDashboard.counts")
-            text = shown_counts(page)
-            after, in_use_after = snapshot(server, "none")["counts"], server.metric("kvshare:kv_cache_blocks_in_use")
-            same = before == after == page_counts == text and in_use_before == in_use_after
-            return (page_counts, in_use_after) if same else None
-
-        counts, in_use_metric = wait_until(agreeing, "the page's counts to match the server's")
+        # The counts change while both decode. So the page is paused, the server read (a /metrics
+        # scrape names its step; so does a snapshot), and the paused page advanced to exactly
+        # those steps: it must then hold what the server held after each.
+        page.evaluate("() => kvDashboard.pause()")
+        scrape = {name: v for name, _, v in server.metrics()}
+        at_scrape = advance(page, int(scrape["kvshare:engine_steps_total"]))
+        assert at_scrape["in_use"] + at_scrape["shared"] == scrape["kvshare:kv_cache_blocks_in_use"]
+        assert page.evaluate("() => kvDashboard.numBlocks") == scrape["kvshare:kv_cache_blocks_total"]
+        snap = snapshot(server)
+        counts = advance(page, snap["step"])
+        assert counts == snap["counts"] == shown_counts(page)
         assert counts["shared"] > 0 and counts["in_use"] > 0
-        assert counts["in_use"] + counts["shared"] == in_use_metric
-        assert sum(counts.values()) == server.metric("kvshare:kv_cache_blocks_total")
+        # Block by block, as the page built it from events and as the server read its pool.
+        shown_blocks = page.evaluate("() => Array.from({length: kvDashboard.numBlocks}, (_, i) => kvDashboard.block(i))")
+        for mine, theirs in zip(shown_blocks, snap["blocks"], strict=True):
+            assert ({k: mine[k] for k in ("id", "state", "ref_count", "owners", "hash")}
+                    == {k: theirs[k] for k in ("id", "state", "ref_count", "owners", "hash")})
+        page.evaluate("() => kvDashboard.resume()")
 
         snap = snapshot(server)
         shared = [b for b in snap["blocks"] if b["state"] == "shared"]
@@ -274,10 +298,15 @@ def test_forced_copy_on_write_shows_as_it_happens(server, browser):
     ctx, page = open_dashboard(browser, server, KEY)
     palette = page.evaluate("() => kvDashboard.palette")
     client = openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=0, timeout=120)
-    stream = client.completions.create(model=MODEL, prompt=MID_BLOCK_PROMPT, n=2, max_tokens=1000, temperature=0.9,
-                                       seed=3, stream=True, extra_body={"ignore_eos": True})
+    streams = []
+
+    def start():
+        streams.append(client.completions.create(model=MODEL, prompt=MID_BLOCK_PROMPT, n=2, max_tokens=1000,
+                                                 temperature=0.9, seed=3, stream=True, extra_body={"ignore_eos": True}))
+        next(iter(streams[-1]))
+
     try:
-        rid = next(iter(stream)).id + "-0"
+        rid = new_request_id(server, start)
         # While the request still runs: the page got the copy from the event stream.
         cows = wait_until(lambda: [c for c in page.evaluate("() => kvDashboard.cows") if c["seq"].startswith(rid)],
                           "the copy-on-write to reach the page")
@@ -298,12 +327,14 @@ def test_forced_copy_on_write_shows_as_it_happens(server, browser):
         page.wait_for_function("(t) => [...document.querySelectorAll('#log li[data-ev=\"cow\"]')]"
                                ".some((li) => li.textContent.includes(t))", arg=line)
         assert page.evaluate("() => kvDashboard.totals.cow") >= 1
-        # The per-second series counts it at its next sample.
+        # The per-second series counts it at its next sample (about a second; the bound is for a
+        # loaded machine).
         wait_until(lambda: max(page.evaluate("() => kvDashboard.series().cow"), default=0) >= 1,
-                   "the copy in the copy-on-write/s series", 5)
+                   "the copy in the copy-on-write/s series")
         assert page.dash_errors == []
     finally:
-        stream.close()
+        for s in streams:
+            s.close()
         ctx.close()
     server.wait_idle()
 
@@ -336,6 +367,10 @@ def test_injected_audit_violation_is_highlighted_on_the_named_block(browser):
         banner = page.locator(f'#violations [data-block="{block}"]')
         banner.wait_for()
         assert invariant in banner.inner_text()
+        # Not "the event stream ended": the page asks the server why, and says so. (Awaited
+        # before reading pixels: the status line's new text can move the grid down.)
+        page.wait_for_function("() => kvDashboard.status === 'stopped'")
+        assert invariant in page.locator("#status").inner_text()
         assert pixel_at_block(page, block) == hex_rgb(palette["violation"])
         c = page.evaluate("(b) => kvDashboard.cellCentre(b)", block)
         page.mouse.move(c["x"], c["y"])
@@ -347,9 +382,6 @@ def test_injected_audit_violation_is_highlighted_on_the_named_block(browser):
         red = sum(n for n, rgb in img.getcolors(maxcolors=1 << 16) if rgb == hex_rgb(palette["violation"]))
         side = page.evaluate("() => kvDashboard.cellPixels")
         assert 0 < red <= side * side  # one cell's worth at most
-        # Not "the event stream ended": the page asks the server why, and says so.
-        page.wait_for_function("() => kvDashboard.status === 'stopped'")
-        assert invariant in page.locator("#status").inner_text()
         assert page.dash_errors == []
         ctx.close()
 

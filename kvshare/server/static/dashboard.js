@@ -793,6 +793,27 @@
       if (this.ready) this.setStatus("live", "live");
     }
 
+    // While paused: apply the kept batches up to engine step `step` (not beyond), and show that
+    // state. The page then holds the pool exactly as it was after that step, which a test can
+    // compare with a server reading taken at the same step. Returns the step the page is at.
+    advanceTo(step) {
+      if (!this.paused) throw new Error("advanceTo() is for a paused page");
+      let n = 0;
+      while (n < this.pausedBatches.length && this.pausedBatches[n].step <= step) n++;
+      const batches = this.pausedBatches.splice(0, n);
+      for (const b of batches) this.pausedEvents -= b.events.length;
+      this.paused = false; // receive() applies instead of keeping
+      try {
+        for (const b of batches) this.receive(b);
+      } finally {
+        this.paused = true;
+      }
+      if (this.grid) this.grid.draw(performance.now());
+      this.renderCounts();
+      this.renderPanels();
+      return this.model.step;
+    }
+
     renderPoolSize() {
       const m = this.model;
       $("#pool-size").textContent = `${m.numBlocks} blocks of ${m.blockSize} tokens`;
@@ -984,6 +1005,7 @@
     get cows() { return dash.model.cows.map(({ at, ...c }) => c); },
     pause() { dash.pause(); },
     resume() { dash.resume(); },
+    advanceTo(step) { return dash.advanceTo(step); },
     block(id) { return dash.model.block(id); },
     cellCentre(id) { return dash.grid ? dash.grid.centre(id) : null; },
     sharingGroups() { return sharingGroups(dash.model).map((g) => ({ owners: g.owners, blocks: g.blocks.slice().sort((a, b) => a - b) })); },
