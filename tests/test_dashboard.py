@@ -7,13 +7,13 @@ from __future__ import annotations
 import base64
 import io
 import json
-import os
 import re
 import time
 
 import openai
 import pytest
 
+from kvshare.testing.browser import CHROMIUM, CHROMIUM_ARGS, can_install_chromium, chromium_missing
 from server_proc import MODEL, ServerProcess
 
 try:
@@ -22,9 +22,6 @@ except ImportError:  # reported by the browser fixture, so every browser test sa
     playwright_api = None
 from PIL import Image  # matplotlib's dependency: reads the screenshots' pixels
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 KEY = "dashboard-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 STATES = ("free", "cached", "in_use", "shared")
@@ -41,12 +38,17 @@ MID_BLOCK_PROMPT = list(range(300, 320))
 
 @pytest.fixture(scope="module")
 def browser():
-    # `make setup` installs both; a missing one is a broken setup, not a reason to skip.
+    # `make setup` installs both; a missing one is a broken setup, not a reason to skip, except
+    # for chromium on a machine without apt-get (not Debian), where setup could only warn.
     assert playwright_api is not None, "playwright is missing: `make setup` installs the test extra"
-    assert os.access(CHROMIUM, os.X_OK), f"{CHROMIUM} is missing: `make setup` installs Debian's chromium"
+    missing = chromium_missing()
+    if missing is not None:
+        if not can_install_chromium():
+            pytest.skip(f"{missing} (no apt-get on this machine)")
+        pytest.fail(missing)
     with playwright_api.sync_playwright() as pw:
         # launch() gives the browser a fresh temporary profile of its own.
-        b = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        b = pw.chromium.launch(executable_path=CHROMIUM, args=list(CHROMIUM_ARGS))
         yield b
         b.close()
 
