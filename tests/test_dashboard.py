@@ -341,6 +341,50 @@ def test_forced_copy_on_write_shows_as_it_happens(server, browser):
     server.wait_idle()
 
 
+def test_reconnect_while_paused_does_not_replay_older_events(server, browser):
+    """Paused, the page keeps a running request's events; then its stream drops and the request
+    ends while it is away (those events are lost to it). The reconnect's snapshot already has the
+    blocks back: resuming must not replay the kept, older events on top of it."""
+    ctx, page = open_dashboard(browser, server, KEY)
+    client = openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=0, timeout=120)
+    streams = []
+
+    def start():
+        streams.append(client.completions.create(model=MODEL, prompt=PREFIX + " Question three:", max_tokens=1000,
+                                                 temperature=0, stream=True, extra_body={"ignore_eos": True}))
+        next(iter(streams[-1]))
+
+    try:
+        page.evaluate("() => kvDashboard.pause()")
+        rid = new_request_id(server, start)
+        running = snapshot(server, "none")
+        assert running["counts"]["in_use"] > 0
+        wait_until(lambda: (page.evaluate("() => kvDashboard.keptStep") or -1) >= running["step"],
+                   "the paused page to keep the running request's events")
+        # Away: every new event stream is refused until the request has ended.
+        ctx.route("**/kv/events", lambda route: route.abort())
+        page.evaluate("() => kvDashboard.reconnect()")
+        page.wait_for_function("() => kvDashboard.status === 'error'")
+        streams.pop().close()  # the server aborts it: its blocks go back while the page is away
+        server.wait_idle()
+        ctx.unroute("**/kv/events")
+        page.wait_for_function("() => kvDashboard.ready && kvDashboard.paused", timeout=30_000)
+        page.evaluate("() => kvDashboard.resume()")
+        final = snapshot(server)
+        assert final["counts"]["in_use"] == final["counts"]["shared"] == 0
+        wait_until(lambda: page.evaluate("() => kvDashboard.counts") == final["counts"],
+                   "the page's counts to be the idle server's")
+        shown = page.evaluate("() => Array.from({length: kvDashboard.numBlocks}, (_, i) => kvDashboard.block(i))")
+        assert [(b["state"], b["owners"]) for b in shown] == [(b["state"], b["owners"]) for b in final["blocks"]]
+        assert not any(rid in b["owners"] for b in shown)
+        assert page.dash_errors == []
+    finally:
+        for s in streams:
+            s.close()
+        ctx.close()
+    server.wait_idle()
+
+
 def test_injected_audit_violation_is_highlighted_on_the_named_block(browser):
     """A server with the audit on and a planted bug (a prefix hit shares cached blocks without
     counting the new holder): the audit stops the engine and names a block; the page paints that

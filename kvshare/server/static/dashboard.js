@@ -663,6 +663,7 @@
     async connect() {
       for (;;) {
         const stop = new AbortController(); // a failed attempt must not leave its stream open
+        this.stopStream = stop;
         try {
           this.syncing = true;
           this.held = [];
@@ -1006,6 +1007,9 @@
     pause() { dash.pause(); },
     resume() { dash.resume(); },
     advanceTo(step) { return dash.advanceTo(step); },
+    // Drop the event stream as a network failure would (the page reconnects and resyncs).
+    reconnect() { dash.stopStream?.abort(); },
+    get keptStep() { const b = dash.pausedBatches; return b.length ? b[b.length - 1].step : null; },
     block(id) { return dash.model.block(id); },
     cellCentre(id) { return dash.grid ? dash.grid.centre(id) : null; },
     sharingGroups() { return sharingGroups(dash.model).map((g) => ({ owners: g.owners, blocks: g.blocks.slice().sort((a, b) => a - b) })); },
