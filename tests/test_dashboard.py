@@ -385,6 +385,85 @@ def test_reconnect_while_paused_does_not_replay_older_events(server, browser):
     server.wait_idle()
 
 
+def sse(event: str, data: dict) -> str:
+    return f"event: {event}\ndata: {json.dumps(data)}\n\n"
+
+
+def pool_snapshot(step: int, requests: list[dict], held: dict[int, str]) -> dict:
+    """A /kv/snapshot answer for an 8-block pool: `held` block id -> its one owner."""
+    blocks = [{"id": i, "state": "in_use" if i in held else "free", "ref_count": int(i in held),
+               "owners": [held[i]] if i in held else [], "group": 0 if i in held else None, "position": None,
+               "hash": None, "parent": None, "last_event": None} for i in range(8)]
+    return {"step": step, "num_blocks": 8, "block_size": 16, "blocks": blocks, "requests": requests}
+
+
+def test_a_preempted_request_keeps_its_row_and_count_until_readmitted(server, browser):
+    """The page fed a scripted stream (the browser's own routing stands in for the server's data
+    endpoints, the page itself still comes from the server), and its clock driven by the test:
+    a request preempted, then 35 s waiting (longer than a finished row stays), then re-admitted
+    after a reconnect. Its row stays all along and its preemption count goes on."""
+    phase = {"n": 1}  # 1: the first connection, "away": refused, 2: the reconnect
+    hello = sse("hello", {"step": 0, "num_blocks": 8, "block_size": 16, "queue": 64})
+    streams = {
+        1: hello + sse("step", {"step": 1, "dropped": 0, "events": [
+                {"ev": "admit", "seq": "req-a", "salt": None, "step": 1},
+                {"ev": "alloc", "block": 0, "seq": "req-a", "step": 1}]})
+           + sse("step", {"step": 2, "dropped": 0, "events": [
+                {"ev": "preempt", "seq": "req-a", "step": 2},
+                {"ev": "decref", "block": 0, "seq": "req-a", "ref": 0, "step": 2},
+                {"ev": "free", "block": 0, "step": 2}]}),
+        2: hello + sse("step", {"step": 3, "dropped": 0, "events": [
+                {"ev": "admit", "seq": "req-a", "salt": None, "step": 3},
+                {"ev": "alloc", "block": 1, "seq": "req-a", "step": 3}]}),
+    }
+    snapshots = {1: pool_snapshot(0, [], {}),
+                 2: pool_snapshot(2, [{"request_id": "req-a", "status": "waiting"}], {})}
+
+    def events(route):
+        if phase["n"] == "away":
+            route.abort()
+            return
+        route.fulfill(status=200, content_type="text/event-stream", body=streams[phase["n"]])
+        if phase["n"] == 1:
+            phase["n"] = "away"  # the page retries every few seconds: not the same steps again
+
+    def snap(route):
+        body = snapshots[2 if phase["n"] == 2 else 1]
+        route.fulfill(status=200, content_type="application/json", body=json.dumps(body))
+
+    ctx = browser.new_context(viewport=VIEWPORT, http_credentials={"username": "dash", "password": KEY})
+    try:
+        ctx.route("**/kv/events", events)
+        ctx.route("**/kv/snapshot", snap)
+        page = ctx.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.clock.install()
+        page.clock.resume()  # time flows as usual, until the test jumps it forward
+        assert page.goto(server.url + "/dashboard").status == 200
+        row = page.locator('#requests tr[data-request="req-a"]')
+
+        def cells() -> list[str]:  # request, status, blocks, shared, hits, copies, preemptions
+            return row.locator("td").all_inner_texts()
+
+        # The scripted stream ends after step 2: by then the page has the preemption.
+        page.wait_for_function("() => kvDashboard.status === 'error' && kvDashboard.totals.preemptions === 1")
+        wait_until(lambda: row.count() == 1 and cells()[1] == "preempted", "the preempted row")
+        assert cells()[6] == "1"
+        page.clock.fast_forward("00:35")  # past FINISHED_REQUEST_MS: the table drops finished rows
+        # Two frames later the table has been redrawn at the new time (the first one draws it).
+        page.evaluate("() => new Promise((r) => requestAnimationFrame(() => requestAnimationFrame(r)))")
+        assert row.count() == 1 and cells()[1] == "preempted" and cells()[6] == "1"
+        phase["n"] = 2
+        page.wait_for_function("() => kvDashboard.step === 3")
+        wait_until(lambda: row.count() == 1 and cells()[1] == "running", "the re-admitted row")
+        assert cells()[2] == "1" and cells()[6] == "1"
+        assert page.evaluate("(b) => kvDashboard.block(b).owners", 1) == ["req-a"]
+        assert errors == []
+    finally:
+        ctx.close()
+
+
 def test_injected_audit_violation_is_highlighted_on_the_named_block(browser):
     """A server with the audit on and a planted bug (a prefix hit shares cached blocks without
     counting the new holder): the audit stops the engine and names a block; the page paints that

@@ -724,8 +724,9 @@
     }
 
     async resync() {
+      // Batches held so far stay: connect() starts holding at the stream's hello, and those that
+      // came between it and this call may be newer than the snapshot (older ones are dropped).
       this.syncing = true;
-      this.held = [];
       try {
         const snap = await this.getJSON("kv/snapshot");
         this.model.load(snap);
