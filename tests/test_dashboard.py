@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import math
 import re
 import time
 
@@ -460,6 +461,47 @@ def test_a_preempted_request_keeps_its_row_and_count_until_readmitted(server, br
         assert cells()[2] == "1" and cells()[6] == "1"
         assert page.evaluate("(b) => kvDashboard.block(b).owners", 1) == ["req-a"]
         assert errors == []
+    finally:
+        ctx.close()
+
+
+def test_aggregated_cells_fill_in_proportion_to_their_blocks(server, browser):
+    """A pool too big for one cell per block, from a scripted snapshot (block i: in use when
+    i % 4 == 0, cached when 1, else free): each cell is split left to right in proportion to its
+    blocks' states (shared, in use, cached, free), measured along a row of its pixels."""
+    n = 20_000
+    rows = [{"id": i, "ref_count": int(i % 4 == 0), "owners": ["req-a"] if i % 4 == 0 else [],
+             "hash": f"{i:012x}" if i % 4 == 1 else None, "parent": None, "position": None, "last_event": None}
+            for i in range(n)]
+    snap = json.dumps({"step": 0, "num_blocks": n, "block_size": 16, "blocks": rows, "requests": []})
+    hello = sse("hello", {"step": 0, "num_blocks": n, "block_size": 16, "queue": 64})
+    ctx = browser.new_context(viewport={"width": 400, "height": 900},
+                              http_credentials={"username": "dash", "password": KEY})
+    try:
+        ctx.route("**/kv/events", lambda route: route.fulfill(status=200, content_type="text/event-stream", body=hello))
+        ctx.route("**/kv/snapshot", lambda route: route.fulfill(status=200, content_type="application/json", body=snap))
+        page = ctx.new_page()
+        assert page.goto(server.url + "/dashboard").status == 200
+        page.wait_for_function("() => kvDashboard.numBlocks === 20000 && kvDashboard.counts.cached === 5000")
+        palette = page.evaluate("() => kvDashboard.palette")
+        per = page.evaluate("() => kvDashboard.blocksPerCell")
+        assert per >= 2
+        for cell in (0, 1, 7):
+            blocks = [page.evaluate("(b) => kvDashboard.block(b).state", b) for b in range(cell * per, (cell + 1) * per)]
+            inner = round(page.evaluate("() => kvDashboard.cellPixels"))  # no gap below 7 pixels
+            assert inner < 7
+            centre = page.evaluate("(b) => kvDashboard.cellCentre(b)", cell * per)
+            png = page.screenshot(clip={"x": round(centre["x"] - inner / 2), "y": int(centre["y"]), "width": inner,
+                                        "height": 1})
+            img = Image.open(io.BytesIO(png)).convert("RGB")
+            drawn = [img.getpixel((x, 0)) for x in range(img.width)]
+            expected, done, edge = [], 0, 0
+            for state in ("shared", "in_use", "cached", "free"):
+                done += blocks.count(state)
+                right = math.floor(done / per * inner + 0.5)  # JavaScript's Math.round, not Python's
+                expected += [hex_rgb(palette[state])] * (right - edge)
+                edge = right
+            assert drawn == expected, (cell, blocks, drawn)
     finally:
         ctx.close()
 

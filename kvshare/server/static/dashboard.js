@@ -311,23 +311,48 @@
       this.canvas.style.width = `${cols * cell}px`;
       this.canvas.style.height = `${this.rows * cell}px`;
       this.ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
-      const note = this.perCell > 1 ? `one cell = ${this.perCell} blocks (the busiest state shows)` : "one cell per block";
+      const note = this.perCell > 1 ? `one cell = ${this.perCell} blocks (filled in proportion to their states)` : "one cell per block";
       $("#grid-note").textContent = `${note}; hover for details`;
       this.drawAll();
     }
 
     cellOf(block) { return Math.floor(block / this.perCell); }
 
-    // A cell shows the most telling state among its blocks: violation > shared > in use > cached > free.
-    colourOf(c) {
+    // How many of a cell's blocks are in each state (by code), or null when one of them broke an
+    // invariant: then the whole cell is the violation's colour, so it cannot be missed.
+    statesOf(c) {
       const m = this.model;
       const first = c * this.perCell, end = Math.min(m.numBlocks, first + this.perCell);
-      let best = FREE;
+      const counts = [0, 0, 0, 0];
       for (let id = first; id < end; id++) {
-        if (m.violated.has(id)) return PALETTE.violation;
-        if (m.code[id] > best) best = m.code[id];
+        if (m.violated.has(id)) return null;
+        counts[m.code[id]] += 1;
       }
-      return STATE_COLOUR[best];
+      return counts;
+    }
+
+    // A cell of several blocks is split left to right in proportion to its blocks' states (shared,
+    // in use, cached, free), so a half-used cell looks half used; band edges fall on device
+    // pixels, so no blended colour appears between them.
+    fillCell(c, x, y, side) {
+      const ctx = this.ctx, counts = this.statesOf(c);
+      if (counts === null) {
+        ctx.fillStyle = PALETTE.violation;
+        ctx.fillRect(x, y, side, side);
+        return;
+      }
+      const total = counts[0] + counts[1] + counts[2] + counts[3];
+      let done = 0, left = 0;
+      for (const code of [SHARED, IN_USE, CACHED, FREE]) {
+        if (!counts[code]) continue;
+        done += counts[code];
+        const right = Math.round((done / total) * side * this.dpr) / this.dpr;
+        if (right > left) {
+          ctx.fillStyle = STATE_COLOUR[code];
+          ctx.fillRect(x + left, y, right - left, side);
+        }
+        left = right;
+      }
     }
 
     drawCell(c, now) {
@@ -335,8 +360,7 @@
       const x = (c % this.cols) * s, y = Math.floor(c / this.cols) * s;
       ctx.fillStyle = "#ffffff";
       ctx.fillRect(x, y, s, s);
-      ctx.fillStyle = this.colourOf(c);
-      ctx.fillRect(x, y, s - g, s - g);
+      this.fillCell(c, x, y, s - g);
       const first = c * this.perCell;
       for (let id = first; id < first + this.perCell; id++) {
         const until = this.flashes.get(id);
