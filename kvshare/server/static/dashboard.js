@@ -672,11 +672,7 @@
       let body = null;
       try { body = JSON.parse(text); } catch (err) { return null; }
       if (resp.ok || body?.error?.code !== "engine_dead") return null;
-      if (body.snapshot) {
-        this.model.load(body.snapshot);
-        this.snapStep = body.snapshot.step;
-        this.renderPoolSize();
-      }
+      if (body.snapshot) this.loadSnapshot(body.snapshot);
       const f = body.audit_failure;
       if (f) this.model.violate({ ev: "audit", ok: false, ...f }, (e, t) => this.log(e, t));
       return body.error.message;
@@ -747,19 +743,22 @@
       }
     }
 
+    loadSnapshot(snap) {
+      this.model.load(snap);
+      this.snapStep = snap.step;
+      // What a pause kept is older than this snapshot: replayed on resume it would undo it.
+      this.pausedBatches = [];
+      this.pausedEvents = 0;
+      this.resyncOnResume = false;
+      this.renderPoolSize();
+    }
+
     async resync() {
       // Batches held so far stay: connect() starts holding at the stream's hello, and those that
       // came between it and this call may be newer than the snapshot (older ones are dropped).
       this.syncing = true;
       try {
-        const snap = await this.getJSON("kv/snapshot");
-        this.model.load(snap);
-        this.snapStep = snap.step;
-        // What a pause kept is older than this snapshot: replayed on resume it would undo it.
-        this.pausedBatches = [];
-        this.pausedEvents = 0;
-        this.resyncOnResume = false;
-        this.renderPoolSize();
+        this.loadSnapshot(await this.getJSON("kv/snapshot"));
         const held = this.held;
         this.held = [];
         this.syncing = false;
