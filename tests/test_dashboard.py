@@ -226,8 +226,15 @@ def test_shared_prefix_counts_owners_then_abort_leaves_nothing_in_use(server, br
         # The counts change while both decode. So the page is paused, the server read (a /metrics
         # scrape names its step; so does a snapshot), and the paused page advanced to exactly
         # those steps: it must then hold what the server held after each.
-        page.evaluate("() => kvDashboard.pause()")
-        scrape = {name: v for name, _, v in server.metrics()}
+        paused_at = page.evaluate("() => { kvDashboard.pause(); return kvDashboard.step; }")
+        # One scrape reads one engine snapshot (its step with its numbers). That snapshot is
+        # published just after the step's events are handed over, so a scrape can lag the page
+        # by a step: the first one not behind it is used.
+        def scrape_not_behind():
+            m = {name: v for name, _, v in server.metrics()}
+            return m if m["kvshare:engine_steps_total"] >= paused_at else None
+
+        scrape = wait_until(scrape_not_behind, "a /metrics scrape at or after the page's step")
         at_scrape = advance(page, int(scrape["kvshare:engine_steps_total"]))
         assert at_scrape["in_use"] + at_scrape["shared"] == scrape["kvshare:kv_cache_blocks_in_use"]
         assert page.evaluate("() => kvDashboard.numBlocks") == scrape["kvshare:kv_cache_blocks_total"]
