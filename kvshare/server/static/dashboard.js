@@ -611,6 +611,7 @@
       // The step of the snapshot the model was last loaded from: a batch of an earlier step is
       // already in it, one of that same step may be (so neither counts as news).
       this.snapStep = -Infinity;
+      this.deadPoolLoaded = false; // whether the stopped engine's pool has been loaded
       this.ready = false;
       this.status = "connecting";
       this.error = null;
@@ -662,20 +663,30 @@
     // audit's verdict, so a page opened after the stop shows it too. Returns the server's
     // reason, or null when the engine still runs (or the server cannot be asked).
     async engineStopped() {
-      let resp, text;
-      try {
-        resp = await fetch("kv/snapshot", { cache: "no-store" });
-        text = await resp.text();
-      } catch (err) {
-        return null;
+      // Asked again at every retry: the question is small, the stopped pool is loaded once.
+      const probe = await this.deadReply("kv/snapshot?blocks=none");
+      if (probe === null) return null;
+      if (!this.deadPoolLoaded) {
+        const full = await this.deadReply("kv/snapshot");
+        if (full?.snapshot) {
+          this.loadSnapshot(full.snapshot);
+          this.deadPoolLoaded = true;
+        }
       }
-      let body = null;
-      try { body = JSON.parse(text); } catch (err) { return null; }
-      if (resp.ok || body?.error?.code !== "engine_dead") return null;
-      if (body.snapshot) this.loadSnapshot(body.snapshot);
-      const f = body.audit_failure;
+      const f = probe.audit_failure;
       if (f) this.model.violate({ ev: "audit", ok: false, ...f }, (e, t) => this.log(e, t));
-      return body.error.message;
+      return probe.error.message;
+    }
+
+    // The body of a stopped engine's answer at `path`, or null for any other answer.
+    async deadReply(path) {
+      try {
+        const resp = await fetch(path, { cache: "no-store" });
+        const body = JSON.parse(await resp.text());
+        return !resp.ok && body?.error?.code === "engine_dead" ? body : null;
+      } catch (err) {
+        return null; // unreachable, or not JSON: not a stopped engine's answer
+      }
     }
 
     // Stream first, snapshot second: a step between the two is in the stream (and applying it
@@ -693,6 +704,7 @@
           });
           await hello;
           await this.resync();
+          this.deadPoolLoaded = false; // a (restarted) engine runs: a later stop is loaded afresh
           this.setStatus(this.paused ? "paused" : "live", this.paused ? "paused" : "live");
           this.ready = true;
           await this.streaming;
