@@ -5,14 +5,26 @@ STAMP := $(VENV)/.kvshare-installed
 # apt-get needs root: CI runs as root, a developer's machine goes through sudo.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup serve test bench clean
+.PHONY: setup browser serve test bench clean
 
-setup: $(STAMP)
+setup: browser $(STAMP)
+
+# The dashboard tests drive Debian's chromium through Playwright (which downloads no browser).
+# apt runs once (the `test -x` guard) and non-interactively (sudo drops the environment, so `env`
+# sets DEBIAN_FRONTEND after it). Without apt-get (not Debian) setup goes on with a warning and
+# the browser tests skip, naming /usr/bin/chromium; where apt-get exists a failed install fails.
+browser:
+	@if test -x /usr/bin/chromium; then \
+	  true; \
+	elif command -v apt-get >/dev/null 2>&1; then \
+	  $(SUDO) apt-get update -q && \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium; \
+	else \
+	  echo "WARNING: apt-get not found: cannot install Debian's chromium at /usr/bin/chromium; the dashboard's browser tests will skip" >&2; \
+	fi
 
 # torch is pinned and installed first: an unpinned torch would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml Makefile
-	# The dashboard tests drive Debian's chromium through Playwright (which downloads no browser).
-	test -x /usr/bin/chromium || ($(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends chromium)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0

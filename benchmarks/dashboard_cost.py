@@ -42,11 +42,9 @@ import urllib.request
 
 from kvshare.bench.serve import SweepOptions, run_sweep
 from kvshare.config import parse_bytes
+from kvshare.testing.browser import CHROMIUM, CHROMIUM_ARGS, chromium_missing
 from kvshare.testing.ports import free_port
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 VIEWPORT = {"width": 1440, "height": 1000}
 KEY = "dashboard-cost-key"  # the page goes through --api-key as a user's would
 
@@ -226,13 +224,13 @@ def main(argv=None) -> int:
            args.pool_block_size) < 1 \
             or args.seconds <= 0:
         p.error("sizes must be positive")
-    if not os.access(CHROMIUM, os.X_OK):
-        p.error(f"{CHROMIUM} is missing: apt-get install -y chromium (make setup does)")
+    if chromium_missing() is not None:
+        p.error(chromium_missing())
 
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=list(CHROMIUM_ARGS))
         try:
             # A-B-B-A...: a drift of the machine over the run (clock, heat, neighbours) falls on both.
             order = [w for i in range(args.repeats) for w in ((False, True) if i % 2 == 0 else (True, False))]

@@ -89,3 +89,21 @@ def test_version_prints_the_version(capsys):
         main(["--version"])
     assert exit_info.value.code == 0
     assert capsys.readouterr().out.strip() == kvshare.__version__
+
+
+def test_serve_inject_fault_needs_audit_and_stays_out_of_help(capsys):
+    import pytest
+
+    from kvshare.cli import main
+
+    # Refused before any model loads, naming both flags.
+    assert main(["serve", "--inject-fault", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "--inject-fault" in err and "--audit" in err
+    assert main(["serve", "--audit", "--inject-fault", "x"]) == 2  # with --audit: the unknown name
+    assert "unknown" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "--audit" in out and "inject" not in out

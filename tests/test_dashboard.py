@@ -7,13 +7,14 @@ from __future__ import annotations
 import base64
 import io
 import json
-import os
+import math
 import re
 import time
 
 import openai
 import pytest
 
+from kvshare.testing.browser import CHROMIUM, CHROMIUM_ARGS, can_install_chromium, chromium_missing
 from server_proc import MODEL, ServerProcess
 
 try:
@@ -22,9 +23,6 @@ except ImportError:  # reported by the browser fixture, so every browser test sa
     playwright_api = None
 from PIL import Image  # matplotlib's dependency: reads the screenshots' pixels
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 KEY = "dashboard-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 STATES = ("free", "cached", "in_use", "shared")
@@ -41,12 +39,17 @@ MID_BLOCK_PROMPT = list(range(300, 320))
 
 @pytest.fixture(scope="module")
 def browser():
-    # `make setup` installs both; a missing one is a broken setup, not a reason to skip.
+    # `make setup` installs both; a missing one is a broken setup, not a reason to skip, except
+    # for chromium on a machine without apt-get (not Debian), where setup could only warn.
     assert playwright_api is not None, "playwright is missing: `make setup` installs the test extra"
-    assert os.access(CHROMIUM, os.X_OK), f"{CHROMIUM} is missing: `make setup` installs Debian's chromium"
+    missing = chromium_missing()
+    if missing is not None:
+        if not can_install_chromium():
+            pytest.skip(f"{missing} (no apt-get on this machine)")
+        pytest.fail(missing)
     with playwright_api.sync_playwright() as pw:
         # launch() gives the browser a fresh temporary profile of its own.
-        b = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        b = pw.chromium.launch(executable_path=CHROMIUM, args=list(CHROMIUM_ARGS))
         yield b
         b.close()
 
@@ -61,8 +64,10 @@ def server():
     srv.close()
 
 
-def open_dashboard(browser, srv: ServerProcess, key: str | None, viewport: dict = VIEWPORT):
-    """A fresh browser context (own credentials, own cache) with the page loaded and live."""
+def open_dashboard(browser, srv: ServerProcess, key: str | None, viewport: dict = VIEWPORT,
+                   until: str = "kvDashboard.ready"):
+    """A fresh browser context (own credentials, own cache) with the page loaded and `until`
+    (a JS expression) true: by default, live."""
     creds = {"http_credentials": {"username": "dash", "password": key}} if key is not None else {}
     ctx = browser.new_context(viewport=viewport, **creds)
     page = ctx.new_page()
@@ -70,7 +75,7 @@ def open_dashboard(browser, srv: ServerProcess, key: str | None, viewport: dict 
     page.on("pageerror", lambda e: errors.append(str(e)))
     resp = page.goto(srv.url + "/dashboard")
     assert resp.status == 200, resp.status
-    page.wait_for_function("() => window.kvDashboard && window.kvDashboard.ready", timeout=30_000)
+    page.wait_for_function(f"() => window.kvDashboard && ({until})", timeout=30_000)
     page.dash_errors = errors
     return ctx, page
 
@@ -113,6 +118,24 @@ def snapshot(srv: ServerProcess, blocks: str = "all") -> dict:
     return snap
 
 
+def new_request_id(srv: ServerProcess, start) -> str:
+    """The engine's id of the one request start() sets running, as /kv/snapshot lists it (the
+    page shows the same ids); no guess at how the server derives it from the response id."""
+    before = {r["request_id"] for r in snapshot(srv, "none")["requests"]}
+    start()
+    new = {r["request_id"] for r in snapshot(srv, "none")["requests"]} - before
+    assert len(new) == 1, new
+    return new.pop()
+
+
+def advance(page, step: int) -> dict:
+    """A paused page advanced to exactly engine step `step` (its batches for it may still be on
+    their way): its counts there."""
+    wait_until(lambda: page.evaluate("(s) => kvDashboard.advanceTo(s)", step) == step,
+               f"the paused page to reach step {step}")
+    return page.evaluate("() => kvDashboard.counts")
+
+
 def wait_until(pred, what: str, timeout: float = 30.0):
     deadline = time.monotonic() + timeout
     while True:
@@ -128,16 +151,30 @@ def test_page_and_its_data_refuse_a_request_without_the_key(server):
     wrong = base64.b64encode(b"anyone:not-the-key").decode()
     for path in ("/dashboard", "/dashboard/dashboard.js", "/dashboard/dashboard.css", "/kv/snapshot", "/kv/events"):
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {wrong}"},
-                        {"Authorization": "Basic !!not-base64"},
-                        # the right key, but another site made the browser send it
-                        {"Authorization": f"Basic {basic}", "Sec-Fetch-Site": "cross-site"}):
+                        {"Authorization": "Basic !!not-base64"}):
             status, hdrs, body = server.request("GET", path, headers=headers)
             assert status == 401, (path, headers)
             assert json.loads(body)["error"]["code"] == "invalid_api_key"
             assert hdrs["www-authenticate"].startswith("Basic realm=")  # a browser asks for the key
-    for headers in (AUTH, {"Authorization": f"Basic {basic}", "Sec-Fetch-Site": "same-origin"}):
+        # The right key (or a wrong one), but another site made the browser send it: a refusal of
+        # its own, saying why, and no challenge (the browser would only ask for the key again).
+        for site in ("cross-site", "same-site"):
+            for creds in (basic, wrong):
+                status, hdrs, body = server.request("GET", path, headers={"Authorization": f"Basic {creds}",
+                                                                          "Sec-Fetch-Site": site})
+                err = json.loads(body)["error"]
+                assert status == 403 and "www-authenticate" not in hdrs, (path, site)
+                assert err["code"] == "cross_site_request" and f"Sec-Fetch-Site: {site}" in err["message"]
+        # Other methods are behind the key too (the gate runs before any route).
+        for method in ("HEAD", "OPTIONS"):
+            status, _, _ = server.request(method, path)
+            assert status == 401, (method, path)
+    for headers in (AUTH, {"Authorization": f"Basic {basic}", "Sec-Fetch-Site": "same-origin"},
+                    {"Authorization": f"Basic {basic}", "Sec-Fetch-Site": "none"}):
         status, hdrs, body = server.request("GET", "/dashboard", headers=headers)
-        assert status == 200 and b"<canvas" in body and hdrs["content-security-policy"].startswith("default-src 'self'")
+        assert status == 200 and b"<canvas" in body
+        csp = {d.strip() for d in hdrs["content-security-policy"].split(";")}
+        assert {"default-src 'self'", "frame-ancestors 'none'", "base-uri 'none'", "form-action 'none'"} <= csp
     status, _, body = server.request("GET", "/dashboard/nope.js", headers=AUTH)
     assert status == 404 and "nope.js" in json.loads(body)["error"]["message"]
     # Basic opens the read-only view only, never the API (a browser sends it by itself).
@@ -166,7 +203,8 @@ def refused_navigation(page, url: str) -> bool:
         resp = page.goto(url)
     except playwright_api.Error as e:
         assert "ERR_INVALID_AUTH_CREDENTIALS" in str(e), e
-        return all(s == 401 for s in statuses)
+        # The failure must come from the server's refusal, seen at least once.
+        return bool(statuses) and all(s == 401 for s in statuses)
     return (resp.status == 401 and set(statuses) == {401} and "missing or wrong API key" in page.content()
             and page.evaluate("() => typeof window.kvDashboard") == "undefined")
 
@@ -179,25 +217,37 @@ def test_shared_prefix_counts_owners_then_abort_leaves_nothing_in_use(server, br
     try:
         # Two long-running requests on one long prefix: the second admits on the first's blocks.
         for question in (" Question one:", " Question two:"):
-            stream = client.completions.create(model=MODEL, prompt=PREFIX + question, max_tokens=1200,
-                                               temperature=0, stream=True, extra_body={"ignore_eos": True})
-            streams.append(stream)
-            ids.append(next(iter(stream)).id + "-0")  # running: its prompt is computed
+            def start():
+                streams.append(client.completions.create(model=MODEL, prompt=PREFIX + question, max_tokens=1200,
+                                                         temperature=0, stream=True, extra_body={"ignore_eos": True}))
+                next(iter(streams[-1]))  # running: its prompt is computed
+            ids.append(new_request_id(server, start))
 
-        # The counts change while both decode: a page reading between two equal server readings
-        # (snapshot and /metrics) held for that whole moment.
-        def agreeing():
-            before, in_use_before = snapshot(server, "none")["counts"], server.metric("kvshare:kv_cache_blocks_in_use")
-            page_counts = page.evaluate("() => kvDashboard.counts")
-            text = shown_counts(page)
-            after, in_use_after = snapshot(server, "none")["counts"], server.metric("kvshare:kv_cache_blocks_in_use")
-            same = before == after == page_counts == text and in_use_before == in_use_after
-            return (page_counts, in_use_after) if same else None
+        # The counts change while both decode. So the page is paused, the server read (a /metrics
+        # scrape names its step; so does a snapshot), and the paused page advanced to exactly
+        # those steps: it must then hold what the server held after each.
+        paused_at = page.evaluate("() => { kvDashboard.pause(); return kvDashboard.step; }")
+        # One scrape reads one engine snapshot (its step with its numbers). That snapshot is
+        # published just after the step's events are handed over, so a scrape can lag the page
+        # by a step: the first one not behind it is used.
+        def scrape_not_behind():
+            m = {name: v for name, _, v in server.metrics()}
+            return m if m["kvshare:engine_steps_total"] >= paused_at else None
 
-        counts, in_use_metric = wait_until(agreeing, "the page's counts to match the server's")
+        scrape = wait_until(scrape_not_behind, "a /metrics scrape at or after the page's step")
+        at_scrape = advance(page, int(scrape["kvshare:engine_steps_total"]))
+        assert at_scrape["in_use"] + at_scrape["shared"] == scrape["kvshare:kv_cache_blocks_in_use"]
+        assert page.evaluate("() => kvDashboard.numBlocks") == scrape["kvshare:kv_cache_blocks_total"]
+        snap = snapshot(server)
+        counts = advance(page, snap["step"])
+        assert counts == snap["counts"] == shown_counts(page)
         assert counts["shared"] > 0 and counts["in_use"] > 0
-        assert counts["in_use"] + counts["shared"] == in_use_metric
-        assert sum(counts.values()) == server.metric("kvshare:kv_cache_blocks_total")
+        # Block by block, as the page built it from events and as the server read its pool.
+        shown_blocks = page.evaluate("() => Array.from({length: kvDashboard.numBlocks}, (_, i) => kvDashboard.block(i))")
+        for mine, theirs in zip(shown_blocks, snap["blocks"], strict=True):
+            assert ({k: mine[k] for k in ("id", "state", "ref_count", "owners", "hash")}
+                    == {k: theirs[k] for k in ("id", "state", "ref_count", "owners", "hash")})
+        page.evaluate("() => kvDashboard.resume()")
 
         snap = snapshot(server)
         shared = [b for b in snap["blocks"] if b["state"] == "shared"]
@@ -258,10 +308,15 @@ def test_forced_copy_on_write_shows_as_it_happens(server, browser):
     ctx, page = open_dashboard(browser, server, KEY)
     palette = page.evaluate("() => kvDashboard.palette")
     client = openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=0, timeout=120)
-    stream = client.completions.create(model=MODEL, prompt=MID_BLOCK_PROMPT, n=2, max_tokens=1000, temperature=0.9,
-                                       seed=3, stream=True, extra_body={"ignore_eos": True})
+    streams = []
+
+    def start():
+        streams.append(client.completions.create(model=MODEL, prompt=MID_BLOCK_PROMPT, n=2, max_tokens=1000,
+                                                 temperature=0.9, seed=3, stream=True, extra_body={"ignore_eos": True}))
+        next(iter(streams[-1]))
+
     try:
-        rid = next(iter(stream)).id + "-0"
+        rid = new_request_id(server, start)
         # While the request still runs: the page got the copy from the event stream.
         cows = wait_until(lambda: [c for c in page.evaluate("() => kvDashboard.cows") if c["seq"].startswith(rid)],
                           "the copy-on-write to reach the page")
@@ -282,14 +337,232 @@ def test_forced_copy_on_write_shows_as_it_happens(server, browser):
         page.wait_for_function("(t) => [...document.querySelectorAll('#log li[data-ev=\"cow\"]')]"
                                ".some((li) => li.textContent.includes(t))", arg=line)
         assert page.evaluate("() => kvDashboard.totals.cow") >= 1
-        # The per-second series counts it at its next sample.
+        # The per-second series counts it at its next sample (about a second; the bound is for a
+        # loaded machine).
         wait_until(lambda: max(page.evaluate("() => kvDashboard.series().cow"), default=0) >= 1,
-                   "the copy in the copy-on-write/s series", 5)
+                   "the copy in the copy-on-write/s series")
         assert page.dash_errors == []
     finally:
-        stream.close()
+        for s in streams:
+            s.close()
         ctx.close()
     server.wait_idle()
+
+
+def test_reconnect_while_paused_does_not_replay_older_events(server, browser):
+    """Paused, the page keeps a running request's events; then its stream drops and the request
+    ends while it is away (those events are lost to it). The reconnect's snapshot already has the
+    blocks back: resuming must not replay the kept, older events on top of it."""
+    ctx, page = open_dashboard(browser, server, KEY)
+    client = openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=0, timeout=120)
+    streams = []
+
+    def start():
+        streams.append(client.completions.create(model=MODEL, prompt=PREFIX + " Question three:", max_tokens=1000,
+                                                 temperature=0, stream=True, extra_body={"ignore_eos": True}))
+        next(iter(streams[-1]))
+
+    try:
+        page.evaluate("() => kvDashboard.pause()")
+        rid = new_request_id(server, start)
+        running = snapshot(server, "none")
+        assert running["counts"]["in_use"] > 0
+        wait_until(lambda: (page.evaluate("() => kvDashboard.keptStep") or -1) >= running["step"],
+                   "the paused page to keep the running request's events")
+        # Away: every new event stream is refused until the request has ended.
+        ctx.route("**/kv/events", lambda route: route.abort())
+        page.evaluate("() => kvDashboard.reconnect()")
+        page.wait_for_function("() => kvDashboard.status === 'error'")
+        streams.pop().close()  # the server aborts it: its blocks go back while the page is away
+        server.wait_idle()
+        ctx.unroute("**/kv/events")
+        page.wait_for_function("() => kvDashboard.ready && kvDashboard.paused", timeout=30_000)
+        page.evaluate("() => kvDashboard.resume()")
+        final = snapshot(server)
+        assert final["counts"]["in_use"] == final["counts"]["shared"] == 0
+        wait_until(lambda: page.evaluate("() => kvDashboard.counts") == final["counts"],
+                   "the page's counts to be the idle server's")
+        shown = page.evaluate("() => Array.from({length: kvDashboard.numBlocks}, (_, i) => kvDashboard.block(i))")
+        assert [(b["state"], b["owners"]) for b in shown] == [(b["state"], b["owners"]) for b in final["blocks"]]
+        assert not any(rid in b["owners"] for b in shown)
+        assert page.dash_errors == []
+    finally:
+        for s in streams:
+            s.close()
+        ctx.close()
+    server.wait_idle()
+
+
+def sse(event: str, data: dict) -> str:
+    return f"event: {event}\ndata: {json.dumps(data)}\n\n"
+
+
+def pool_snapshot(step: int, requests: list[dict], held: dict[int, str]) -> dict:
+    """A /kv/snapshot answer for an 8-block pool: `held` block id -> its one owner."""
+    blocks = [{"id": i, "state": "in_use" if i in held else "free", "ref_count": int(i in held),
+               "owners": [held[i]] if i in held else [], "group": 0 if i in held else None, "position": None,
+               "hash": None, "parent": None, "last_event": None} for i in range(8)]
+    return {"step": step, "num_blocks": 8, "block_size": 16, "blocks": blocks, "requests": requests}
+
+
+def test_a_preempted_request_keeps_its_row_and_count_until_readmitted(server, browser):
+    """The page fed a scripted stream (the browser's own routing stands in for the server's data
+    endpoints, the page itself still comes from the server), and its clock driven by the test:
+    a request preempted, then 35 s waiting (longer than a finished row stays), then re-admitted
+    after a reconnect. Its row stays all along and its preemption count goes on."""
+    phase = {"n": 1}  # 1: the first connection, "away": refused, 2: the reconnect
+    hello = sse("hello", {"step": 0, "num_blocks": 8, "block_size": 16, "queue": 64})
+    streams = {
+        1: hello + sse("step", {"step": 1, "dropped": 0, "events": [
+                {"ev": "admit", "seq": "req-a", "salt": None, "step": 1},
+                {"ev": "alloc", "block": 0, "seq": "req-a", "step": 1}]})
+           + sse("step", {"step": 2, "dropped": 0, "events": [
+                {"ev": "preempt", "seq": "req-a", "step": 2},
+                {"ev": "decref", "block": 0, "seq": "req-a", "ref": 0, "step": 2},
+                {"ev": "free", "block": 0, "step": 2}]}),
+        2: hello + sse("step", {"step": 3, "dropped": 0, "events": [
+                {"ev": "admit", "seq": "req-a", "salt": None, "step": 3},
+                {"ev": "alloc", "block": 1, "seq": "req-a", "step": 3}]}),
+    }
+    snapshots = {1: pool_snapshot(0, [], {}),
+                 2: pool_snapshot(2, [{"request_id": "req-a", "status": "waiting"}], {})}
+
+    def events(route):
+        if phase["n"] == "away":
+            route.abort()
+            return
+        route.fulfill(status=200, content_type="text/event-stream", body=streams[phase["n"]])
+        if phase["n"] == 1:
+            phase["n"] = "away"  # the page retries every few seconds: not the same steps again
+
+    def snap(route):
+        body = snapshots[2 if phase["n"] == 2 else 1]
+        route.fulfill(status=200, content_type="application/json", body=json.dumps(body))
+
+    ctx = browser.new_context(viewport=VIEWPORT, http_credentials={"username": "dash", "password": KEY})
+    try:
+        ctx.route("**/kv/events", events)
+        ctx.route("**/kv/snapshot", snap)
+        page = ctx.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.clock.install()
+        page.clock.resume()  # time flows as usual, until the test jumps it forward
+        assert page.goto(server.url + "/dashboard").status == 200
+        row = page.locator('#requests tr[data-request="req-a"]')
+
+        def cells() -> list[str]:  # request, status, blocks, shared, hits, copies, preemptions
+            return row.locator("td").all_inner_texts()
+
+        # The scripted stream ends after step 2: by then the page has the preemption.
+        page.wait_for_function("() => kvDashboard.status === 'error' && kvDashboard.totals.preemptions === 1")
+        wait_until(lambda: row.count() == 1 and cells()[1] == "preempted", "the preempted row")
+        assert cells()[6] == "1"
+        page.clock.fast_forward("00:35")  # past FINISHED_REQUEST_MS: the table drops finished rows
+        # Two frames later the table has been redrawn at the new time (the first one draws it).
+        page.evaluate("() => new Promise((r) => requestAnimationFrame(() => requestAnimationFrame(r)))")
+        assert row.count() == 1 and cells()[1] == "preempted" and cells()[6] == "1"
+        phase["n"] = 2
+        page.wait_for_function("() => kvDashboard.step === 3")
+        wait_until(lambda: row.count() == 1 and cells()[1] == "running", "the re-admitted row")
+        assert cells()[2] == "1" and cells()[6] == "1"
+        assert page.evaluate("(b) => kvDashboard.block(b).owners", 1) == ["req-a"]
+        assert errors == []
+    finally:
+        ctx.close()
+
+
+def test_batches_are_counted_only_after_the_snapshot_step(server, browser):
+    """A paused page reconnects to a scripted stream whose first batches overlap the new
+    snapshot (step 5): the batch of an earlier step is already in the snapshot and is not
+    applied; the one of its own step is applied (harmless: every event sets state absolutely)
+    but not counted; only later steps count toward copies and evictions, on resume too."""
+    def cow(step: int, src: int, dst: int) -> dict:
+        return {"ev": "cow", "seq": "req-a#1", "src": src, "dst": dst, "step": step}
+
+    batches = [(4, [{"ev": "alloc", "block": 3, "seq": "req-b", "step": 4}]),  # freed again by step 5
+               (5, [cow(5, 0, 1), {"ev": "evict", "block": 2, "step": 5}]),
+               (6, [cow(6, 0, 4), {"ev": "evict", "block": 5, "step": 6}])]
+    hello = sse("hello", {"step": 4, "num_blocks": 8, "block_size": 16, "queue": 64})
+    bodies = [hello, hello + "".join(sse("step", {"step": step, "dropped": 0, "events": events})
+                                     for step, events in batches)]
+    served, paused = [], []
+
+    def events(route):
+        # The first connection ends at once; the second (made while paused) brings the batches;
+        # any later one is refused, so nothing is served twice.
+        if served == [hello] and not paused:
+            route.abort()
+            return
+        if len(served) == len(bodies):
+            route.abort()
+            return
+        served.append(bodies[len(served)])
+        route.fulfill(status=200, content_type="text/event-stream", body=served[-1])
+
+    snap = pool_snapshot(5, [{"request_id": "req-a", "status": "running"}], {0: "req-a", 1: "req-a"})
+    ctx = browser.new_context(viewport=VIEWPORT, http_credentials={"username": "dash", "password": KEY})
+    try:
+        ctx.route("**/kv/events", events)
+        ctx.route("**/kv/snapshot", lambda route: route.fulfill(status=200, content_type="application/json",
+                                                                body=json.dumps(snap)))
+        page = ctx.new_page()
+        assert page.goto(server.url + "/dashboard").status == 200
+        page.wait_for_function("() => kvDashboard.status === 'error'")  # the first stream ended
+        page.evaluate("() => kvDashboard.pause()")
+        paused.append(True)
+        # Reconnected while paused: the snapshot loaded, the batches after it kept (the scripted
+        # stream then ends again, so the page is not "ready" any more; what it kept stays).
+        page.wait_for_function("() => kvDashboard.keptStep === 6", timeout=30_000)
+        page.evaluate("() => kvDashboard.resume()")
+        assert page.evaluate("() => kvDashboard.step") == 6
+        totals = page.evaluate("() => kvDashboard.totals")
+        assert (totals["cow"], totals["evictions"]) == (1, 1)
+        assert page.evaluate("() => kvDashboard.cows") == [{"step": 6, "seq": "req-a#1", "src": 0, "dst": 4}]
+        assert page.evaluate("(b) => kvDashboard.block(b).state", 3) == "free"  # step 4 not replayed
+    finally:
+        ctx.close()
+
+
+def test_aggregated_cells_fill_in_proportion_to_their_blocks(server, browser):
+    """A pool too big for one cell per block, from a scripted snapshot (block i: in use when
+    i % 4 == 0, cached when 1, else free): each cell is split left to right in proportion to its
+    blocks' states (shared, in use, cached, free), measured along a row of its pixels."""
+    n = 20_000
+    rows = [{"id": i, "ref_count": int(i % 4 == 0), "owners": ["req-a"] if i % 4 == 0 else [],
+             "hash": f"{i:012x}" if i % 4 == 1 else None, "parent": None, "position": None, "last_event": None}
+            for i in range(n)]
+    snap = json.dumps({"step": 0, "num_blocks": n, "block_size": 16, "blocks": rows, "requests": []})
+    hello = sse("hello", {"step": 0, "num_blocks": n, "block_size": 16, "queue": 64})
+    ctx = browser.new_context(viewport={"width": 400, "height": 900},
+                              http_credentials={"username": "dash", "password": KEY})
+    try:
+        ctx.route("**/kv/events", lambda route: route.fulfill(status=200, content_type="text/event-stream", body=hello))
+        ctx.route("**/kv/snapshot", lambda route: route.fulfill(status=200, content_type="application/json", body=snap))
+        page = ctx.new_page()
+        assert page.goto(server.url + "/dashboard").status == 200
+        page.wait_for_function("() => kvDashboard.numBlocks === 20000 && kvDashboard.counts.cached === 5000")
+        palette = page.evaluate("() => kvDashboard.palette")
+        per = page.evaluate("() => kvDashboard.blocksPerCell")
+        assert per >= 2
+        for cell in (0, 1, 7):
+            blocks = [page.evaluate("(b) => kvDashboard.block(b).state", b) for b in range(cell * per, (cell + 1) * per)]
+            inner = round(page.evaluate("() => kvDashboard.cellPixels"))  # no gap below 7 pixels
+            assert inner < 7
+            centre = page.evaluate("(b) => kvDashboard.cellCentre(b)", cell * per)
+            png = page.screenshot(clip={"x": round(centre["x"] - inner / 2), "y": int(centre["y"]), "width": inner,
+                                        "height": 1})
+            img = Image.open(io.BytesIO(png)).convert("RGB")
+            drawn = [img.getpixel((x, 0)) for x in range(img.width)]
+            expected, done, edge = [], 0, 0
+            for state in ("shared", "in_use", "cached", "free"):
+                done += blocks.count(state)
+                right = math.floor(done / per * inner + 0.5)  # JavaScript's Math.round, not Python's
+                expected += [hex_rgb(palette[state])] * (right - edge)
+                edge = right
+            assert drawn == expected, (cell, blocks, drawn)
+    finally:
+        ctx.close()
 
 
 def test_injected_audit_violation_is_highlighted_on_the_named_block(browser):
@@ -304,6 +577,7 @@ def test_injected_audit_violation_is_highlighted_on_the_named_block(browser):
         ctx, page = open_dashboard(browser, srv, None, viewport={"width": 400, "height": 900})  # no --api-key: open
         palette = page.evaluate("() => kvDashboard.palette")
         assert page.evaluate("() => kvDashboard.blocksPerCell") >= 2
+        page_blocks = page.evaluate("() => kvDashboard.numBlocks")
         prompt = list(range(300, 340))
         status, _ = srv.post_json("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 3})
         assert status == 200
@@ -313,11 +587,16 @@ def test_injected_audit_violation_is_highlighted_on_the_named_block(browser):
                                               srv.log_text()), "the audit's report in the server log")
         invariant, step, block = logged.group(1), int(logged.group(2)), int(logged.group(3))
         assert invariant == "refcount_matches_tables"
+        assert re.search(r"WARNING .*--inject-fault share_without_incref", srv.log_text())  # said at startup
         violations = wait_until(lambda: page.evaluate("() => kvDashboard.violations"), "the violation on the page")
         assert violations == [{"block": block, "invariant": invariant, "step": step}]
         banner = page.locator(f'#violations [data-block="{block}"]')
         banner.wait_for()
         assert invariant in banner.inner_text()
+        # Not "the event stream ended": the page asks the server why, and says so. (Awaited
+        # before reading pixels: the status line's new text can move the grid down.)
+        page.wait_for_function("() => kvDashboard.status === 'stopped'")
+        assert invariant in page.locator("#status").inner_text()
         assert pixel_at_block(page, block) == hex_rgb(palette["violation"])
         c = page.evaluate("(b) => kvDashboard.cellCentre(b)", block)
         page.mouse.move(c["x"], c["y"])
@@ -329,6 +608,28 @@ def test_injected_audit_violation_is_highlighted_on_the_named_block(browser):
         red = sum(n for n, rgb in img.getcolors(maxcolors=1 << 16) if rgb == hex_rgb(palette["violation"]))
         side = page.evaluate("() => kvDashboard.cellPixels")
         assert 0 < red <= side * side  # one cell's worth at most
+        assert page.dash_errors == []
+        ctx.close()
+
+        # The stopped engine still answers for its pool: a 503 for scripts, with the verdict
+        # (redacted: no owners, no detail) and the pool as it stopped.
+        status, _, body = srv.request("GET", "/kv/snapshot")
+        dead = json.loads(body)
+        assert status == 503 and dead["error"]["code"] == "engine_dead"
+        assert dead["audit_failure"] == {"block": block, "invariant": invariant, "step": step}
+        assert dead["snapshot"]["num_blocks"] == page_blocks and len(dead["snapshot"]["blocks"]) == page_blocks
+        assert "owners" not in dead["error"]["message"] and invariant in dead["error"]["message"]
+
+        # A page opened after the stop (a reload) shows the violation too, on the named block.
+        ctx, page = open_dashboard(browser, srv, None, viewport={"width": 400, "height": 900},
+                                   until="kvDashboard.violations.length > 0")
+        assert page.evaluate("() => kvDashboard.violations") == [{"block": block, "invariant": invariant, "step": step}]
+        page.locator(f'#violations [data-block="{block}"]').wait_for()
+        page.wait_for_function("() => kvDashboard.status === 'stopped'")
+        assert "audit violation" in page.locator("#status").inner_text()
+        assert page.evaluate("(b) => kvDashboard.block(b).violation", block) == {"invariant": invariant, "step": step}
+        wait_until(lambda: pixel_at_block(page, block) == hex_rgb(palette["violation"]),
+                   "the named block painted red on the reloaded page")
         assert page.dash_errors == []
         ctx.close()
     finally:

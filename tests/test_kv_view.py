@@ -154,6 +154,30 @@ def test_step_batches_carry_audit_verdicts_and_a_failure_names_only_the_invarian
     assert got[-1] == (3, [{"ev": "audit", "step": 3, "ok": False, "invariant": "salt_isolation", "block": 5}])
 
 
+def test_a_failed_audit_is_kept_redacted_after_the_engine_stops():
+    """What a view opened after the stop gets (/kv/snapshot's dead-engine answer): the invariant,
+    block and step, and a dead reason that quotes neither the audit's detail nor its owners."""
+    class FakeLoop:
+        def call_soon_threadsafe(self, fn, *args):
+            fn(*args)
+
+    def failing_step():
+        raise AuditError("salt_isolation", "salt 'tenant-secret' reached another tenant", block=5,
+                         owners=["req-victim"], step=9)
+
+    engine = SimpleNamespace(manager=SimpleNamespace(num_blocks=8), view_tap=None, step_count=9, auditor=None,
+                             has_unfinished_requests=lambda: True, step=failing_step)
+    ae = AsyncEngine(engine, ServerMetrics("m"))
+    ae._loop = FakeLoop()
+    ae._run()  # returns once the step has failed
+    assert ae.audit_failure == {"invariant": "salt_isolation", "block": 5, "step": 9}
+    assert "salt_isolation" in ae.dead and "block 5" in ae.dead
+    assert "tenant-secret" not in ae.dead and "req-victim" not in ae.dead
+    with pytest.raises(RuntimeError):  # a live engine is read through call(), never this way
+        asyncio.run(AsyncEngine(engine, ServerMetrics("m")).read_stopped(lambda: None))
+    assert asyncio.run(ae.read_stopped(lambda: "the pool")) == "the pool"  # no thread: nothing to wait for
+
+
 # ---- a real server ------------------------------------------------------------------------------
 
 PREFIX = ("The history of the lighthouse keepers of the northern coast is a long one. Each keeper kept a log "

@@ -124,6 +124,10 @@ class AsyncEngine:
         self.snapshot = EngineSnapshot(blocks_total=engine.manager.num_blocks)
         self.heartbeat = time.monotonic()
         self.dead: str | None = None
+        # The broken invariant when an audit stopped the engine: {"invariant", "block", "step"},
+        # kept so a view opened after the stop can still show it (only these three: the audit's
+        # detail can quote a salt, its owners and events name requests).
+        self.audit_failure: dict | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
@@ -202,6 +206,17 @@ class AsyncEngine:
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._queue(_Call(fn, future))
         return await asyncio.wrap_future(future)
+
+    async def read_stopped(self, fn: Callable[[], object], timeout: float = 5.0):
+        """fn() on the calling thread, for a dead engine only: once its thread has exited nothing
+        else touches the engine, so its last state (where an audit stopped it) can be read."""
+        if self.dead is None:
+            raise RuntimeError("read_stopped() is for a dead engine; use call()")
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, timeout)  # _die is setting the last things
+            if self._thread.is_alive():
+                raise EngineDeadError(self.dead)
+        return fn()
 
     def post(self, fn: Callable[[], object]) -> None:
         """fn() on the engine thread between two steps, nobody waiting; dropped when the engine
@@ -288,9 +303,16 @@ class AsyncEngine:
                 with self._cond:
                     self.snapshot = self._take_snapshot()
         except BaseException as e:  # a bug in a step: fail loudly, never hang the clients
-            logger.exception("engine loop failed")
+            logger.exception("engine loop failed")  # the whole report, audit detail included: the log only
+            reason = f"{type(e).__name__}: {e}"
+            if isinstance(e, AuditError):
+                self.audit_failure = self._audit_verdict(e)
+                # The reason reaches clients (/health, every 503): the redacted verdict only.
+                f = self.audit_failure
+                reason = (f"AuditError: invariant '{f['invariant']}' violated at step {f['step']}"
+                          + (f" on block {f['block']}" if f["block"] is not None else "") + " (details in the server log)")
             self._flush_view_on_failure(e)
-            self._die(f"{type(e).__name__}: {e}")
+            self._die(reason)
 
     def _apply(self, commands: list) -> None:
         added = 0
@@ -350,6 +372,11 @@ class AsyncEngine:
         if stepped or events:
             self._call_in_loop(self._view_sink, engine.step_count, events)
 
+    def _audit_verdict(self, error: AuditError) -> dict:
+        """What a view may know of a failed audit: the invariant, the block, the step."""
+        step = error.step if error.step is not None else self.engine.step_count
+        return {"invariant": error.invariant, "block": error.block, "step": step}
+
     def _flush_view_on_failure(self, error: BaseException) -> None:
         """The events up to a failure, and the broken invariant when the audit failed, so a view
         shows why the engine stopped (only the invariant's name and block: a detail can quote
@@ -358,8 +385,7 @@ class AsyncEngine:
             return
         events = self.engine.view_tap.take()
         if isinstance(error, AuditError):
-            events.append({"ev": "audit", "step": self.engine.step_count, "ok": False, "invariant": error.invariant,
-                           "block": error.block})
+            events.append({"ev": "audit", "ok": False, **self._audit_verdict(error)})
         self._call_in_loop(self._view_sink, self.engine.step_count, events)
 
     def _abort(self, cmd: _Abort) -> None:

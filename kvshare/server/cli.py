@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import logging
 import os
 
 from kvshare.engine_args import add_engine_args, engine_options
@@ -50,7 +51,8 @@ def add_serve_parser(sub) -> None:
                    help="how the front end picks a replica: prefix_aware (where the longest prefix of the prompt "
                         "is cached, balanced against load), round_robin, least_loaded (default: prefix_aware)")
     # Test-only: plant a known bug class (kvshare.testing.faults) so the dashboard's test can show
-    # an audit violation on a real server (with --audit the engine stops at the violation).
+    # an audit violation on a real server (with --audit the engine stops at the violation). Hidden
+    # from --help, and refused without --audit (cmd_serve).
     p.add_argument("--inject-fault", default=None, help=argparse.SUPPRESS)
     # Internal: a replica serves the socket its data-parallel front end bound for it (fd inherited).
     p.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)
@@ -96,6 +98,24 @@ def read_chat_template(path: str | None) -> str | None:
         raise ValueError(f"--chat-template {path}: cannot read the template file ({e})") from None
 
 
+def check_inject_fault(args: argparse.Namespace) -> None:
+    """--inject-fault plants a bug that corrupts other requests' KV on purpose: it runs only with
+    the explicit --audit flag (KVSHARE_AUDIT is not enough: an environment variable is too easy to
+    lose), so the engine stops at the first violation instead of serving wrong answers. Checked
+    before the model loads, so a typo or a missing --audit fails at once rather than after the
+    load (and once, not in each of N data-parallel replicas)."""
+    from kvshare.testing.faults import FAULTS
+
+    if not args.audit:
+        raise ValueError(f"--inject-fault {args.inject_fault} needs --audit: the planted bug corrupts the KV "
+                         "cache, and only the audit stops the engine at it (a test-only option)")
+    if args.inject_fault not in FAULTS:
+        raise ValueError(f"--inject-fault {args.inject_fault!r} is unknown; known: {sorted(FAULTS)}")
+    logging.getLogger("kvshare.server").warning(
+        "--inject-fault %s: this server plants a KV cache bug on purpose (a test-only option); the audit will "
+        "stop the engine at the first violation. Never use it to serve real traffic.", args.inject_fault)
+
+
 def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
     from kvshare.config import EngineConfig
     from kvshare.engine.llm_engine import LLMEngine
@@ -114,9 +134,7 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser | None =
         grammar_compile_timeout=args.grammar_compile_timeout, listen_fd=args.listen_fd,
     )
     if args.inject_fault is not None:
-        from kvshare.testing.faults import FAULTS
-        if args.inject_fault not in FAULTS:
-            raise ValueError(f"--inject-fault {args.inject_fault!r} is unknown; known: {sorted(FAULTS)}")
+        check_inject_fault(args)
     if args.data_parallel_size != 1:
         return serve_replicas(args, parser, cfg)
     engine = LLMEngine(EngineConfig.from_kwargs(**engine_options(args)))

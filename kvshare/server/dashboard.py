@@ -6,6 +6,7 @@ and asks for the key. The files are read once, when the routes are made."""
 from __future__ import annotations
 
 from importlib import resources
+from types import MappingProxyType
 
 from fastapi import FastAPI
 from starlette.responses import RedirectResponse, Response
@@ -15,12 +16,17 @@ from kvshare.server.middleware import DASHBOARD_PATH
 
 PAGE = "dashboard.html"
 # What the page may load besides itself: its own script and style, nothing from elsewhere.
-ASSETS = {"dashboard.js": "text/javascript; charset=utf-8", "dashboard.css": "text/css; charset=utf-8"}
-SECURITY_HEADERS = {
-    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'",
+# Read-only views: module-level tables no route may change.
+ASSETS = MappingProxyType({"dashboard.js": "text/javascript; charset=utf-8",
+                           "dashboard.css": "text/css; charset=utf-8"})
+SECURITY_HEADERS = MappingProxyType({
+    # base-uri and form-action do not fall back to default-src: without them an injected <base>
+    # or <form> could point the page's relative fetches or a submission elsewhere.
+    "Content-Security-Policy": ("default-src 'self'; img-src 'self' data:; frame-ancestors 'none'; "
+                                "base-uri 'none'; form-action 'none'"),
     "X-Content-Type-Options": "nosniff",
     "Cache-Control": "no-cache",
-}
+})
 
 
 def read_static(name: str) -> bytes:

@@ -1,22 +1,25 @@
 """The live KV view's data endpoints: GET /kv/snapshot (the pool block by block, JSON) and
 GET /kv/events (block events, one server-sent event per engine step). Both sit behind --api-key
 when one is set (GuardMiddleware). The snapshot is taken on the engine thread between steps,
-never beside a running one."""
+never beside a running one (or, once the engine has stopped, from the state it stopped in)."""
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Callable
 
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse
 
 from kvshare.engine.kv_view import kv_snapshot
-from kvshare.server.errors import APIError
+from kvshare.server.errors import APIError, EngineDeadError
 from kvshare.server.kv_stream import (DEFAULT_QUEUE_BATCHES, EventRedactor, KVEventHub, sse_message,
                                       step_message)
 from kvshare.server.serving import ClosingSSEResponse
 from kvshare.server.state import ServerState
+
+logger = logging.getLogger("kvshare.server")
 
 POLL_SECONDS = 1.0  # how soon an idle stream notices a shutdown
 KEEPALIVE_SECONDS = 15.0  # a comment line on an idle stream, so proxies and clients keep it open
@@ -57,6 +60,20 @@ def read_query(raw: Request, accepted: dict[str, Callable[[str, str], object]]) 
     return out
 
 
+async def dead_engine_reply(engine, read: Callable[[], dict]) -> JSONResponse:
+    """/kv/snapshot once the engine has stopped: still a 503 (engine_dead) for scripts, but with
+    the pool as the engine left it and the failed audit's verdict, so a page opened or reloaded
+    after an audit stopped the engine still shows which invariant broke on which block."""
+    err = EngineDeadError(engine.dead or "stopped")
+    try:
+        snap = await engine.read_stopped(read)
+    except Exception:  # noqa: BLE001 - a pool too broken to read: the verdict alone
+        logger.exception("the stopped engine's pool could not be read for /kv/snapshot")
+        snap = None
+    return JSONResponse({**err.body(), "audit_failure": engine.audit_failure, "snapshot": snap},
+                        status_code=err.status)
+
+
 def add_kv_view_routes(app: FastAPI, state: ServerState) -> None:
     engine = state.engine
     hub = KVEventHub(engine, EventRedactor(show_tokens=state.config.log_prompts))
@@ -66,8 +83,16 @@ def add_kv_view_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/kv/snapshot")
     async def snapshot(raw: Request):
         blocks = read_query(raw, snapshot_query).get("blocks", "all")
-        # Plain JSON types already: straight to the response, not through FastAPI's encoder.
-        return JSONResponse(await engine.call(lambda: kv_snapshot(engine.engine, blocks)))
+        def read() -> dict:
+            return kv_snapshot(engine.engine, blocks)
+
+        if engine.dead is None:
+            try:
+                # Plain JSON types already: straight to the response, not through FastAPI's encoder.
+                return JSONResponse(await engine.call(read))
+            except EngineDeadError:
+                pass  # it stopped while this waited: answered as below
+        return await dead_engine_reply(engine, read)
 
     @app.get("/kv/events")
     async def events(raw: Request):

@@ -8,7 +8,8 @@ browser cannot add a Bearer header to a page it navigates to, but it asks for Ba
 on a 401 that offers them and then sends them with the page's own fetches. Basic is accepted on
 the view only (read-only GETs): the browser attaches those credentials by itself, so they must
 open nothing that changes state; and a Basic request another site made the browser send
-(Sec-Fetch-Site cross-site or same-site) is refused.
+(Sec-Fetch-Site cross-site or same-site) is refused with a 403 of its own and no challenge (a
+challenge would only have the browser ask for the key again, for the same refusal).
 """
 from __future__ import annotations
 
@@ -29,6 +30,9 @@ GUARDED_PATHS = frozenset({"/tokenize", "/detokenize"})
 VIEW_PREFIX = "/kv/"
 DASHBOARD_PATH = "/dashboard"  # the page, and its script and style under /dashboard/
 BASIC_REALM = "kvshare"
+# Sec-Fetch-Site values of a request the user made on the server's own page or by typing the
+# address; absent (a script, an older browser): not a browser acting for another site.
+OWN_SITE = (b"same-origin", b"none")
 
 
 class GuardMiddleware:
@@ -82,11 +86,13 @@ class GuardMiddleware:
         if self.state.config.api_key is not None:
             headers = dict(scope["headers"])
             header = headers.get(b"authorization", b"")
-            ok = self._authorized(header) or (
-                self._basic_authorized(header) and headers.get(b"sec-fetch-site", b"same-origin")
-                in (b"same-origin", b"none"))
-            if not ok:
-                return await self._reject(scope, receive, send, "unauthorized", _unauthorized_view())
+            if not self._authorized(header):
+                site = headers.get(b"sec-fetch-site", b"same-origin")
+                if header[:6].lower() == b"basic " and site not in OWN_SITE:
+                    # Whatever the credentials: another site made the browser send them.
+                    return await self._reject(scope, receive, send, "unauthorized", _cross_site_view(site))
+                if not self._basic_authorized(header):
+                    return await self._reject(scope, receive, send, "unauthorized", _unauthorized_view())
         await self.app(scope, receive, send)
 
     async def _forward(self, scope, body: bytes, receive, send) -> None:
@@ -151,6 +157,12 @@ def _unauthorized() -> APIError:
 
 def is_view_path(path: str) -> bool:
     return path.startswith(VIEW_PREFIX) or path == DASHBOARD_PATH or path.startswith(DASHBOARD_PATH + "/")
+
+
+def _cross_site_view(site: bytes) -> APIError:
+    return APIError(403, f"refused: the browser sent the dashboard's credentials on a request another site made "
+                         f"(Sec-Fetch-Site: {site.decode('latin-1')[:20]}); open the dashboard by its own address",
+                    code="cross_site_request")
 
 
 def _unauthorized_view() -> APIError:

@@ -62,6 +62,9 @@
     }
 
     load(snap) {
+      // Hits, copies and preemptions are counted from events only (a snapshot has none of them):
+      // a request the snapshot still lists keeps what this page counted for it.
+      const before = this.requests ?? new Map();
       if (snap.num_blocks !== this.numBlocks || snap.block_size !== this.blockSize) {
         this.reset(snap.num_blocks, snap.block_size);
         this.layoutChanged = true;
@@ -82,7 +85,11 @@
       }
       this.recount();
       for (const r of snap.requests) {
-        this.request(r.request_id).status = r.status;
+        const old = before.get(r.request_id);
+        if (old !== undefined) this.requests.set(r.request_id, old);
+        // A preempted request waits again: still "preempted" here until it is re-admitted.
+        const row = this.request(r.request_id);
+        if (!(row.status === "preempted" && r.status === "waiting")) row.status = r.status;
       }
       this.step = snap.step;
       this.allDirty = true;
@@ -199,15 +206,19 @@
         case "fork":
           if (live) log(e, `fork ${e.parent} → ${e.seq}`);
           return;
-        case "preempt":
+        case "preempt": {
+          // Its row stays (holding no blocks, it would otherwise expire as finished) until it
+          // is re-admitted, and its count goes on from there.
+          const r = this.request(requestOf(e.seq));
+          r.status = "preempted";
+          r.seen = performance.now();
           if (live) {
             this.totals.preemptions += 1;
-            const r = this.request(requestOf(e.seq));
             r.preempted += 1;
-            r.status = "preempted";
             log(e, `preempt ${e.seq} (its blocks go back; recomputed later)`);
           }
           return;
+        }
         case "abort": {
           const r = this.request(requestOf(e.seq));
           r.status = "aborted";
@@ -227,6 +238,9 @@
 
     violate(e, log) {
       const v = { block: e.block ?? null, invariant: e.invariant, step: e.step };
+      // The same verdict can arrive twice: from the event stream, then from the stopped
+      // engine's snapshot answer on a reconnect.
+      if (this.violations.some((w) => w.block === v.block && w.invariant === v.invariant && w.step === v.step)) return;
       this.violations.push(v);
       if (v.block !== null) {
         this.violated.set(v.block, v);
@@ -297,23 +311,48 @@
       this.canvas.style.width = `${cols * cell}px`;
       this.canvas.style.height = `${this.rows * cell}px`;
       this.ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
-      const note = this.perCell > 1 ? `one cell = ${this.perCell} blocks (the busiest state shows)` : "one cell per block";
+      const note = this.perCell > 1 ? `one cell = ${this.perCell} blocks (filled in proportion to their states)` : "one cell per block";
       $("#grid-note").textContent = `${note}; hover for details`;
       this.drawAll();
     }
 
     cellOf(block) { return Math.floor(block / this.perCell); }
 
-    // A cell shows the most telling state among its blocks: violation > shared > in use > cached > free.
-    colourOf(c) {
+    // How many of a cell's blocks are in each state (by code), or null when one of them broke an
+    // invariant: then the whole cell is the violation's colour, so it cannot be missed.
+    statesOf(c) {
       const m = this.model;
       const first = c * this.perCell, end = Math.min(m.numBlocks, first + this.perCell);
-      let best = FREE;
+      const counts = [0, 0, 0, 0];
       for (let id = first; id < end; id++) {
-        if (m.violated.has(id)) return PALETTE.violation;
-        if (m.code[id] > best) best = m.code[id];
+        if (m.violated.has(id)) return null;
+        counts[m.code[id]] += 1;
       }
-      return STATE_COLOUR[best];
+      return counts;
+    }
+
+    // A cell of several blocks is split left to right in proportion to its blocks' states (shared,
+    // in use, cached, free), so a half-used cell looks half used; band edges fall on device
+    // pixels, so no blended colour appears between them.
+    fillCell(c, x, y, side) {
+      const ctx = this.ctx, counts = this.statesOf(c);
+      if (counts === null) {
+        ctx.fillStyle = PALETTE.violation;
+        ctx.fillRect(x, y, side, side);
+        return;
+      }
+      const total = counts[0] + counts[1] + counts[2] + counts[3];
+      let done = 0, left = 0;
+      for (const code of [SHARED, IN_USE, CACHED, FREE]) {
+        if (!counts[code]) continue;
+        done += counts[code];
+        const right = Math.round((done / total) * side * this.dpr) / this.dpr;
+        if (right > left) {
+          ctx.fillStyle = STATE_COLOUR[code];
+          ctx.fillRect(x + left, y, right - left, side);
+        }
+        left = right;
+      }
     }
 
     drawCell(c, now) {
@@ -321,8 +360,7 @@
       const x = (c % this.cols) * s, y = Math.floor(c / this.cols) * s;
       ctx.fillStyle = "#ffffff";
       ctx.fillRect(x, y, s, s);
-      ctx.fillStyle = this.colourOf(c);
-      ctx.fillRect(x, y, s - g, s - g);
+      this.fillCell(c, x, y, s - g);
       const first = c * this.perCell;
       for (let id = first; id < first + this.perCell; id++) {
         const until = this.flashes.get(id);
@@ -554,6 +592,12 @@
   }
 
   // ---- the page --------------------------------------------------------------------------------
+  function httpError(path, status, body) {
+    let message = body.slice(0, 200);
+    try { message = JSON.parse(body).error.message ?? message; } catch (err) { /* not JSON: as sent */ }
+    return new Error(`GET ${path}: HTTP ${status}: ${message}`);
+  }
+
   class Dashboard {
     constructor() {
       this.model = new PoolModel();
@@ -564,6 +608,10 @@
       this.resyncOnResume = false;
       this.syncing = false;
       this.held = [];           // batches that arrive while a snapshot is read
+      // The step of the snapshot the model was last loaded from: a batch of an earlier step is
+      // already in it, one of that same step may be (so neither counts as news).
+      this.snapStep = -Infinity;
+      this.deadPoolLoaded = false; // whether the stopped engine's pool has been loaded
       this.ready = false;
       this.status = "connecting";
       this.error = null;
@@ -606,8 +654,39 @@
     async getJSON(path) {
       const resp = await fetch(path, { cache: "no-store" });
       const body = await resp.text();
-      if (!resp.ok) throw new Error(`GET ${path}: HTTP ${resp.status} ${body.slice(0, 200)}`);
+      if (!resp.ok) throw httpError(path, resp.status, body);
       return JSON.parse(body);
+    }
+
+    // After the stream failed or ended: whether the engine stopped. A stopped engine's
+    // kv/snapshot answer (503, engine_dead) still carries the pool as it stopped and the failed
+    // audit's verdict, so a page opened after the stop shows it too. Returns the server's
+    // reason, or null when the engine still runs (or the server cannot be asked).
+    async engineStopped() {
+      // Asked again at every retry: the question is small, the stopped pool is loaded once.
+      const probe = await this.deadReply("kv/snapshot?blocks=none");
+      if (probe === null) return null;
+      if (!this.deadPoolLoaded) {
+        const full = await this.deadReply("kv/snapshot");
+        if (full?.snapshot) {
+          this.loadSnapshot(full.snapshot);
+          this.deadPoolLoaded = true;
+        }
+      }
+      const f = probe.audit_failure;
+      if (f) this.model.violate({ ev: "audit", ok: false, ...f }, (e, t) => this.log(e, t));
+      return probe.error.message;
+    }
+
+    // The body of a stopped engine's answer at `path`, or null for any other answer.
+    async deadReply(path) {
+      try {
+        const resp = await fetch(path, { cache: "no-store" });
+        const body = JSON.parse(await resp.text());
+        return !resp.ok && body?.error?.code === "engine_dead" ? body : null;
+      } catch (err) {
+        return null; // unreachable, or not JSON: not a stopped engine's answer
+      }
     }
 
     // Stream first, snapshot second: a step between the two is in the stream (and applying it
@@ -615,6 +694,7 @@
     async connect() {
       for (;;) {
         const stop = new AbortController(); // a failed attempt must not leave its stream open
+        this.stopStream = stop;
         try {
           this.syncing = true;
           this.held = [];
@@ -624,15 +704,24 @@
           });
           await hello;
           await this.resync();
+          this.deadPoolLoaded = false; // a (restarted) engine runs: a later stop is loaded afresh
           this.setStatus(this.paused ? "paused" : "live", this.paused ? "paused" : "live");
           this.ready = true;
           await this.streaming;
           throw new Error("the event stream ended");
         } catch (err) {
           stop.abort();
-          this.error = String(err.message ?? err);
-          const stopped = this.model.violations.length ? "stopped" : "error";
-          this.setStatus(stopped, `${stopped === "stopped" ? "engine stopped at an audit violation" : "disconnected"}: ${this.error}; retrying`);
+          this.ready = false;
+          // The stream ends (or is refused) for one reason the page must not hide: the engine
+          // stopped. Then the server's own reason is the error, not the stream's end.
+          const dead = await this.engineStopped();
+          this.error = dead ?? String(err.message ?? err);
+          if (dead !== null) {
+            const why = this.model.violations.length ? "engine stopped at an audit violation" : "engine stopped";
+            this.setStatus("stopped", `${why}: ${this.error}`);
+          } else {
+            this.setStatus("error", `disconnected: ${this.error}; retrying`);
+          }
           await new Promise((r) => setTimeout(r, RECONNECT_MS));
         }
       }
@@ -640,7 +729,7 @@
 
     async stream(onHello, signal) {
       const resp = await fetch("kv/events", { cache: "no-store", signal });
-      if (!resp.ok) throw new Error(`GET kv/events: HTTP ${resp.status} ${(await resp.text()).slice(0, 200)}`);
+      if (!resp.ok) throw httpError("kv/events", resp.status, await resp.text());
       const reader = resp.body.getReader();
       const decoder = new TextDecoder();
       let buf = "";
@@ -666,24 +755,37 @@
       }
     }
 
+    loadSnapshot(snap) {
+      this.model.load(snap);
+      this.snapStep = snap.step;
+      // What a pause kept is older than this snapshot: replayed on resume it would undo it.
+      this.pausedBatches = [];
+      this.pausedEvents = 0;
+      this.resyncOnResume = false;
+      this.renderPoolSize();
+    }
+
     async resync() {
+      // Batches held so far stay: connect() starts holding at the stream's hello, and those that
+      // came between it and this call may be newer than the snapshot (older ones are dropped).
       this.syncing = true;
-      this.held = [];
       try {
-        const snap = await this.getJSON("kv/snapshot");
-        this.model.load(snap);
-        this.renderPoolSize();
+        this.loadSnapshot(await this.getJSON("kv/snapshot"));
         const held = this.held;
         this.held = [];
         this.syncing = false;
-        for (const batch of held) if (batch.step >= snap.step) this.receive(batch, batch.step > snap.step);
+        for (const batch of held) this.receive(batch);
       } finally {
         this.syncing = false;
       }
     }
 
-    receive(batch, live = true) {
+    receive(batch) {
       if (this.syncing) { this.held.push(batch); return; }
+      // Already in the snapshot (an earlier step), or perhaps in it (its own step: applied, as
+      // every event sets state absolutely, but not counted or logged again).
+      if (batch.step < this.snapStep) return;
+      const live = batch.step > this.snapStep;
       if (batch.dropped > 0) {
         // This client fell behind and lost batches: start again from a snapshot.
         if (this.paused) { this.resyncOnResume = true; return; }
@@ -726,6 +828,27 @@
         for (const b of batches) this.receive(b);
       }
       if (this.ready) this.setStatus("live", "live");
+    }
+
+    // While paused: apply the kept batches up to engine step `step` (not beyond), and show that
+    // state. The page then holds the pool exactly as it was after that step, which a test can
+    // compare with a server reading taken at the same step. Returns the step the page is at.
+    advanceTo(step) {
+      if (!this.paused) throw new Error("advanceTo() is for a paused page");
+      let n = 0;
+      while (n < this.pausedBatches.length && this.pausedBatches[n].step <= step) n++;
+      const batches = this.pausedBatches.splice(0, n);
+      for (const b of batches) this.pausedEvents -= b.events.length;
+      this.paused = false; // receive() applies instead of keeping
+      try {
+        for (const b of batches) this.receive(b);
+      } finally {
+        this.paused = true;
+      }
+      if (this.grid) this.grid.draw(performance.now());
+      this.renderCounts();
+      this.renderPanels();
+      return this.model.step;
     }
 
     renderPoolSize() {
@@ -796,7 +919,9 @@
       const now = performance.now();
       for (const [rid, r] of m.requests) {
         if (!held.has(rid) && r.status === "running") { r.status = "finished"; r.seen = now; }
-        if (!held.has(rid) && r.status !== "waiting" && now - r.seen > FINISHED_REQUEST_MS) m.requests.delete(rid);
+        // Waiting and preempted requests hold nothing yet are not done: they stay listed.
+        const pending = r.status === "waiting" || r.status === "preempted";
+        if (!held.has(rid) && !pending && now - r.seen > FINISHED_REQUEST_MS) m.requests.delete(rid);
       }
       for (const rid of held.keys()) {
         const r = m.request(rid);
@@ -917,6 +1042,10 @@
     get cows() { return dash.model.cows.map(({ at, ...c }) => c); },
     pause() { dash.pause(); },
     resume() { dash.resume(); },
+    advanceTo(step) { return dash.advanceTo(step); },
+    // Drop the event stream as a network failure would (the page reconnects and resyncs).
+    reconnect() { dash.stopStream?.abort(); },
+    get keptStep() { const b = dash.pausedBatches; return b.length ? b[b.length - 1].step : null; },
     block(id) { return dash.model.block(id); },
     cellCentre(id) { return dash.grid ? dash.grid.centre(id) : null; },
     sharingGroups() { return sharingGroups(dash.model).map((g) => ({ owners: g.owners, blocks: g.blocks.slice().sort((a, b) => a - b) })); },
