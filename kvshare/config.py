@@ -126,6 +126,11 @@ class EngineConfig:
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
     kv_events_topic: str = ""
+    # BlockStored events carry the block's token ids, as vLLM's do. They are the tenants' prompts,
+    # and the event sockets have no authentication: False sends empty lists (the wire format stays
+    # valid; routers need only the hashes). The Ray replicas set False (their sockets are on the
+    # node's network); `kvshare serve --kv-events-endpoint` keeps vLLM's True.
+    kv_events_token_ids: bool = True
     # Prefix-cache block hashes start from a random per-process root, so they are never comparable
     # across processes. A seed makes them stable (the root is derived from it: every replica with
     # the same seed hashes alike, and a router can compute them from token ids); a tenant's
@@ -177,6 +182,8 @@ class EngineConfig:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint: there is nothing to replay")
         if not isinstance(self.kv_events_topic, str):
             raise ValueError(f"kv_events_topic={self.kv_events_topic!r} is invalid: must be a string")
+        if not isinstance(self.kv_events_token_ids, bool):
+            raise ValueError(f"kv_events_token_ids={self.kv_events_token_ids!r} is invalid: must be true or false")
         if self.data_parallel_rank is not None and (
                 not isinstance(self.data_parallel_rank, int) or isinstance(self.data_parallel_rank, bool)
                 or self.data_parallel_rank < 0):

@@ -14,6 +14,7 @@ from kvshare.bench.workloads import token_prompts
 from kvshare.config import EngineConfig
 from kvshare.kvcache.hashing import BlockHasher
 from kvshare.kvcache.kv_events import cached_hashes_from_events
+from kvshare.server.routing import Router
 
 BLOCK = 16
 
@@ -145,10 +146,36 @@ def test_reset_prefix_cache_publishes_all_blocks_cleared():
         llm.engine.close()
 
 
+def test_events_without_token_ids_still_route_by_hash():
+    """kv_events_token_ids=False (what the Ray replicas publish on their unauthenticated sockets):
+    BlockStored keeps vLLM's 7 fields but its token_ids are empty, so no prompt text leaves the
+    engine; the hashes alone rebuild the cache and a router still finds the prefix there."""
+    llm = LLM(kv_cache_memory="16MiB", kv_events_endpoint="tcp://127.0.0.1:0",
+              kv_events_replay_endpoint="tcp://127.0.0.1:0", prefix_caching_hash_seed="s1",
+              kv_events_token_ids=False)
+    try:
+        tok = llm.get_tokenizer()
+        prompt = token_prompts(tok.encode, [100])[0]
+        llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=2), use_tqdm=False)
+        llm.engine.publish_kv_events()
+        events = [e for _, p in replay(llm.engine.kv_event_publisher.replay_endpoint, 0) for e in decode(p)]
+        stored = [e for e in events if e[0] == "BlockStored"]
+        assert len(stored) >= 100 // BLOCK
+        assert all(len(e) == 7 and e[3] == [] and e[4] == BLOCK for e in stored), stored[0]
+        assert cached_hashes_from_events(events) == set(llm.engine.manager.pool.cached)
+        router = Router(2, block_size=BLOCK, hash_seed="s1")
+        router.replicas[1].apply(events)  # replica 1 published these; replica 0 holds nothing
+        decision = router.route(prompt + [7, 8, 9])
+        assert (decision.index, decision.reason, decision.matched_blocks) == (1, "prefix", 100 // BLOCK)
+    finally:
+        llm.engine.close()
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(kv_events_endpoint="127.0.0.1:5557"), "kv_events_endpoint='127.0.0.1:5557' is invalid"),
     (dict(kv_events_replay_endpoint="tcp://127.0.0.1:5558"), "kv_events_replay_endpoint needs kv_events_endpoint"),
     (dict(prefix_caching_hash_seed=""), "prefix_caching_hash_seed='' is invalid"),
+    (dict(kv_events_token_ids="no"), "kv_events_token_ids='no' is invalid"),
 ])
 def test_bad_kv_event_options_name_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message):

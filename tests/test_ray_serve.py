@@ -181,6 +181,44 @@ def test_prefix_aware_routing_keeps_each_tenant_on_its_replica(ray_app):
     assert sum(e["router"]["decisions"].get("prefix", 0) for e in after.values()) >= 6
 
 
+def replayed_events(endpoint: str) -> list:
+    """Every event a replica still buffers, from its replay socket (kvshare.engine.kv_event_publisher)."""
+    import msgpack
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 10_000)
+    sock.connect(endpoint)
+    try:
+        sock.send_multipart((b"", (0).to_bytes(8, "big", signed=True)))
+        events = []
+        while True:
+            _, seq, payload = sock.recv_multipart()
+            if int.from_bytes(seq, "big", signed=True) == -1:
+                return events
+            events.extend(msgpack.unpackb(payload, raw=False)[1])
+    finally:
+        sock.close(0)
+
+
+def test_replica_kv_events_carry_no_token_ids(ray_app):
+    """The event sockets are unauthenticated on the node's network: what anyone there can read is
+    block hashes, never a tenant's prompt (the routing test shows the router needs nothing more)."""
+    async def main():
+        c = client(ray_app)
+        try:
+            return await _chat(c, 4, "Hi?")
+        finally:
+            await c.close()
+
+    engine, _ = asyncio.run(main())
+    row = engines(ray_app)[int(engine)]
+    stored = [e for e in replayed_events(row["kv_events_replay_endpoint"]) if e[0] == "BlockStored"]
+    assert len(stored) >= 10  # tenant 4's system prompt alone is more than 10 blocks
+    assert all(len(e) == 7 and e[3] == [] and len(e[1][0]) == 32 for e in stored), stored[0]
+
+
 def test_bad_application_options_name_the_option():
     with pytest.raises(ValueError, match="unknown option 'num_replica'.*allowed are num_replicas"):
         parse_app_args({"num_replica": "2"})
@@ -188,6 +226,8 @@ def test_bad_application_options_name_the_option():
         parse_app_args({"max_num_seqs": "many"})
     with pytest.raises(ValueError, match="kv_events_endpoint is set by the application"):
         parse_app_args({"kv_events_endpoint": "tcp://127.0.0.1:5557"})
+    with pytest.raises(ValueError, match="kv_events_token_ids is set by the application"):
+        parse_app_args({"kv_events_token_ids": "true"})
     with pytest.raises(ValueError, match="routing_policy='nearest' is invalid: allowed are prefix_aware"):
         parse_app_args({"routing_policy": "nearest"})
     opts = parse_app_args({"num_replicas": "3", "kv_cache_memory": "64MiB", "enable_prefix_caching": "true"})

@@ -5,7 +5,8 @@ Wire format (what vLLM's ZmqEventPublisher sends, msgpack of msgspec array-like 
   PUB multipart [topic, seq, payload]: seq is the batch's sequence number, 8 bytes big-endian
   signed; payload is msgpack of [ts, [event, ...]] (+ data_parallel_rank when set), each event
   [tag, fields...]: ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
-  lora_id, medium], ["BlockRemoved", block_hashes, medium], ["AllBlocksCleared"].
+  lora_id, medium], ["BlockRemoved", block_hashes, medium], ["AllBlocksCleared"]. token_ids is
+  an empty list when the publisher is made with include_token_ids=False (the Ray replicas').
   Replay (ROUTER, optional): a DEALER sends [b"", start_seq (8 bytes big-endian)]; the replies are
   [b"", seq, payload] for every buffered batch with seq >= start_seq, then [b"", -1, b""].
 
@@ -24,8 +25,8 @@ import zmq
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 
 
-def encode_batch(events, ts: float, data_parallel_rank: int | None = None) -> bytes:
-    batch = [ts, [e.wire() for e in events]]
+def encode_batch(events, ts: float, data_parallel_rank: int | None = None, include_token_ids: bool = True) -> bytes:
+    batch = [ts, [e.wire(include_token_ids) for e in events]]
     if data_parallel_rank is not None:
         batch.append(data_parallel_rank)
     return msgpack.packb(batch, use_bin_type=True)
@@ -33,7 +34,12 @@ def encode_batch(events, ts: float, data_parallel_rank: int | None = None) -> by
 
 class ZmqKVEventPublisher:
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
-                 buffer_batches: int = 10_000, data_parallel_rank: int | None = None) -> None:
+                 buffer_batches: int = 10_000, data_parallel_rank: int | None = None,
+                 include_token_ids: bool = True) -> None:
+        """`include_token_ids=False` sends BlockStored with empty token_ids: the sockets have no
+        authentication, and a block's token ids are a tenant's prompt text. A router needs only
+        the hashes; vLLM-compatible consumers that want the tokens need True (the default)."""
+        self.include_token_ids = include_token_ids
         self.topic = topic.encode("utf-8")
         self.data_parallel_rank = data_parallel_rank
         self._ctx = zmq.Context()
@@ -59,7 +65,7 @@ class ZmqKVEventPublisher:
     def publish(self, events) -> None:
         if not events:
             return
-        payload = encode_batch(events, time.time(), self.data_parallel_rank)
+        payload = encode_batch(events, time.time(), self.data_parallel_rank, self.include_token_ids)
         seq = self._seq
         self._seq += 1
         with self._lock:

@@ -131,7 +131,8 @@ class LLMEngine:
             self.manager.pool.kv_events = KVEventQueue(config.block_size, "CPU")
             self.kv_event_publisher = ZmqKVEventPublisher(config.kv_events_endpoint, config.kv_events_replay_endpoint,
                                                           config.kv_events_topic,
-                                                          data_parallel_rank=config.data_parallel_rank)
+                                                          data_parallel_rank=config.data_parallel_rank,
+                                                          include_token_ids=config.kv_events_token_ids)
             logger.info("KV events: publishing on %s%s", self.kv_event_publisher.endpoint,
                         f", replay on {self.kv_event_publisher.replay_endpoint}"
                         if self.kv_event_publisher.replay_endpoint else "")

@@ -22,10 +22,12 @@ class BlockStored:
     lora_id: int | None = None
     medium: str | None = "CPU"
 
-    def wire(self) -> list:
-        """vLLM's msgspec encoding of a tagged array-like struct: [tag, fields...]."""
-        return ["BlockStored", list(self.block_hashes), self.parent_block_hash, list(self.token_ids),
-                self.block_size, self.lora_id, self.medium]
+    def wire(self, include_token_ids: bool = True) -> list:
+        """vLLM's msgspec encoding of a tagged array-like struct: [tag, fields...]. Without token
+        ids the field is an empty list (still valid for vLLM's decoder): the block's text stays on
+        the replica, and a router, which needs only the hashes, routes the same."""
+        return ["BlockStored", list(self.block_hashes), self.parent_block_hash,
+                list(self.token_ids) if include_token_ids else [], self.block_size, self.lora_id, self.medium]
 
 
 @dataclass(frozen=True)
@@ -33,13 +35,13 @@ class BlockRemoved:
     block_hashes: tuple[bytes, ...]
     medium: str | None = "CPU"
 
-    def wire(self) -> list:
+    def wire(self, include_token_ids: bool = True) -> list:
         return ["BlockRemoved", list(self.block_hashes), self.medium]
 
 
 @dataclass(frozen=True)
 class AllBlocksCleared:
-    def wire(self) -> list:
+    def wire(self, include_token_ids: bool = True) -> list:
         return ["AllBlocksCleared"]
 
 

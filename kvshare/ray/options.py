@@ -12,8 +12,10 @@ from kvshare.server.routing import ROUTING_POLICIES
 from kvshare.server.settings import ServerConfig
 
 # Engine options the application sets for each replica itself: where its KV events are published
-# (an ephemeral port on its node, reported to the routers), the shared hash seed, its rank.
-REPLICA_SET = frozenset({"kv_events_endpoint", "kv_events_replay_endpoint", "data_parallel_rank"})
+# (an ephemeral port on its node, reported to the routers), its rank, and that its events carry
+# no token ids (the sockets are unauthenticated and on the node's network; routers need only hashes).
+REPLICA_SET = frozenset({"kv_events_endpoint", "kv_events_replay_endpoint", "data_parallel_rank",
+                         "kv_events_token_ids"})
 ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name not in REPLICA_SET)
 # ServerConfig options that mean something behind Ray Serve (host, port and the drain are Serve's).
 SERVER_OPTIONS = ("served_model_name", "api_key", "max_waiting", "request_timeout", "max_body_bytes",
@@ -87,7 +89,8 @@ def parse_app_args(args: dict) -> RayAppOptions:
             opts.server[name] = _convert(name, value, ann, default)
         elif name in REPLICA_SET:
             raise ValueError(f"{name} is set by the application for each replica (its KV events go to an "
-                             f"ephemeral port on its node, its rank is its Serve replica rank): leave it out")
+                             f"ephemeral port on its node without token ids, its rank is its Serve replica "
+                             f"rank): leave it out")
         else:
             raise ValueError(f"unknown option {name!r} for kvshare.ray: allowed are {', '.join(APP_OPTIONS)}; "
                              f"engine options {', '.join(ENGINE_OPTIONS)}; server options {', '.join(SERVER_OPTIONS)}")

@@ -1,6 +1,8 @@
 """One engine replica of the Ray Serve application: an engine behind the same FastAPI app as
 `kvshare serve` (called in-process, kvshare.ray.asgi), publishing its KV cache events on TCP
-ports of its own node so routers on any machine of the cluster can follow them.
+ports of its own node so routers on any machine of the cluster can follow them. The events carry
+block hashes only (BlockStored's token_ids are empty): those sockets are unauthenticated, so a
+tenant's prompt must not be readable from them.
 
 What routers need to know about a replica reaches them through Serve's hooks:
 - record_replica_metadata (once, when the replica is ready): its rank and KV event endpoints;
@@ -57,7 +59,10 @@ class EngineReplica:
         options = {"num_threads": num_threads, **engine_options,
                    # Port 0: the OS picks free ports; the publisher reports what it bound.
                    "kv_events_endpoint": f"tcp://{host}:0", "kv_events_replay_endpoint": f"tcp://{host}:0",
-                   "prefix_caching_hash_seed": hash_seed, "data_parallel_rank": self.rank}
+                   "prefix_caching_hash_seed": hash_seed, "data_parallel_rank": self.rank,
+                   # The sockets have no authentication and listen on the node's network: a
+                   # block's token ids (a tenant's prompt) stay here; routers need only the hashes.
+                   "kv_events_token_ids": False}
         config = EngineConfig.from_kwargs(**options)
         # Loading takes seconds: off the replica's event loop.
         engine = await asyncio.to_thread(LLMEngine, config)
@@ -122,6 +127,7 @@ class EngineReplica:
         own = await self.state.engine.call(lambda: set(pool.cached))
         snap = self.state.engine.snapshot
         return {"rank": self.rank, "replica_id": self.replica_id, "kv_events_endpoint": self.kv_events_endpoint,
+                "kv_events_replay_endpoint": self.kv_events_replay_endpoint,
                 "cached_blocks": len(own), "cached_digest": cached_digest(own),
                 "running": snap.running, "waiting": snap.waiting, "aborted": dict(self.state.metrics.aborted),
                 "prefix_cache_queries": snap.prefix_cache_queries, "prefix_cache_hits": snap.prefix_cache_hits,
