@@ -45,9 +45,10 @@ def system_prompt(tenant: int) -> str:
     return f"You are the assistant of tenant {tenant}. Policy: " + ENGLISH_TEXT[start:start + 900]
 
 
-def get_json(url: str) -> tuple[int, dict]:
+def get_json(url: str, key: str | None = None) -> tuple[int, dict]:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
     try:
-        with urllib.request.urlopen(url, timeout=30) as resp:
+        with urllib.request.urlopen(req, timeout=30) as resp:
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
@@ -89,7 +90,7 @@ def client(base: str, key: str = KEY) -> openai.AsyncOpenAI:
 
 
 def engines(base: str) -> dict[int, dict]:
-    status, body = get_json(base + "/ready")
+    status, body = get_json(base + "/ready", KEY)
     assert status == 200 and body["status"] == "ready", body
     return {row["rank"]: row for row in body["engines"]}
 
@@ -141,6 +142,19 @@ def test_openai_endpoints_through_serve(ray_app):
     asyncio.run(wrong_key())
     status, health = get_json(ray_app + "/health")
     assert status == 200 and health["status"] == "ok"
+
+
+def test_ready_shows_details_only_with_the_key(ray_app):
+    # Without the key: whether each replica answers, nothing about what it caches or serves.
+    status, body = get_json(ray_app + "/ready")
+    assert status == 200 and body == {"status": "ready", "replicas": 2,
+                                      "engines": [{"rank": 0, "status": "ready"}, {"rank": 1, "status": "ready"}]}
+    assert get_json(ray_app + "/ready", "sk-wrong")[1] == body
+    # The key is parsed as `kvshare serve` parses it: the scheme in any case, the token trimmed.
+    req = urllib.request.Request(ray_app + "/ready", headers={"Authorization": f"bearer  {KEY} "})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        rows = json.loads(resp.read())["engines"]
+    assert [r["rank"] for r in rows] == [0, 1] and all("cached_digest" in r and r["router"] for r in rows)
 
 
 def test_prefix_aware_routing_keeps_each_tenant_on_its_replica(ray_app):
@@ -301,7 +315,7 @@ def test_a_killed_replica_fails_its_stream_serve_replaces_it_and_the_router_foll
     rank, dead = asyncio.run(main())
 
     def replaced():
-        status, body = get_json(ray_app + "/ready")
+        status, body = get_json(ray_app + "/ready", KEY)
         if status != 200 or body["status"] != "ready":
             return None
         rows = {row["rank"]: row for row in body["engines"]}

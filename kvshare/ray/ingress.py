@@ -12,7 +12,6 @@ call, so the replica aborts the request and frees its blocks.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 
@@ -24,6 +23,7 @@ from starlette.routing import Route
 from kvshare.errors import InvalidRequestError
 from kvshare.server.dp_proxy import HOP_BY_HOP, LONG_BODY, prompt_for_routing
 from kvshare.server.errors import APIError
+from kvshare.server.middleware import bearer_key_matches, unauthorized
 
 logger = logging.getLogger("kvshare.ray")
 
@@ -108,19 +108,28 @@ class OpenAIIngress:
         """A request any replica answers alike: the least loaded one."""
         return await self._forward(raw, await raw.body(), None)
 
-    async def ready(self, _raw: Request) -> Response:
+    async def ready(self, raw: Request) -> Response:
         """Every replica by rank: its own view of its prefix cache beside the router's view of it
-        (from its KV events); they agree once the replica's last events have arrived."""
+        (from its KV events); they agree once the replica's last events have arrived.
+
+        Without the API key (when one is set) only the statuses: a load balancer's probe needs
+        nothing more, and the details (counters, endpoints, cache digests, which cost the replica
+        and the router a pass over every cached hash) are the operator's."""
+        detail = self.api_key is None or self._authorized(raw)
+
+        def not_answering(rank: int, why: str) -> dict:
+            return {"rank": rank, "status": "not_answering", **({"detail": why} if detail else {})}
+
         async def one(rank: int) -> dict:
-            call = self.engine.kv_state.remote(route={"engine_rank": rank})
+            call = self.engine.kv_state.remote(route={"engine_rank": rank, "detail": detail}, detail=detail)
             try:
                 row = await asyncio.wait_for(_result(call), PROBE_TIMEOUT_SECONDS)
             except Exception as e:  # noqa: BLE001 - every failure is reported in the body
                 call.cancel()
-                return {"rank": rank, "status": "not_answering", "detail": f"{type(e).__name__}: {e}"}
+                return not_answering(rank, f"{type(e).__name__}: {e}")
             if row["rank"] != rank:  # the router pins by rank: another replica answering is a bug to see
-                return {"rank": rank, "status": "not_answering", "detail": f"rank {row['rank']} answered instead"}
-            return {"status": "ready", **row}
+                return not_answering(rank, f"rank {row['rank']} answered instead")
+            return {"status": "ready", **row} if detail else {"rank": rank, "status": "ready"}
 
         # One after another: calls made while serving one request share Serve's internal request
         # id, and Serve hands a routed replica to the pending call with that id, which concurrent
@@ -132,13 +141,12 @@ class OpenAIIngress:
                             status_code=200 if answering else 503)
 
     # ---- forwarding -------------------------------------------------------------------------------
+    def _authorized(self, raw: Request) -> bool:
+        return bearer_key_matches(raw.headers.get("authorization", ""), self.api_key)
+
     def _check_key(self, raw: Request) -> None:
-        if self.api_key is None:
-            return
-        given = raw.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        if self.api_key is not None and not self._authorized(raw):
+            raise unauthorized()  # the same 401 as `kvshare serve`
 
     async def _forward(self, raw: Request, body: bytes, route: dict | None) -> Response:
         # No accept-encoding: the replica answers uncompressed, so bodies pass through byte for byte.

@@ -120,9 +120,12 @@ class EngineReplica:
                                                             f"{routed['prompt_blocks']}"))
             yield item
 
-    async def kv_state(self, route: dict | None = None, routed: dict | None = None) -> dict:
+    async def kv_state(self, route: dict | None = None, routed: dict | None = None, detail: bool = True) -> dict:
         """This replica's own view of its prefix cache (read on the engine thread, between steps),
-        beside the router's view of it as the router sent it along (`routed`)."""
+        beside the router's view of it as the router sent it along (`routed`). Without `detail`
+        only whether it answers: no copy of the cached hashes (an unauthenticated /ready)."""
+        if not detail:
+            return {"rank": self.rank, "engine_alive": self.state.engine.is_alive()}
         pool = self.state.engine.engine.manager.pool
         own = await self.state.engine.call(lambda: set(pool.cached))
         snap = self.state.engine.snapshot

@@ -135,7 +135,8 @@ class KVSharePrefixRouter(RequestRouter):
         pinned = route.get("engine_rank")
         if pinned is not None:
             chosen = [r for r in candidates if self._followed[r.replica_id].state.index == pinned]
-            if chosen and pending_request is not None:
+            if chosen and pending_request is not None and route.get("detail", True):
+                # The view sorts every hash the replica caches: only for a probe that shows it.
                 followed = self._followed[chosen[0].replica_id]
                 pending_request.kwargs[ROUTED_KWARG] = {"replica_id": followed.replica_id, "view": self._view(followed)}
             return [chosen]

@@ -55,7 +55,7 @@ class GuardMiddleware:
                 headers={"Retry-After": "5"}))
         headers = dict(scope["headers"])
         if cfg.api_key is not None and not self._authorized(headers.get(b"authorization", b"")):
-            return await self._reject(scope, receive, send, "unauthorized", _unauthorized())
+            return await self._reject(scope, receive, send, "unauthorized", unauthorized())
         limit = cfg.max_body_bytes
         declared = headers.get(b"content-length")
         if declared is not None:
@@ -112,11 +112,7 @@ class GuardMiddleware:
             self.state.inflight -= 1
 
     def _authorized(self, header: bytes) -> bool:
-        scheme, _, token = header.partition(b" ")
-        expected = self.state.config.api_key.encode()
-        # compare_digest on every attempt, so the time taken says nothing about the key.
-        ok = hmac.compare_digest(token.strip(), expected)
-        return ok and scheme.lower() == b"bearer"
+        return bearer_key_matches(header, self.state.config.api_key)
 
     def _basic_authorized(self, header: bytes) -> bool:
         """'Basic base64(user:key)', any user name (a browser's login dialog asks for one)."""
@@ -150,7 +146,19 @@ class GuardMiddleware:
         await err.response()(scope, receive, send)
 
 
-def _unauthorized() -> APIError:
+def bearer_key_matches(header: bytes | str, key: str) -> bool:
+    """Whether an Authorization header value is 'Bearer <key>': the scheme in any case (RFC 7235),
+    the token trimmed. The one parser of the key for `kvshare serve` and the Ray ingress, so a
+    client accepted by one is accepted by the other."""
+    if isinstance(header, str):
+        header = header.encode("latin-1")  # how Starlette decoded it; always encodes back
+    scheme, _, token = header.partition(b" ")
+    # compare_digest on every attempt, so the time taken says nothing about the key.
+    ok = hmac.compare_digest(token.strip(), key.encode())
+    return ok and scheme.lower() == b"bearer"
+
+
+def unauthorized() -> APIError:
     return APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
                     code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
