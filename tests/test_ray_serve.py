@@ -6,10 +6,12 @@ replica's own."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import socket
 import time
+import types
 import urllib.error
 import urllib.request
 
@@ -231,6 +233,60 @@ def test_replica_kv_events_carry_no_token_ids(ray_app):
     stored = [e for e in replayed_events(row["kv_events_replay_endpoint"]) if e[0] == "BlockStored"]
     assert len(stored) >= 10  # tenant 4's system prompt alone is more than 10 blocks
     assert all(len(e) == 7 and e[3] == [] and len(e[1][0]) == 32 for e in stored), stored[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeReplicaID:
+    unique_id: str
+
+
+def test_a_late_completion_from_a_replica_that_refused_does_not_end_the_retry_s_count():
+    """Serve's hook order when replica A refuses a request (at max_ongoing_requests) and the retry
+    goes to B under the same internal request id: A's on_request_completed can come after the
+    retry was chosen, and even after it was routed. No cluster: the router's methods, called as
+    Serve calls them, with fake replicas."""
+    from kvshare.ray.request_router import KVSharePrefixRouter, _Followed
+    from kvshare.server.routing import ReplicaState
+
+    router = KVSharePrefixRouter.__new__(KVSharePrefixRouter)  # Serve's own __init__ needs a deployment
+    router.initialize_state(block_size=BLOCK, hash_seed="s1")
+    a, b = FakeReplicaID("a"), FakeReplicaID("b")
+    for rank, rid in enumerate((a, b)):
+        router._followed[rid] = _Followed(ReplicaState(rank), rid.unique_id)
+    replicas = [types.SimpleNamespace(replica_id=rid, routing_stats={}) for rid in (a, b)]
+    prompt = list(range(100, 100 + 4 * BLOCK))
+
+    def pending(request_id: str):
+        return types.SimpleNamespace(metadata=types.SimpleNamespace(internal_request_id=request_id),
+                                     kwargs={"route": {"token_ids": prompt, "cache_salt": None}},
+                                     routing_context=types.SimpleNamespace(should_backoff=False))
+
+    def in_flight() -> tuple[int, int]:
+        return router._followed[a].state.in_flight, router._followed[b].state.in_flight
+
+    async def main():
+        pr = pending("req-1")
+        first = await router.choose_replicas(replicas, pr)
+        assert first[0][0].replica_id == a  # both idle and empty: the lowest rank
+        # A refused. Serve asks again, and A's completion arrives between the choice and the routing.
+        await router.choose_replicas(replicas, pr)
+        router.on_request_completed(a, "req-1")
+        router.on_request_routed(pr, b, None)  # the retry went to the next in the list
+        assert in_flight() == (0, 1)
+        assert router._followed[b].state.pending  # the prompt's blocks count as held on B
+        router.on_request_completed(a, "req-1")  # A's completion once more, later still
+        assert in_flight() == (0, 1)
+        # Another request, which Serve sent to A, is counted there apart from req-1.
+        other = pending("req-2")
+        await router.choose_replicas(replicas, other)
+        router.on_request_routed(other, a, None)
+        assert in_flight() == (1, 1)
+        router.on_request_completed(b, "req-1")
+        assert in_flight() == (1, 0) and not router._followed[b].state.pending
+        router.on_request_completed(a, "req-2")
+        assert in_flight() == (0, 0) and not router._in_flight
+
+    asyncio.run(main())
 
 
 def test_bad_application_options_name_the_option():

@@ -52,12 +52,6 @@ class _Followed:
     prompt_blocks: int = 0
 
 
-@dataclass
-class _InFlight:
-    replica_id: ReplicaID
-    hashes: tuple[bytes, ...]
-
-
 class KVSharePrefixRouter(RequestRouter):
     def initialize_state(self, policy: str = "prefix_aware", block_size: int = 16, hash_seed: str | None = None,
                          kv_events_topic: str = "", balance_abs_threshold: int = 32,
@@ -68,7 +62,11 @@ class KVSharePrefixRouter(RequestRouter):
         self._router.replicas = []  # set per decision to the candidates' states
         self._topic = kv_events_topic
         self._followed: dict[ReplicaID, _Followed] = {}
-        self._in_flight: dict[str, _InFlight] = {}  # internal request id -> where it went
+        # (internal request id, replica) -> the blocks it holds there. Keyed by both: a replica that
+        # refuses a request (at max_ongoing_requests) gets on_request_completed for it, possibly
+        # after the retry was routed to another replica under the same request id; that late
+        # completion must not end the other replica's count.
+        self._in_flight: dict[tuple[str, ReplicaID], tuple[bytes, ...]] = {}
         self._decisions: dict[str, RoutingDecision] = {}  # internal request id -> the last decision
         self._reasons: dict[str, int] = {}
         self._zmq: zmq.asyncio.Context | None = None
@@ -82,6 +80,9 @@ class KVSharePrefixRouter(RequestRouter):
                 gone = self._followed.pop(rid)
                 if gone.task is not None:
                     gone.task.cancel()
+                # Its requests' completions may never come now: their entries would stay forever.
+                for key in [k for k in self._in_flight if k[1] == rid]:
+                    del self._in_flight[key]
         for rid, replica in current.items():
             meta = replica.replica_metadata
             followed = self._followed.get(rid)
@@ -165,8 +166,8 @@ class KVSharePrefixRouter(RequestRouter):
         request_id = pending_request.metadata.internal_request_id
         decision = self._decisions.pop(request_id, None)
         followed = self._followed.get(replica_id)
-        if decision is None or followed is None:
-            return  # a pinned probe, or a replica not followed: nothing to count
+        if decision is None or followed is None or (request_id, replica_id) in self._in_flight:
+            return  # a pinned probe, a replica not followed, or already counted there: nothing to count
         hashes = decision.block_hashes
         state = followed.state
         # Counted on the replica that took it (Serve may take the next rank if the first was full).
@@ -175,18 +176,20 @@ class KVSharePrefixRouter(RequestRouter):
         followed.routed += 1
         state.in_flight += 1
         state.hold(hashes)
-        self._in_flight[request_id] = _InFlight(replica_id, hashes)
+        self._in_flight[(request_id, replica_id)] = hashes
         self._reasons[decision.reason] = self._reasons.get(decision.reason, 0) + 1
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self._decisions.pop(internal_request_id, None)  # chosen, then never sent
-        done = self._in_flight.pop(internal_request_id, None)
-        if done is None:
-            return
-        followed = self._followed.get(done.replica_id)
+        # The decision stays: a completion from a replica that refused the request can come after
+        # the retry was chosen (a new decision under the same id) and before it was routed.
+        # MAX_PENDING_DECISIONS bounds decisions never consumed.
+        hashes = self._in_flight.pop((internal_request_id, replica_id), None)
+        if hashes is None:
+            return  # refused there (never counted), or a pinned probe
+        followed = self._followed.get(replica_id)
         if followed is not None:
             followed.state.in_flight -= 1
-            followed.state.release(done.hashes)
+            followed.state.release(hashes)
 
     def _view(self, followed: _Followed) -> dict:
         from kvshare.ray.replica import cached_digest
