@@ -33,7 +33,8 @@ MODEL = "SmolLM2-135M-Instruct"
 LATER_TENANTS = (1, 1, 2, 2, 1, 2)
 KEY = "sk-ray-test"
 APP_ARGS = {"api_key": KEY, "num_replicas": "2", "max_num_seqs": "4", "kv_cache_memory": "24MiB", "max_model_len": "1024",
-            "num_cpus_per_replica": "1"}
+            "num_cpus_per_replica": "1", "max_body_bytes": "64KiB"}
+BODY_LIMIT = 64 * 1024
 
 
 def free_port() -> int:
@@ -144,6 +145,38 @@ def test_openai_endpoints_through_serve(ray_app):
     asyncio.run(wrong_key())
     status, health = get_json(ray_app + "/health")
     assert status == 200 and health["status"] == "ok"
+
+
+def post(url: str, body: bytes, key: str | None = None) -> tuple[int, dict, dict]:
+    """(status, headers, JSON body) of a POST, errors included."""
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    req = urllib.request.Request(url, data=body, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, dict(resp.headers), json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), json.loads(e.read())
+
+
+def test_the_ingress_refuses_oversized_bodies_and_missing_keys_itself(ray_app):
+    """Answered by the ingress (no replica's x-kvshare-engine header): an oversized body is not
+    read whole nor tokenized, an unauthorized call to a passthrough route costs no replica a call."""
+    prompt = "x " * BODY_LIMIT
+    big = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 1}).encode()
+    status, headers, body = post(ray_app + "/v1/completions", big, KEY)
+    assert status == 413 and "x-kvshare-engine" not in {k.lower() for k in headers}, (status, body)
+    assert body["error"]["message"] == (f"the request body is {len(big)} bytes; the limit is {BODY_LIMIT} bytes "
+                                        f"(max_body_bytes)")
+    status, headers, _ = post(ray_app + "/tokenize", json.dumps({"model": MODEL, "prompt": prompt}).encode(), KEY)
+    assert status == 413 and "x-kvshare-engine" not in {k.lower() for k in headers}
+    for path in ("/tokenize", "/detokenize"):
+        status, headers, body = post(ray_app + path, json.dumps({"model": MODEL, "prompt": "hi", "tokens": [1]}).encode())
+        assert status == 401 and body["error"]["code"] == "invalid_api_key", (path, body)
+        assert "x-kvshare-engine" not in {k.lower() for k in headers}
+    status, body = get_json(ray_app + "/v1/models")
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+    status, headers, body = post(ray_app + "/tokenize", json.dumps({"model": MODEL, "prompt": "hi"}).encode(), KEY)
+    assert status == 200 and body["count"] >= 1 and "x-kvshare-engine" in {k.lower() for k in headers}
 
 
 def test_ready_shows_details_only_with_the_key(ray_app):

@@ -35,6 +35,7 @@ def build_app(args: dict | None = None):
     from kvshare.ray.replica import EngineReplica
     from kvshare.ray.request_router import KVSharePrefixRouter
     from kvshare.server.data_parallel import new_hash_seed
+    from kvshare.server.settings import ServerConfig
     from kvshare.server.state import default_model_name
 
     opts = parse_app_args(dict(args or {}))
@@ -57,10 +58,11 @@ def build_app(args: dict | None = None):
         ray_actor_options={"num_cpus": 0},
     )(serve.ingress()(OpenAIIngress))
     model_name = opts.server.get("served_model_name") or default_model_name(engine_cfg.model)
+    server_cfg = ServerConfig(**opts.server)  # as each replica parses them: the same key and body limit
     return ingress.bind(
         engine.bind(engine_options, opts.server, hash_seed, opts.kv_events_host, threads),
         model=engine_cfg.model, model_name=model_name, chat_template=opts.server.get("chat_template"),
-        api_key=opts.server.get("api_key"), num_replicas=opts.num_replicas)
+        api_key=server_cfg.api_key, num_replicas=opts.num_replicas, max_body_bytes=server_cfg.max_body_bytes)
 
 
 def __getattr__(name: str):

@@ -24,6 +24,7 @@ from kvshare.errors import InvalidRequestError
 from kvshare.server.dp_proxy import HOP_BY_HOP, LONG_BODY, prompt_for_routing
 from kvshare.server.errors import APIError
 from kvshare.server.middleware import bearer_key_matches, unauthorized
+from kvshare.server.settings import DEFAULT_MAX_BODY_BYTES
 
 logger = logging.getLogger("kvshare.ray")
 
@@ -36,7 +37,7 @@ class OpenAIIngress:
     """The Serve ingress class (kvshare.ray.build_app wraps it with serve.ingress and serve.deployment)."""
 
     def __init__(self, engine, model: str | None, model_name: str, chat_template: str | None,
-                 api_key: str | None, num_replicas: int) -> None:
+                 api_key: str | None, num_replicas: int, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
         from kvshare.model.loader import load_tokenizer
 
         self.engine = engine  # the engine deployment's handle; its router is kvshare's
@@ -45,6 +46,7 @@ class OpenAIIngress:
         self.chat_template = chat_template
         self.api_key = api_key
         self.num_replicas = num_replicas
+        self.max_body_bytes = max_body_bytes  # the replicas' own limit, enforced before tokenizing
 
     def __serve_build_asgi_app__(self) -> Starlette:
         probe = ["GET", "HEAD"]
@@ -90,7 +92,7 @@ class OpenAIIngress:
 
     async def _routed(self, raw: Request, chat: bool) -> Response:
         self._check_key(raw)  # before tokenizing: an unauthorized body is not read for routing
-        body = await raw.body()
+        body = await self._body(raw)
         try:
             if len(body) > LONG_BODY:
                 token_ids, salt = await asyncio.to_thread(prompt_for_routing, self.tokenizer, self.chat_template,
@@ -105,8 +107,32 @@ class OpenAIIngress:
         return await self._forward(raw, body, {"token_ids": token_ids, "cache_salt": salt})
 
     async def passthrough(self, raw: Request) -> Response:
-        """A request any replica answers alike: the least loaded one."""
-        return await self._forward(raw, await raw.body(), None)
+        """A request any replica answers alike: the least loaded one. The key is checked here as
+        the replica would (all but /health), so an unauthorized call costs no replica a request."""
+        if raw.url.path != "/health":
+            self._check_key(raw)
+        return await self._forward(raw, await self._body(raw), None)
+
+    async def _body(self, raw: Request) -> bytes:
+        """The body, refused with 413 past max_body_bytes (as `kvshare serve` does): by its
+        Content-Length before reading, else as soon as what arrived is over the limit, so an
+        oversized body is neither held whole nor tokenized."""
+        limit = self.max_body_bytes
+        declared = raw.headers.get("content-length")
+        if declared is not None:
+            try:
+                size = int(declared)
+            except ValueError:
+                raise APIError(400, f"Content-Length {declared[:40]!r} is not a number", code="invalid_header") from None
+            if size > limit:
+                raise _too_large(f"{size} bytes", limit)
+        chunks, total = [], 0
+        async for chunk in raw.stream():
+            total += len(chunk)
+            if total > limit:
+                raise _too_large(f"more than {limit} bytes", limit)
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     async def ready(self, raw: Request) -> Response:
         """Every replica by rank: its own view of its prefix cache beside the router's view of it
@@ -193,6 +219,11 @@ class OpenAIIngress:
 
 async def _result(call):
     return await call
+
+
+def _too_large(got: str, limit: int) -> APIError:
+    return APIError(413, f"the request body is {got}; the limit is {limit} bytes (max_body_bytes)",
+                    code="request_too_large")
 
 
 def _engine_failed(err: Exception, started: bool) -> APIError:

@@ -39,9 +39,13 @@ class RayAppOptions:
     server: dict = field(default_factory=dict)  # ServerConfig keyword arguments
 
 
+# Byte sizes, given as `kvshare serve` takes them (4MiB or a number): ServerConfig parses them.
+SIZE_OPTIONS = frozenset({"max_body_bytes"})
+
+
 def _convert(name: str, value, annotation: str, default):
     """A `serve run` argument (always a string) as the option's type; other values as given."""
-    if not isinstance(value, str) or annotation.strip() == "str":
+    if not isinstance(value, str) or annotation.strip() == "str" or name in SIZE_OPTIONS:
         return value
     kinds = {k.strip() for k in annotation.split("|")}
     if "None" in kinds and value.lower() in ("none", "null", ""):
