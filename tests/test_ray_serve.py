@@ -438,3 +438,21 @@ def test_serve_run_app_reads_its_options_from_the_environment(monkeypatch):
     monkeypatch.setenv("KVSHARE_RAY_MAX_NUM_SEQ", "6")
     with pytest.raises(ValueError, match="unknown option 'max_num_seq'"):
         kvshare.ray.app  # noqa: B018
+
+
+def test_the_api_key_comes_from_the_environment_as_for_kvshare_serve(monkeypatch):
+    """Not from serve run's command line, which every user of the machine can read (ps)."""
+    import kvshare.ray
+
+    monkeypatch.delenv("KVSHARE_RAY_API_KEY", raising=False)
+    monkeypatch.setenv("KVSHARE_API_KEY", "sk-from-env")
+    assert parse_app_args({}).server["api_key"] == "sk-from-env"
+    assert parse_app_args({"api_key": "sk-given"}).server["api_key"] == "sk-given"  # an explicit key wins
+    ingress = kvshare.ray.app._bound_deployment  # Ray's Application internals, pinned 2.60.0
+    assert ingress.init_kwargs["api_key"] == "sk-from-env"
+    assert ingress.init_args[0]._bound_deployment.init_args[1] == {"api_key": "sk-from-env"}  # the replicas check it too
+    monkeypatch.setenv("KVSHARE_RAY_API_KEY", "sk-ray")  # kvshare.ray:app's own variable wins
+    assert kvshare.ray.app._bound_deployment.init_kwargs["api_key"] == "sk-ray"
+    monkeypatch.setenv("KVSHARE_API_KEY", "")  # empty: unset, as for kvshare serve
+    monkeypatch.delenv("KVSHARE_RAY_API_KEY")
+    assert "api_key" not in parse_app_args({}).server

@@ -25,6 +25,7 @@ APP_OPTIONS = ("num_replicas", "routing_policy", "num_cpus_per_replica", "max_on
                "kv_events_host", "routing_stats_period_s")
 # `serve run kvshare.ray:app` (no arguments) reads its options from KVSHARE_RAY_<OPTION> variables.
 ENV_PREFIX = "KVSHARE_RAY_"
+API_KEY_ENV = "KVSHARE_API_KEY"  # `kvshare serve`'s; KVSHARE_RAY_API_KEY (kvshare.ray:app) wins over it
 
 
 @dataclass
@@ -75,8 +76,11 @@ def _annotations(cls) -> dict[str, tuple[str, object]]:
     return {f.name: (str(f.type), f.default) for f in dataclasses.fields(cls)}
 
 
-def parse_app_args(args: dict) -> RayAppOptions:
-    """RayAppOptions from `serve run` arguments or a dict; raises ValueError naming a bad one."""
+def parse_app_args(args: dict, environ=None) -> RayAppOptions:
+    """RayAppOptions from `serve run` arguments or a dict; raises ValueError naming a bad one.
+    Without an api_key option, KVSHARE_API_KEY's (as `kvshare serve` reads it): a key given on
+    `serve run`'s command line is visible to every user of the machine (ps)."""
+    environ = os.environ if environ is None else environ
     engine_fields = _annotations(EngineConfig)
     server_fields = _annotations(ServerConfig)
     app_fields = _annotations(RayAppOptions)
@@ -115,6 +119,8 @@ def parse_app_args(args: dict) -> RayAppOptions:
         raise ValueError("routing_policy='prefix_aware' needs enable_prefix_caching: without a prefix cache there "
                          "is nothing to route by (choose least_loaded or round_robin)")
     server = {**opts.server}
+    if server.get("api_key") is None and environ.get(API_KEY_ENV):
+        server["api_key"] = environ[API_KEY_ENV]
     if server.get("chat_template") is not None:  # a file path, as --chat-template; replicas get its text
         from kvshare.server.cli import read_chat_template
 
