@@ -15,18 +15,12 @@ import types
 import urllib.error
 import urllib.request
 
+import openai
 import pytest
+import ray  # in the test extra: a missing ray is a broken setup, not a skip
 
-# A single-node cluster entirely on loopback: without this Ray takes the machine's routable
-# address as its node IP (its own servers, and the replicas' KV event sockets, which bind on the
-# node IP as they would on a multi-machine cluster). Read by Ray at import, in every Ray process.
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-
-import openai  # noqa: E402
-import ray  # noqa: E402 - in the test extra: a missing ray is a broken setup, not a skip
-
-from kvshare.bench.workloads import ENGLISH_TEXT  # noqa: E402
-from kvshare.ray import build_app, parse_app_args  # noqa: E402
+from kvshare.bench.workloads import ENGLISH_TEXT
+from kvshare.ray import build_app, parse_app_args
 
 BLOCK = 16
 MODEL = "SmolLM2-135M-Instruct"
@@ -73,7 +67,20 @@ def ray_app():
     free loopback port, and the application deployed with two engine replicas."""
     from ray import serve
 
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 2**20, log_to_driver=False, configure_logging=False)
+    # A single-node cluster entirely on loopback: otherwise Ray takes the machine's routable
+    # address as its node IP (its own servers, and the replicas' KV event sockets, which bind on
+    # the node IP as they would on a multi-machine cluster). This process read Ray's constants at
+    # import, so it is told the IP; the Ray processes started below read the variable at their
+    # import. Restored when the fixture ends, so no other test module sees it.
+    with pytest.MonkeyPatch.context() as env:
+        if "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in os.environ:
+            env.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        yield from _cluster(serve)
+
+
+def _cluster(serve):
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 2**20, log_to_driver=False,
+             configure_logging=False, _node_ip_address="127.0.0.1")
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -197,11 +204,17 @@ def test_prefix_aware_routing_keeps_each_tenant_on_its_replica(ray_app):
         c = client(ray_app)
         try:
             # Tenant 2 arrives while tenant 1's first request runs: it goes to the idle replica.
-            t1 = asyncio.ensure_future(_chat(c, 1, "Hi?", max_tokens=32))
-            await asyncio.to_thread(wait_for, lambda: sum(e["router"]["in_flight"] for e in engines(ray_app).values())
-                                    == 1, 30, "tenant 1's request to be routed")
-            first = [await _chat(c, 2, "Hello?"), await t1]
-            home = {1: first[1][0], 2: first[0][0]}
+            # Tenant 1's is streamed and held open (its first chunk came: it was routed and runs),
+            # long enough (ignore_eos) that it cannot end before tenant 2's is routed.
+            raw = await c.chat.completions.with_raw_response.create(
+                model=MODEL, max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True},
+                messages=[{"role": "system", "content": system_prompt(1)}, {"role": "user", "content": "Hi?"}])
+            t1_stream = raw.parse()
+            try:
+                await t1_stream.__anext__()
+                home = {1: raw.headers["x-kvshare-engine"], 2: (await _chat(c, 2, "Hello?"))[0]}
+            finally:
+                await t1_stream.close()  # the replica aborts it; its prompt's blocks stay cached
             assert home[1] != home[2], home
             # The router learns both caches from the replicas' events: its view is theirs, block for block.
             await asyncio.to_thread(wait_for, lambda: all(
@@ -356,11 +369,19 @@ def test_a_client_that_leaves_mid_stream_aborts_its_request_on_the_replica(ray_a
         return sum(e["aborted"].get("client_disconnect", 0) for e in engines(ray_app).values())
 
     async def impatient():  # not streamed: the client gives up before the whole answer is ready
-        c = openai.AsyncOpenAI(base_url=ray_app + "/v1", api_key=KEY, max_retries=0, timeout=1.5)
+        c = client(ray_app)
         try:
-            with pytest.raises(openai.APITimeoutError):
-                await c.completions.create(model=MODEL, prompt="Tell a very long story.", max_tokens=400,
-                                           temperature=0, extra_body={"ignore_eos": True})
+            call = asyncio.ensure_future(c.completions.create(
+                model=MODEL, prompt="Tell a very long story.", max_tokens=400, temperature=0,
+                extra_body={"ignore_eos": True}))
+            # Given up once the replica runs it (not after a guessed time, which a fast machine
+            # could outrun and a slow one could hit before the request reached the replica).
+            await asyncio.to_thread(wait_for, lambda: sum(e["running"] for e in engines(ray_app).values()) == 1,
+                                    30, "the replica to run the request")
+            assert not call.done()
+            call.cancel()  # closes the connection: Serve cancels the call, the replica aborts
+            with pytest.raises(asyncio.CancelledError):
+                await call
         finally:
             await c.close()
 
