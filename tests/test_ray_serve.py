@@ -205,9 +205,10 @@ def test_prefix_aware_routing_keeps_each_tenant_on_its_replica(ray_app):
         try:
             # Tenant 2 arrives while tenant 1's first request runs: it goes to the idle replica.
             # Tenant 1's is streamed and held open (its first chunk came: it was routed and runs),
-            # long enough (ignore_eos) that it cannot end before tenant 2's is routed.
+            # long enough (ignore_eos) that it cannot end before tenant 2's is routed, short
+            # enough that its ~225 prompt tokens plus these fit the 24 MiB pool (~540 tokens).
             raw = await c.chat.completions.with_raw_response.create(
-                model=MODEL, max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True},
+                model=MODEL, max_tokens=280, temperature=0, stream=True, extra_body={"ignore_eos": True},
                 messages=[{"role": "system", "content": system_prompt(1)}, {"role": "user", "content": "Hi?"}])
             t1_stream = raw.parse()
             try:
