@@ -287,11 +287,9 @@ class FakeReplicaID:
     unique_id: str
 
 
-def test_a_late_completion_from_a_replica_that_refused_does_not_end_the_retry_s_count():
-    """Serve's hook order when replica A refuses a request (at max_ongoing_requests) and the retry
-    goes to B under the same internal request id: A's on_request_completed can come after the
-    retry was chosen, and even after it was routed. No cluster: the router's methods, called as
-    Serve calls them, with fake replicas."""
+def fake_router():
+    """kvshare's Serve request router without Serve: two followed replicas of ranks 0 and 1 (fake
+    ids, no event endpoints yet), called as Serve calls it."""
     from kvshare.ray.request_router import KVSharePrefixRouter, _Followed
     from kvshare.server.routing import ReplicaState
 
@@ -301,12 +299,25 @@ def test_a_late_completion_from_a_replica_that_refused_does_not_end_the_retry_s_
     for rank, rid in enumerate((a, b)):
         router._followed[rid] = _Followed(ReplicaState(rank), rid.unique_id)
     replicas = [types.SimpleNamespace(replica_id=rid, routing_stats={}) for rid in (a, b)]
-    prompt = list(range(100, 100 + 4 * BLOCK))
+    return router, a, b, replicas
 
-    def pending(request_id: str):
-        return types.SimpleNamespace(metadata=types.SimpleNamespace(internal_request_id=request_id),
-                                     kwargs={"route": {"token_ids": prompt, "cache_salt": None}},
-                                     routing_context=types.SimpleNamespace(should_backoff=False))
+
+PROMPT = list(range(100, 100 + 4 * BLOCK))
+
+
+def pending(request_id: str, prompt: list[int] = PROMPT):
+    """What Serve hands choose_replicas and on_request_routed for one call."""
+    return types.SimpleNamespace(metadata=types.SimpleNamespace(internal_request_id=request_id),
+                                 kwargs={"route": {"token_ids": prompt, "cache_salt": None}},
+                                 routing_context=types.SimpleNamespace(should_backoff=False))
+
+
+def test_a_late_completion_from_a_replica_that_refused_does_not_end_the_retry_s_count():
+    """Serve's hook order when replica A refuses a request (at max_ongoing_requests) and the retry
+    goes to B under the same internal request id: A's on_request_completed can come after the
+    retry was chosen, and even after it was routed. No cluster: the router's methods, called as
+    Serve calls them, with fake replicas."""
+    router, a, b, replicas = fake_router()
 
     def in_flight() -> tuple[int, int]:
         return router._followed[a].state.in_flight, router._followed[b].state.in_flight
@@ -334,6 +345,64 @@ def test_a_late_completion_from_a_replica_that_refused_does_not_end_the_retry_s_
         assert in_flight() == (0, 0) and not router._in_flight
 
     asyncio.run(main())
+
+
+def test_a_request_s_prompt_is_hashed_once_however_often_serve_asks():
+    router, a, _, replicas = fake_router()
+    hasher = router._router.hasher
+    calls = []
+    real = hasher.prefix_hashes
+    hasher.prefix_hashes = lambda *args: calls.append(args) or real(*args)
+
+    async def main():
+        pr = pending("req-1")
+        for _ in range(3):  # no replica could take it: Serve backs off and asks again
+            await router.choose_replicas(replicas, pr)
+        assert len(calls) == 1
+        router.on_request_routed(pr, a, None)
+        assert router._followed[a].state.pending and not router._prompt_hashes
+        # Another prompt under the same id (a second call while serving one ingress request): hashed anew.
+        other = pending("req-1", PROMPT[:2 * BLOCK])
+        decision_hashes = len(calls)
+        await router.choose_replicas(replicas, other)
+        assert len(calls) == decision_hashes + 1
+
+    asyncio.run(main())
+
+
+def test_a_failed_event_subscription_is_logged_and_made_again(monkeypatch, caplog):
+    import kvshare.ray.request_router as rr
+
+    made = []
+
+    class Subscriber:  # the first subscription fails as a broken socket would; the next one runs
+        def __init__(self, *args) -> None:
+            made.append(self)
+
+        async def run(self) -> None:
+            if len(made) == 1:
+                raise OSError("socket gone")
+            await asyncio.Event().wait()
+
+    monkeypatch.setattr(rr, "KVEventSubscriber", Subscriber)
+    monkeypatch.setattr(rr, "RESUBSCRIBE_DELAY_S", 0.0)
+    router, a, _, _ = fake_router()
+    followed = router._followed[a]
+    followed.kv_events_endpoint = "tcp://127.0.0.1:1"
+
+    async def main():
+        router._follow_events()
+        first = followed.task
+        with pytest.raises(OSError):
+            await first  # its done-callback ran before this await returned (registered first)
+        assert followed.task is None and followed.subscriber is None
+        router._follow_events()  # the next routing subscribes again
+        assert len(made) == 2 and followed.subscriber is made[1] and not followed.task.done()
+        followed.task.cancel()
+
+    with caplog.at_level("ERROR", logger="kvshare.ray"):
+        asyncio.run(main())
+    assert "KV event subscription of replica rank 0 (a) on tcp://127.0.0.1:1 ended (OSError: socket gone)" in caplog.text
 
 
 def test_bad_application_options_name_the_option():

@@ -12,11 +12,15 @@ imported here and not by `import kvshare`: it is the optional `ray` extra.
 """
 from __future__ import annotations
 
+import logging
+
 from kvshare.ray.options import RayAppOptions, args_from_env, max_ongoing, parse_app_args
 
 ENGINE_DEPLOYMENT = "KVShareEngine"
 INGRESS_DEPLOYMENT = "KVShareIngress"
 INGRESS_MAX_ONGOING_REQUESTS = 10_000  # the ingress only tokenizes and waits: the engines' limits apply
+
+logger = logging.getLogger("kvshare.ray")
 
 __all__ = ["build_app", "parse_app_args", "RayAppOptions"]
 
@@ -41,7 +45,17 @@ def build_app(args: dict | None = None):
     opts = parse_app_args(dict(args or {}))
     engine_options = dict(opts.engine)
     # One seed for every replica and router, so routers compute the replicas' block hashes.
-    hash_seed = engine_options.pop("prefix_caching_hash_seed", None) or new_hash_seed()
+    hash_seed = engine_options.pop("prefix_caching_hash_seed", None)
+    if hash_seed is None:
+        # Drawn for this build only: building the application again (a `serve deploy` of the same
+        # config, another lookup of kvshare.ray:app) draws another, which changes every replica's
+        # arguments, so Serve restarts them all and their caches start empty. Not derived from the
+        # options: with the events carrying hashes only, a seed others can compute would let anyone
+        # on the network test guessed prompts against them.
+        hash_seed = new_hash_seed()
+        logger.warning("kvshare.ray: no prefix_caching_hash_seed given, a new one was drawn for this build; "
+                       "set prefix_caching_hash_seed (or KVSHARE_RAY_PREFIX_CACHING_HASH_SEED for kvshare.ray:app), "
+                       "kept secret, so that redeploying does not restart every replica")
     engine_cfg = EngineConfig.from_kwargs(**engine_options)
     threads = engine_options.pop("num_threads", None) or max(1, int(opts.num_cpus_per_replica))
     router_config = RequestRouterConfig(

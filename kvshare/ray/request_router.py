@@ -20,6 +20,7 @@ router's view of it (block count and digest) so it can be compared with the repl
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -37,6 +38,9 @@ UNKNOWN_RANK = -1  # a replica whose metadata has not reached this router yet
 # Decisions wait here for Serve's on_request_routed; a call cancelled before it was sent never
 # gets one, so the oldest are dropped beyond this many (far more than can be in routing at once).
 MAX_PENDING_DECISIONS = 10_000  # the router's decision and, for pinned probes, its view of the replica
+# A subscription that ended with an error is made again after this long, not at once: one whose
+# endpoint keeps failing would otherwise be remade (and logged) on every request routed.
+RESUBSCRIBE_DELAY_S = 2.0
 
 
 @dataclass
@@ -47,6 +51,7 @@ class _Followed:
     kv_events_replay_endpoint: str | None = None
     subscriber: KVEventSubscriber | None = None
     task: asyncio.Task | None = None
+    resubscribe_at: float = 0.0  # loop time before which a failed subscription is not remade
     routed: int = 0  # requests this router sent it
     prefix_hit_blocks: int = 0  # of their prompt blocks, those it held (this router's view)
     prompt_blocks: int = 0
@@ -68,6 +73,11 @@ class KVSharePrefixRouter(RequestRouter):
         # completion must not end the other replica's count.
         self._in_flight: dict[tuple[str, ReplicaID], tuple[bytes, ...]] = {}
         self._decisions: dict[str, RoutingDecision] = {}  # internal request id -> the last decision
+        # internal request id -> (its token ids, their block hashes): Serve asks again for a request
+        # no replica could take (after a backoff); its prompt is hashed once, not at every retry.
+        # The token ids list itself is kept and compared by identity, so a new request reusing an
+        # id (calls made while serving one ingress request share it) is never given stale hashes.
+        self._prompt_hashes: dict[str, tuple[list[int], list[bytes]]] = {}
         self._reasons: dict[str, int] = {}
         self._zmq: zmq.asyncio.Context | None = None
 
@@ -103,14 +113,31 @@ class KVSharePrefixRouter(RequestRouter):
             return
         if self._zmq is None:
             self._zmq = zmq.asyncio.Context()
+        now = asyncio.get_running_loop().time()
         for followed in self._followed.values():
-            if followed.subscriber is not None or not followed.kv_events_endpoint:
+            if followed.subscriber is not None or not followed.kv_events_endpoint or now < followed.resubscribe_at:
                 continue
             followed.subscriber = KVEventSubscriber(self._zmq, followed.state, followed.kv_events_endpoint,
                                                     followed.kv_events_replay_endpoint, self._topic)
             followed.task = asyncio.ensure_future(followed.subscriber.run())
+            followed.task.add_done_callback(functools.partial(self._subscription_ended, followed))
             logger.info("following KV events of replica rank %d (%s) on %s", followed.state.index,
                         followed.replica_id, followed.kv_events_endpoint)
+
+    def _subscription_ended(self, followed: _Followed, task: asyncio.Task) -> None:
+        """A subscription that stopped by itself (the subscriber cleared the replica's view and
+        raised): logged, and made again after RESUBSCRIBE_DELAY_S (by the next routing), whose
+        replay rebuilds the view. Without this the replica would be routed to by load only, for
+        good, with the error never retrieved."""
+        if task.cancelled() or followed.task is not task:
+            return  # the replica is gone (update_replicas cancelled it)
+        err = task.exception()
+        logger.error("KV event subscription of replica rank %d (%s) on %s ended (%s); subscribing again in %.0f s",
+                     followed.state.index, followed.replica_id, followed.kv_events_endpoint,
+                     f"{type(err).__name__}: {err}" if err else "no error", RESUBSCRIBE_DELAY_S)
+        followed.subscriber = None
+        followed.task = None
+        followed.resubscribe_at = asyncio.get_running_loop().time() + RESUBSCRIBE_DELAY_S
 
     # ---- choosing ---------------------------------------------------------------------------------
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -143,7 +170,8 @@ class KVSharePrefixRouter(RequestRouter):
             return [chosen]
         self._router.replicas = states
         if "token_ids" in route:
-            decision = self._router.route(route["token_ids"], route.get("cache_salt"))
+            decision = self._router.route(route["token_ids"], route.get("cache_salt"),
+                                          hashes=self._hashes(pending_request, route))
         else:  # nothing to match: the least loaded
             least = min(states, key=lambda s: (s.in_flight, s.kv_usage, s.index))
             decision = RoutingDecision(least.index, 0, 0, "least_loaded")
@@ -162,8 +190,24 @@ class KVSharePrefixRouter(RequestRouter):
                                      self._followed[r.replica_id].state.kv_usage))
         return [[chosen], rest] if rest else [[chosen]]
 
+    def _hashes(self, pending_request: PendingRequest | None, route: dict) -> list[bytes] | None:
+        """The prompt's block hashes, computed once per request (None: no hasher, or no request)."""
+        if pending_request is None or self._router.hasher is None:
+            return None
+        request_id = pending_request.metadata.internal_request_id
+        token_ids = route["token_ids"]
+        known = self._prompt_hashes.get(request_id)
+        if known is not None and known[0] is token_ids:
+            return known[1]
+        hashes = self._router.hasher.prefix_hashes(token_ids, route.get("cache_salt"))
+        while len(self._prompt_hashes) >= MAX_PENDING_DECISIONS:  # requests cancelled before they were sent
+            self._prompt_hashes.pop(next(iter(self._prompt_hashes)))
+        self._prompt_hashes[request_id] = (token_ids, hashes)
+        return hashes
+
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         request_id = pending_request.metadata.internal_request_id
+        self._prompt_hashes.pop(request_id, None)  # sent: no retry will hash it again
         decision = self._decisions.pop(request_id, None)
         followed = self._followed.get(replica_id)
         if decision is None or followed is None or (request_id, replica_id) in self._in_flight:

@@ -126,17 +126,20 @@ class Router:
         """The replica index for a request; raises RuntimeError when no replica is alive."""
         return self.route(token_ids, cache_salt, exclude).index
 
-    def route(self, token_ids: list[int], cache_salt: str | None = None, exclude=()) -> RoutingDecision:
+    def route(self, token_ids: list[int], cache_salt: str | None = None, exclude=(),
+              hashes: list[bytes] | None = None) -> RoutingDecision:
         """The replica for a request and why; raises RuntimeError when no replica is alive (or
         none outside `exclude`: indices already tried for this request). The match is computed
         whatever the policy (when the router has a hasher), so prefix hits can be counted for
-        round-robin and least-loaded routing too."""
+        round-robin and least-loaded routing too. `hashes`: the prompt's block hashes when the
+        caller already has them (routing the same request again), else computed here."""
         live = [r for r in self.replicas if r.alive and r.index not in exclude]
         if not live:
             raise RuntimeError("no replica is alive")
         # Full replicas are passed over; when all are full the front end refuses (429) before asking.
         live = [r for r in live if self.has_room(r)] or live
-        hashes = self.hasher.prefix_hashes(token_ids, cache_salt) if self.hasher is not None else []
+        if hashes is None:
+            hashes = self.hasher.prefix_hashes(token_ids, cache_salt) if self.hasher is not None else []
 
         def decided(r: ReplicaState, reason: str) -> RoutingDecision:
             return RoutingDecision(r.index, self.matched_blocks(r, hashes), len(hashes), reason, tuple(hashes))
