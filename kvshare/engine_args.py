@@ -48,6 +48,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="ZMQ ROUTER endpoint that resends buffered event batches from a sequence number")
     g.add_argument("--kv-events-topic", default=engine_default("kv_events_topic"),
                    help="topic frame of every published batch (default: empty)")
+    g.add_argument("--kv-events-no-token-ids", action="store_true",
+                   help="publish BlockStored with empty token_ids: the event sockets have no authentication and "
+                        "token ids are the prompts' text; routers need only the hashes (default: vLLM's, with them)")
     g.add_argument("--prefix-caching-hash-seed", default=engine_default("prefix_caching_hash_seed"),
                    help="derive prefix-cache block hashes from this seed instead of a random per-process "
                         "root, so replicas (and a router) compute the same hashes from token ids")
@@ -64,6 +67,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
         seed=args.seed, kv_event_log=args.kv_event_log, kv_events_endpoint=args.kv_events_endpoint,
         kv_events_replay_endpoint=args.kv_events_replay_endpoint, kv_events_topic=args.kv_events_topic,
+        kv_events_token_ids=not args.kv_events_no_token_ids,
         prefix_caching_hash_seed=args.prefix_caching_hash_seed, data_parallel_rank=args.data_parallel_rank,
         kv_policy=args.kv_policy,
         sink_tokens=args.sink_tokens, window_tokens=args.window_tokens,
