@@ -5,7 +5,11 @@ One run, a fresh `kvshare serve` per configuration:
      sweep), with nobody watching and with the page open and live in a real headless Chromium
      (Debian's /usr/bin/chromium driven by Playwright), --repeats times each in A-B-B-A order;
      the cost is the drop of the mean in %. The browser runs on the same machine, so its own CPU
-     time is part of the cost.
+     time is part of the cost; so the same runs are also made with a stream-only client (what
+     the page reads: one /kv/snapshot, then /kv/events parsed as it arrives, nothing drawn), and
+     each run reports the CPU seconds the server process and the browser spent on the same
+     workload: the server's extra CPU is what a dashboard costs the server wherever the
+     browser runs.
   2. responsiveness: a server with a KV pool of at least --pool-blocks blocks (small blocks, so the
      pool fits in memory: --pool-block-size tokens each, the KV memory sized from the first server's
      bytes per token), the page open while the same load runs for --seconds; the frame times the
@@ -94,6 +98,68 @@ class ServeProcess:
         os.unlink(self.log.name)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of one process (all its threads), from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (the browser's processes below this one)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def browser_cpu_seconds() -> float:
+    total = 0.0
+    for pid in descendants(os.getpid()):
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                if "chrom" not in f.read():
+                    continue
+            total += cpu_seconds(pid)
+        except OSError:
+            continue
+    return total
+
+
+class StreamClient:
+    """What the page reads, without the page: one /kv/snapshot, then /kv/events, each event
+    batch parsed as JSON as it arrives (on a thread of its own)."""
+
+    def __init__(self, srv: ServeProcess) -> None:
+        self.events = 0
+        self.snapshot_blocks = len(srv.get_json("/kv/snapshot")["blocks"])
+        req = urllib.request.Request(srv.url + "/kv/events", headers={"Authorization": f"Bearer {KEY}"})
+        self.resp = urllib.request.urlopen(req, timeout=600)
+        self.pool = concurrent.futures.ThreadPoolExecutor(1)
+        self.future = self.pool.submit(self._read)
+
+    def _read(self) -> None:
+        for raw in self.resp:
+            line = raw.decode()
+            if line.startswith("data:"):
+                batch = json.loads(line[5:])
+                self.events += len(batch.get("events", ())) if isinstance(batch, dict) else 0
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False)
+
+
 def open_dashboard(browser, srv: ServeProcess):
     ctx = browser.new_context(viewport=VIEWPORT, http_credentials={"username": "bench", "password": KEY})
     page = ctx.new_page()
@@ -118,13 +184,18 @@ def sweep_in_thread(opts: SweepOptions) -> concurrent.futures.Future:
     return future
 
 
-def throughput(args, browser, watched: bool, screenshot: bool) -> tuple[float, dict]:
+def throughput(args, browser, client: str, screenshot: bool) -> tuple[float, dict]:
+    """client: "none", "stream" (StreamClient) or "browser" (the page in Chromium)."""
     srv = ServeProcess(args.engine_args).wait_ready()
-    ctx = None
+    ctx = stream = None
+    watched = client == "browser"
     try:
         extra = {}
         if watched:
             ctx, page, extra["page_load_s"] = open_dashboard(browser, srv)
+        elif client == "stream":
+            stream = StreamClient(srv)
+        server_cpu0, browser_cpu0 = cpu_seconds(srv.proc.pid), browser_cpu_seconds()
         future = sweep_in_thread(sweep_options(args, srv, args.requests))
         if watched and screenshot and args.screenshot:
             # Mid-run: the page as it looks under load.
@@ -135,8 +206,12 @@ def throughput(args, browser, watched: bool, screenshot: bool) -> tuple[float, d
             page.screenshot(path=args.screenshot, full_page=True)
             print(f"screenshot: {args.screenshot}", file=sys.stderr)
         level = future.result()["levels"][0]
+        extra["server_cpu_s"] = cpu_seconds(srv.proc.pid) - server_cpu0
+        extra["browser_cpu_s"] = browser_cpu_seconds() - browser_cpu0
         if level["failed"]:
             raise RuntimeError(f"{level['failed']} requests failed: {level['errors'][:3]}")
+        if stream is not None:
+            extra["events_read"] = stream.events
         if watched:
             extra["events_shown"] = page.evaluate("() => kvDashboard.totals.events")
             extra["frame_ms"] = frame_stats(page.evaluate("() => kvDashboard.frameTimes()"))
@@ -145,6 +220,8 @@ def throughput(args, browser, watched: bool, screenshot: bool) -> tuple[float, d
         if ctx is not None:
             ctx.close()
         srv.stop()
+        if stream is not None:
+            stream.close()
 
 
 def frame_stats(times: list[float]) -> dict:
@@ -233,29 +310,32 @@ def main(argv=None) -> int:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=list(CHROMIUM_ARGS))
         try:
             # A-B-B-A...: a drift of the machine over the run (clock, heat, neighbours) falls on both.
-            order = [w for i in range(args.repeats) for w in ((False, True) if i % 2 == 0 else (True, False))]
-            runs = {False: [], True: []}
-            watched_info = None
-            for watched_run in order:
-                tok_s, info = throughput(args, browser, watched=watched_run, screenshot=not runs[True])
-                runs[watched_run].append(tok_s)
-                watched_info = info if watched_run else watched_info
+            kinds = ("none", "stream", "browser")
+            order = [k for i in range(args.repeats) for k in (kinds if i % 2 == 0 else kinds[::-1])]
+            runs = {k: [] for k in kinds}
+            infos = {k: [] for k in kinds}
+            for kind in order:
+                tok_s, info = throughput(args, browser, kind, screenshot=not runs["browser"])
+                runs[kind].append(tok_s)
+                infos[kind].append(info)
             big = responsiveness(args, browser, bytes_per_token(args))
         finally:
             browser.close()
-    bare, watched = statistics.mean(runs[False]), statistics.mean(runs[True])
-    cost = 100.0 * (bare - watched) / bare
+    tok = {k: statistics.mean(v) for k, v in runs.items()}
+    cpu = {k: statistics.mean(i["server_cpu_s"] for i in infos[k]) for k in infos}
+    bcpu = {k: statistics.mean(i["browser_cpu_s"] for i in infos[k]) for k in infos}
+    cost = {k: 100.0 * (tok["none"] - tok[k]) / tok["none"] for k in kinds}
+    server_cost = {k: 100.0 * (cpu[k] - cpu["none"]) / cpu["none"] for k in kinds}
     result = {"concurrency": args.concurrency, "requests": args.requests, "max_tokens": args.max_tokens,
-              "total_tok_s_without": bare, "total_tok_s_with_dashboard": watched, "cost_pct": cost,
-              "runs_without": runs[False], "runs_with_dashboard": runs[True],
-              "dashboard_during_throughput": watched_info, "big_pool": big}
+              "total_tok_s": tok, "runs": runs, "throughput_cost_pct": cost, "server_cpu_s": cpu,
+              "server_cpu_cost_pct": server_cost, "browser_cpu_s": bcpu, "run_info": infos, "big_pool": big}
     print(f"throughput, shared prefix, concurrency {args.concurrency}, {args.requests} requests x "
-          f"{args.max_tokens} tokens:")
+          f"{args.max_tokens} tokens (the same work in every run):")
     each = lambda xs: ", ".join(f"{x:.1f}" for x in xs)  # noqa: E731
-    print(f"  no dashboard       {bare:9.1f} total tok/s   (mean of {each(runs[False])})")
-    print(f"  dashboard open     {watched:9.1f} total tok/s   (mean of {each(runs[True])}; the last page showed "
-          f"{watched_info['events_shown']} events)")
-    print(f"  cost               {cost:9.1f} %")
+    label = {"none": "no client", "stream": "stream-only client", "browser": "page in Chromium"}
+    for k in kinds:
+        print(f"  {label[k]:20s} {tok[k]:8.1f} total tok/s (mean of {each(runs[k])})  cost {cost[k]:5.1f} %   "
+              f"server CPU {cpu[k]:6.1f} s ({server_cost[k]:+5.1f} %)  browser CPU {bcpu[k]:5.1f} s")
     fm = big["frame_ms"]
     print(f"responsiveness, pool of {big['num_blocks']} blocks ({big['blocks_per_cell']} per cell), "
           f"{args.seconds:g} s under load: page loaded in {big['page_load_s']:.2f} s, showed {big['events_shown']} events")

@@ -15,6 +15,10 @@
   const MAX_CELL_PX = 16;
   const GRID_MAX_HEIGHT_PX = 520;  // the grid grows in cells per row before it grows taller than this
   const FLASH_MS = 1500;           // how long a copied-on-write block stays outlined
+  // The grid and counts are redrawn at most this often (10 a second: live to the eye). Drawing on
+  // every animation frame cost the browser ~3x the CPU under load, which on a small server that
+  // also runs the browser is taken from the engine (benchmarks/dashboard_cost.py).
+  const RENDER_INTERVAL_MS = 100;
   const SERIES_POINTS = 120;       // two minutes of one-second samples
   const LOG_LINES = 200;
   const PAUSED_EVENTS_MAX = 200000; // beyond this, a resume starts again from a fresh snapshot
@@ -625,6 +629,7 @@
       this.hover = null;
       this.panelsDue = 0;
       this.treeDue = 0;
+      this.renderDue = 0;
     }
 
     start() {
@@ -864,7 +869,8 @@
         if (this.frameTimes.length > FRAME_SAMPLES) this.frameTimes.shift();
       }
       this.lastFrame = t;
-      if (!this.paused && this.grid) {
+      if (!this.paused && this.grid && t >= this.renderDue) {
+        this.renderDue = t + RENDER_INTERVAL_MS;
         this.grid.draw(t);
         this.renderCounts();
         if (t >= this.panelsDue) { this.panelsDue = t + 500; this.renderPanels(); }
