@@ -309,6 +309,10 @@ def test_429s_reach_the_client(rr_server):
         assert e.response.json()["error"]["code"] == "queue_full"
     assert sum(by_engine(srv, "kvshare:rejected_requests_total", reason="queue_full").values()) == refused_before + 8
     wait_for(lambda: total("kvshare:router_in_flight_requests") == 0, 30, "the held streams to be released")
+    # The front end releases a stream when its client closes it; the replica aborts it a step
+    # later: until then a new request could still find a replica's waiting slot taken.
+    wait_for(lambda: total("vllm:num_requests_running") == 0 and total("vllm:num_requests_waiting") == 0, 30,
+             "the replicas to abort the held streams")
     status, _, data = srv.request("POST", "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 1},
                                   headers={"Authorization": f"Bearer {KEY}"})
     assert status == 200, data

@@ -15,14 +15,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import httpx2
-import uvicorn
 
 from kvshare.server.dp_metrics import RouterMetrics
 from kvshare.server.dp_proxy import _engine_dead_detail
 from kvshare.server.kv_subscriber import KVEventSubscriber
 from kvshare.server.replica import ReplicaProcess
 from kvshare.server.routing import Router
-from kvshare.server.runner import ABORT_GRACE_SECONDS
+from kvshare.server.runner import ABORT_GRACE_SECONDS, LoopKeepingServer
 from kvshare.server.settings import ServerConfig
 
 if TYPE_CHECKING:
@@ -249,19 +248,11 @@ async def poll_replica(state: FrontendState, rep: ReplicaProcess) -> None:
 
 
 
-class DrainingFrontend(uvicorn.Server):
+class DrainingFrontend(LoopKeepingServer):
     """SIGTERM / Ctrl+C: refuse new requests, SIGTERM every replica, wait for them to drain and
     exit, then stop. A second signal kills the replicas and exits at once."""
 
-    def __init__(self, config: uvicorn.Config, state: FrontendState) -> None:
-        super().__init__(config)
-        self.state = state
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._drain_task: asyncio.Task | None = None
-
-    async def serve(self, sockets=None) -> None:
-        self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
+    state: FrontendState
 
     def handle_exit(self, sig, frame) -> None:
         # Not recorded in _captured_signals: uvicorn would re-raise it after serving (exit -15, not 0).

@@ -21,8 +21,12 @@ logger = logging.getLogger("kvshare.server")
 ABORT_GRACE_SECONDS = 10.0  # for aborted requests to send their last bytes
 
 
-class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+class LoopKeepingServer(uvicorn.Server):
+    """A uvicorn server that keeps its event loop, so that a signal handler (which runs outside
+    it) can schedule a drain on it. `state` is what the drain reads; shared by `kvshare serve`
+    and the data-parallel front end."""
+
+    def __init__(self, config: uvicorn.Config, state) -> None:
         super().__init__(config)
         self.state = state
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -31,6 +35,10 @@ class DrainingServer(uvicorn.Server):
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
+
+
+class DrainingServer(LoopKeepingServer):
+    state: ServerState
 
     def handle_exit(self, sig, frame) -> None:
         # Not recorded in _captured_signals: uvicorn would re-raise it after serving, and a
