@@ -36,9 +36,8 @@ import concurrent.futures
 import json
 import math
 import os
-import signal
+import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,23 +48,23 @@ from kvshare.config import parse_bytes
 from kvshare.testing.browser import CHROMIUM, CHROMIUM_ARGS, chromium_missing
 from kvshare.testing.ports import free_port
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from serve_vs_hf import Server  # noqa: E402  (the server process the serving benchmarks share)
+
 VIEWPORT = {"width": 1440, "height": 1000}
 KEY = "dashboard-cost-key"  # the page goes through --api-key as a user's would
 
 
-class ServeProcess:
-    """`kvshare serve` on a free loopback port, its log in a temporary file."""
+class ServeProcess(Server):
+    """`kvshare serve` behind --api-key on a free loopback port, its log in a temporary folder
+    (removed when it stops)."""
 
     def __init__(self, engine_args: list[str]) -> None:
-        self.port = free_port()
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="dashboard-cost-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "kvshare.cli", "serve", "--port", str(self.port), "--api-key", KEY,
+        self.log_dir = tempfile.mkdtemp(prefix="dashboard-cost-")
+        port = free_port()
+        cmd = [sys.executable, "-m", "kvshare.cli", "serve", "--port", str(port), "--api-key", KEY,
                "--no-access-log", *engine_args]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        super().__init__("kvshare serve", cmd, port, "/ready", self.log_dir, dict(os.environ))
 
     def get_json(self, path: str) -> dict:
         req = urllib.request.Request(self.url + path, headers={"Authorization": f"Bearer {KEY}"})
@@ -73,29 +72,12 @@ class ServeProcess:
             return json.loads(r.read())
 
     def wait_ready(self, timeout: float = 600) -> "ServeProcess":
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"kvshare serve exited with {self.proc.returncode}; see {self.log.name}")
-            try:
-                with urllib.request.urlopen(self.url + "/ready", timeout=5) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"kvshare serve not ready after {timeout}s; see {self.log.name}")
+        super().wait_ready(timeout)
+        return self
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(30)
-        self.log.close()
-        os.unlink(self.log.name)
+        super().stop()
+        shutil.rmtree(self.log_dir, ignore_errors=True)
 
 
 def cpu_seconds(pid: int) -> float:
