@@ -140,6 +140,10 @@ class EngineConfig:
     # its KV event batches carry it, as vLLM's do, so a consumer of several replicas' events can
     # tell them apart. None: a single engine, batches without it.
     data_parallel_rank: int | None = None
+    # vLLM's name: this many processes each hold a shard of every layer (their heads, their part
+    # of the MLP and vocabulary) and run every step together over gloo on loopback; this process is
+    # rank 0 and schedules (kvshare.engine.tensor_parallel). Threads are split between the ranks.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.dtype, torch.dtype):
@@ -165,6 +169,9 @@ class EngineConfig:
             raise ValueError(f"max_model_len={self.max_model_len!r} is invalid: must be an integer >= 2")
         self._check_kv_policy()
         self._check_kv_events()
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size={tp!r} is invalid: must be an integer >= 1")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
         if not (0.0 < self.kv_cache_memory_fraction <= 0.95):

@@ -58,6 +58,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="this engine's rank among data-parallel replicas, carried in its KV event batches (set "
                         "by --data-parallel-size for each replica; default: none)")
 
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=engine_default("tensor_parallel_size"),
+                   metavar="N", help="split every layer across N processes (gloo on loopback); threads are "
+                                     "divided between them (docs/tensor_parallel.md)")
+
 
 def engine_options(args: argparse.Namespace) -> dict:
     return dict(
@@ -71,7 +75,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         prefix_caching_hash_seed=args.prefix_caching_hash_seed, data_parallel_rank=args.data_parallel_rank,
         kv_policy=args.kv_policy,
         sink_tokens=args.sink_tokens, window_tokens=args.window_tokens,
-        kv_cache_groups=not args.disable_hybrid_kv_cache_manager,
+        kv_cache_groups=not args.disable_hybrid_kv_cache_manager, tensor_parallel_size=args.tensor_parallel_size,
         # Only an explicit --audit overrides KVSHARE_AUDIT.
         **({"audit": True} if args.audit else {}),
     )

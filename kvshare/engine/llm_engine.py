@@ -15,27 +15,27 @@ from kvshare.config import EngineConfig
 from kvshare.engine.beam_search import BeamSearchDriver, BeamSearchParams
 from kvshare.engine.detokenizer import IncrementalDetokenizer
 from kvshare.engine.intake import MULTIMODAL_PROMPT_KEYS, PROMPT_DICT_KEYS, RequestIntake  # noqa: F401 (re-exported)
-from kvshare.engine.model_runner import ModelRunner, StepLogits
+from kvshare.engine.model_runner import StepLogits
+from kvshare.engine.model_setup import build_rank, plan_kv
 from kvshare.engine.output_processor import OutputProcessor
 from kvshare.engine.request import RequestState, Sequence
 from kvshare.engine.scheduler import Scheduler
 from kvshare.engine.startup import KVLayout, StartupReport, release_freed_heap
 from kvshare.engine.structured_output import StructuredOutputs
+from kvshare.engine.tensor_parallel import TensorParallelLauncher, TensorParallelRunner, threads_per_rank
 from kvshare.errors import InvalidRequestError
 from kvshare.kvcache.audit import KVAuditor, record_step_io
 from kvshare.kvcache.events import EventLog, as_event_log
 from kvshare.kvcache.hashing import BlockHasher
 from kvshare.kvcache.kv_events import KVEventQueue
-from kvshare.kvcache.kv_policy import build_kv_policy
-from kvshare.kvcache.kv_groups import GroupedKVCacheManager, blocks_per_seq, layer_slots, plan_kv_groups
+from kvshare.kvcache.kv_groups import GroupedKVCacheManager, blocks_per_seq
 from kvshare.kvcache.manager import KVCacheManager
 from kvshare.kvcache.view_tap import ViewTap
 from kvshare.memory_plan import kv_pool_blocks
 from kvshare.model import cpu_kernels
-from kvshare.model.attention import PagedKVStorage, TorchPagedAttention
-from kvshare.model.llama import build_model
 from kvshare.model.loader import load_model
 from kvshare.model.sampler import Sampler, SamplingRow, apply_token_bitmask
+from kvshare.model.tensor_parallel import TPShard
 from kvshare.outputs import RequestMetrics, RequestOutput
 from kvshare.sampling_params import SamplingParams
 
@@ -52,7 +52,19 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        if config.num_threads:
+        # Tensor parallel: the worker ranks start first and load their weights while this one does.
+        launcher = TensorParallelLauncher(config) if config.tensor_parallel_size > 1 else None
+        try:
+            self._build(config, launcher)
+        except BaseException:
+            if launcher is not None:
+                launcher.close(None)
+            raise
+
+    def _build(self, config: EngineConfig, launcher: TensorParallelLauncher | None) -> None:
+        if launcher is not None:
+            torch.set_num_threads(threads_per_rank(config))
+        elif config.num_threads:
             torch.set_num_threads(config.num_threads)
         t_start = time.perf_counter()
         cpu_kernels.start_background_builds()  # a missing kernel build overlaps the load, never blocks it
@@ -64,21 +76,15 @@ class LLMEngine:
         mc = self.model_config
         # Sized by the same code as `kvshare memory` plans with (scale bytes included when quantized).
         self.kv_format = config.kv_format
-        # Hybrid models (global and window layers): one block table per group of layers of one
-        # attention type; a block then holds KV of one group's layers, not all of them.
-        self.kv_groups = (plan_kv_groups(mc.attention_windows(), config.block_size)
-                          if config.kv_cache_groups and config.kv_policy is None else None)
-        layers_per_block = self.kv_groups[0].size if self.kv_groups else mc.num_layers
-        bytes_per_token = self.kv_format.bytes_per_token(layers_per_block, mc.num_kv_heads, mc.head_dim)
+        kv = plan_kv(config, mc)
+        self.kv_groups, self.kv_policy = kv.groups, kv.policy
+        bytes_per_token = self.kv_format.bytes_per_token(kv.layers_per_block, mc.num_kv_heads, mc.head_dim)
         num_blocks = kv_pool_blocks(config.kv_budget_bytes(), bytes_per_token, config.block_size)
-        max_model_len = config.max_model_len or mc.max_position_embeddings
-        # The model's own sliding windows, or the opt-in sink policy: what bounds KV per sequence.
-        self.kv_policy = build_kv_policy(config, mc, max_model_len)
+        max_model_len = kv.max_model_len
         # Sink sequences keep cache positions below max_model_len whatever their length.
         length_unbounded = self.kv_policy is not None and self.kv_policy.generates_past_max_model_len
         hasher = BlockHasher.seeded(config.block_size, config.prefix_caching_hash_seed)
         if self.kv_groups:
-            group_of, slot_of = layer_slots(self.kv_groups, mc.num_layers)
             self.layout = KVLayout(bytes_per_token, config.block_size, num_blocks, max_model_len,
                                    self.kv_format.name, len(self.kv_groups),
                                    blocks_per_seq(self.kv_groups, config.block_size, max_model_len,
@@ -86,14 +92,14 @@ class LLMEngine:
             self.manager = GroupedKVCacheManager(num_blocks, config.block_size, self.kv_groups,
                                                  config.enable_prefix_caching, hasher=hasher)
         else:
-            group_of = slot_of = None
             self.layout = KVLayout(bytes_per_token, config.block_size, num_blocks, max_model_len, self.kv_format.name)
             self.manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                           policy=self.kv_policy, hasher=hasher)
-        self.kv_cache = PagedKVStorage(layers_per_block, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
-                                       self.kv_format.storage, layer_slots=slot_of)
-        self.model = build_model(mc, loaded.weights, dtype, TorchPagedAttention(config.block_size), max_model_len,
-                                 prefill_dtype=config.prefill_torch_dtype)
+        # With tensor parallelism this rank holds its shard; the pool's bytes (the layout) are all ranks'.
+        tp = launcher.connect(TPShard(0, launcher.size, mc), num_blocks) if launcher is not None else None
+        self.model, self.kv_cache, self.runner = build_rank(config, mc, loaded.weights, kv, num_blocks, tp)
+        if tp is not None:
+            self.runner = TensorParallelRunner(self.runner, launcher, tp)
         release_freed_heap()  # the load's temporaries: back to the OS, not kept as RSS
         self.startup = StartupReport(loaded.source, loaded.tensor_types, self.model, config,
                                      self.layout, loaded.load_seconds, time.perf_counter() - t_start)
@@ -101,8 +107,6 @@ class LLMEngine:
         for line in self.startup.lines():
             logger.info(line)
         self.scheduler = Scheduler(config, self.manager)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.kv_policy,
-                                  [g.policy for g in self.kv_groups] if self.kv_groups else None, group_of)
         self.events: EventLog | None = None
         # The live KV view's recorder (kvshare.engine.kv_view), in front of `events` while a view
         # client listens; None otherwise, so nothing is recorded for a view nobody watches.
@@ -138,7 +142,11 @@ class LLMEngine:
                         if self.kv_event_publisher.replay_endpoint else "")
 
     def close(self) -> None:
-        """Release what outlives a step: the KV event sockets and the event log file."""
+        """Release what outlives a step: the KV event sockets, the event log file and the
+        tensor-parallel workers."""
+        close_runner = getattr(self.runner, "close", None)
+        if close_runner is not None:
+            close_runner()
         if self.kv_event_publisher is not None:
             self.publish_kv_events()
             self.kv_event_publisher.close()

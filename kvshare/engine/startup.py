@@ -96,8 +96,10 @@ class StartupReport:
                    else ""))
         mix = ", ".join(f"{t} x{n}" for t, n in self.format_mix().items()) or "dense checkpoint"
         by_kind = ", ".join(f"{k} {b / 2**20:.1f} MiB" for k, b in self.weight_bytes_by_kind().items())
+        tp = getattr(self.model, "tp", None)
         return [
             f"model: {self.source}",
+            *([self._tensor_parallel_line(tp.shard)] if tp is not None else []),
             f"  mode: {mode}",
             f"  tensor formats: {mix}",
             f"  resident weights: {self.model.weight_bytes / 2**20:.1f} MiB ({by_kind})",
@@ -105,6 +107,13 @@ class StartupReport:
             f"  {self.layout.describe()}",
             f"  weights loaded in {self.load_seconds:.2f} s; engine ready in {self.ready_seconds:.2f} s",
         ]
+
+    @staticmethod
+    def _tensor_parallel_line(shard) -> str:
+        (q0, q1), (k0, k1), (m0, m1), (v0, v1) = shard.q_heads, shard.kv_heads, shard.mlp, shard.vocab
+        return (f"  tensor parallel: {shard.size} ranks (gloo on loopback); this process is rank 0 with query "
+                f"heads {q0}-{q1 - 1}, KV heads {k0}-{k1 - 1}, MLP columns {m0}-{m1 - 1}, vocabulary rows {v0}-{v1 - 1} "
+                f"(the resident weights below are rank 0's)")
 
 
 def release_freed_heap() -> None:

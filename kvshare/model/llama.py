@@ -13,6 +13,7 @@ from kvshare.model.fused_decode import FusedDecode
 from kvshare.model.gguf_quants import GroupAffine
 from kvshare.model.layers import RotaryEmbedding, head_rms_norm, rms_norm
 from kvshare.model.qlinear import DequantScratch, make_linear
+from kvshare.model.tensor_parallel import TPCollectives
 
 
 class _Layer:
@@ -36,8 +37,12 @@ class LlamaModel:
     on its kernel (kvshare.model.qlinear)."""
 
     def __init__(self, config: ModelArchConfig, weights: dict, dtype: torch.dtype,
-                 backend: AttentionBackend, max_positions: int, prefill_dtype: torch.dtype | None = None) -> None:
+                 backend: AttentionBackend, max_positions: int, prefill_dtype: torch.dtype | None = None,
+                 tp: TPCollectives | None = None) -> None:
+        """With `tp` (tensor parallel), `config` and `weights` are this rank's shard
+        (kvshare.model.tensor_parallel): its heads, its part of the MLP and of the vocabulary."""
         self.config = config
+        self.tp = tp
         self.dtype = dtype
         self.backend = backend
         c = config
@@ -84,7 +89,8 @@ class LlamaModel:
             layer.down = linear(weights.pop(p + "mlp.down_proj.weight"))
             self.layers.append(layer)
         self.rotary = RotaryEmbedding(config, max_positions, dtype)
-        self.fused_decode = FusedDecode(self)
+        # One C++ call runs every layer without returning: no room for the per-layer all-reduce.
+        self.fused_decode = FusedDecode(self, "tensor parallel (an all-reduce after every layer half)" if tp else None)
 
     def linears(self) -> list:
         """Every weight matrix once (the tied embedding is the lm_head)."""
@@ -110,7 +116,7 @@ class LlamaModel:
                 kv_cache: PagedKVStorage) -> torch.Tensor:
         c = self.config
         n = input_ids.shape[0]
-        h = self.embed.rows(input_ids)
+        h = self.embed.rows(input_ids) if self.tp is None else self.tp.embed(self.embed, input_ids)
         cos, sin = self.rotary.tables(positions)
         if self.fused_decode.reason(meta, n, kv_cache) is None:
             return self.fused_decode.run(h, cos, sin, meta, kv_cache)
@@ -130,25 +136,34 @@ class LlamaModel:
             v = qkv[:, self.q_size + self.kv_size:].reshape(n, c.num_kv_heads, c.head_dim)
             k_cache, v_cache = kv_cache.layer(i)
             attn = self.backend.forward(q, k, v, k_cache, v_cache, meta.for_layer(i), self.scale)
-            h = h + layer.o(attn.reshape(n, self.q_size), nd)
+            h = h + self._reduce(layer.o(attn.reshape(n, self.q_size), nd))
             x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
             gate, up = layer.gate_up(x, nd).chunk(2, dim=-1)
-            h = h + layer.down(F.silu(gate) * up, nd)
+            h = h + self._reduce(layer.down(F.silu(gate) * up, nd))
         return h
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel linear's output: the sum over ranks of each rank's partial product."""
+        return partial if self.tp is None else self.tp.all_reduce(partial)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # Only the rows that sample or report logprobs come here: the vocab matmul is the
         # single most expensive op at small batch.
         x = rms_norm(hidden, self.norm, self.config.rms_norm_eps)
-        return self.lm_head(x).float()
+        logits = self.lm_head(x).float()
+        return logits if self.tp is None else self.tp.gather_logits(logits)
 
 
 ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "phi3")
 
 
-def build_model(config: ModelArchConfig, weights, dtype, backend, max_positions, prefill_dtype=None):
-    """prefill_dtype: the dtype of many-row GEMMs on kept-quantized weights (None: dtype)."""
+def build_model(config: ModelArchConfig, weights, dtype, backend, max_positions, prefill_dtype=None,
+                tp: TPCollectives | None = None):
+    """prefill_dtype: the dtype of many-row GEMMs on kept-quantized weights (None: dtype). tp: this
+    rank's collectives under tensor parallelism; `config` and `weights` are then its shard."""
+    if tp is not None:
+        return LlamaModel(config, weights, dtype, backend, max_positions, prefill_dtype, tp)
     if config.architecture in ("gemma2", "gemma3"):
         from kvshare.model.gemma import GemmaModel  # here: gemma imports this module's shared pieces
 

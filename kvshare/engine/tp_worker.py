@@ -1,0 +1,68 @@
+"""A tensor-parallel worker rank: `python -m kvshare.engine.tp_worker`, started by the engine
+(kvshare.engine.tensor_parallel), never by hand. It loads the model, keeps its shard, and runs
+every step plan rank 0 broadcasts until told to stop. Its own module, which the kvshare package
+does not import, so `-m` runs it as a fresh __main__."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import pickle
+import sys
+import threading
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from kvshare.config import EngineConfig
+from kvshare.engine.model_setup import build_rank, plan_kv
+from kvshare.engine.tensor_parallel import COLLECTIVE_TIMEOUT, STARTUP_TIMEOUT, PlanChannel
+from kvshare.model.loader import load_model
+from kvshare.model.tensor_parallel import TPCollectives, TPShard
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A worker outlives no engine: when rank 0's process is gone, exit (its sockets may linger)."""
+    while True:
+        if os.getppid() != parent:
+            os._exit(0)
+        time.sleep(0.5)
+
+
+def worker_main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvshare.engine.tp_worker",
+                                description="a tensor-parallel worker rank (started by the engine, not by hand)")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--size", type=int, required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--threads", type=int, required=True)
+    p.add_argument("--parent", type=int, required=True)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s kvshare tp rank {args.rank}: %(message)s")
+    threading.Thread(target=_exit_with_parent, args=(args.parent,), daemon=True).start()
+    torch.set_num_threads(args.threads)
+    store = dist.TCPStore("127.0.0.1", args.port, args.size, False, timeout=STARTUP_TIMEOUT)
+    config: EngineConfig = pickle.loads(store.get("config"))
+    loaded = load_model(config.model, dtype=config.torch_dtype, quantization=config.quantization)
+    shard = TPShard(args.rank, args.size, loaded.config)
+    kv = plan_kv(config, loaded.config)
+    num_blocks = int(store.get("num_blocks"))
+    store.set(f"ready/{args.rank}", "1")
+    group = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), args.rank, args.size, COLLECTIVE_TIMEOUT)
+    tp = TPCollectives(group, shard)
+    _, _, runner = build_rank(config, loaded.config, loaded.weights, kv, num_blocks, tp)
+    del loaded
+    channel = PlanChannel(group)
+    try:
+        while (plan := channel.recv()) is not None:
+            runner.execute(plan)
+    except Exception:  # rank 0 gone, or a failure here: either way this rank is done
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main())

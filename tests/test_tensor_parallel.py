@@ -1,0 +1,201 @@
+"""Tensor parallel (issue 14 item 4): tensor_parallel_size=2 starts a second real process that
+holds its share of every layer (KV heads 2 + 1 of the bundled model's 3, query heads 6 + 3, half
+the MLP and of the vocabulary) and runs each step plan rank 0 broadcasts over gloo. On the
+bundled model in float32 it matches TP=1: the same greedy tokens, logprobs and prompt logprobs
+within 1e-4, through chunked prefill, mixed steps and prefix-cache hits. A worker that dies makes
+the next step fail with an error naming it; a rank 0 that dies takes its workers with it."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import openai
+import pytest
+import torch
+
+from kvshare import LLM, SamplingParams
+from kvshare.model.config import ModelArchConfig
+from kvshare.model.gguf_quants import GroupAffine
+from kvshare.model.tensor_parallel import TPShard, check_tensor_parallel, even_split, shard_weights
+from server_proc import MODEL, ServerProcess
+
+# Small chunks: prompts prefill over several steps, beside other rows' decode steps.
+EXACT = dict(dtype="float32", quantization=None, kv_cache_memory="64MiB", max_model_len=512,
+             max_num_batched_tokens=48)
+SHARED = ("You are a careful assistant for a hardware shop. Answer in one short sentence, name the part, "
+          "and never invent a price. ")
+PROMPTS = [SHARED + "Which cable connects a monitor?", "The capital of France is",
+           SHARED + "What does a power supply do?", "def fibonacci(n):", "Once upon a time, in a small village,",
+           "List three primary colors:"]
+LOGPROB_TOL = 1e-4  # float32: the ranks' partial sums add in another order than one matmul's
+
+
+def _smollm_like(**kw) -> ModelArchConfig:
+    base = dict(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                num_heads=9, num_kv_heads=3, head_dim=64)
+    return ModelArchConfig(**{**base, **kw})
+
+
+def test_heads_follow_their_kv_head_and_the_split_may_be_uneven():
+    c = _smollm_like()
+    r0, r1 = TPShard(0, 2, c), TPShard(1, 2, c)
+    assert (r0.kv_heads, r0.q_heads, r1.kv_heads, r1.q_heads) == ((0, 2), (0, 6), (2, 3), (6, 9))
+    assert (r0.mlp, r1.mlp, r0.vocab, r1.vocab) == ((0, 768), (768, 1536), (0, 24576), (24576, 49152))
+    local = r1.local_config()
+    assert (local.num_heads, local.num_kv_heads, local.intermediate_size, local.head_dim) == (3, 1, 768, 64)
+    assert [even_split(10, 3, r) for r in range(3)] == [(0, 4), (4, 7), (7, 10)]
+
+
+@pytest.mark.parametrize("config, size, message", [
+    (_smollm_like(), 4, "it has 3 KV head(s), and each rank needs at least one"),
+    (_smollm_like(architecture="gemma3"), 2, "not supported for architecture 'gemma3'"),
+])
+def test_unsplittable_models_get_a_clear_error(config, size, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        check_tensor_parallel(config, size)
+
+
+def test_shards_of_packed_and_dense_weights_rebuild_the_full_weights():
+    """Every weight's shards, put back together along the split axis, are the full weight: packed
+    (GroupAffine: rows and group-aligned columns stay packed) and dense alike, bias included."""
+    c = _smollm_like(num_layers=1, vocab_size=101, hidden_size=64, intermediate_size=96, num_heads=6,
+                     num_kv_heads=3, head_dim=16)
+    g = torch.Generator().manual_seed(0)
+
+    def packed(n, k):
+        return GroupAffine(torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g),
+                           torch.rand(n, k // 16, generator=g), torch.rand(n, k // 16, generator=g), 16, 4)
+
+    p = "model.layers.0."
+    full = {"model.embed_tokens.weight": packed(101, 64), p + "self_attn.q_proj.weight": packed(96, 64),
+            p + "self_attn.k_proj.weight": packed(48, 64), p + "self_attn.v_proj.weight": torch.rand(48, 64),
+            p + "self_attn.q_proj.bias": torch.rand(96), p + "self_attn.o_proj.weight": packed(64, 96),
+            p + "mlp.gate_proj.weight": torch.rand(96, 64), p + "mlp.up_proj.weight": packed(96, 64),
+            p + "mlp.down_proj.weight": packed(64, 96), "model.norm.weight": torch.rand(64)}
+    shards = [shard_weights(full, TPShard(r, 2, c)) for r in range(2)]
+
+    def dense(w):
+        return w.dequantize() if isinstance(w, GroupAffine) else w
+
+    by_cols = {p + "self_attn.o_proj.weight", p + "mlp.down_proj.weight"}
+    for name, w in full.items():
+        if name == "model.norm.weight":
+            assert all(s[name] is w for s in shards)  # replicated
+            continue
+        parts = [dense(s[name]) for s in shards]
+        assert torch.equal(torch.cat(parts, dim=1 if name in by_cols else 0), dense(w)), name
+        assert all(isinstance(s[name], GroupAffine) == isinstance(w, GroupAffine) for s in shards), name
+
+
+@pytest.fixture(scope="module")
+def engines():
+    ref = LLM(**EXACT)
+    tp = LLM(tensor_parallel_size=2, **EXACT)
+    yield ref, tp
+    tp.engine.close()
+
+
+def _close(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) <= LOGPROB_TOL for t in a)
+
+
+def test_tp2_matches_tp1_in_float32(engines):
+    ref, tp = engines
+    # Round 2 hits the prefix cache (the shared system prompt's blocks and whole earlier prompts);
+    # round 1 asks for prompt logprobs too (such a request computes its whole prompt).
+    rounds = [SamplingParams(temperature=0, max_tokens=32, logprobs=3, prompt_logprobs=2),
+              SamplingParams(temperature=0, max_tokens=32, logprobs=3)]
+    for round_, sp in enumerate(rounds):
+        want, got = ref.generate(PROMPTS, sp, use_tqdm=False), tp.generate(PROMPTS, sp, use_tqdm=False)
+        for w, o in zip(want, got):
+            assert o.outputs[0].token_ids == w.outputs[0].token_ids, (round_, w.prompt)
+            assert all(_close(a, b) for a, b in zip(w.outputs[0].logprobs, o.outputs[0].logprobs)), (round_, w.prompt)
+            if sp.prompt_logprobs:
+                assert o.prompt_logprobs[0] is None and all(
+                    _close(a, b) for a, b in zip(w.prompt_logprobs[1:], o.prompt_logprobs[1:])), (round_, w.prompt)
+            assert o.num_cached_tokens == w.num_cached_tokens
+    assert [o.num_cached_tokens > 0 for o in got] == [p.startswith(SHARED) for p in PROMPTS]
+    assert tp.engine.manager.num_used_blocks() == ref.engine.manager.num_used_blocks()
+
+
+def test_rank0_holds_its_shard_and_says_so(engines):
+    ref, tp = engines
+    assert tp.engine.kv_cache.data.shape[2] == 2 and ref.engine.kv_cache.data.shape[2] == 3  # KV heads
+    assert tp.engine.model.layers[0].o.in_features == 6 * 64
+    line = next(s for s in tp.engine.startup.lines() if "tensor parallel" in s)
+    assert "2 ranks" in line and "query heads 0-5, KV heads 0-1" in line
+    assert tp.engine.model.fused_decode.model_reason.startswith("tensor parallel")
+
+
+def _worker_pids(parent: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(parent), "-f", "kvshare.engine.tp_worker"], capture_output=True,
+                         text=True)
+    return [int(x) for x in out.stdout.split()]
+
+
+def test_a_dead_worker_fails_the_next_step_with_its_name():
+    llm = LLM(tensor_parallel_size=2, **EXACT)
+    procs = llm.engine.runner.launcher.procs
+    assert llm.generate(["Hi"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+    procs[0].send_signal(signal.SIGKILL)
+    procs[0].wait(timeout=10)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"tensor parallel: worker rank 1 \(exit code -9\) is gone"):
+        llm.generate(["Hello there"], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert time.monotonic() - t0 < 30  # it fails; it does not wait on the dead rank
+    llm.engine.close()  # and closing after that neither hangs nor raises
+    assert procs[0].pid not in _worker_pids(os.getpid())
+
+
+def test_a_killed_rank0_takes_its_worker_with_it(tmp_path):
+    script = textwrap.dedent("""
+        import sys
+        from kvshare import LLM, SamplingParams
+        llm = LLM(tensor_parallel_size=2, kv_cache_memory="32MiB", max_model_len=256)
+        llm.generate(["Hi"], SamplingParams(max_tokens=1), use_tqdm=False)
+        print(llm.engine.runner.launcher.procs[0].pid, flush=True)
+        sys.stdin.read()
+    """)
+    rank0 = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, text=True)
+    worker = int(rank0.stdout.readline())
+    rank0.kill()
+    rank0.wait()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if not _alive(worker):
+            return
+        time.sleep(0.2)
+    os.kill(worker, signal.SIGKILL)
+    pytest.fail(f"worker {worker} outlived its killed rank 0 by 20 s")
+
+
+def test_serve_with_tensor_parallel_answers_like_tp1(engines):
+    ref, _ = engines
+    prompt = "The three largest planets are"
+    want = ref.generate([prompt], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0].outputs[0].text
+    srv = ServerProcess("--tensor-parallel-size", "2", "--dtype", "float32", "--quantization", "none",
+                        engine_args=["--kv-cache-memory", "64MiB", "--max-model-len", "512"]).wait_ready()
+    try:
+        client = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=120)
+        got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
+        assert got.choices[0].text == want
+        assert "tensor parallel: 2 ranks" in srv.log_text()
+        workers = _worker_pids(srv.proc.pid)
+        assert len(workers) == 1
+        assert srv.terminate() == 0  # SIGTERM: drained, workers stopped, exit 0
+    finally:
+        srv.close()
+    assert not any(_alive(pid) for pid in workers)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
