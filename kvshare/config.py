@@ -144,6 +144,10 @@ class EngineConfig:
     # of the MLP and vocabulary) and run every step together over gloo on loopback; this process is
     # rank 0 and schedules (kvshare.engine.tensor_parallel). Threads are split between the ranks.
     tensor_parallel_size: int = 1
+    # How the ranks exchange activations: "auto" is a shared memory segment where kvshare's C++
+    # library is built (microseconds per all-reduce), else a gloo process group over loopback
+    # (1-2 ms per all-reduce on a small VM: a sharded forward does two per layer); "gloo" always gloo.
+    tensor_parallel_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.dtype, torch.dtype):
@@ -172,6 +176,9 @@ class EngineConfig:
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size={tp!r} is invalid: must be an integer >= 1")
+        if self.tensor_parallel_backend not in ("auto", "gloo"):
+            raise ValueError(f"tensor_parallel_backend={self.tensor_parallel_backend!r} is invalid: allowed are 'auto' "
+                             "(shared memory where kvshare's C++ library is built, else gloo) and 'gloo'")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
         if not (0.0 < self.kv_cache_memory_fraction <= 0.95):

@@ -61,6 +61,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=engine_default("tensor_parallel_size"),
                    metavar="N", help="split every layer across N processes (gloo on loopback); threads are "
                                      "divided between them (docs/tensor_parallel.md)")
+    g.add_argument("--tensor-parallel-backend", default=engine_default("tensor_parallel_backend"),
+                   choices=["auto", "gloo"], help="how the ranks exchange activations: auto = shared memory "
+                                                  "(gloo where kvshare's C++ library is not built), gloo = always gloo")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -76,6 +79,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         kv_policy=args.kv_policy,
         sink_tokens=args.sink_tokens, window_tokens=args.window_tokens,
         kv_cache_groups=not args.disable_hybrid_kv_cache_manager, tensor_parallel_size=args.tensor_parallel_size,
+        tensor_parallel_backend=args.tensor_parallel_backend,
         # Only an explicit --audit overrides KVSHARE_AUDIT.
         **({"audit": True} if args.audit else {}),
     )

@@ -102,7 +102,8 @@ class LLMEngine:
             self.runner = TensorParallelRunner(self.runner, launcher, tp)
         release_freed_heap()  # the load's temporaries: back to the OS, not kept as RSS
         self.startup = StartupReport(loaded.source, loaded.tensor_types, self.model, config,
-                                     self.layout, loaded.load_seconds, time.perf_counter() - t_start)
+                                     self.layout, loaded.load_seconds, time.perf_counter() - t_start,
+                                     launcher.transport_name if launcher is not None else "")
         del loaded
         for line in self.startup.lines():
             logger.info(line)

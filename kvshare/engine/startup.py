@@ -58,6 +58,7 @@ class StartupReport:
     layout: KVLayout
     load_seconds: float
     ready_seconds: float
+    tp_transport: str = ""  # how tensor-parallel ranks exchange data ("" without tensor parallelism)
 
     def format_mix(self) -> dict[str, int]:
         mix: dict[str, int] = {}
@@ -108,10 +109,9 @@ class StartupReport:
             f"  weights loaded in {self.load_seconds:.2f} s; engine ready in {self.ready_seconds:.2f} s",
         ]
 
-    @staticmethod
-    def _tensor_parallel_line(shard) -> str:
+    def _tensor_parallel_line(self, shard) -> str:
         (q0, q1), (k0, k1), (m0, m1), (v0, v1) = shard.q_heads, shard.kv_heads, shard.mlp, shard.vocab
-        return (f"  tensor parallel: {shard.size} ranks (gloo on loopback); this process is rank 0 with query "
+        return (f"  tensor parallel: {shard.size} ranks over {self.tp_transport}; this process is rank 0 with query "
                 f"heads {q0}-{q1 - 1}, KV heads {k0}-{k1 - 1}, MLP columns {m0}-{m1 - 1}, vocabulary rows {v0}-{v1 - 1} "
                 f"(the resident weights below are rank 0's)")
 

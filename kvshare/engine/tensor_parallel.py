@@ -7,22 +7,26 @@ the model over its shard of the KV cache (its KV heads, at the same block ids), 
 meet only in the model's collectives (kvshare.model.tensor_parallel). So the block tables are
 identical on every rank by construction: there is one table, and it travels in the plan.
 
-Ranks talk over a torch.distributed gloo process group on loopback (kvshare's tensors are CPU
-tensors; NCCL would need CUDA ones, which no kvshare path has yet). The process group is built
-directly, not through init_process_group, so no process-wide default group exists and several
+Start-up goes through a torch.distributed TCPStore on a free loopback port: rank 0 puts the
+config in it and starts the workers (`python -m kvshare.engine.tp_worker`), which load the
+model while rank 0 does; rank 0 then puts the KV pool size it planned and the shared memory
+segment it made, each worker says whether it could map that segment, and all ranks take the
+same transport (kvshare.model.tp_transport): shared memory when every rank can, else a gloo
+process group (EngineConfig.tensor_parallel_backend="gloo" asks for gloo). kvshare's tensors are
+CPU tensors, so NCCL, which needs CUDA ones, has no use here yet. The gloo group is built
+directly, not through init_process_group: no process-wide default group exists, and several
 engines can live in one process.
-
-Start-up: rank 0 opens a TCPStore on a free loopback port, puts the config in it and starts the
-workers (`python -m kvshare.engine.tp_worker`), which load the model while rank 0 does;
-rank 0 then puts the KV pool size it planned, and every rank joins the group.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import pickle
+import secrets
 import subprocess
 import sys
+import tempfile
 import time
 import weakref
 from datetime import timedelta
@@ -32,14 +36,15 @@ import torch.distributed as dist
 
 from kvshare.config import EngineConfig
 from kvshare.engine.step_plan import StepPlan
+from kvshare.model import cpu_kernels
 from kvshare.model.tensor_parallel import TPCollectives, TPShard
+from kvshare.model.tp_transport import GlooTransport, ShmSegment, ShmTransport
 
 # Start-up waits (a worker's model load) give up after this long.
 STARTUP_TIMEOUT = timedelta(minutes=5)
-# A collective's wait: a worker sits in the plan broadcast for as long as the engine is idle.
+# A gloo collective's wait: a worker sits in the plan broadcast for as long as the engine is idle.
 # A rank that dies ends the others' waits at once (its sockets close); this is only the backstop.
 COLLECTIVE_TIMEOUT = timedelta(days=365)
-_STOP = -1  # plan size that tells the workers to exit
 
 
 def threads_per_rank(config: EngineConfig) -> int:
@@ -48,30 +53,22 @@ def threads_per_rank(config: EngineConfig) -> int:
     return max(1, total // config.tensor_parallel_size)
 
 
-class PlanChannel:
-    """Step plans from rank 0 to every rank, as one size broadcast and one byte broadcast."""
+def gloo_group(store: dist.Store, rank: int, size: int) -> dist.ProcessGroup:
+    return dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, COLLECTIVE_TIMEOUT)
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
-        self._opts = dist.BroadcastOptions()
-        self._opts.rootRank = 0
+
+class PlanChannel:
+    """Step plans from rank 0 to every rank; an empty message tells the workers to stop."""
+
+    def __init__(self, transport) -> None:
+        self.transport = transport
 
     def send(self, plan: StepPlan | None) -> None:
-        data = b"" if plan is None else pickle.dumps(_wire_plan(plan), protocol=pickle.HIGHEST_PROTOCOL)
-        size = torch.tensor([_STOP if plan is None else len(data)], dtype=torch.int64)
-        self.group.broadcast([size], self._opts).wait()
-        if data:
-            self.group.broadcast([torch.frombuffer(bytearray(data), dtype=torch.uint8)], self._opts).wait()
+        self.transport.broadcast0(b"" if plan is None else pickle.dumps(_wire_plan(plan), pickle.HIGHEST_PROTOCOL))
 
     def recv(self) -> StepPlan | None:
-        size = torch.zeros(1, dtype=torch.int64)
-        self.group.broadcast([size], self._opts).wait()
-        n = int(size)
-        if n == _STOP:
-            return None
-        buf = torch.empty(n, dtype=torch.uint8)
-        self.group.broadcast([buf], self._opts).wait()
-        return pickle.loads(buf.numpy().tobytes())
+        data = self.transport.broadcast0(None)
+        return pickle.loads(data) if data else None
 
 
 def _wire_plan(plan: StepPlan) -> StepPlan:
@@ -82,9 +79,10 @@ def _wire_plan(plan: StepPlan) -> StepPlan:
 
 
 class TensorParallelLauncher:
-    """Rank 0's side of start-up: the store, the worker processes, and joining the group."""
+    """Rank 0's side of start-up: the store, the worker processes, and agreeing on a transport."""
 
     def __init__(self, config: EngineConfig) -> None:
+        self.config = config
         self.size = config.tensor_parallel_size
         self.store = dist.TCPStore("127.0.0.1", 0, self.size, True, timeout=STARTUP_TIMEOUT,
                                    wait_for_workers=False)
@@ -96,11 +94,35 @@ class TensorParallelLauncher:
                       for r in range(1, self.size)]
         # An engine dropped without close() (the offline LLM never closes) still ends its workers.
         self._finalizer = weakref.finalize(self, _terminate, list(self.procs))
+        self.transport_name = ""
 
     def connect(self, shard: TPShard, num_blocks: int) -> TPCollectives:
-        """Tell the workers the KV pool size, wait until each has loaded its shard's weights,
-        and join the group with them."""
+        """Tell the workers the KV pool size and the segment, wait until each has loaded its
+        shard's weights, and agree on the transport."""
+        segment = self._segment(shard)
+        self.store.set("shm", json.dumps({"path": segment.path, "slot_bytes": segment.slot_bytes}) if segment else "")
         self.store.set("num_blocks", str(num_blocks))
+        try:
+            self._wait_ready()
+        finally:
+            if segment is not None:
+                os.unlink(segment.path)  # every rank has mapped it (or given up): no file is left behind
+        use_shm = segment is not None and all(self.store.get(f"shm/{r}") == b"1" for r in range(1, self.size))
+        self.transport_name = "shared memory" if use_shm else "gloo"
+        self.store.set("transport", "shm" if use_shm else "gloo")
+        transport = (ShmTransport(segment, 0, self._check_worker) if use_shm
+                     else GlooTransport(gloo_group(self.store, 0, self.size), 0, self.size))
+        return TPCollectives(transport, shard)
+
+    def _segment(self, shard: TPShard) -> ShmSegment | None:
+        if self.config.tensor_parallel_backend == "gloo" or not cpu_kernels.SHM.available():
+            return None
+        base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        path = os.path.join(base, f"kvshare-tp-{os.getpid()}-{secrets.token_hex(6)}")
+        slot = ShmSegment.slot_bytes_for(self.config.max_num_batched_tokens, shard.config.hidden_size)
+        return ShmSegment(path, self.size, slot, create=True)
+
+    def _wait_ready(self) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT.total_seconds()
         for r, proc in enumerate(self.procs, start=1):
             while not self.store.check([f"ready/{r}"]):
@@ -111,8 +133,12 @@ class TensorParallelLauncher:
                     raise RuntimeError(f"tensor parallel: worker rank {r} did not start within "
                                        f"{STARTUP_TIMEOUT.total_seconds():.0f} s")
                 time.sleep(0.02)
-        group = dist.ProcessGroupGloo(dist.PrefixStore("gloo", self.store), 0, self.size, COLLECTIVE_TIMEOUT)
-        return TPCollectives(group, shard)
+
+    def _check_worker(self, rank: int) -> None:
+        """Called while a shared memory wait for `rank` drags on: raises if that worker is gone."""
+        proc = self.procs[rank - 1] if rank > 0 else None
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"worker rank {rank} exited with code {proc.returncode}")
 
     def close(self, channel: PlanChannel | None) -> None:
         """Stop the workers: asked to (a stop message), else terminated."""
@@ -145,13 +171,13 @@ class TensorParallelRunner:
     def __init__(self, runner, launcher: TensorParallelLauncher, tp: TPCollectives) -> None:
         self.runner = runner
         self.launcher = launcher
-        self.channel = PlanChannel(tp.group)
+        self.channel = PlanChannel(tp.transport)
 
     def execute(self, plan: StepPlan):
         try:
             self.channel.send(plan)
             return self.runner.execute(plan)
-        except RuntimeError as e:  # gloo's: a peer's sockets closed, or a collective failed
+        except RuntimeError as e:  # a peer's sockets closed, a worker exited, or a collective failed
             gone = [f"rank {r} (exit code {p.returncode})" for r, p in enumerate(self.launcher.procs, start=1)
                     if p.poll() is not None] if self.launcher is not None else []
             raise RuntimeError("tensor parallel: " + (f"worker {', '.join(gone)} is gone" if gone else

@@ -5,6 +5,7 @@ does not import, so `-m` runs it as a fresh __main__."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import pickle
@@ -18,9 +19,11 @@ import torch.distributed as dist
 
 from kvshare.config import EngineConfig
 from kvshare.engine.model_setup import build_rank, plan_kv
-from kvshare.engine.tensor_parallel import COLLECTIVE_TIMEOUT, STARTUP_TIMEOUT, PlanChannel
+from kvshare.engine.tensor_parallel import STARTUP_TIMEOUT, PlanChannel, gloo_group
+from kvshare.model import cpu_kernels
 from kvshare.model.loader import load_model
 from kvshare.model.tensor_parallel import TPCollectives, TPShard
+from kvshare.model.tp_transport import GlooTransport, ShmSegment, ShmTransport
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -29,6 +32,17 @@ def _exit_with_parent(parent: int) -> None:
         if os.getppid() != parent:
             os._exit(0)
         time.sleep(0.5)
+
+
+def _map_segment(spec: bytes, size: int) -> ShmSegment | None:
+    """Rank 0's shared memory segment, or None (it made none, or this rank cannot use it)."""
+    if not spec or not cpu_kernels.SHM.available():
+        return None
+    info = json.loads(spec)
+    try:
+        return ShmSegment(info["path"], size, info["slot_bytes"], create=False)
+    except OSError:
+        return None
 
 
 def worker_main(argv: list[str] | None = None) -> int:
@@ -49,12 +63,16 @@ def worker_main(argv: list[str] | None = None) -> int:
     shard = TPShard(args.rank, args.size, loaded.config)
     kv = plan_kv(config, loaded.config)
     num_blocks = int(store.get("num_blocks"))
+    segment = _map_segment(store.get("shm"), args.size)
+    store.set(f"shm/{args.rank}", "1" if segment is not None else "0")
     store.set(f"ready/{args.rank}", "1")
-    group = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), args.rank, args.size, COLLECTIVE_TIMEOUT)
-    tp = TPCollectives(group, shard)
-    _, _, runner = build_rank(config, loaded.config, loaded.weights, kv, num_blocks, tp)
+    if store.get("transport") == b"shm":
+        transport = ShmTransport(segment, args.rank, lambda rank: None)  # rank 0 gone: the watchdog exits
+    else:
+        transport = GlooTransport(gloo_group(store, args.rank, args.size), args.rank, args.size)
+    _, _, runner = build_rank(config, loaded.config, loaded.weights, kv, num_blocks, TPCollectives(transport, shard))
     del loaded
-    channel = PlanChannel(group)
+    channel = PlanChannel(transport)
     try:
         while (plan := channel.recv()) is not None:
             runner.execute(plan)

@@ -22,6 +22,8 @@ Libraries (`LIBRARIES`):
 * `DECODE` (qmatmul.cpp + paged_attention.cpp + csrc/decode_step.cpp, one translation unit):
   `kvs_decode_layers` runs every layer of a decode-only step in one call on the two kernels
   above (kvshare/model/fused_decode.py says when it applies and builds its arguments).
+* `SHM` (csrc/shm_collectives.cpp): all-reduce and flag waits between tensor-parallel ranks
+  through a shared memory segment (kvshare/model/tp_transport.py). Linux only (futex).
 
 Building never makes a request wait:
 
@@ -359,10 +361,24 @@ def _setup_decode(lib: ctypes.CDLL) -> None:
                   _int, ctypes.c_char_p, _i64]  # threads, error buffer
 
 
+def _setup_shm(lib: ctypes.CDLL) -> None:
+    lib.kvs_shm_post.restype = None
+    lib.kvs_shm_post.argtypes = [_ptr, _i64, ctypes.c_uint32]  # flags, rank, seq
+    lib.kvs_shm_wait_all.restype = _i64
+    lib.kvs_shm_wait_all.argtypes = [_ptr, _i64, ctypes.c_uint32, ctypes.c_double, _i64]  # + spin_us, timeout_ms
+    lib.kvs_shm_allreduce.restype = _i64
+    lib.kvs_shm_allreduce.argtypes = [_ptr, _ptr, _i64, _i64, _i64, ctypes.c_uint32,  # flags, banks, slot, rank, size, seq
+                                      _ptr, _i64, _int, ctypes.c_double, _i64]  # x, n, bf16?, spin_us, timeout_ms
+    lib.kvs_shm_sum_slots.restype = None
+    lib.kvs_shm_sum_slots.argtypes = [_ptr, _i64, _i64, ctypes.c_uint32, _ptr, _i64, _int]
+
+
 ATTENTION = KernelLibrary("paged_attention", "paged_attention.cpp", _setup_attention)
 QMATMUL = KernelLibrary("qmatmul", "qmatmul.cpp", _setup_qmatmul)
 DECODE = KernelLibrary("decode_step", ("qmatmul.cpp", "paged_attention.cpp", "decode_step.cpp"), _setup_decode)
-LIBRARIES = (ATTENTION, QMATMUL, DECODE)
+# Tensor-parallel collectives over shared memory (kvshare/model/tp_transport.py).
+SHM = KernelLibrary("shm_collectives", "shm_collectives.cpp", _setup_shm)
+LIBRARIES = (ATTENTION, QMATMUL, DECODE, SHM)
 
 
 # ---- the attention library's state, module level (kept for existing callers) ----------------

@@ -9,6 +9,7 @@ Megatron's split, over `tensor_parallel_size` ranks:
 - The embedding and the lm_head are split by vocabulary rows: a token's embedding comes from the
   one rank holding its row (all-reduce over zeros elsewhere, exact), and rank 0 gathers the
   logit columns.
+How the ranks exchange data is kvshare.model.tp_transport's concern.
 
 Heads are split by KV head, each rank taking the query heads that read its KV heads. The split
 may be uneven (the bundled SmolLM2 has 3 KV heads: 2 on rank 0, 1 on rank 1); vLLM requires the
@@ -22,7 +23,6 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from kvshare.model.config import ModelArchConfig
 from kvshare.model.gguf_quants import GroupAffine
@@ -142,20 +142,18 @@ def shard_weights(weights: dict, shard: TPShard) -> dict:
 
 
 class TPCollectives:
-    """The collectives of one rank's sharded forward, over a torch.distributed process group
-    (gloo for CPU tensors). Every rank calls them in the same order: the ranks run the same
-    step plan through the same code."""
+    """The collectives of one rank's sharded forward, over a transport (kvshare.model.tp_transport:
+    shared memory, or gloo). Every rank calls them in the same order: the ranks run the same step
+    plan through the same code."""
 
-    def __init__(self, group: dist.ProcessGroup, shard: TPShard) -> None:
-        self.group = group
+    def __init__(self, transport, shard: TPShard) -> None:
+        self.transport = transport
         self.shard = shard
         self.rank, self.size = shard.rank, shard.size
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of every rank's x, in place (row-parallel outputs are partial sums)."""
-        x = x.contiguous()
-        self.group.allreduce([x]).wait()
-        return x
+        return self.transport.all_reduce_(x.contiguous())
 
     def embed(self, embedding, ids: torch.Tensor) -> torch.Tensor:
         """Rows of a vocabulary-split embedding: each rank fills the rows it holds, zeros elsewhere."""
@@ -171,14 +169,10 @@ class TPCollectives:
         sample nothing, and the runner's slicing stays the same)."""
         rows, width = logits.shape
         pad = self.shard.vocab_padded
-        if width < pad:
+        if width < pad:  # every rank sends the same shape
             logits = torch.cat([logits, logits.new_full((rows, pad - width), float("-inf"))], dim=1)
-        opts = dist.GatherOptions()
-        opts.rootRank = 0
-        outs = [[torch.empty(rows, pad, dtype=logits.dtype) for _ in range(self.size)]] if self.rank == 0 else []
-        self.group.gather(outs, [logits.contiguous()], opts).wait()
-        if self.rank != 0:
+        parts = self.transport.gather0(logits.contiguous())
+        if parts is None:
             return logits.new_empty(rows, 0)
-        parts = [o[:, :hi - lo] for o, (lo, hi) in
-                 zip(outs[0], (even_split(self.shard.config.vocab_size, self.size, r) for r in range(self.size)))]
-        return torch.cat(parts, dim=1)
+        widths = [hi - lo for lo, hi in (even_split(self.shard.config.vocab_size, self.size, r) for r in range(self.size))]
+        return torch.cat([p[:, :w] for p, w in zip(parts, widths)], dim=1)

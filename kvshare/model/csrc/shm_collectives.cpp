@@ -1,0 +1,153 @@
+// Collectives between the tensor-parallel ranks of one machine through a shared memory segment
+// (kvshare/model/tensor_parallel.py: ShmTransport). gloo over loopback TCP costs 1-2 ms per
+// all-reduce on a small VM (its ring takes several socket round trips, each a thread wake-up),
+// and a sharded forward does two per layer; here an all-reduce is a copy, a flag store and a
+// wait on the other ranks' flags: microseconds when the ranks arrive together.
+//
+// Layout of the segment (set up by Python): `size` flag words, one per rank, each on its own
+// 64-byte line, then two banks of `size` slots of `slot_bytes` each. Operation number `seq`
+// (counted alike on every rank) uses bank seq & 1. Each rank writes only its own slot, then
+// publishes seq in its flag (release); a rank reads the others' slots only after seeing their
+// flags reach seq (acquire). Every operation waits for every rank's flag, so no rank can begin
+// operation seq + 2 (which rewrites this bank) before every rank has posted seq + 1, that is,
+// before every rank has finished reading operation seq.
+//
+// Waiting spins for `spin_us` (the ranks usually arrive within microseconds of each other), then
+// sleeps on the flag word with a futex (the worker ranks wait for the next step plan this way
+// while the engine is idle, at no CPU cost). A poster wakes sleepers only when there are any.
+#include <atomic>
+#include <climits>
+#include <cstdint>
+#include <cstring>
+#include <ctime>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+namespace {
+
+struct alignas(64) Flag {
+    std::atomic<uint32_t> seq;
+    std::atomic<uint32_t> sleepers;
+};
+
+inline bool reached(uint32_t value, uint32_t seq) {
+    return static_cast<int32_t>(value - seq) >= 0;  // wraps around after 2^32 operations
+}
+
+inline double now_us() {
+    timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e6 + ts.tv_nsec * 1e-3;
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield");
+#endif
+}
+
+// 0: flag reached seq; 1: timeout_ms passed first (the caller checks its peers, then waits again).
+int wait_flag(Flag* f, uint32_t seq, double spin_us, int64_t timeout_ms) {
+    double t0 = now_us();
+    while (true) {
+        uint32_t v = f->seq.load(std::memory_order_acquire);
+        if (reached(v, seq)) return 0;
+        double waited = now_us() - t0;
+        if (waited >= timeout_ms * 1e3) return 1;
+        if (waited < spin_us) {
+            cpu_relax();
+            continue;
+        }
+        f->sleepers.fetch_add(1, std::memory_order_seq_cst);
+        v = f->seq.load(std::memory_order_seq_cst);
+        if (!reached(v, seq)) {
+            timespec ts{0, 50 * 1000 * 1000};  // wake at least every 50 ms to re-check the deadline
+            syscall(SYS_futex, reinterpret_cast<uint32_t*>(&f->seq), FUTEX_WAIT, v, &ts, nullptr, 0);
+        }
+        f->sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    }
+}
+
+inline uint16_t to_bf16(float x) {  // round to nearest even, as torch does
+    uint32_t u;
+    std::memcpy(&u, &x, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN stays NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return static_cast<uint16_t>(u >> 16);
+}
+
+inline float from_bf16(uint16_t h) {
+    uint32_t u = static_cast<uint32_t>(h) << 16;
+    float x;
+    std::memcpy(&x, &u, 4);
+    return x;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Publish operation `seq` from `rank` (its slot is written), waking any rank asleep on it.
+void kvs_shm_post(void* flags, int64_t rank, uint32_t seq) {
+    Flag* f = static_cast<Flag*>(flags) + rank;
+    f->seq.store(seq, std::memory_order_seq_cst);
+    if (f->sleepers.load(std::memory_order_seq_cst) > 0)
+        syscall(SYS_futex, reinterpret_cast<uint32_t*>(&f->seq), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+// Wait until every rank has posted `seq`. Returns -1 when done, else the rank still awaited
+// after timeout_ms.
+int64_t kvs_shm_wait_all(void* flags, int64_t size, uint32_t seq, double spin_us, int64_t timeout_ms) {
+    Flag* f = static_cast<Flag*>(flags);
+    for (int64_t r = 0; r < size; ++r)
+        if (wait_flag(f + r, seq, spin_us, timeout_ms)) return r;
+    return -1;
+}
+
+void kvs_shm_sum_slots(char* banks, int64_t slot_bytes, int64_t size, uint32_t seq, void* x, int64_t n, int bf16);
+
+// x (n floats, or n bfloat16 when bf16 != 0) becomes the sum over ranks of every rank's x.
+// Returns -1 when done. Else (timeout_ms passed) the rank still awaited, with x unchanged: the
+// caller checks that rank is alive, waits with kvs_shm_wait_all, then sums with kvs_shm_sum_slots.
+int64_t kvs_shm_allreduce(void* flags, char* banks, int64_t slot_bytes, int64_t rank, int64_t size, uint32_t seq,
+                          void* x, int64_t n, int bf16, double spin_us, int64_t timeout_ms) {
+    const int64_t elem = bf16 ? 2 : 4;
+    char* bank = banks + static_cast<int64_t>(seq & 1u) * size * slot_bytes;
+    std::memcpy(bank + rank * slot_bytes, x, n * elem);
+    kvs_shm_post(flags, rank, seq);
+    int64_t late = kvs_shm_wait_all(flags, size, seq, spin_us, timeout_ms);
+    if (late < 0) kvs_shm_sum_slots(banks, slot_bytes, size, seq, x, n, bf16);
+    return late;
+}
+
+// The sum over ranks 0, 1, ... in order, in float32 (so every rank gets the same bits), of
+// operation `seq`'s slots into x, once every rank has posted it.
+void kvs_shm_sum_slots(char* banks, int64_t slot_bytes, int64_t size, uint32_t seq, void* x, int64_t n, int bf16) {
+    char* bank = banks + static_cast<int64_t>(seq & 1u) * size * slot_bytes;
+    if (bf16) {
+        uint16_t* out = static_cast<uint16_t*>(x);
+        for (int64_t i = 0; i < n; ++i) {
+            float acc = from_bf16(reinterpret_cast<const uint16_t*>(bank)[i]);
+            for (int64_t r = 1; r < size; ++r) acc += from_bf16(reinterpret_cast<const uint16_t*>(bank + r * slot_bytes)[i]);
+            out[i] = to_bf16(acc);
+        }
+        return;
+    }
+    float* out = static_cast<float*>(x);
+    const float* first = reinterpret_cast<const float*>(bank);
+    if (size == 2) {
+        const float* second = reinterpret_cast<const float*>(bank + slot_bytes);
+        for (int64_t i = 0; i < n; ++i) out[i] = first[i] + second[i];
+        return;
+    }
+    for (int64_t i = 0; i < n; ++i) {
+        float acc = first[i];
+        for (int64_t r = 1; r < size; ++r) acc += reinterpret_cast<const float*>(bank + r * slot_bytes)[i];
+        out[i] = acc;
+    }
+}
+
+}  // extern "C"
