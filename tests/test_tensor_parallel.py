@@ -153,25 +153,37 @@ def test_shared_memory_collectives_sum_gather_and_broadcast_like_the_reference(s
             assert out["gather"] is None
 
 
+# Both modes with float32 everywhere, so TP=2 must match TP=1 to 1e-4: the exact mode (dequantized
+# weights, the step-by-step forward) and the weights kept quantized with float32 prefill GEMMs
+# (packed shards; decode steps take the fused C++ step, which all-reduces in C++).
+MODES = {"exact": EXACT, "quantized": dict(EXACT, quantization="auto", prefill_dtype="float32")}
+
+
 @pytest.fixture(scope="module")
 def engines():
-    ref = LLM(**EXACT)
-    tp = LLM(tensor_parallel_size=2, **EXACT)
-    gloo = LLM(tensor_parallel_size=2, tensor_parallel_backend="gloo", **EXACT)
-    yield ref, tp, gloo
-    tp.engine.close()
-    gloo.engine.close()
+    made = {"exact": LLM(**EXACT), "quantized": LLM(**MODES["quantized"]),
+            ("exact", "shared memory"): LLM(tensor_parallel_size=2, **EXACT),
+            ("quantized", "shared memory"): LLM(tensor_parallel_size=2, **MODES["quantized"]),
+            ("quantized", "gloo"): LLM(tensor_parallel_size=2, tensor_parallel_backend="gloo", **MODES["quantized"])}
+    yield made
+    for key, llm in made.items():
+        if isinstance(key, tuple):
+            llm.engine.close()
 
 
 def _close(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) <= LOGPROB_TOL for t in a)
 
 
-@pytest.mark.parametrize("backend", ["shared memory", "gloo"])
-def test_tp2_matches_tp1_in_float32(engines, backend):
-    ref, shm, gloo = engines
-    tp = shm if backend == "shared memory" else gloo
+@pytest.mark.parametrize("mode, backend", [("exact", "shared memory"), ("quantized", "shared memory"),
+                                           ("quantized", "gloo")])
+def test_tp2_matches_tp1_in_float32(engines, mode, backend):
+    ref, tp = engines[mode], engines[(mode, backend)]
     assert tp.engine.startup.tp_transport == backend
+    fused = tp.engine.model.fused_decode
+    fused_steps = []
+    run = fused.run
+    fused.run = lambda *a: fused_steps.append(1) or run(*a)
     # Round 2 hits the prefix cache (the shared system prompt's blocks and whole earlier prompts);
     # round 1 asks for prompt logprobs too (such a request computes its whole prompt).
     rounds = [SamplingParams(temperature=0, max_tokens=32, logprobs=3, prompt_logprobs=2),
@@ -179,27 +191,36 @@ def test_tp2_matches_tp1_in_float32(engines, backend):
     prompts = PROMPTS
     if backend == "gloo":  # the fallback, ~1.5 ms per all-reduce here: a lighter run of the same checks
         prompts, rounds = PROMPTS[:2], rounds[:1]
-    for round_, sp in enumerate(rounds):
-        want, got = ref.generate(prompts, sp, use_tqdm=False), tp.generate(prompts, sp, use_tqdm=False)
-        for w, o in zip(want, got):
-            assert o.outputs[0].token_ids == w.outputs[0].token_ids, (round_, w.prompt)
-            assert all(_close(a, b) for a, b in zip(w.outputs[0].logprobs, o.outputs[0].logprobs)), (round_, w.prompt)
-            if sp.prompt_logprobs:
-                assert o.prompt_logprobs[0] is None and all(
-                    _close(a, b) for a, b in zip(w.prompt_logprobs[1:], o.prompt_logprobs[1:])), (round_, w.prompt)
-            assert o.num_cached_tokens == w.num_cached_tokens
+    try:
+        for round_, sp in enumerate(rounds):
+            want, got = ref.generate(prompts, sp, use_tqdm=False), tp.generate(prompts, sp, use_tqdm=False)
+            for w, o in zip(want, got):
+                assert o.outputs[0].token_ids == w.outputs[0].token_ids, (round_, w.prompt)
+                assert all(_close(a, b) for a, b in zip(w.outputs[0].logprobs, o.outputs[0].logprobs)), \
+                    (round_, w.prompt)
+                if sp.prompt_logprobs:
+                    assert o.prompt_logprobs[0] is None and all(
+                        _close(a, b) for a, b in zip(w.prompt_logprobs[1:], o.prompt_logprobs[1:])), (round_, w.prompt)
+                assert o.num_cached_tokens == w.num_cached_tokens
+    finally:
+        fused.run = run
     if len(rounds) == 2:
         assert [o.num_cached_tokens > 0 for o in got] == [p.startswith(SHARED) for p in prompts]
     assert tp.engine.manager.num_used_blocks() == ref.engine.manager.num_used_blocks()
+    # Which forward ran the decode steps: the fused C++ step only with weights on group kernels
+    # and the shared memory transport.
+    assert bool(fused_steps) == (mode == "quantized" and backend == "shared memory")
 
 
 def test_rank0_holds_its_shard_and_says_so(engines):
-    ref, tp, _ = engines
+    ref, tp = engines["exact"], engines[("exact", "shared memory")]
     assert tp.engine.kv_cache.data.shape[2] == 2 and ref.engine.kv_cache.data.shape[2] == 3  # KV heads
     assert tp.engine.model.layers[0].o.in_features == 6 * 64
     line = next(s for s in tp.engine.startup.lines() if "tensor parallel" in s)
     assert "2 ranks over shared memory" in line and "query heads 0-5, KV heads 0-1" in line
-    assert tp.engine.model.fused_decode.model_reason.startswith("tensor parallel")
+    # The fused decode step all-reduces through shared memory in C++; over gloo it cannot.
+    assert engines[("quantized", "shared memory")].engine.model.fused_decode.model_reason is None
+    assert engines[("quantized", "gloo")].engine.model.fused_decode.model_reason.startswith("tensor parallel over gloo")
 
 
 def _worker_pids(parent: int) -> list[int]:

@@ -19,9 +19,11 @@ Libraries (`LIBRARIES`):
 * `QMATMUL` (csrc/qmatmul.cpp): `int8_group_matmul` / `int4_group_matmul`, x [M, K] times a
   group-quantized weight [N, K] of int8 codes, or of 4-bit codes packed two per byte
   (`pack_int4_rows`), with one float32 scale, and optionally a zero, per group of K; for small M.
-* `DECODE` (qmatmul.cpp + paged_attention.cpp + csrc/decode_step.cpp, one translation unit):
-  `kvs_decode_layers` runs every layer of a decode-only step in one call on the two kernels
-  above (kvshare/model/fused_decode.py says when it applies and builds its arguments).
+* `DECODE` (qmatmul.cpp + paged_attention.cpp + shm_collectives.cpp + csrc/decode_step.cpp, one
+  translation unit): `kvs_decode_layers` runs every layer of a decode-only step in one call on the
+  two kernels above (kvshare/model/fused_decode.py says when it applies and builds its
+  arguments), with tensor parallelism's all-reduces between them when it is given the ranks'
+  shared memory.
 * `SHM` (csrc/shm_collectives.cpp): all-reduce and flag waits between tensor-parallel ranks
   through a shared memory segment (kvshare/model/tp_transport.py). Linux only (futex).
 
@@ -375,7 +377,8 @@ def _setup_shm(lib: ctypes.CDLL) -> None:
 
 ATTENTION = KernelLibrary("paged_attention", "paged_attention.cpp", _setup_attention)
 QMATMUL = KernelLibrary("qmatmul", "qmatmul.cpp", _setup_qmatmul)
-DECODE = KernelLibrary("decode_step", ("qmatmul.cpp", "paged_attention.cpp", "decode_step.cpp"), _setup_decode)
+DECODE = KernelLibrary("decode_step", ("qmatmul.cpp", "paged_attention.cpp", "shm_collectives.cpp", "decode_step.cpp"),
+                       _setup_decode)
 # Tensor-parallel collectives over shared memory (kvshare/model/tp_transport.py).
 SHM = KernelLibrary("shm_collectives", "shm_collectives.cpp", _setup_shm)
 LIBRARIES = (ATTENTION, QMATMUL, DECODE, SHM)

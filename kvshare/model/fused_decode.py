@@ -23,6 +23,7 @@ import torch
 from kvshare.model import cpu_kernels
 from kvshare.model.attention import AttentionMetadata, PagedKVStorage, TorchPagedAttention
 from kvshare.model.qlinear import GroupInt4Linear, GroupInt8Linear
+from kvshare.model.tp_transport import ShmTransport
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _CACHE_KINDS = {torch.float32: 0, torch.bfloat16: 1}
@@ -39,11 +40,21 @@ class _Layer(ctypes.Structure):
                 ("gate_up", _Linear), ("down", _Linear), ("k_cache", _ptr), ("v_cache", _ptr)]
 
 
+_ON_LATE = ctypes.CFUNCTYPE(ctypes.c_int, _i64)
+
+
+class _ShmComm(ctypes.Structure):
+    """Tensor parallel: the ranks' shared memory (kvshare.model.tp_transport.ShmTransport)."""
+
+    _fields_ = [("flags", _ptr), ("banks", _ptr), ("slot_bytes", _i64), ("rank", _i64), ("size", _i64),
+                ("seq", ctypes.c_uint32), ("on_late", _ON_LATE)]
+
+
 class _Model(ctypes.Structure):
     _fields_ = [("num_layers", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64),
                 ("head_dim", _i64), ("intermediate", _i64), ("slots", _i64), ("block_size", _i64),
                 ("cache_kind", _i64), ("act_bf16", _i64), ("eps", ctypes.c_double), ("scale", ctypes.c_double),
-                ("layers", ctypes.POINTER(_Layer))]
+                ("layers", ctypes.POINTER(_Layer)), ("comm", ctypes.POINTER(_ShmComm))]
 
 
 def _ptr_of(t: torch.Tensor | None) -> int | None:
@@ -68,6 +79,8 @@ class FusedDecode:
         self.model = model
         self.enabled = True  # tests switch it off to run the step-by-step reference
         self._layers = None
+        self._shm: _ShmComm | None = None  # tensor parallel: the ranks' shared memory, as the C++ step sees it
+        self._late_error: Exception | None = None
         self._bound: tuple[int, ctypes.Structure] | None = None
         # Why this model can never take the fused path (None: it can, step by step permitting).
         self.model_reason = unsupported or self._check_model(model)
@@ -86,6 +99,9 @@ class FusedDecode:
         # (longrope needs nothing here: it only changes the cos/sin tables `run` is given.)
         if model.config.qk_norm:
             return "per-head q/k RMSNorm (Qwen3) is not in the C++ decode step"
+        tp = getattr(model, "tp", None)
+        if tp is not None and not isinstance(tp.transport, ShmTransport):
+            return "tensor parallel over gloo (the C++ step all-reduces through shared memory only)"
         if model.config.rope_dims() != model.config.head_dim:
             return (f"partial rotary embedding ({model.config.rope_dims()} of {model.config.head_dim} dims) "
                     f"is not in the C++ decode step")
@@ -161,10 +177,38 @@ class FusedDecode:
         tables = meta.decode_block_tables.contiguous()
         ctx = meta.decode_context_lens.contiguous()
         err = ctypes.create_string_buffer(256)
+        comm = self._comm(view)
         rc = cpu_kernels.DECODE.lib().kvs_decode_layers(
             ctypes.byref(view), h.data_ptr(), h.shape[0], cos.data_ptr(), signed_sin.data_ptr(),
             slots.data_ptr(), tables.data_ptr(), tables.shape[1], ctx.data_ptr(),
             torch.get_num_threads(), err, len(err))
+        if comm is not None:
+            self.model.tp.transport.seq = comm.seq
+            if self._late_error is not None:
+                e, self._late_error = self._late_error, None
+                raise e
         if rc:
             raise ValueError(err.value.decode(errors="replace"))
         return h.to(dtype)
+
+    def _comm(self, view) -> _ShmComm | None:
+        """Tensor parallel: the shared memory view for this call, its operation counter where the
+        Python transport's is (the C++ step advances it as the transport would)."""
+        tp = getattr(self.model, "tp", None)
+        if tp is None:
+            return None
+        t = tp.transport
+        if self._shm is None:
+            def on_late(rank: int) -> int:
+                try:
+                    t.on_wait(rank)
+                    return 0
+                except Exception as e:  # a callback cannot raise into C++: kept, raised after the call
+                    self._late_error = e
+                    return 1
+
+            self._on_late = _ON_LATE(on_late)  # kept alive as long as the view points at it
+            self._shm = _ShmComm(t.seg.flags_ptr, t.seg.banks_ptr, t.seg.slot_bytes, t.rank, t.size, 0, self._on_late)
+        view.comm = ctypes.pointer(self._shm)
+        self._shm.seq = t.seq
+        return self._shm

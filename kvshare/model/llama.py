@@ -89,8 +89,7 @@ class LlamaModel:
             layer.down = linear(weights.pop(p + "mlp.down_proj.weight"))
             self.layers.append(layer)
         self.rotary = RotaryEmbedding(config, max_positions, dtype)
-        # One C++ call runs every layer without returning: no room for the per-layer all-reduce.
-        self.fused_decode = FusedDecode(self, "tensor parallel (an all-reduce after every layer half)" if tp else None)
+        self.fused_decode = FusedDecode(self)  # with tp, it all-reduces in C++ (shared memory transport)
 
     def linears(self) -> list:
         """Every weight matrix once (the tied embedding is the lm_head)."""

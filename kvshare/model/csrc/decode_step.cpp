@@ -52,6 +52,7 @@ struct Model {
   int64_t act_bf16;    // 1: round as bfloat16 activations do (see the top)
   double eps, scale;
   const Layer* layers;
+  ShmComm* comm;  // tensor parallel (shm_collectives.cpp): o's and down's outputs are all-reduced; null: one rank
 };
 
 // Round to bfloat16 and back (what storing a float32 result in a bfloat16 tensor does).
@@ -117,6 +118,19 @@ static void write_kv(void* cache, int64_t kind, int64_t slots_per_head, int64_t 
   }
 }
 
+// Tensor parallel: y [n] (a row-parallel linear's partial output, bfloat16 values when bf) becomes
+// the sum over ranks, exchanged in the dtype the step-by-step path's tensor has.
+static int all_reduce(ShmComm* comm, float* y, int64_t n, bool bf, std::vector<uint16_t>& y16, char* err,
+                      int64_t err_len) {
+  if (comm == nullptr) return 0;
+  if (!bf) return shm_allreduce_blocking(comm, y, n, 0, err, err_len);
+  y16.resize(size_t(n));
+  for (int64_t i = 0; i < n; ++i) y16[size_t(i)] = qmm::f32_to_bf16(y[i]);
+  if (shm_allreduce_blocking(comm, y16.data(), n, 1, err, err_len)) return 1;
+  for (int64_t i = 0; i < n; ++i) y[i] = qmm::bf16_to_f32(y16[size_t(i)]);
+  return 0;
+}
+
 }  // namespace dec
 
 // h [M, hidden] float32 (with act_bf16, values a bfloat16 holds): the embedded tokens in, the last layer's output (before the final
@@ -163,7 +177,7 @@ extern "C" int kvs_decode_layers(const dec::Model* mp, float* h, int64_t M, cons
   std::vector<float> x(size_t(M * E)), qkv(size_t(M * qkv_n)), attn(size_t(M * qs)), y(size_t(M * E)),
       gu(size_t(M * 2 * I)), act(size_t(M * I)), tmp(static_cast<size_t>(D));
   // bfloat16 activations: attention reads bfloat16 q and writes bfloat16 out, as there.
-  std::vector<uint16_t> q16(bf ? size_t(M * qs) : 0), attn16(bf ? size_t(M * qs) : 0);
+  std::vector<uint16_t> q16(bf ? size_t(M * qs) : 0), attn16(bf ? size_t(M * qs) : 0), y16;
   for (int64_t li = 0; li < m.num_layers; ++li) {
     const dec::Layer& L = m.layers[li];
     dec::rms_norm(h, L.in_norm, M, E, m.eps, x.data(), bf);
@@ -189,6 +203,7 @@ extern "C" int kvs_decode_layers(const dec::Model* mp, float* h, int64_t M, cons
     if (bf)
       for (int64_t i = 0; i < M * qs; ++i) attn[size_t(i)] = qmm::bf16_to_f32(attn16[size_t(i)]);
     if (dec::linear(L.o, attn.data(), M, y.data(), bf, num_threads, err, err_len)) return 1;
+    if (dec::all_reduce(m.comm, y.data(), M * E, bf, y16, err, err_len)) return 1;
     for (int64_t i = 0; i < M * E; ++i) h[i] = bf ? dec::rb(h[i] + y[i]) : h[i] + y[i];
     dec::rms_norm(h, L.post_norm, M, E, m.eps, x.data(), bf);
     if (dec::linear(L.gate_up, x.data(), M, gu.data(), bf, num_threads, err, err_len)) return 1;
@@ -201,6 +216,7 @@ extern "C" int kvs_decode_layers(const dec::Model* mp, float* h, int64_t M, cons
         for (int64_t i = 0; i < I; ++i) a[i] = g[i] / (1.0f + std::exp(-g[i])) * g[I + i];
     }
     if (dec::linear(L.down, act.data(), M, y.data(), bf, num_threads, err, err_len)) return 1;
+    if (dec::all_reduce(m.comm, y.data(), M * E, bf, y16, err, err_len)) return 1;
     for (int64_t i = 0; i < M * E; ++i) h[i] = bf ? dec::rb(h[i] + y[i]) : h[i] + y[i];
   }
   return 0;

@@ -15,14 +15,18 @@
 // Waiting spins for `spin_us` (the ranks usually arrive within microseconds of each other), then
 // sleeps on the flag word with a futex (the worker ranks wait for the next step plan this way
 // while the engine is idle, at no CPU cost). A poster wakes sleepers only when there are any.
+// Without futexes (not Linux) the wait sleeps 50 us between checks instead.
 #include <atomic>
 #include <climits>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <ctime>
+#include <unistd.h>
+#ifdef __linux__
 #include <linux/futex.h>
 #include <sys/syscall.h>
-#include <unistd.h>
+#endif
 
 namespace {
 
@@ -61,6 +65,7 @@ int wait_flag(Flag* f, uint32_t seq, double spin_us, int64_t timeout_ms) {
             cpu_relax();
             continue;
         }
+#ifdef __linux__
         f->sleepers.fetch_add(1, std::memory_order_seq_cst);
         v = f->seq.load(std::memory_order_seq_cst);
         if (!reached(v, seq)) {
@@ -68,6 +73,9 @@ int wait_flag(Flag* f, uint32_t seq, double spin_us, int64_t timeout_ms) {
             syscall(SYS_futex, reinterpret_cast<uint32_t*>(&f->seq), FUTEX_WAIT, v, &ts, nullptr, 0);
         }
         f->sleepers.fetch_sub(1, std::memory_order_seq_cst);
+#else
+        usleep(50);  // no futex: a short sleep between checks
+#endif
     }
 }
 
@@ -94,8 +102,10 @@ extern "C" {
 void kvs_shm_post(void* flags, int64_t rank, uint32_t seq) {
     Flag* f = static_cast<Flag*>(flags) + rank;
     f->seq.store(seq, std::memory_order_seq_cst);
+#ifdef __linux__
     if (f->sleepers.load(std::memory_order_seq_cst) > 0)
         syscall(SYS_futex, reinterpret_cast<uint32_t*>(&f->seq), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+#endif
 }
 
 // Wait until every rank has posted `seq`. Returns -1 when done, else the rank still awaited
@@ -151,3 +161,42 @@ void kvs_shm_sum_slots(char* banks, int64_t slot_bytes, int64_t size, uint32_t s
 }
 
 }  // extern "C"
+
+// For the fused decode step (decode_step.cpp, built in the same translation unit): the ranks'
+// shared memory and the operation counter, which the step advances exactly as ShmTransport's
+// all_reduce_ would (same pieces, same element type), so either path can follow the other.
+struct ShmComm {
+  void* flags;
+  char* banks;
+  int64_t slot_bytes;
+  int64_t rank, size;
+  uint32_t seq;  // the last operation number used
+  // Called when a wait for `rank` has lasted another timeout_ms; nonzero gives up (that rank is gone).
+  int (*on_late)(int64_t rank);
+};
+
+namespace {
+
+// x (n floats, or n bfloat16 when bf16) <- the sum over ranks. 0, or 1 with a message in err.
+int shm_allreduce_blocking(ShmComm* c, void* x, int64_t n, int bf16, char* err, int64_t err_len) {
+  const int64_t elem = bf16 ? 2 : 4, per = c->slot_bytes / elem;
+  for (int64_t i = 0; i < n; i += per) {
+    const int64_t k = n - i < per ? n - i : per;
+    char* part = static_cast<char*>(x) + i * elem;
+    const uint32_t seq = ++c->seq;
+    int64_t late = kvs_shm_allreduce(c->flags, c->banks, c->slot_bytes, c->rank, c->size, seq, part, k, bf16, 200.0,
+                                     1000);
+    if (late < 0) continue;
+    while (late >= 0) {
+      if (c->on_late != nullptr && c->on_late(late)) {
+        std::snprintf(err, size_t(err_len), "tensor parallel: rank %lld is gone", static_cast<long long>(late));
+        return 1;
+      }
+      late = kvs_shm_wait_all(c->flags, c->size, seq, 200.0, 1000);
+    }
+    kvs_shm_sum_slots(c->banks, c->slot_bytes, c->size, seq, part, k, bf16);
+  }
+  return 0;
+}
+
+}  // namespace
