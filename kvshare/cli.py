@@ -55,6 +55,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         "max_position_embeddings": mc.max_position_embeddings, "dtype": engine.config.dtype,
         "quantization": engine.config.quantization or "none",
         "tensor_formats": engine.startup.format_mix(),
+        "tensor_parallel_size": engine.config.tensor_parallel_size,
+        # With tensor parallelism, rank 0's shard (each rank holds its own).
         "resident_weight_bytes": engine.model.weight_bytes,
         "resident_weight_bytes_by_kernel": engine.startup.weight_bytes_by_kind(),
         "kv_cache_dtype": lay.dtype,

@@ -141,8 +141,9 @@ class EngineConfig:
     # tell them apart. None: a single engine, batches without it.
     data_parallel_rank: int | None = None
     # vLLM's name: this many processes each hold a shard of every layer (their heads, their part
-    # of the MLP and vocabulary) and run every step together over gloo on loopback; this process is
-    # rank 0 and schedules (kvshare.engine.tensor_parallel). Threads are split between the ranks.
+    # of the MLP and vocabulary) and run every step together (tensor_parallel_backend says how they
+    # exchange activations); this process is rank 0 and schedules (kvshare.engine.tensor_parallel).
+    # Threads are split between the ranks.
     tensor_parallel_size: int = 1
     # How the ranks exchange activations: "auto" is a shared memory segment where kvshare's C++
     # library is built (microseconds per all-reduce), else a gloo process group over loopback

@@ -204,6 +204,11 @@ def compare(run: RunResult, ref: RunResult, tol: float) -> dict[str, str]:
 
 class Doctor:
     def __init__(self, config: EngineConfig, faults: list[str] | None = None, tol: float = 2e-3) -> None:
+        if config.tensor_parallel_size != 1:
+            # It resets each engine's KV cache between runs in this process: worker ranks' shards
+            # would keep theirs.
+            raise DoctorUsageError(f"--tensor-parallel-size {config.tensor_parallel_size} is not supported by "
+                                   "kvshare doctor: it runs its engines in one process (use 1)")
         self.config = config
         self.faults = faults or []
         self.tol = tol

@@ -59,7 +59,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "by --data-parallel-size for each replica; default: none)")
 
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=engine_default("tensor_parallel_size"),
-                   metavar="N", help="split every layer across N processes (gloo on loopback); threads are "
+                   metavar="N", help="split every layer across N processes on this machine; threads are "
                                      "divided between them (docs/tensor_parallel.md)")
     g.add_argument("--tensor-parallel-backend", default=engine_default("tensor_parallel_backend"),
                    choices=["auto", "gloo"], help="how the ranks exchange activations: auto = shared memory "

@@ -19,6 +19,7 @@ import openai
 import pytest
 import torch
 
+from helpers import english_token_prompts, greedy_agreement
 from kvshare import LLM, SamplingParams
 from kvshare.model import cpu_kernels
 from kvshare.model.config import ModelArchConfig
@@ -161,6 +162,9 @@ MODES = {"exact": EXACT, "quantized": dict(EXACT, quantization="auto", prefill_d
 
 @pytest.fixture(scope="module")
 def engines():
+    # Built, not still building: `auto` would take gloo and the step-by-step path otherwise.
+    for lib in (cpu_kernels.SHM, cpu_kernels.DECODE, cpu_kernels.QMATMUL):
+        assert lib.wait_until_built(timeout=900), lib.unavailable_reason()
     made = {"exact": LLM(**EXACT), "quantized": LLM(**MODES["quantized"]),
             ("exact", "shared memory"): LLM(tensor_parallel_size=2, **EXACT),
             ("quantized", "shared memory"): LLM(tensor_parallel_size=2, **MODES["quantized"]),
@@ -223,6 +227,51 @@ def test_rank0_holds_its_shard_and_says_so(engines):
     assert engines[("quantized", "gloo")].engine.model.fused_decode.model_reason.startswith("tensor parallel over gloo")
 
 
+def test_bfloat16_ranks_agree_whether_they_step_fused_or_layer_by_layer():
+    """bfloat16 activations: the C++ step exchanges bfloat16 pieces as the Python transport does,
+    so rank 0 going layer by layer while rank 1 stays fused still pairs every message. A mismatch
+    would sum plan bytes or misaligned pieces into the activations: garbage logits, every prompt
+    off from its first token. What is left is bfloat16 rounding: on one rank, fused against layer
+    by layer on these 6 prompts, 5 decode identically and the worst chosen-token logprob gap is
+    0.12 (measured); with 2 ranks each rank's partial sum is rounded too: 5 and 0.15 (measured).
+    Hence at most 2 prompts may differ and gaps stay under 0.3, far below garbage."""
+    llm = LLM(tensor_parallel_size=2, dtype="bfloat16", kv_cache_memory="64MiB", max_model_len=512)
+    try:
+        fused = llm.engine.model.fused_decode
+        prompts = [{"prompt_token_ids": p}
+                   for p in english_token_prompts(llm.get_tokenizer().encode, [12, 40, 90, 150, 200, 260])]
+        sp = SamplingParams(temperature=0, max_tokens=32, logprobs=1)
+        both_fused = llm.generate(prompts, sp, use_tqdm=False)
+        fused.enabled = False
+        rank0_layers = llm.generate(prompts, sp, use_tqdm=False)
+    finally:
+        llm.engine.close()
+    identical, gap = greedy_agreement(both_fused, rank0_layers)
+    assert identical >= len(prompts) - 2 and gap <= 0.3, (identical, gap)
+
+
+def test_a_step_that_fails_part_way_stops_the_engine_rather_than_desynchronize():
+    """Rank 0 fails after the plan went out, its worker mid-step: the next message would pair
+    with the wrong operation, so the engine stops its workers and refuses to step again."""
+    llm = LLM(tensor_parallel_size=2, **EXACT)
+    runner = llm.engine.runner
+    procs = runner.launcher.procs
+    real = runner.runner.execute
+
+    def fail_after_embedding(plan):
+        llm.engine.model.tp.all_reduce(torch.zeros(plan.num_tokens, 576))  # the worker's embedding all-reduce
+        raise RuntimeError("injected")
+
+    runner.runner.execute = fail_after_embedding
+    with pytest.raises(RuntimeError, match="a step failed part-way .*injected"):
+        llm.generate(["Hello"], SamplingParams(max_tokens=2), use_tqdm=False)
+    runner.runner.execute = real
+    assert all(p.poll() is not None for p in procs)  # stopped, not left waiting mid-step
+    with pytest.raises(RuntimeError, match="the engine cannot step: a step failed part-way"):
+        llm.generate(["Hello"], SamplingParams(max_tokens=2), use_tqdm=False)
+    llm.engine.close()
+
+
 def _worker_pids(parent: int) -> list[int]:
     out = subprocess.run(["pgrep", "-P", str(parent), "-f", "kvshare.engine.tp_worker"], capture_output=True,
                          text=True)
@@ -236,7 +285,8 @@ def test_a_dead_worker_fails_the_next_step_with_its_name():
     procs[0].send_signal(signal.SIGKILL)
     procs[0].wait(timeout=10)
     t0 = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"tensor parallel: worker rank 1 \(exit code -9\) is gone"):
+    with pytest.raises(RuntimeError, match=r"tensor parallel: the engine cannot step: worker rank 1 \(exit code -9\) "
+                                           r"is gone"):
         llm.generate(["Hello there"], SamplingParams(max_tokens=2), use_tqdm=False)
     assert time.monotonic() - t0 < 30  # it fails; it does not wait on the dead rank
     llm.engine.close()  # and closing after that neither hangs nor raises

@@ -8,7 +8,7 @@ meet only in the model's collectives (kvshare.model.tensor_parallel). So the blo
 identical on every rank by construction: there is one table, and it travels in the plan.
 
 Start-up goes through a torch.distributed TCPStore on a free loopback port: rank 0 puts the
-config in it and starts the workers (`python -m kvshare.engine.tp_worker`), which load the
+config in it (as JSON) and starts the workers (`python -m kvshare.engine.tp_worker`), which load the
 model while rank 0 does; rank 0 then puts the KV pool size it planned and the shared memory
 segment it made, each worker says whether it could map that segment, and all ranks take the
 same transport (kvshare.model.tp_transport): shared memory when every rank can, else a gloo
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
-import pickle
 import secrets
 import subprocess
 import sys
@@ -31,14 +31,17 @@ import time
 import weakref
 from datetime import timedelta
 
+import msgpack
 import torch
 import torch.distributed as dist
 
 from kvshare.config import EngineConfig
-from kvshare.engine.step_plan import StepPlan
+from kvshare.engine.step_plan import ChunkPlan, GroupAccess, StepPlan
 from kvshare.model import cpu_kernels
 from kvshare.model.tensor_parallel import TPCollectives, TPShard
 from kvshare.model.tp_transport import GlooTransport, ShmSegment, ShmTransport
+
+logger = logging.getLogger("kvshare")
 
 # Start-up waits (a worker's model load) give up after this long.
 STARTUP_TIMEOUT = timedelta(minutes=5)
@@ -57,25 +60,44 @@ def gloo_group(store: dist.Store, rank: int, size: int) -> dist.ProcessGroup:
     return dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, COLLECTIVE_TIMEOUT)
 
 
+def config_to_json(config: EngineConfig) -> str:
+    # JSON, not pickle: the store is a loopback TCP port any local user can reach, and data read
+    # from it must never be able to run code.
+    return json.dumps(dataclasses.asdict(config))
+
+
+def config_from_json(data: bytes) -> EngineConfig:
+    return EngineConfig(**json.loads(data))
+
+
 class PlanChannel:
-    """Step plans from rank 0 to every rank; an empty message tells the workers to stop."""
+    """Step plans from rank 0 to every rank (msgpack: plain numbers and lists, never code, and
+    the engine's Sequence records stay on rank 0); an empty message tells the workers to stop."""
 
     def __init__(self, transport) -> None:
         self.transport = transport
 
     def send(self, plan: StepPlan | None) -> None:
-        self.transport.broadcast0(b"" if plan is None else pickle.dumps(_wire_plan(plan), pickle.HIGHEST_PROTOCOL))
+        self.transport.broadcast0(b"" if plan is None else msgpack.packb(_encode(plan)))
 
     def recv(self) -> StepPlan | None:
         data = self.transport.broadcast0(None)
-        return pickle.loads(data) if data else None
+        return _decode(msgpack.unpackb(data)) if data else None
 
 
-def _wire_plan(plan: StepPlan) -> StepPlan:
-    """The plan as the runner reads it: the engine's Sequence records (generators, detokenizers)
-    stay on rank 0."""
-    return StepPlan(chunks=[dataclasses.replace(c, seq=None) for c in plan.chunks], preempted=[],
-                    block_copies=plan.block_copies, rotations=plan.rotations)
+def _encode(plan: StepPlan) -> list:
+    chunks = [[c.start, c.token_ids, c.rope_start, c.write_slots, c.read_blocks, c.read_index, c.samples,
+               c.prompt_logits, [[g.write_slots, g.read_blocks, g.read_index] for g in c.groups]] for c in plan.chunks]
+    return [chunks, plan.block_copies, plan.rotations]
+
+
+def _decode(data: list) -> StepPlan:
+    chunks, copies, rotations = data
+    return StepPlan(
+        chunks=[ChunkPlan(None, start, tokens, rope, slots, blocks, index, samples,
+                          tuple(prompt) if prompt is not None else None, tuple(GroupAccess(*g) for g in groups))
+                for start, tokens, rope, slots, blocks, index, samples, prompt, groups in chunks],
+        block_copies=[tuple(c) for c in copies], rotations=[tuple(r) for r in rotations])
 
 
 class TensorParallelLauncher:
@@ -86,7 +108,7 @@ class TensorParallelLauncher:
         self.size = config.tensor_parallel_size
         self.store = dist.TCPStore("127.0.0.1", 0, self.size, True, timeout=STARTUP_TIMEOUT,
                                    wait_for_workers=False)
-        self.store.set("config", pickle.dumps(config))
+        self.store.set("config", config_to_json(config))
         threads = str(threads_per_rank(config))
         self.procs = [subprocess.Popen([sys.executable, "-m", "kvshare.engine.tp_worker", "--rank", str(r),
                                         "--size", str(self.size), "--port", str(self.store.port),
@@ -115,12 +137,21 @@ class TensorParallelLauncher:
         return TPCollectives(transport, shard)
 
     def _segment(self, shard: TPShard) -> ShmSegment | None:
-        if self.config.tensor_parallel_backend == "gloo" or not cpu_kernels.SHM.available():
+        if self.config.tensor_parallel_backend == "gloo":
+            return None
+        if not cpu_kernels.SHM.available():
+            logger.warning("tensor parallel: kvshare's shared memory collectives are not available (%s): the ranks "
+                           "use gloo, several times slower per step (`make setup` builds them)",
+                           cpu_kernels.SHM.unavailable_reason())
             return None
         base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         path = os.path.join(base, f"kvshare-tp-{os.getpid()}-{secrets.token_hex(6)}")
         slot = ShmSegment.slot_bytes_for(self.config.max_num_batched_tokens, shard.config.hidden_size)
-        return ShmSegment(path, self.size, slot, create=True)
+        try:
+            return ShmSegment(path, self.size, slot, create=True)
+        except OSError as e:  # e.g. a full /dev/shm: found now, not as a SIGBUS mid-step
+            logger.warning("tensor parallel: no shared memory segment in %s (%s): the ranks use gloo", base, e)
+            return None
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT.total_seconds()
@@ -159,9 +190,11 @@ class TensorParallelLauncher:
 
 
 def _terminate(procs: list[subprocess.Popen]) -> None:
+    # SIGKILL: workers ignore SIGINT and SIGTERM (rank 0 alone decides when they stop), and hold
+    # nothing that needs cleaning up.
     for p in procs:
         if p.poll() is None:
-            p.terminate()
+            p.kill()
 
 
 class TensorParallelRunner:
@@ -172,20 +205,30 @@ class TensorParallelRunner:
         self.runner = runner
         self.launcher = launcher
         self.channel = PlanChannel(tp.transport)
+        self.broken: str | None = None  # why the ranks can no longer step together
 
     def execute(self, plan: StepPlan):
+        if self.broken is not None:
+            raise RuntimeError(f"tensor parallel: the engine cannot step: {self.broken}")
         try:
             self.channel.send(plan)
             return self.runner.execute(plan)
-        except RuntimeError as e:  # a peer's sockets closed, a worker exited, or a collective failed
+        except BaseException as e:
+            # A step stopped part-way (a worker gone, a collective failed, an interrupt): the
+            # ranks are no longer at the same operation, and the next message would pair with
+            # the wrong one. Stop the workers; this engine steps no more.
             gone = [f"rank {r} (exit code {p.returncode})" for r, p in enumerate(self.launcher.procs, start=1)
                     if p.poll() is not None] if self.launcher is not None else []
-            raise RuntimeError("tensor parallel: " + (f"worker {', '.join(gone)} is gone" if gone else
-                                                      "a collective failed") + f"; the engine cannot step ({e})") from e
+            self.broken = (f"worker {', '.join(gone)} is gone" if gone else
+                           f"a step failed part-way ({type(e).__name__}: {e})")
+            self.close()
+            if isinstance(e, Exception):
+                raise RuntimeError(f"tensor parallel: the engine cannot step: {self.broken}") from e
+            raise
 
     def close(self) -> None:
         if self.launcher is not None:
-            self.launcher.close(self.channel)
+            self.launcher.close(self.channel if self.broken is None else None)
             self.launcher = None
 
     def __getattr__(self, name: str):

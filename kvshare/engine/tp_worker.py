@@ -8,7 +8,7 @@ import argparse
 import json
 import logging
 import os
-import pickle
+import signal
 import sys
 import threading
 import time
@@ -17,9 +17,8 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from kvshare.config import EngineConfig
 from kvshare.engine.model_setup import build_rank, plan_kv
-from kvshare.engine.tensor_parallel import STARTUP_TIMEOUT, PlanChannel, gloo_group
+from kvshare.engine.tensor_parallel import STARTUP_TIMEOUT, PlanChannel, config_from_json, gloo_group
 from kvshare.model import cpu_kernels
 from kvshare.model.loader import load_model
 from kvshare.model.tensor_parallel import TPCollectives, TPShard
@@ -55,10 +54,14 @@ def worker_main(argv: list[str] | None = None) -> int:
     p.add_argument("--parent", type=int, required=True)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s kvshare tp rank {args.rank}: %(message)s")
+    # Rank 0 decides when this rank stops (a stop message, or SIGKILL): a Ctrl+C or a SIGTERM sent
+    # to the whole process group must not take a worker away while rank 0 drains its requests.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, args=(args.parent,), daemon=True).start()
     torch.set_num_threads(args.threads)
     store = dist.TCPStore("127.0.0.1", args.port, args.size, False, timeout=STARTUP_TIMEOUT)
-    config: EngineConfig = pickle.loads(store.get("config"))
+    config = config_from_json(store.get("config"))
     loaded = load_model(config.model, dtype=config.torch_dtype, quantization=config.quantization)
     shard = TPShard(args.rank, args.size, loaded.config)
     kv = plan_kv(config, loaded.config)

@@ -74,7 +74,9 @@ class ShmSegment:
         fd = os.open(path, flags, 0o600)
         try:
             if create:
-                os.ftruncate(fd, nbytes)  # sparse: pages cost memory once written
+                # Allocated now, not sparse: a /dev/shm too small fails here (OSError, and the
+                # engine takes gloo), never as a SIGBUS on the first write to an unbacked page.
+                os.posix_fallocate(fd, 0, nbytes)
             self._map = mmap.mmap(fd, nbytes)
         finally:
             os.close(fd)
@@ -84,8 +86,9 @@ class ShmSegment:
 
     @staticmethod
     def slot_bytes_for(max_rows: int, hidden: int) -> int:
-        """Room for one step's hidden states in float32 (bounded; bigger exchanges go in pieces)."""
-        want = max(1 << 20, min(16 << 20, max_rows * hidden * 4))
+        """Room for one step's hidden states in float32, within 256 KiB - 4 MiB (bigger exchanges
+        go in pieces): the segment is 4 slots at 2 ranks, 16 MiB at most."""
+        want = max(256 << 10, min(4 << 20, max_rows * hidden * 4))
         return -(-want // 4096) * 4096
 
     def slot(self, seq: int, rank: int) -> torch.Tensor:
