@@ -6,6 +6,7 @@ within 1e-4, through chunked prefill, mixed steps and prefix-cache hits. A worke
 the next step fail with an error naming it; a rank 0 that dies takes its workers with it."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -94,6 +95,40 @@ def test_shards_of_packed_and_dense_weights_rebuild_the_full_weights():
         parts = [dense(s[name]) for s in shards]
         assert torch.equal(torch.cat(parts, dim=1 if name in by_cols else 0), dense(w)), name
         assert all(isinstance(s[name], GroupAffine) == isinstance(w, GroupAffine) for s in shards), name
+
+
+def test_step_plans_and_the_config_reach_the_workers_unchanged():
+    """What rank 0 sends a worker (a plan as msgpack, the config as JSON) decodes to what the
+    runner and the engine read: every field, with KV cache groups, released blocks (read_index),
+    prompt logprobs, block copies and sink re-rotations, none of which the parity runs carry."""
+    from kvshare.config import EngineConfig
+    from kvshare.engine.step_plan import ChunkPlan, GroupAccess, StepPlan
+    from kvshare.engine.tensor_parallel import _decode, _encode, config_from_json, config_to_json
+
+    import msgpack
+
+    plan = StepPlan(
+        chunks=[ChunkPlan(object(), 40, [7], 36, [645], [3, 9], [0, 2], True, None,
+                          (GroupAccess([81], [5], None),)),
+                ChunkPlan(object(), 0, [1, 2, 3], 0, [16, 17, 18], [1], None, False, (0, 2), ())],
+        block_copies=[(4, 11)], rotations=[("req-1#0", [3, 9], -16)])
+    got = _decode(msgpack.unpackb(msgpack.packb(_encode(plan))))
+    want = [dataclasses.replace(c, seq=None) for c in plan.chunks]
+    assert got.chunks == want and got.block_copies == plan.block_copies and got.rotations == plan.rotations
+    assert got.chunks[1].prompt_logits == (0, 2) and isinstance(got.chunks[0].groups[0], GroupAccess)
+    assert got.logit_rows()[0] == plan.logit_rows()[0]  # the rows whose logits rank 0 needs
+    for cfg in (EngineConfig(), EngineConfig(dtype="bfloat16", quantization=None, kv_cache_memory="96MiB",
+                                             kv_policy="sink", window_tokens=64, kv_cache_dtype="bfloat16",
+                                             prefix_caching_hash_seed="s", tensor_parallel_size=2, num_threads=2)):
+        assert config_from_json(config_to_json(cfg).encode()) == cfg
+
+
+def test_doctor_refuses_tensor_parallel_by_name():
+    from kvshare.config import EngineConfig
+    from kvshare.doctor import Doctor, DoctorUsageError
+
+    with pytest.raises(DoctorUsageError, match="--tensor-parallel-size 2 is not supported by kvshare doctor"):
+        Doctor(EngineConfig(tensor_parallel_size=2))
 
 
 def _ranks(size: int, slot_bytes: int, work) -> list:
@@ -241,7 +276,11 @@ def test_bfloat16_ranks_agree_whether_they_step_fused_or_layer_by_layer():
         prompts = [{"prompt_token_ids": p}
                    for p in english_token_prompts(llm.get_tokenizer().encode, [12, 40, 90, 150, 200, 260])]
         sp = SamplingParams(temperature=0, max_tokens=32, logprobs=1)
+        calls = []
+        run = fused.run
+        fused.run = lambda *a: calls.append(1) or run(*a)
         both_fused = llm.generate(prompts, sp, use_tqdm=False)
+        assert calls, "rank 0 never took the fused step"
         fused.enabled = False
         rank0_layers = llm.generate(prompts, sp, use_tqdm=False)
     finally:

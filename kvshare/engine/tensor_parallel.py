@@ -63,7 +63,7 @@ def gloo_group(store: dist.Store, rank: int, size: int) -> dist.ProcessGroup:
 def config_to_json(config: EngineConfig) -> str:
     # JSON, not pickle: the store is a loopback TCP port any local user can reach, and data read
     # from it must never be able to run code.
-    return json.dumps(dataclasses.asdict(config))
+    return json.dumps(dataclasses.asdict(config), default=str)  # (a pathlib.Path model: its string)
 
 
 def config_from_json(data: bytes) -> EngineConfig:
@@ -110,12 +110,14 @@ class TensorParallelLauncher:
                                    wait_for_workers=False)
         self.store.set("config", config_to_json(config))
         threads = str(threads_per_rank(config))
-        self.procs = [subprocess.Popen([sys.executable, "-m", "kvshare.engine.tp_worker", "--rank", str(r),
-                                        "--size", str(self.size), "--port", str(self.store.port),
-                                        "--threads", threads, "--parent", str(os.getpid())])
-                      for r in range(1, self.size)]
-        # An engine dropped without close() (the offline LLM never closes) still ends its workers.
-        self._finalizer = weakref.finalize(self, _terminate, list(self.procs))
+        self.procs: list[subprocess.Popen] = []
+        # An engine dropped without close() (the offline LLM never closes) still ends its workers,
+        # as does a start-up that fails between two of them.
+        self._finalizer = weakref.finalize(self, _terminate, self.procs)
+        for r in range(1, self.size):
+            self.procs.append(subprocess.Popen([sys.executable, "-m", "kvshare.engine.tp_worker", "--rank", str(r),
+                                                "--size", str(self.size), "--port", str(self.store.port),
+                                                "--threads", threads, "--parent", str(os.getpid())]))
         self.transport_name = ""
 
     def connect(self, shard: TPShard, num_blocks: int) -> TPCollectives:

@@ -33,6 +33,10 @@ def _exit_with_parent(parent: int) -> None:
         time.sleep(0.5)
 
 
+def _ignore(signum, frame) -> None:
+    pass
+
+
 def _map_segment(spec: bytes, size: int) -> ShmSegment | None:
     """Rank 0's shared memory segment, or None (it made none, or this rank cannot use it)."""
     if not spec or not cpu_kernels.SHM.available():
@@ -56,8 +60,10 @@ def worker_main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s kvshare tp rank {args.rank}: %(message)s")
     # Rank 0 decides when this rank stops (a stop message, or SIGKILL): a Ctrl+C or a SIGTERM sent
     # to the whole process group must not take a worker away while rank 0 drains its requests.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # A handler that does nothing rather than SIG_IGN: a compiler this process starts (a kernel
+    # build) gets the default dispositions back at exec, so it does not outlive a killed worker.
+    signal.signal(signal.SIGINT, _ignore)
+    signal.signal(signal.SIGTERM, _ignore)
     threading.Thread(target=_exit_with_parent, args=(args.parent,), daemon=True).start()
     torch.set_num_threads(args.threads)
     store = dist.TCPStore("127.0.0.1", args.port, args.size, False, timeout=STARTUP_TIMEOUT)

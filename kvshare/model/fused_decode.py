@@ -203,7 +203,7 @@ class FusedDecode:
                 try:
                     t.on_wait(rank)
                     return 0
-                except Exception as e:  # a callback cannot raise into C++: kept, raised after the call
+                except BaseException as e:  # (Ctrl+C too) a callback cannot raise into C++: kept, raised after the call
                     self._late_error = e
                     return 1
 

@@ -78,6 +78,10 @@ class ShmSegment:
                 # engine takes gloo), never as a SIGBUS on the first write to an unbacked page.
                 os.posix_fallocate(fd, 0, nbytes)
             self._map = mmap.mmap(fd, nbytes)
+        except BaseException:
+            if create:
+                os.unlink(path)  # no half-made segment left holding /dev/shm space
+            raise
         finally:
             os.close(fd)
         self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)
