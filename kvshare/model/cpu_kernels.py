@@ -368,11 +368,8 @@ def _setup_shm(lib: ctypes.CDLL) -> None:
     lib.kvs_shm_post.argtypes = [_ptr, _i64, ctypes.c_uint32]  # flags, rank, seq
     lib.kvs_shm_wait_all.restype = _i64
     lib.kvs_shm_wait_all.argtypes = [_ptr, _i64, ctypes.c_uint32, ctypes.c_double, _i64]  # + spin_us, timeout_ms
-    lib.kvs_shm_allreduce.restype = _i64
-    lib.kvs_shm_allreduce.argtypes = [_ptr, _ptr, _i64, _i64, _i64, ctypes.c_uint32,  # flags, banks, slot, rank, size, seq
-                                      _ptr, _i64, _int, ctypes.c_double, _i64]  # x, n, bf16?, spin_us, timeout_ms
-    lib.kvs_shm_sum_slots.restype = None
-    lib.kvs_shm_sum_slots.argtypes = [_ptr, _i64, _i64, ctypes.c_uint32, _ptr, _i64, _int]
+    lib.kvs_shm_allreduce_comm.restype = _int
+    lib.kvs_shm_allreduce_comm.argtypes = [_ptr, _ptr, _i64, _int, ctypes.c_char_p, _i64]  # comm, x, n, bf16?, error
 
 
 ATTENTION = KernelLibrary("paged_attention", "paged_attention.cpp", _setup_attention)

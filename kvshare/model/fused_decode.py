@@ -23,7 +23,7 @@ import torch
 from kvshare.model import cpu_kernels
 from kvshare.model.attention import AttentionMetadata, PagedKVStorage, TorchPagedAttention
 from kvshare.model.qlinear import GroupInt4Linear, GroupInt8Linear
-from kvshare.model.tp_transport import ShmTransport
+from kvshare.model.tp_transport import ShmComm, ShmTransport
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _CACHE_KINDS = {torch.float32: 0, torch.bfloat16: 1}
@@ -40,21 +40,11 @@ class _Layer(ctypes.Structure):
                 ("gate_up", _Linear), ("down", _Linear), ("k_cache", _ptr), ("v_cache", _ptr)]
 
 
-_ON_LATE = ctypes.CFUNCTYPE(ctypes.c_int, _i64)
-
-
-class _ShmComm(ctypes.Structure):
-    """Tensor parallel: the ranks' shared memory (kvshare.model.tp_transport.ShmTransport)."""
-
-    _fields_ = [("flags", _ptr), ("banks", _ptr), ("slot_bytes", _i64), ("rank", _i64), ("size", _i64),
-                ("seq", ctypes.c_uint32), ("on_late", _ON_LATE)]
-
-
 class _Model(ctypes.Structure):
     _fields_ = [("num_layers", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64),
                 ("head_dim", _i64), ("intermediate", _i64), ("slots", _i64), ("block_size", _i64),
                 ("cache_kind", _i64), ("act_bf16", _i64), ("eps", ctypes.c_double), ("scale", ctypes.c_double),
-                ("layers", ctypes.POINTER(_Layer)), ("comm", ctypes.POINTER(_ShmComm))]
+                ("layers", ctypes.POINTER(_Layer)), ("comm", ctypes.POINTER(ShmComm))]
 
 
 def _ptr_of(t: torch.Tensor | None) -> int | None:
@@ -79,8 +69,6 @@ class FusedDecode:
         self.model = model
         self.enabled = True  # tests switch it off to run the step-by-step reference
         self._layers = None
-        self._shm: _ShmComm | None = None  # tensor parallel: the ranks' shared memory, as the C++ step sees it
-        self._late_error: Exception | None = None
         self._bound: tuple[int, ctypes.Structure] | None = None
         # Why this model can never take the fused path (None: it can, step by step permitting).
         self.model_reason = unsupported or self._check_model(model)
@@ -160,7 +148,10 @@ class FusedDecode:
                       m.layers[0].down.in_features, kv_cache.num_blocks * kv_cache.block_size,
                       kv_cache.block_size, _CACHE_KINDS[kv_cache.data.dtype], int(m.dtype == torch.bfloat16),
                       c.rms_norm_eps, m.scale, layers)
-        view._keep = (layers, kv_cache)  # the pointers above live as long as these do
+        tp = getattr(m, "tp", None)
+        if tp is not None:  # the all-reduces go through the transport's own counter and segment
+            view.comm = tp.transport.comm_ptr
+        view._keep = (layers, kv_cache, tp)  # the pointers above live as long as these do
         self._bound = (id(kv_cache), view)
         return view
 
@@ -177,38 +168,12 @@ class FusedDecode:
         tables = meta.decode_block_tables.contiguous()
         ctx = meta.decode_context_lens.contiguous()
         err = ctypes.create_string_buffer(256)
-        comm = self._comm(view)
         rc = cpu_kernels.DECODE.lib().kvs_decode_layers(
             ctypes.byref(view), h.data_ptr(), h.shape[0], cos.data_ptr(), signed_sin.data_ptr(),
             slots.data_ptr(), tables.data_ptr(), tables.shape[1], ctx.data_ptr(),
             torch.get_num_threads(), err, len(err))
-        if comm is not None:
-            self.model.tp.transport.seq = comm.seq
-            if self._late_error is not None:
-                e, self._late_error = self._late_error, None
-                raise e
+        if view.comm:  # tensor parallel: a rank given up on while waiting
+            self.model.tp.transport.raise_late_error()
         if rc:
             raise ValueError(err.value.decode(errors="replace"))
         return h.to(dtype)
-
-    def _comm(self, view) -> _ShmComm | None:
-        """Tensor parallel: the shared memory view for this call, its operation counter where the
-        Python transport's is (the C++ step advances it as the transport would)."""
-        tp = getattr(self.model, "tp", None)
-        if tp is None:
-            return None
-        t = tp.transport
-        if self._shm is None:
-            def on_late(rank: int) -> int:
-                try:
-                    t.on_wait(rank)
-                    return 0
-                except BaseException as e:  # (Ctrl+C too) a callback cannot raise into C++: kept, raised after the call
-                    self._late_error = e
-                    return 1
-
-            self._on_late = _ON_LATE(on_late)  # kept alive as long as the view points at it
-            self._shm = _ShmComm(t.seg.flags_ptr, t.seg.banks_ptr, t.seg.slot_bytes, t.rank, t.size, 0, self._on_late)
-        view.comm = ctypes.pointer(self._shm)
-        self._shm.seq = t.seq
-        return self._shm

@@ -13,6 +13,7 @@ never disagree on a result.
 """
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 from typing import Callable
@@ -100,18 +101,49 @@ class ShmSegment:
         return self.bytes[start:start + self.slot_bytes]
 
 
+# on_late(rank) -> nonzero to give up on that rank (kvs_shm_allreduce_comm's callback).
+_ON_LATE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64)
+
+
+class ShmComm(ctypes.Structure):
+    """csrc/shm_collectives.cpp's ShmComm: the segment as this rank sees it and the operation
+    counter, shared by this transport and the fused decode step (which gets a pointer to it)."""
+
+    _fields_ = [("flags", ctypes.c_void_p), ("banks", ctypes.c_void_p), ("slot_bytes", ctypes.c_int64),
+                ("rank", ctypes.c_int64), ("size", ctypes.c_int64), ("seq", ctypes.c_uint32), ("on_late", _ON_LATE)]
+
+
 class ShmTransport:
     def __init__(self, segment: ShmSegment, rank: int, on_wait: Callable[[int], None]) -> None:
         """on_wait(rank): called each time a wait for `rank` has lasted another second; it raises
         when that rank is gone (the engine knows its worker processes, a worker its parent)."""
         self.seg, self.rank, self.size = segment, rank, segment.size
         self.on_wait = on_wait
-        self.seq = 0
         self._lib = cpu_kernels.SHM.lib()
+        self._late_error: BaseException | None = None
+        self._on_late = _ON_LATE(self._late)  # kept alive as long as the struct points at it
+        self.comm = ShmComm(segment.flags_ptr, segment.banks_ptr, segment.slot_bytes, rank, self.size, 0,
+                            self._on_late)
+        self.comm_ptr = ctypes.pointer(self.comm)
+
+    def _late(self, rank: int) -> int:
+        try:
+            self.on_wait(rank)
+            return 0
+        except BaseException as e:  # (Ctrl+C too) a callback cannot raise into C++: kept, raised after the call
+            self._late_error = e
+            return 1
+
+    def raise_late_error(self) -> None:
+        """After a C++ call that all-reduced through `comm` (this transport's, or the fused decode
+        step's): raise what made on_late give up, if anything did."""
+        if self._late_error is not None:
+            e, self._late_error = self._late_error, None
+            raise e
 
     def _next(self) -> int:
-        self.seq = (self.seq + 1) & 0xFFFFFFFF
-        return self.seq
+        self.comm.seq = (self.comm.seq + 1) & 0xFFFFFFFF
+        return self.comm.seq
 
     def _wait_all(self, seq: int) -> None:
         while (late := self._lib.kvs_shm_wait_all(self.seg.flags_ptr, self.size, seq, _SPIN_US, _CHECK_MS)) >= 0:
@@ -119,19 +151,12 @@ class ShmTransport:
 
     def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
         assert x.is_contiguous() and x.dtype in (torch.float32, torch.bfloat16)
-        bf16 = int(x.dtype == torch.bfloat16)
-        flat = x.view(-1)
-        per = self.seg.slot_bytes // x.element_size()
-        for i in range(0, flat.numel(), per):
-            part = flat[i:i + per]
-            seq = self._next()
-            late = self._lib.kvs_shm_allreduce(self.seg.flags_ptr, self.seg.banks_ptr, self.seg.slot_bytes, self.rank,
-                                               self.size, seq, part.data_ptr(), part.numel(), bf16, _SPIN_US, _CHECK_MS)
-            if late >= 0:
-                self.on_wait(int(late))
-                self._wait_all(seq)
-                self._lib.kvs_shm_sum_slots(self.seg.banks_ptr, self.seg.slot_bytes, self.size, seq, part.data_ptr(),
-                                            part.numel(), bf16)
+        err = ctypes.create_string_buffer(256)
+        rc = self._lib.kvs_shm_allreduce_comm(self.comm_ptr, x.data_ptr(), x.numel(), int(x.dtype == torch.bfloat16),
+                                              err, len(err))
+        self.raise_late_error()
+        if rc:
+            raise RuntimeError(err.value.decode(errors="replace"))
         return x
 
     def _exchange(self, mine: torch.Tensor | None) -> int:

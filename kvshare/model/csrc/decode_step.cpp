@@ -123,10 +123,10 @@ static void write_kv(void* cache, int64_t kind, int64_t slots_per_head, int64_t 
 static int all_reduce(ShmComm* comm, float* y, int64_t n, bool bf, std::vector<uint16_t>& y16, char* err,
                       int64_t err_len) {
   if (comm == nullptr) return 0;
-  if (!bf) return shm_allreduce_blocking(comm, y, n, 0, err, err_len);
+  if (!bf) return kvs_shm_allreduce_comm(comm, y, n, 0, err, err_len);
   y16.resize(size_t(n));
   for (int64_t i = 0; i < n; ++i) y16[size_t(i)] = qmm::f32_to_bf16(y[i]);
-  if (shm_allreduce_blocking(comm, y16.data(), n, 1, err, err_len)) return 1;
+  if (kvs_shm_allreduce_comm(comm, y16.data(), n, 1, err, err_len)) return 1;
   for (int64_t i = 0; i < n; ++i) y[i] = qmm::bf16_to_f32(y16[size_t(i)]);
   return 0;
 }

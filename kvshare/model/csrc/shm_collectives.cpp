@@ -117,26 +117,29 @@ int64_t kvs_shm_wait_all(void* flags, int64_t size, uint32_t seq, double spin_us
     return -1;
 }
 
-void kvs_shm_sum_slots(char* banks, int64_t slot_bytes, int64_t size, uint32_t seq, void* x, int64_t n, int bf16);
+}  // extern "C"
 
-// x (n floats, or n bfloat16 when bf16 != 0) becomes the sum over ranks of every rank's x.
-// Returns -1 when done. Else (timeout_ms passed) the rank still awaited, with x unchanged: the
-// caller checks that rank is alive, waits with kvs_shm_wait_all, then sums with kvs_shm_sum_slots.
-int64_t kvs_shm_allreduce(void* flags, char* banks, int64_t slot_bytes, int64_t rank, int64_t size, uint32_t seq,
-                          void* x, int64_t n, int bf16, double spin_us, int64_t timeout_ms) {
-    const int64_t elem = bf16 ? 2 : 4;
-    char* bank = banks + static_cast<int64_t>(seq & 1u) * size * slot_bytes;
-    std::memcpy(bank + rank * slot_bytes, x, n * elem);
-    kvs_shm_post(flags, rank, seq);
-    int64_t late = kvs_shm_wait_all(flags, size, seq, spin_us, timeout_ms);
-    if (late < 0) kvs_shm_sum_slots(banks, slot_bytes, size, seq, x, n, bf16);
-    return late;
-}
+// The ranks' shared memory as one rank sees it, and its operation counter. Python's
+// ShmTransport owns it (kvshare/model/tp_transport.py); its all-reduces and the fused decode
+// step's (decode_step.cpp, built in the same translation unit) all go through
+// kvs_shm_allreduce_comm, so both cut a message into the same pieces and count alike.
+struct ShmComm {
+  void* flags;
+  char* banks;
+  int64_t slot_bytes;
+  int64_t rank, size;
+  uint32_t seq;  // the last operation number used (Python's gathers and broadcasts advance it too)
+  // Called when a wait for `rank` has lasted another second; nonzero gives up (that rank is gone).
+  int (*on_late)(int64_t rank);
+};
+
+namespace {
 
 // The sum over ranks 0, 1, ... in order, in float32 (so every rank gets the same bits), of
 // operation `seq`'s slots into x, once every rank has posted it.
-void kvs_shm_sum_slots(char* banks, int64_t slot_bytes, int64_t size, uint32_t seq, void* x, int64_t n, int bf16) {
-    char* bank = banks + static_cast<int64_t>(seq & 1u) * size * slot_bytes;
+void sum_slots(const ShmComm* c, uint32_t seq, void* x, int64_t n, int bf16) {
+    const int64_t size = c->size, slot_bytes = c->slot_bytes;
+    char* bank = c->banks + static_cast<int64_t>(seq & 1u) * size * slot_bytes;
     if (bf16) {
         uint16_t* out = static_cast<uint16_t*>(x);
         for (int64_t i = 0; i < n; ++i) {
@@ -160,43 +163,31 @@ void kvs_shm_sum_slots(char* banks, int64_t slot_bytes, int64_t size, uint32_t s
     }
 }
 
-}  // extern "C"
+}  // namespace
 
-// For the fused decode step (decode_step.cpp, built in the same translation unit): the ranks'
-// shared memory and the operation counter, which the step advances exactly as ShmTransport's
-// all_reduce_ would (same pieces, same element type), so either path can follow the other.
-struct ShmComm {
-  void* flags;
-  char* banks;
-  int64_t slot_bytes;
-  int64_t rank, size;
-  uint32_t seq;  // the last operation number used
-  // Called when a wait for `rank` has lasted another timeout_ms; nonzero gives up (that rank is gone).
-  int (*on_late)(int64_t rank);
-};
+extern "C" {
 
-namespace {
-
-// x (n floats, or n bfloat16 when bf16) <- the sum over ranks. 0, or 1 with a message in err.
-int shm_allreduce_blocking(ShmComm* c, void* x, int64_t n, int bf16, char* err, int64_t err_len) {
+// x (n floats, or n bfloat16 when bf16 != 0) <- the sum over ranks of every rank's x, in pieces of
+// one slot, each one operation. 0, or 1 with a message in err when on_late gave up on a rank.
+int kvs_shm_allreduce_comm(ShmComm* c, void* x, int64_t n, int bf16, char* err, int64_t err_len) {
   const int64_t elem = bf16 ? 2 : 4, per = c->slot_bytes / elem;
   for (int64_t i = 0; i < n; i += per) {
     const int64_t k = n - i < per ? n - i : per;
     char* part = static_cast<char*>(x) + i * elem;
     const uint32_t seq = ++c->seq;
-    int64_t late = kvs_shm_allreduce(c->flags, c->banks, c->slot_bytes, c->rank, c->size, seq, part, k, bf16, 200.0,
-                                     1000);
-    if (late < 0) continue;
-    while (late >= 0) {
+    char* bank = c->banks + static_cast<int64_t>(seq & 1u) * c->size * c->slot_bytes;
+    std::memcpy(bank + c->rank * c->slot_bytes, part, k * elem);
+    kvs_shm_post(c->flags, c->rank, seq);
+    int64_t late;
+    while ((late = kvs_shm_wait_all(c->flags, c->size, seq, 200.0, 1000)) >= 0) {
       if (c->on_late != nullptr && c->on_late(late)) {
         std::snprintf(err, size_t(err_len), "tensor parallel: rank %lld is gone", static_cast<long long>(late));
         return 1;
       }
-      late = kvs_shm_wait_all(c->flags, c->size, seq, 200.0, 1000);
     }
-    kvs_shm_sum_slots(c->banks, c->slot_bytes, c->size, seq, part, k, bf16);
+    sum_slots(c, seq, part, k, bf16);
   }
   return 0;
 }
 
-}  // namespace
+}  // extern "C"
