@@ -188,7 +188,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtypes", default="float32,bfloat16",
                     help="kvshare modes: float32 / bfloat16 = weights dequantized (quantization=None), "
-                         "default = LLM()'s defaults (kept-quantized GGUF weights, dtype auto)")
+                         "default = LLM()'s defaults (kept-quantized GGUF weights, dtype auto); a mode may "
+                         "add LLM options after a colon, e.g. default:kv_cache_dtype=float32")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--hf-batch-sizes", default="1,8,16,32",
@@ -205,7 +206,9 @@ def main(argv=None) -> int:
 
     results = {"workload": {}, "runs": []}
     for dtype_name in args.dtypes.split(","):
-        mode = {} if dtype_name == "default" else {"dtype": dtype_name, "quantization": None}
+        base, _, extra = dtype_name.partition(":")
+        mode = {} if base == "default" else {"dtype": base, "quantization": None}
+        mode.update(opt.split("=", 1) for opt in extra.split(":") if opt)
         llm = LLM(**mode, kv_cache_memory=args.kv_cache_memory,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
         prompts, outs = build_workload(llm.get_tokenizer(), args.num_prompts, args.seed)

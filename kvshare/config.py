@@ -65,6 +65,17 @@ def resolve_prefill_dtype(prefill_dtype: str, dtype: str, quantization: str | No
     return "bfloat16" if quantization == "auto" and cpu_has_avx512_bf16() else dtype
 
 
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str, prefill_dtype: str) -> str:
+    """"auto": the activation dtype, except where float32 activations come with bfloat16 prefill
+    GEMMs (the default mode on avx512_bf16 CPUs): there K/V are stored in bfloat16. The keys and
+    values a prompt writes come out of a bfloat16 GEMM already (V exactly, K up to its RoPE), a
+    decode step reads half the bytes, and a KV budget holds twice the tokens; greedy decoding
+    stays on the exact path on the same 15 of 16 prompts (benchmarks/default_mode_accuracy.py)."""
+    if kv_cache_dtype != "auto":
+        return kv_cache_dtype
+    return "bfloat16" if dtype == "float32" and prefill_dtype == "bfloat16" else dtype
+
+
 QUANTIZATION_CHOICES = ("auto", "none")
 
 
@@ -94,7 +105,8 @@ class EngineConfig:
     # the exact reference path (with dtype="float32", what the HF-parity tests run).
     quantization: str | None = "auto"
     block_size: int = 16
-    # How K/V are stored: "auto" (the model dtype), "float32", "bfloat16", "float16", or "int8" /
+    # How K/V are stored: "auto" (the model dtype; bfloat16 in the default mode on avx512_bf16
+    # CPUs: resolve_kv_cache_dtype), "float32", "bfloat16", "float16", or "int8" /
     # "fp8_e4m3" with one float32 scale per token per kv head (kvshare.model.kv_quant).
     kv_cache_dtype: str = "auto"
     # KV budget: an explicit byte count wins; otherwise a fraction of currently available memory.
@@ -225,7 +237,7 @@ class EngineConfig:
             raise ValueError("kv_policy='sink' needs window_tokens=N: how many recent tokens to keep besides the sinks")
         if isinstance(self.window_tokens, bool) or not isinstance(self.window_tokens, int) or self.window_tokens < 1:
             raise ValueError(f"window_tokens={self.window_tokens!r} is invalid: must be an integer >= 1")
-        if resolve_kv_format(self.kv_cache_dtype, self.dtype).quantized:
+        if self.kv_format.quantized:
             # Every eviction re-rotates the kept keys in place: requantizing them each time would
             # pile up rounding error on every key.
             raise ValueError(f"kv_policy='sink' needs a float KV cache, not kv_cache_dtype={self.kv_cache_dtype!r}: "
@@ -246,7 +258,7 @@ class EngineConfig:
 
     @property
     def kv_format(self) -> KVFormat:
-        return resolve_kv_format(self.kv_cache_dtype, self.dtype)
+        return resolve_kv_format(resolve_kv_cache_dtype(self.kv_cache_dtype, self.dtype, self.prefill_dtype), self.dtype)
 
     def kv_budget_bytes(self) -> int:
         if self.kv_cache_memory is not None:

@@ -22,7 +22,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "the exact reference mode)")
     g.add_argument("--block-size", type=int, default=engine_default("block_size"))
     g.add_argument("--kv-cache-dtype", default=engine_default("kv_cache_dtype"),
-                   help="KV storage: auto (= --dtype), float32, bfloat16, float16, int8, fp8_e4m3")
+                   help="KV storage: auto (= --dtype; bfloat16 in the default mode on CPUs with avx512_bf16), float32, "
+                        "bfloat16, float16, int8, fp8_e4m3")
     fraction = engine_default("kv_cache_memory_fraction")
     g.add_argument("--kv-cache-memory", default=engine_default("kv_cache_memory"),
                    help=f"KV pool size, e.g. 512MiB (default: {fraction * 100:g}%% of free memory)")

@@ -25,7 +25,7 @@ def add_memory_parser(sub) -> argparse.ArgumentParser:
     m.add_argument("--quantization", default=engine_default("quantization"), choices=["auto", "none"],
                    help="auto (the engine default): GGUF matrices counted at the bytes kvshare keeps them in; "
                         "none: every weight dequantized to --dtype")
-    m.add_argument("--kv-dtype", default=engine_default("kv_cache_dtype"), help="KV cache storage: auto (= --dtype), float32, bfloat16, float16, int8, fp8_e4m3")
+    m.add_argument("--kv-dtype", default=engine_default("kv_cache_dtype"), help="KV cache storage: auto (= --dtype; bfloat16 with --quantization auto on CPUs with avx512_bf16), float32, bfloat16, float16, int8, fp8_e4m3")
     m.add_argument("--block-size", type=int, default=engine_default("block_size"))
     m.add_argument("--max-model-len", type=int, default=engine_default("max_model_len"), help="default: the model's context length")
     m.add_argument("--n", "--beam-width", dest="width", type=int, default=1,
@@ -41,10 +41,15 @@ def add_memory_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvshare.config import resolve_kv_cache_dtype, resolve_prefill_dtype
     from kvshare.memory_plan import PlanConfig, load_arch_config, plan_memory
 
+    # "auto" as the engine resolves it (bfloat16 K/V in the default mode on avx512_bf16 CPUs).
+    quantization = None if args.quantization == "none" else args.quantization
+    kv_dtype = resolve_kv_cache_dtype(args.kv_dtype, args.dtype,
+                                      resolve_prefill_dtype("auto", args.dtype, quantization))
     cfg = PlanConfig(
-        memory=args.memory, utilization=args.utilization, dtype=args.dtype, kv_dtype=args.kv_dtype,
+        memory=args.memory, utilization=args.utilization, dtype=args.dtype, kv_dtype=kv_dtype,
         block_size=args.block_size, max_model_len=args.max_model_len, width=args.width,
         avg_prompt_len=args.avg_prompt_len, avg_output_len=args.avg_output_len, concurrency=args.concurrency,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,

@@ -199,16 +199,17 @@ class TorchPagedAttention(AttentionBackend):
             probs = torch.softmax(scores, dim=-1).to(q.dtype)
             o = torch.matmul(probs, vals)  # [KVH, n, G, D]
             out[s:s + n] = o.transpose(0, 1).reshape(n, num_heads, head_dim)
-        fresh_is_cached = not isinstance(k_cache, QuantizedKV) and k_cache.dtype == k.dtype
+        fresh = _as_cached(k, v, k_cache) if meta.prefills else None
         for c in meta.prefills:
             s, n = c.query_start, c.query_len
             qc = q[s:s + n].transpose(0, 1)  # [H, n, D]
-            if c.causal and softcap is None and fresh_is_cached:
-                # The chunk sees only its own keys, just written to the cache as they are: read
-                # them from k / v rather than gather its whole block table back (same values).
+            if c.causal and softcap is None and fresh is not None:
+                # The chunk sees only its own keys, just written to the cache: read them from k / v
+                # (as the cache holds them) rather than gather its whole block table back.
+                fk, fv = fresh
                 o = F.scaled_dot_product_attention(
-                    qc.unsqueeze(0), k[s:s + n].transpose(0, 1).unsqueeze(0),
-                    v[s:s + n].transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale, enable_gqa=group > 1,
+                    qc.unsqueeze(0), fk[s:s + n].transpose(0, 1).unsqueeze(0),
+                    fv[s:s + n].transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale, enable_gqa=group > 1,
                 )
                 out[s:s + n] = o[0].transpose(0, 1)
                 continue
@@ -229,6 +230,17 @@ class TorchPagedAttention(AttentionBackend):
                 )
             out[s:s + n] = o[0].transpose(0, 1)
         return out
+
+
+def _as_cached(k: torch.Tensor, v: torch.Tensor, k_cache) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """k and v with the values a float cache now holds for them (rounded to its dtype, e.g. a
+    bfloat16 cache under float32 activations: the same numbers a gather would read back, so a
+    prompt's attention does not depend on how it was chunked); None for a quantized cache."""
+    if isinstance(k_cache, QuantizedKV):
+        return None
+    if k_cache.dtype == k.dtype:
+        return k, v
+    return k.to(k_cache.dtype).to(k.dtype), v.to(k_cache.dtype).to(k.dtype)
 
 
 def _softcapped_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor,
