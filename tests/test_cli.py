@@ -15,7 +15,7 @@ def _run(*args, timeout=300):
 
 
 def test_info_reports_the_kv_layout():
-    r = _run("info", "--json", "--kv-cache-memory", "64MiB", "--dtype", "float32")
+    r = _run("info", "--json", "--kv-cache-memory", "64MiB", "--dtype", "float32", "--kv-cache-dtype", "float32")
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)
     # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64; float32 = 4 bytes.

@@ -67,7 +67,7 @@ def ready_body(srv: ServerProcess) -> tuple[int, dict]:
 def test_subscriber_rebuilds_a_real_engines_cache_and_the_router_matches_it():
     """Batches published before the subscriber connected come from the replay socket; evictions
     (BlockRemoved) are followed; the router then matches a prompt's cached blocks exactly."""
-    llm = LLM(kv_cache_memory=46080 * BLOCK * 60, kv_events_endpoint="tcp://127.0.0.1:0",
+    llm = LLM(kv_cache_memory=46080 * BLOCK * 60, kv_cache_dtype="float32", kv_events_endpoint="tcp://127.0.0.1:0",
               kv_events_replay_endpoint="tcp://127.0.0.1:0", prefix_caching_hash_seed="dp-test",
               data_parallel_rank=0)
     try:

@@ -46,7 +46,7 @@ def replay(endpoint: str, start: int) -> list[tuple[int, bytes]]:
 @pytest.fixture(scope="module")
 def published():
     """A shared-prefix workload on a pool small enough to evict, with a live subscriber."""
-    llm = LLM(kv_cache_memory=46080 * BLOCK * 60, kv_events_endpoint="tcp://127.0.0.1:0",
+    llm = LLM(kv_cache_memory=46080 * BLOCK * 60, kv_cache_dtype="float32", kv_events_endpoint="tcp://127.0.0.1:0",
               kv_events_replay_endpoint="tcp://127.0.0.1:0", kv_events_topic="kv", prefix_caching_hash_seed="s1")
     pub = llm.engine.kv_event_publisher
     sub = zmq.Context.instance().socket(zmq.SUB)

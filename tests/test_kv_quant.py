@@ -82,6 +82,17 @@ def test_kv_cache_dtype_is_validated():
     assert EngineConfig(kv_cache_dtype="fp8_e4m3").kv_format.bytes_per_token(30, 3, 64) == 2 * 30 * 3 * (64 + 4)
 
 
+def test_auto_kv_cache_is_bfloat16_where_prefill_gemms_are():
+    """The default mode on avx512_bf16 CPUs (float32 activations, bfloat16 prefill GEMMs) stores K/V
+    in bfloat16; the exact mode and every explicit choice keep theirs."""
+    assert EngineConfig(prefill_dtype="bfloat16").kv_format.name == "bfloat16"
+    assert EngineConfig(prefill_dtype="float32").kv_format.name == "float32"
+    assert EngineConfig(dtype="float32", quantization=None).kv_format.name == "float32"  # the exact mode
+    assert EngineConfig(prefill_dtype="bfloat16", kv_cache_dtype="float32").kv_format.name == "float32"
+    default = EngineConfig()
+    assert default.kv_format.name == ("bfloat16" if default.prefill_dtype == "bfloat16" else "float32")
+
+
 # ---- the C++ decode kernel on quantized and float16 caches --------------------------------------
 @pytest.mark.skipif(not cpu_kernels.wait_until_built(), reason="C++ CPU kernels unavailable")
 @pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn, torch.float16],

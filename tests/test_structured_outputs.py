@@ -165,8 +165,8 @@ def test_abort_and_finish_free_the_matcher(llm):
 def test_preempted_constrained_request_still_validates():
     # 16 blocks of 16 slots: three ~100-token prompts and their outputs cannot all stay resident,
     # so the scheduler preempts and recomputes.
-    small = LLM(kv_cache_memory=46080 * 16 * 16, max_model_len=512, enable_prefix_caching=False,
-                max_num_batched_tokens=128)
+    small = LLM(kv_cache_memory=46080 * 16 * 16, kv_cache_dtype="float32", max_model_len=512,
+                enable_prefix_caching=False, max_num_batched_tokens=128)
     filler = "Write about the history of the city of Rome in detail. " * 7
     prompts = [{"prompt_token_ids": _chat(small, filler + f" Then give person number {i} as JSON.")}
                for i in range(3)]
