@@ -29,12 +29,19 @@ VARIANTS = {
     "float32 activations, float32 prefill GEMMs": dict(dtype="float32", prefill_dtype="float32"),
     "float32, bfloat16 KV cache, float32 GEMMs": dict(dtype="float32", prefill_dtype="float32",
                                                       kv_cache_dtype="bfloat16"),
-    "default (float32, prefill_dtype auto)": dict(),
+    "float32, bfloat16 prefill GEMMs, float32 KV cache": dict(dtype="float32", prefill_dtype="bfloat16",
+                                                              kv_cache_dtype="float32"),
+    "default (float32, prefill_dtype and kv_cache_dtype auto)": dict(),
     "float32, W8A8 prefill GEMMs": dict(dtype="float32", w8a8=True),
 }
 
 
-def w8a8_matmul(scratch, x: torch.Tensor, lin) -> torch.Tensor:
+def w8a8_matmul(scratch, x: torch.Tensor, lin, out: torch.Tensor | None = None) -> torch.Tensor:
+    y = _w8a8(scratch, x, lin)
+    return y if out is None else out.copy_(y)
+
+
+def _w8a8(scratch, x: torch.Tensor, lin) -> torch.Tensor:
     n, k = lin.out_features, lin.in_features
     w = lin.dense(scratch.get(n, k, torch.float32))
     sw = w.abs().amax(1, keepdim=True).clamp_min(1e-12) / 127
