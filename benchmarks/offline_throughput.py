@@ -10,6 +10,7 @@ per dtype, KV slot utilization, single-request decode latency, and a decode-step
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import statistics
 import sys
@@ -208,9 +209,16 @@ def main(argv=None) -> int:
     for dtype_name in args.dtypes.split(","):
         base, _, extra = dtype_name.partition(":")
         mode = {} if base == "default" else {"dtype": base, "quantization": None}
-        mode.update(opt.split("=", 1) for opt in extra.split(":") if opt)
-        llm = LLM(**mode, kv_cache_memory=args.kv_cache_memory,
-                  max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
+        for opt in filter(None, extra.split(":")):
+            key, eq, value = opt.partition("=")
+            if not eq:
+                raise SystemExit(f"--dtypes {dtype_name!r}: {opt!r} is not key=value")
+            try:
+                mode[key] = ast.literal_eval(value)  # numbers, True / False, None
+            except (ValueError, SyntaxError):
+                mode[key] = value  # a plain string such as bfloat16
+        llm = LLM(**{"kv_cache_memory": args.kv_cache_memory, "max_num_batched_tokens": args.max_num_batched_tokens,
+                     "max_num_seqs": args.max_num_seqs, **mode})  # a mode's own options win
         prompts, outs = build_workload(llm.get_tokenizer(), args.num_prompts, args.seed)
         n_prompt, n_out = sum(map(len, prompts)), sum(outs)
         results["workload"] = {"prompts": len(prompts), "prompt_tokens": n_prompt, "output_tokens": n_out}

@@ -65,15 +65,20 @@ def resolve_prefill_dtype(prefill_dtype: str, dtype: str, quantization: str | No
     return "bfloat16" if quantization == "auto" and cpu_has_avx512_bf16() else dtype
 
 
-def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str, prefill_dtype: str) -> str:
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str, prefill_dtype: str, kv_policy: str | None = None) -> str:
     """"auto": the activation dtype, except where float32 activations come with bfloat16 prefill
-    GEMMs (the default mode on avx512_bf16 CPUs): there K/V are stored in bfloat16. The keys and
-    values a prompt writes come out of a bfloat16 GEMM already (V exactly, K up to its RoPE), a
+    GEMMs (the default mode on avx512_bf16 CPUs, once EngineConfig.settle_for_weights has seen
+    kept-quantized weights): there K/V are stored in bfloat16. The keys and values a prompt writes
+    come out of bfloat16 GEMMs already (for the bundled model, V exactly, K up to its RoPE), a
     decode step reads half the bytes, and a KV budget holds twice the tokens; greedy decoding
-    stays on the exact path on the same 15 of 16 prompts (benchmarks/default_mode_accuracy.py)."""
+    stays on the exact path on the same 15 of 16 prompts (benchmarks/default_mode_accuracy.py).
+    Not under kv_policy="sink": its kept keys are re-rotated in place at every eviction, and a
+    bfloat16 cache would round each of them again every time."""
     if kv_cache_dtype != "auto":
         return kv_cache_dtype
-    return "bfloat16" if dtype == "float32" and prefill_dtype == "bfloat16" else dtype
+    if kv_policy is None and dtype == "float32" and prefill_dtype == "bfloat16":
+        return "bfloat16"
+    return dtype
 
 
 QUANTIZATION_CHOICES = ("auto", "none")
@@ -258,7 +263,15 @@ class EngineConfig:
 
     @property
     def kv_format(self) -> KVFormat:
-        return resolve_kv_format(resolve_kv_cache_dtype(self.kv_cache_dtype, self.dtype, self.prefill_dtype), self.dtype)
+        return resolve_kv_format(resolve_kv_cache_dtype(self.kv_cache_dtype, self.dtype, self.prefill_dtype,
+                                                        self.kv_policy), self.dtype)
+
+    def settle_for_weights(self, kept_quantized: bool) -> None:
+        """Called once the model is loaded (by every rank alike). `prefill_dtype` applies only to
+        kept-quantized linears: a model with none (an HF checkpoint, a GGUF of F32 / F16 / BF16 or of
+        types kvshare dequantizes) computes in `dtype`, and its "auto" KV cache follows `dtype`."""
+        if not kept_quantized:
+            self.prefill_dtype = self.dtype
 
     def kv_budget_bytes(self) -> int:
         if self.kv_cache_memory is not None:

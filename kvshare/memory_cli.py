@@ -25,7 +25,7 @@ def add_memory_parser(sub) -> argparse.ArgumentParser:
     m.add_argument("--quantization", default=engine_default("quantization"), choices=["auto", "none"],
                    help="auto (the engine default): GGUF matrices counted at the bytes kvshare keeps them in; "
                         "none: every weight dequantized to --dtype")
-    m.add_argument("--kv-dtype", default=engine_default("kv_cache_dtype"), help="KV cache storage: auto (= --dtype; bfloat16 with --quantization auto on CPUs with avx512_bf16), float32, bfloat16, float16, int8, fp8_e4m3")
+    m.add_argument("--kv-dtype", default=engine_default("kv_cache_dtype"), help="KV cache storage: auto (= --dtype; bfloat16 for --dtype float32 --quantization auto on CPUs with avx512_bf16), float32, bfloat16, float16, int8, fp8_e4m3")
     m.add_argument("--block-size", type=int, default=engine_default("block_size"))
     m.add_argument("--max-model-len", type=int, default=engine_default("max_model_len"), help="default: the model's context length")
     m.add_argument("--n", "--beam-width", dest="width", type=int, default=1,

@@ -3,7 +3,7 @@
 The kept-quantized weights are the file's weights exactly (tests/test_qlinear.py), so what can
 differ from the exact path is only arithmetic: float32 summation order in the kernels, and on
 CPUs with avx512_bf16 the prefill GEMMs' bfloat16 inputs (EngineConfig.prefill_dtype; activations
-stay float32). Hence the bounds below: tokens identical on at least 14 of 16 prompts over 32 greedy
+stay float32) and the bfloat16 KV cache that comes with them (kvshare.config.resolve_kv_cache_dtype). Hence the bounds below: tokens identical on at least 14 of 16 prompts over 32 greedy
 steps (a near-tie can flip once rounding differs, and one flip changes every later token), and,
 up to the first differing token, chosen-token logprobs within _tol: float32 throughout, summation
 order only, so 1e-3; bfloat16 prefill GEMMs, whose inputs carry 8 significant bits (2^-9

@@ -306,7 +306,8 @@ def test_phi3_kept_quantized_fused_decode_across_the_switch(tmp_path):
 
     assert cpu_kernels.DECODE.wait_until_built(), cpu_kernels.DECODE.unavailable_reason()
     cpu_kernels.QMATMUL.wait_until_built()
-    llm = LLM(path, kv_cache_memory="4MiB", block_size=16, enable_prefix_caching=False, dtype="float32")
+    llm = LLM(path, kv_cache_memory="4MiB", block_size=16, enable_prefix_caching=False, dtype="float32",
+              kv_cache_dtype="float32")  # the float32 bound below is for a float32 cache
     assert llm.engine.model.fused_decode.model_reason is None
     prompts = [{"prompt_token_ids": p} for p in prompts_with_shared_prefix([30, 40], seed=6)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)  # to positions 53, 63

@@ -118,6 +118,8 @@ def test_default_kv_cache_fused_equals_step_by_step():
     so what differs is a float32 last bit that now and then flips one element's bfloat16 rounding
     (measured on these 4 prompts x 32 steps: worst gap 0.008, tokens identical)."""
     llm = LLM(kv_cache_memory="64MiB", enable_prefix_caching=False)
+    expected = torch.bfloat16 if llm.config.prefill_dtype == "bfloat16" else torch.float32
+    assert llm.engine.kv_cache.data.dtype == expected
     tok = llm.get_tokenizer()
     prompts = [{"prompt_token_ids": p} for p in english_token_prompts(tok.encode, [5, 100, 260, 480])]
     params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=1)
@@ -140,11 +142,11 @@ def _tiny_gguf(tmp_path, arch: str, types):
 
 
 @pytest.mark.parametrize("arch,kv_dtype,types", [
-    ("qwen2", "auto", {"": "Q8_0"}),  # q/k/v bias, int8-group codes everywhere
+    ("qwen2", "float32", {"": "Q8_0"}),  # q/k/v bias, int8-group codes everywhere
     ("qwen2", "bfloat16", {"": "Q4_1"}),  # int4-group codes with zeros, a bfloat16 cache
-    ("llama", "auto", {"self_attn": "Q4_0", "mlp": "Q8_0", "embed": "Q8_0"}),
+    ("llama", "float32", {"self_attn": "Q4_0", "mlp": "Q8_0", "embed": "Q8_0"}),
     # Q4_K_M's mix: Q5_0 q/k with a Q8_0 v fuse into one int8-group qkv.
-    ("llama", "auto", {"q_proj": "Q5_0", "k_proj": "Q5_0", "v_proj": "Q8_0", "o_proj": "Q8_0", "mlp": "Q8_0"}),
+    ("llama", "float32", {"q_proj": "Q5_0", "k_proj": "Q5_0", "v_proj": "Q8_0", "o_proj": "Q8_0", "mlp": "Q8_0"}),
 ])
 def test_tiny_gguf_models_fused_equals_step_by_step(tmp_path, arch, kv_dtype, types):
     from gguf import GGMLQuantizationType as QT

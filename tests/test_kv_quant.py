@@ -91,6 +91,23 @@ def test_auto_kv_cache_is_bfloat16_where_prefill_gemms_are():
     assert EngineConfig(prefill_dtype="bfloat16", kv_cache_dtype="float32").kv_format.name == "float32"
     default = EngineConfig()
     assert default.kv_format.name == ("bfloat16" if default.prefill_dtype == "bfloat16" else "float32")
+    # Sinks re-rotate kept keys in place at every eviction: rounding them each time would add up.
+    sinks = EngineConfig(prefill_dtype="bfloat16", kv_policy="sink", window_tokens=64)
+    assert sinks.kv_format.name == "float32"
+    # Nothing kept quantized (an HF checkpoint, an F32 GGUF): no bfloat16 GEMM anywhere, a float32 cache.
+    dense = EngineConfig(prefill_dtype="bfloat16")
+    dense.settle_for_weights(kept_quantized=False)
+    assert dense.prefill_dtype == "float32" and dense.kv_format.name == "float32"
+
+
+def test_a_model_with_nothing_kept_quantized_keeps_a_float32_cache(tmp_path):
+    from test_loader import tiny_llama, write_tiny_gguf
+
+    path = tmp_path / "f32.gguf"
+    write_tiny_gguf(path, tiny_llama(), "llama")  # every tensor F32
+    llm = LLM(str(path), kv_cache_memory="4MiB", prefill_dtype="bfloat16")
+    assert all(lin.kind == "dense" for lin in llm.engine.model.linears())
+    assert llm.engine.kv_cache.data.dtype == torch.float32 and llm.config.prefill_dtype == "float32"
 
 
 # ---- the C++ decode kernel on quantized and float16 caches --------------------------------------
@@ -172,6 +189,31 @@ def test_backend_kernel_and_pure_pytorch_paths_agree(name):
     (k1, v1), (k2, v2) = caches
     for a, b in ((k1, k2), (v1, v2)):
         assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)) and torch.equal(a.scale, b.scale)
+    assert (outs[0] - outs[1]).abs().max().item() < 1e-5
+
+
+def test_fresh_chunk_attends_over_its_keys_as_a_bfloat16_cache_holds_them():
+    """A prompt chunk from position 0 attends over its own fresh K/V instead of gathering them back;
+    under float32 activations with a bfloat16 cache (the default mode on avx512_bf16 CPUs) it must
+    use them rounded as the cache holds them, so the chunk sees the same numbers as when a later
+    chunk gathers them (otherwise its output depends on how the prompt was chunked)."""
+    from kvshare.model.attention import AttentionMetadata, PrefillChunk, TorchPagedAttention
+
+    bs, h, kvh, d, n = 16, 9, 3, 64, 40
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(n, heads, d, generator=g) for heads in (h, kvh, kvh))
+    table = torch.tensor([2, 0, 3])
+    slots = torch.tensor([int(table[i // bs]) * bs + i % bs for i in range(n)])
+    causal = torch.arange(len(table) * bs).unsqueeze(0) <= torch.arange(n).unsqueeze(1)
+    outs = []
+    for fresh in (True, False):  # the chunk's own K/V, or its block table gathered back
+        cache = torch.zeros(2, kvh, 4 * bs, d, dtype=torch.bfloat16)
+        meta = AttentionMetadata(slot_mapping=slots)
+        meta.prefills.append(PrefillChunk(0, n, table, causal, causal=fresh))
+        with torch.inference_mode():
+            outs.append(TorchPagedAttention(bs, use_cpp_kernel=False).forward(q, k, v, cache[0], cache[1], meta,
+                                                                              d ** -0.5))
+    # Summation order alone (float32 SDPA, causal vs masked); unrounded K/V would differ by ~1e-3.
     assert (outs[0] - outs[1]).abs().max().item() < 1e-5
 
 

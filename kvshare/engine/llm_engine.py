@@ -70,6 +70,7 @@ class LLMEngine:
         cpu_kernels.start_background_builds()  # a missing kernel build overlaps the load, never blocks it
         dtype = config.torch_dtype
         loaded = load_model(config.model, dtype=dtype, quantization=config.quantization)
+        config.settle_for_weights(loaded.kept_quantized)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_source = loaded.source

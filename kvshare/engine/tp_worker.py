@@ -69,6 +69,7 @@ def worker_main(argv: list[str] | None = None) -> int:
     store = dist.TCPStore("127.0.0.1", args.port, args.size, False, timeout=STARTUP_TIMEOUT)
     config = config_from_json(store.get("config"))
     loaded = load_model(config.model, dtype=config.torch_dtype, quantization=config.quantization)
+    config.settle_for_weights(loaded.kept_quantized)
     shard = TPShard(args.rank, args.size, loaded.config)
     kv = plan_kv(config, loaded.config)
     num_blocks = int(store.get("num_blocks"))

@@ -199,17 +199,17 @@ class TorchPagedAttention(AttentionBackend):
             probs = torch.softmax(scores, dim=-1).to(q.dtype)
             o = torch.matmul(probs, vals)  # [KVH, n, G, D]
             out[s:s + n] = o.transpose(0, 1).reshape(n, num_heads, head_dim)
-        fresh = _as_cached(k, v, k_cache) if meta.prefills else None
         for c in meta.prefills:
             s, n = c.query_start, c.query_len
             qc = q[s:s + n].transpose(0, 1)  # [H, n, D]
-            if c.causal and softcap is None and fresh is not None:
+            fresh = _as_cached(k[s:s + n], v[s:s + n], k_cache) if c.causal and softcap is None else None
+            if fresh is not None:
                 # The chunk sees only its own keys, just written to the cache: read them from k / v
                 # (as the cache holds them) rather than gather its whole block table back.
                 fk, fv = fresh
                 o = F.scaled_dot_product_attention(
-                    qc.unsqueeze(0), fk[s:s + n].transpose(0, 1).unsqueeze(0),
-                    fv[s:s + n].transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale, enable_gqa=group > 1,
+                    qc.unsqueeze(0), fk.transpose(0, 1).unsqueeze(0),
+                    fv.transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale, enable_gqa=group > 1,
                 )
                 out[s:s + n] = o[0].transpose(0, 1)
                 continue

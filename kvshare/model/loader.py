@@ -16,6 +16,7 @@ import torch
 
 from kvshare.model import gemma, gguf_loader, hf_loader
 from kvshare.model.config import ModelArchConfig
+from kvshare.model.gguf_quants import GroupAffine
 from kvshare.model.load_error import ModelLoadError
 from kvshare.model.tokenizer import Tokenizer
 
@@ -50,6 +51,11 @@ class LoadedModel:
     source: str
     tensor_types: dict[str, str] = field(default_factory=dict)  # HF name -> GGUF type (GGUF files)
     load_seconds: float = 0.0
+
+    @property
+    def kept_quantized(self) -> bool:
+        """Whether any weight stayed packed (quantization="auto" on a GGUF with such formats)."""
+        return any(isinstance(w, GroupAffine) for w in self.weights.values())
 
 
 def bundled_model_path() -> str:
