@@ -44,12 +44,8 @@ def run(args: argparse.Namespace) -> int:
     from kvshare.config import resolve_kv_cache_dtype, resolve_prefill_dtype
     from kvshare.memory_plan import PlanConfig, load_arch_config, plan_memory
 
-    # "auto" as the engine resolves it (bfloat16 K/V in the default mode on avx512_bf16 CPUs).
-    quantization = None if args.quantization == "none" else args.quantization
-    kv_dtype = resolve_kv_cache_dtype(args.kv_dtype, args.dtype,
-                                      resolve_prefill_dtype("auto", args.dtype, quantization))
     cfg = PlanConfig(
-        memory=args.memory, utilization=args.utilization, dtype=args.dtype, kv_dtype=kv_dtype,
+        memory=args.memory, utilization=args.utilization, dtype=args.dtype, kv_dtype=args.kv_dtype,
         block_size=args.block_size, max_model_len=args.max_model_len, width=args.width,
         avg_prompt_len=args.avg_prompt_len, avg_output_len=args.avg_output_len, concurrency=args.concurrency,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
@@ -59,6 +55,10 @@ def run(args: argparse.Namespace) -> int:
         from kvshare.memory_plan import gguf_weight_formats
 
         cfg.weight_formats = gguf_weight_formats(path)
+    # "auto" as the engine resolves it once the weights are loaded (EngineConfig.settle_for_weights):
+    # bfloat16 K/V only where matrices stay quantized under float32 activations on avx512_bf16 CPUs.
+    kept = "auto" if cfg.weight_formats else None
+    cfg.kv_dtype = resolve_kv_cache_dtype(args.kv_dtype, args.dtype, resolve_prefill_dtype("auto", args.dtype, kept))
     plan = plan_memory(arch, cfg, model=path)
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))
