@@ -35,16 +35,21 @@ def parse_bytes(value: int | str, field_name: str = "kv_cache_memory") -> int:
     return n
 
 
-def cpu_has_avx512_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (then bfloat16 activations are the fast default)."""
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as /proc/cpuinfo names them (empty where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return "avx512_bf16" in line.split()
+                    return frozenset(line.split(":", 1)[-1].split())
     except OSError:
         pass
-    return False
+    return frozenset()
+
+
+def cpu_has_avx512_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (then bfloat16 activations are the fast default)."""
+    return "avx512_bf16" in cpu_flags()
 
 
 def resolve_dtype(dtype: str) -> str:

@@ -23,7 +23,10 @@ if cpu_kernels.find_compiler() is None:
 # A compiler exists, so the build must work: a failure here is a real error, not a skip.
 assert QMATMUL.wait_until_built(), QMATMUL.unavailable_reason()
 
-PATHS = cpu_kernels.qmatmul_paths()  # slowest first; "scalar" is always there
+# The paths for weights kept in rows, slowest first ("scalar" is always there); "avx512-vnni"
+# reads weights in VNNI blocks only, tested at the end of this file.
+VNNI = "avx512-vnni"
+PATHS = [p for p in cpu_kernels.qmatmul_paths() if p != VNNI]
 
 # float32: the kernel rounds each dequantized weight once (q * scale + zero, an fma) and sums
 # K products in float32 (16 or 8 lane-wise partial sums of K / 16 or K / 8 terms each, then a 4-
@@ -40,6 +43,11 @@ F32_RTOL = 1e-5
 # when the exact value sits near a rounding boundary, so they may differ by one bf16 ulp, which
 # is at most 2^-7 of the value's magnitude; never more.
 BF16_ULP = 2.0 ** -7
+# VNNI blocks (the avx512-vnni path) round x to int16 first, per row and group: X = round(x *
+# 32767 / max|x|), so each x is off by at most half a step d = max|x| / 32767 (times 1 + 2^-20 for
+# the float32 rounding of d and 1 / d); sum_k |dx_k| |w_k| <= sum_g d_g / 2 * sum_{k in g} |w_k|
+# is added to the bound. The int32 group sums are exact; the epilogue's float32 roundings fit in
+# F32_RTOL.
 
 
 def make_problem(seed: int, m: int, k: int, n: int, group: int, with_zeros: bool, dtype: torch.dtype):
@@ -67,19 +75,35 @@ def reference(x, q, scales, zeros, group):
     return ref, x.double().abs() @ mag.T
 
 
-def compare(y, ref, scale, dtype):
-    """y against the float64 reference, with the tolerances explained above."""
+def x_rounding_bound(x, q, scales, zeros, group):
+    """The error VNNI blocks' int16 rounding of x may add to each output [M, N]."""
+    m, k = x.shape
+    step = x.double().abs().view(m, k // group, group).amax(-1) / 32767  # [M, G]
+    w = dequantize(q, scales, zeros, group).abs().view(q.shape[0], k // group, group).sum(-1)  # [N, G]
+    return 0.5 * (1 + 2.0 ** -20) * step @ w.T
+
+
+def compare(y, ref, scale, dtype, x_bound=None):
+    """y against the float64 reference, with the tolerances explained above (x_bound: VNNI
+    blocks' x rounding)."""
     assert y.shape == ref.shape and y.dtype == dtype
     assert torch.isfinite(y).all()
+    extra = 0.0 if x_bound is None else x_bound
     if dtype == torch.float32:
         err = (y.double() - ref).abs()
-        bound = F32_RTOL * scale
+        bound = F32_RTOL * scale + extra
     else:
+        exact = ref
         ref = ref.to(torch.bfloat16).double()
         err = (y.double() - ref).abs()
-        bound = BF16_ULP * ref.abs() + F32_RTOL * scale
-        # Neighbouring values only where a rounding boundary lies within the float32 error.
-        assert (err > 0).double().mean().item() < 0.05
+        bound = BF16_ULP * ref.abs() + F32_RTOL * scale + extra
+        # Neighbouring values only where a rounding boundary lies within the float32 error (and
+        # the x rounding's) of the exact value; with float32 error alone that is rare.
+        near = F32_RTOL * scale + extra
+        boundary = (exact - near).to(torch.bfloat16) != (exact + near).to(torch.bfloat16)
+        assert not ((err > 0) & ~boundary).any()
+        if x_bound is None:
+            assert (err > 0).double().mean().item() < 0.05
     excess = (err - bound).max().item()
     assert excess <= 0, f"max abs error {err.max().item():.3g} exceeds tolerance (worst excess {excess:.3g})"
 
@@ -538,6 +562,136 @@ def test_vector_paths_this_cpu_lacks_under_simde(tmp_path):
                                          out.data_ptr(), int(dtype == torch.bfloat16), 96, 576, group, 2)
                 ulp = 2.0**-23 if dtype == torch.float32 else 2.0**-8
                 assert ((out.double() - ref).abs() <= ulp * ((codes.double() * s).abs() + z.abs())).all()
+
+
+# ---- VNNI blocks: the avx512-vnni path ----------------------------------------------------------
+needs_vnni = pytest.mark.skipif(VNNI not in cpu_kernels.qmatmul_paths(), reason="this CPU has no AVX-512 VNNI")
+
+
+def _blocks(fmt, seed, m, k, n, group, with_zeros, dtype):
+    """A problem (x, codes [N, K], scales, zeros) and its weight in VNNI blocks."""
+    if fmt == "int4":
+        x, codes, packed, scales, zeros = make_problem4(seed, m, k, n, group, with_zeros, dtype)
+        return (x, codes, scales, zeros), cpu_kernels.to_vnni_blocks(packed, scales, zeros, group, True)
+    x, q, scales, zeros = make_problem(seed, m, k, n, group, with_zeros, dtype)
+    return (x, q, scales, zeros), cpu_kernels.to_vnni_blocks(q, scales, zeros, group, False)
+
+
+@needs_vnni
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("with_zeros", [False, True], ids=["sym", "zeros"])
+@pytest.mark.parametrize("k, group", [(576, 32), (1536, 32), (64, 16), (64, 64), (48, 8), (768, 256)])
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 43])  # one tile of up to 8 rows, or the panel above 8
+def test_vnni_blocks_match_float64_reference(m, k, group, with_zeros, dtype, fmt):
+    if fmt == "int4" and k % 8:
+        pytest.skip("VNNI blocks of 4-bit codes need K % 8 == 0")
+    (x, q, scales, zeros), blocks = _blocks(fmt, m * 31 + k + group, m, k, 208, group, with_zeros, dtype)
+    ref, scale = reference(x, q, scales, zeros, group)
+    compare(blocks.matmul(x), ref, scale, dtype, x_rounding_bound(x, q, scales, zeros, group))
+
+
+@needs_vnni
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_vnni_blocks_are_int16_x_with_exact_group_sums(fmt):
+    """What qmatmul.cpp says the path computes: X = round(x * (32767 / max|x|)) per row and group
+    in float32 (half to even), exact int32 sums of X * code per group, then scale * d and
+    zero * d * sum(X) per group in float32. Emulated in float64 from the same X and d, it agrees
+    to 1e-6 of each output's sum of |group terms|: the epilogue's ~3 float32 roundings per group
+    (2^-24 each, ~sqrt(54) * 6e-8 = 4e-7 for 18 groups of random sign; 1.3e-7 measured), where one
+    X a step off, or X = round(x / d) instead, shows at 3e-6 to 4e-6. A non-finite x makes its
+    row's outputs NaN; an all-zero row gives 0."""
+    m, k, n, group = 6, 576, 64, 32
+    for with_zeros in (False, True):
+        (x, codes, scales, zeros), blocks = _blocks(fmt, 11, m, k, n, group, with_zeros, torch.float32)
+        y = blocks.matmul(x)
+        xg = x.view(m, k // group, group)
+        amax = xg.abs().amax(-1, keepdim=True)
+        big_x = torch.round(xg * (torch.tensor(32767.0) / amax))  # float32 ops, as the kernel's
+        d = (amax / 32767.0).double().squeeze(-1)  # [M, G]
+        sums = torch.einsum("mgk,ngk->mng", big_x.double(), codes.view(n, k // group, group).double())
+        terms = sums * scales.double()[None] * d[:, None, :]  # [M, N, G]
+        if with_zeros:
+            terms = terms + zeros.double()[None] * (d * big_x.double().sum(-1))[:, None, :]
+        assert ((y.double() - terms.sum(-1)).abs() <= 1e-6 * terms.abs().sum(-1)).all()
+        x_bad = x.clone()
+        x_bad[1, 40] = float("nan")
+        x_bad[2, 100] = float("inf")
+        x_bad[3] = 0.0
+        y_bad = blocks.matmul(x_bad)
+        assert torch.isnan(y_bad[1:3]).all() and torch.equal(y_bad[3], torch.zeros(n))
+        assert torch.equal(y_bad[[0, 4, 5]], y[[0, 4, 5]])
+
+
+@needs_vnni
+def test_vnni_blocks_round_x_alike_from_float32_and_bfloat16():
+    """float32 x is rounded to int16 by a vector loop, bfloat16 x (and groups of 8 or 24) by the
+    scalar one: on the same values both give the same X, so the same float32 result."""
+    for group in (32, 24):
+        (x, *_), blocks = _blocks("int4", 9, 5, 576, 64, group, True, torch.bfloat16)
+        assert torch.equal(blocks.matmul(x), blocks.matmul(x.float()).to(torch.bfloat16))
+
+
+@needs_vnni
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_vnni_blocks_row_result_independent_of_batch_and_threads(fmt):
+    """Up to 8 x rows unpack the codes per tile, more go through a panel: a row's result is bit
+    for bit what it is alone, in any batch, with any thread count, for both formats."""
+    for with_zeros in (False, True):
+        for dtype in (torch.float32, torch.bfloat16):
+            (x, *_), blocks = _blocks(fmt, 5, 43, 576, 320, 32, with_zeros, dtype)
+            full = blocks.matmul(x)
+            rows = torch.cat([blocks.matmul(x[i:i + 1]) for i in range(43)])
+            assert torch.equal(rows, full), (with_zeros, dtype)
+            assert torch.equal(blocks.matmul(x[20:32]), full[20:32])
+            assert torch.equal(blocks.matmul(x[3:8]), full[3:8])
+            threads = torch.get_num_threads()
+            try:
+                torch.set_num_threads(1)
+                assert torch.equal(blocks.matmul(x), full)
+            finally:
+                torch.set_num_threads(threads)
+
+
+@needs_vnni
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_vnni_blocks_layout_rows_and_dequantize(fmt):
+    """The blocks hold the same weight: rows() reads back the codes, scales and zeros of any row,
+    dequantize() gives what group_dequantize gives for the weight in rows, and a code at each
+    position of a group of each of 16 rows is read from its place."""
+    (x, codes, scales, zeros), blocks = _blocks(fmt, 3, 2, 576, 48, 32, True, torch.float32)
+    stored = pack_int4_rows(codes) if fmt == "int4" else codes
+    idx = torch.tensor([0, 5, 15, 16, 33, 47])
+    q_rows, s_rows, z_rows = blocks.rows(idx)
+    assert torch.equal(q_rows, stored[idx]) and torch.equal(s_rows, scales[idx]) and torch.equal(z_rows, zeros[idx])
+    for dtype in (torch.float32, torch.bfloat16):
+        want = cpu_kernels.group_dequantize(stored, scales, zeros, 32, torch.empty(48, 576, dtype=dtype),
+                                            fmt == "int4")
+        assert torch.equal(blocks.dequantize(torch.empty(48, 576, dtype=dtype)), want)
+    x = torch.arange(1.0, 33.0).view(1, 32)
+    for k in range(32):
+        one = torch.zeros(16, 32, dtype=torch.uint8 if fmt == "int4" else torch.int8)
+        one[torch.arange(16), (k + torch.arange(16)) % 32] = 3  # row r: code 3 at (k + r) % 32
+        stored = pack_int4_rows(one) if fmt == "int4" else one
+        y = cpu_kernels.to_vnni_blocks(stored, torch.ones(16, 1), None, 32, fmt == "int4").matmul(x)
+        want = 3 * ((k + torch.arange(16)) % 32 + 1).float()
+        # within half an int16 step of x's group (32 / 32767) times the code 3; a code read from
+        # a neighbouring position would be off by 3
+        assert ((y[0] - want).abs() <= 0.5 * 32 / 32767 * 3 * 1.001).all(), (k, y)
+
+
+@needs_vnni
+def test_vnni_blocks_reject_what_they_cannot_run():
+    x, q, scales, zeros = make_problem(1, 2, 64, 32, 16, True, torch.float32)
+    with pytest.raises(ValueError, match="N % 16"):
+        cpu_kernels.to_vnni_blocks(q[:20], scales[:20], zeros[:20], 16, False)
+    with pytest.raises(ValueError, match="reads weights in VNNI blocks only"):
+        int8_group_matmul(x, q, scales, zeros, 16, impl=VNNI)
+    blocks = cpu_kernels.to_vnni_blocks(q, scales, zeros, 16, False)
+    with pytest.raises(ValueError, match="does not fit"):
+        blocks.matmul(torch.randn(2, 48))
+    assert cpu_kernels.vnni_blocks_fit(32, 64, 16) and not cpu_kernels.vnni_blocks_fit(20, 64, 16)
+    assert not cpu_kernels.vnni_blocks_fit(32, 64, 4) and not cpu_kernels.vnni_blocks_fit(32, 1024, 512)
 
 
 def _timing(cold_bytes: float = 96e6) -> None:

@@ -38,6 +38,9 @@ PROMPTS = [SHARED + "Which cable connects a monitor?", "The capital of France is
            SHARED + "What does a power supply do?", "def fibonacci(n):", "Once upon a time, in a small village,",
            "List three primary colors:"]
 LOGPROB_TOL = 1e-4  # float32: the ranks' partial sums add in another order than one matmul's
+# Weights in VNNI blocks (AVX-512 VNNI CPUs) round decode rows' x to int16 steps per group, where a
+# last-bit difference now and then moves one x by a step: measured worst gap 2.3e-3, tokens equal.
+VNNI_LOGPROB_TOL = 1e-2
 
 
 def _smollm_like(**kw) -> ModelArchConfig:
@@ -210,8 +213,8 @@ def engines():
             llm.engine.close()
 
 
-def _close(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) <= LOGPROB_TOL for t in a)
+def _close(a: dict, b: dict, tol: float = LOGPROB_TOL) -> bool:
+    return a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) <= tol for t in a)
 
 
 @pytest.mark.parametrize("mode, backend", [("exact", "shared memory"), ("quantized", "shared memory"),
@@ -228,6 +231,7 @@ def test_tp2_matches_tp1_in_float32(engines, mode, backend):
     rounds = [SamplingParams(temperature=0, max_tokens=32, logprobs=3, prompt_logprobs=2),
               SamplingParams(temperature=0, max_tokens=32, logprobs=3)]
     prompts = PROMPTS
+    tol = VNNI_LOGPROB_TOL if ref.engine.model.layers[0].qkv.blocks is not None else LOGPROB_TOL
     if backend == "gloo":  # the fallback, ~1.5 ms per all-reduce here: a lighter run of the same checks
         prompts, rounds = PROMPTS[:2], rounds[:1]
     try:
@@ -235,11 +239,11 @@ def test_tp2_matches_tp1_in_float32(engines, mode, backend):
             want, got = ref.generate(prompts, sp, use_tqdm=False), tp.generate(prompts, sp, use_tqdm=False)
             for w, o in zip(want, got):
                 assert o.outputs[0].token_ids == w.outputs[0].token_ids, (round_, w.prompt)
-                assert all(_close(a, b) for a, b in zip(w.outputs[0].logprobs, o.outputs[0].logprobs)), \
+                assert all(_close(a, b, tol) for a, b in zip(w.outputs[0].logprobs, o.outputs[0].logprobs)), \
                     (round_, w.prompt)
                 if sp.prompt_logprobs:
                     assert o.prompt_logprobs[0] is None and all(
-                        _close(a, b) for a, b in zip(w.prompt_logprobs[1:], o.prompt_logprobs[1:])), (round_, w.prompt)
+                        _close(a, b, tol) for a, b in zip(w.prompt_logprobs[1:], o.prompt_logprobs[1:])), (round_, w.prompt)
                 assert o.num_cached_tokens == w.num_cached_tokens
     finally:
         fused.run = run

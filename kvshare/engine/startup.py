@@ -74,10 +74,15 @@ class StartupReport:
 
     def kernels(self) -> list[str]:
         names = {"int8-group": "int8 per-group (kvshare C++ qmatmul)",
-                 "int4-group": "int4 per-group (kvshare C++ qmatmul)", "dense": "dense (F.linear)"}
+                 "int4-group": "int4 per-group (kvshare C++ qmatmul)", "dense": "dense (F.linear)",
+                 "int8-group+vnni": "int8 per-group in VNNI blocks (kvshare C++ qmatmul, avx512-vnni: decode rows' "
+                                    "x rounded to int16 per group)",
+                 "int4-group+vnni": "int4 per-group in VNNI blocks (kvshare C++ qmatmul, avx512-vnni: decode rows' "
+                                    "x rounded to int16 per group)"}
         counts: dict[str, int] = {}
         for lin in self.model.linears():
-            counts[lin.kind] = counts.get(lin.kind, 0) + 1
+            key = lin.kind + ("+vnni" if getattr(lin, "blocks", None) is not None else "")
+            counts[key] = counts.get(key, 0) + 1
         out = [f"{names.get(k, k)} x{n}" for k, n in counts.items()]
         backend = self.model.backend
         out.append("decode attention: " + ("kvshare C++ paged kernel" if getattr(backend, "use_cpp_kernel", False)

@@ -19,6 +19,8 @@ Libraries (`LIBRARIES`):
 * `QMATMUL` (csrc/qmatmul.cpp): `int8_group_matmul` / `int4_group_matmul`, x [M, K] times a
   group-quantized weight [N, K] of int8 codes, or of 4-bit codes packed two per byte
   (`pack_int4_rows`), with one float32 scale, and optionally a zero, per group of K; for small M.
+  On AVX-512 VNNI CPUs weights can be kept in VNNI blocks (`to_vnni_blocks`, `VnniBlocks.matmul`):
+  x rounded to int16 per group, exact int32 group sums.
 * `DECODE` (qmatmul.cpp + paged_attention.cpp + shm_collectives.cpp + csrc/decode_step.cpp, one
   translation unit): `kvs_decode_layers` runs every layer of a decode-only step in one call on the
   two kernels above (kvshare/model/fused_decode.py says when it applies and builds its
@@ -63,6 +65,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -348,11 +351,14 @@ def _setup_qmatmul(lib: ctypes.CDLL) -> None:
                       _ptr, _ptr, _ptr,  # q (int8, or packed 4-bit), scales, zeros (null: none)
                       _ptr, _i64,  # y, its row stride
                       _i64, _i64, _i64, _i64,  # M, N, K, group_size
-                      _int, _int, ctypes.c_char_p, _i64]  # impl, threads, error buffer
+                      _int, _int, ctypes.c_char_p, _i64,  # impl, threads, error buffer
+                      _int]  # weights in VNNI blocks?
     f = lib.kvs_group_dequantize
     f.restype = _int
     f.argtypes = [_ptr, _int, _ptr, _ptr, _ptr, _int,  # q, 4-bit?, scales, zeros, out, out bf16?
-                  _i64, _i64, _i64, _int]  # N, K, group_size, threads
+                  _i64, _i64, _i64, _int, _int]  # N, K, group_size, threads, VNNI blocks?
+    lib.kvs_qmm_vnni_blocks_fit.restype = _int
+    lib.kvs_qmm_vnni_blocks_fit.argtypes = [_i64, _i64]
 
 
 def _setup_decode(lib: ctypes.CDLL) -> None:
@@ -528,16 +534,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 # ---- group-quantized int8 / int4 matmul ------------------------------------------------------
-_QMM_IMPLS = {"auto": 0, "scalar": 1, "avx512": 2, "avx2": 3}
+_QMM_IMPLS = {"auto": 0, "scalar": 1, "avx512": 2, "avx2": 3, "avx512-vnni": 4}
 
 
 def qmatmul_paths() -> list[str]:
     """Code paths `int8_group_matmul` and `int4_group_matmul` can run on this CPU, slowest first
-    ("auto" uses the last one that fits the group size): "scalar" always (any group size);
+    ("auto" uses the last one for rows that fits the group size): "scalar" always (any group size);
     "avx2" (AVX2 + FMA; group_size % 8 == 0 for int8, % 16 for int4); "avx512" (AVX-512
-    F/BW/VL/DQ; group_size % 16 == 0 for int8, % 32 for int4)."""
+    F/BW/VL/DQ; group_size % 16 == 0 for int8, % 32 for int4); "avx512-vnni" (AVX-512 VNNI),
+    which reads weights in VNNI blocks only (`VnniBlocks.matmul`), never weights in rows."""
     mask = QMATMUL.lib().kvs_qmm_cpu_paths()
-    return [name for name, bit in (("scalar", 1), ("avx2", 4), ("avx512", 2)) if mask & bit]
+    return [name for name, bit in (("scalar", 1), ("avx2", 4), ("avx512", 2), ("avx512-vnni", 8)) if mask & bit]
 
 
 def int8_group_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
@@ -615,8 +622,102 @@ def group_dequantize(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor 
         raise ValueError(f"zeros must be None or like scales; got {_desc(zeros)}")
     QMATMUL.lib().kvs_group_dequantize(q.data_ptr(), int(int4), scales.data_ptr(),
                                        zeros.data_ptr() if zeros is not None else None, out.data_ptr(),
-                                       int(out.dtype == torch.bfloat16), n, k, group_size, torch.get_num_threads())
+                                       int(out.dtype == torch.bfloat16), n, k, group_size, torch.get_num_threads(), 0)
     return out
+
+
+# ---- weights in VNNI blocks (the avx512-vnni path) ----------------------------------------------
+_VNNI_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "fma"})
+
+
+def vnni_blocks_fit(n: int, k: int, group_size: int) -> bool:
+    """Whether a group-quantized weight [N, K] can be kept in VNNI blocks here: a CPU with AVX-512
+    VNNI (read from /proc/cpuinfo, so the answer does not wait for the kernel build), N a multiple
+    of 16, and a group size in 8..256 that is a multiple of 8 and divides K. Off where the C++
+    kernels are disabled."""
+    from kvshare.config import cpu_flags
+
+    return (not disabled_by_env() and _VNNI_CPU_FLAGS <= cpu_flags() and n > 0 and n % 16 == 0
+            and 8 <= group_size <= 256 and group_size % 8 == 0 and k % group_size == 0)
+
+
+@dataclass(frozen=True)
+class VnniBlocks:
+    """A group-quantized weight [N, K] (int8 codes, or 4-bit codes packed two per byte) in the
+    layout the avx512-vnni path reads (qmatmul.cpp, "VNNI blocks"): rows in blocks of 16, each
+    block as 64-byte lines of 4 bytes from each of its rows: q [N / 16, row_bytes / 4, 16, 4];
+    scales and zeros [N / 16, K / g, 16]. Built by `to_vnni_blocks`; `rows` reads rows back."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    n: int
+    k: int
+    group: int
+    int4: bool
+
+    def rows(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The codes (int8 [R, K] or packed uint8 [R, K / 2]), scales and zeros [R, K / g] of rows
+        idx (a long tensor), in row layout."""
+        b, r = idx // 16, idx % 16
+        q = self.q[b, :, r, :].reshape(len(idx), -1)
+        return q, self.scales[b, :, r], None if self.zeros is None else self.zeros[b, :, r]
+
+    def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """y = x @ w.T on the avx512-vnni path (x rounded to int16 per row and group, exact int32
+        group sums): x [M, K] float32 or bfloat16, unit last stride; y [M, N] in x's dtype."""
+        _check_x(x)
+        m = x.shape[0]
+        if x.shape[1] != self.k:
+            raise ValueError(f"x {tuple(x.shape)} does not fit a weight of K={self.k}")
+        if x.stride(1) != 1 and self.k > 1:
+            raise ValueError(f"x must have contiguous rows (unit last stride); got strides {x.stride()}")
+        if out is None:
+            out = torch.empty(m, self.n, dtype=x.dtype)
+        elif tuple(out.shape) != (m, self.n) or out.dtype != x.dtype or (out.stride(1) != 1 and self.n > 1):
+            raise ValueError(f"out must be [{m}, {self.n}] of x's dtype {x.dtype} with unit last stride; "
+                             f"got {_desc(out)}")
+        if m == 0:
+            return out
+        lib = QMATMUL.lib()
+        err = ctypes.create_string_buffer(256)
+        fn = lib.kvs_int4_group_matmul if self.int4 else lib.kvs_int8_group_matmul
+        rc = fn(x.data_ptr(), x.stride(0), x.dtype == torch.bfloat16, self.q.data_ptr(), self.scales.data_ptr(),
+                self.zeros.data_ptr() if self.zeros is not None else None, out.data_ptr(), out.stride(0),
+                m, self.n, self.k, self.group, _QMM_IMPLS["auto"], torch.get_num_threads(), err, len(err), 1)
+        if rc:
+            raise ValueError(err.value.decode(errors="replace"))
+        return out
+
+    def dequantize(self, out: torch.Tensor) -> torch.Tensor:
+        """The dense weights into out [N, K] (float32 or bfloat16, contiguous), the values
+        `group_dequantize` gives for the same weight in rows."""
+        if out.dtype not in (torch.float32, torch.bfloat16) or not out.is_contiguous() \
+                or tuple(out.shape) != (self.n, self.k):
+            raise ValueError(f"out must be a contiguous float32 or bfloat16 [{self.n}, {self.k}] tensor; "
+                             f"got {_desc(out)}")
+        QMATMUL.lib().kvs_group_dequantize(
+            self.q.data_ptr(), int(self.int4), self.scales.data_ptr(),
+            self.zeros.data_ptr() if self.zeros is not None else None, out.data_ptr(),
+            int(out.dtype == torch.bfloat16), self.n, self.k, self.group, torch.get_num_threads(), 1)
+        return out
+
+
+def to_vnni_blocks(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int,
+                   int4: bool) -> VnniBlocks:
+    """A weight in rows (q int8 [N, K], or packed 4-bit uint8 [N, K / 2] with int4; scales and
+    zeros float32 [N, K / g]) copied into VNNI blocks. N % 16 == 0 and the row's bytes % 4 == 0."""
+    n, row_bytes = q.shape
+    k = row_bytes * (2 if int4 else 1)
+    if n % 16 or row_bytes % 4:
+        raise ValueError(f"VNNI blocks need N % 16 == 0 and a multiple of 4 bytes per row; got q {tuple(q.shape)}")
+
+    def blocked(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [N / 16, G, 16]
+        return t.reshape(n // 16, 16, -1).transpose(1, 2).contiguous()
+
+    qb = q.reshape(n // 16, 16, row_bytes // 4, 4).permute(0, 2, 1, 3).contiguous()
+    return VnniBlocks(qb, blocked(scales.float()), None if zeros is None else blocked(zeros.float()), n, k,
+                      group_size, int4)
 
 
 def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
@@ -686,7 +787,7 @@ def _group_matmul(fn: str, x: torch.Tensor, q_name: str, q: torch.Tensor, scales
         x.data_ptr(), x.stride(0), x.dtype == torch.bfloat16,
         q.data_ptr(), scales.data_ptr(), zeros.data_ptr() if zeros is not None else None,
         out.data_ptr(), out.stride(0), m, n, k, group_size,
-        _QMM_IMPLS[impl], torch.get_num_threads(), err, len(err))
+        _QMM_IMPLS[impl], torch.get_num_threads(), err, len(err), 0)
     if rc:
         raise ValueError(err.value.decode(errors="replace"))
     return out

@@ -55,7 +55,8 @@ def _linear(lin, bias: torch.Tensor | None) -> _Linear | None:
     """The C view of one linear, or None when it is not on a group kernel the C++ side runs."""
     if type(lin) not in (GroupInt8Linear, GroupInt4Linear):
         return None
-    kind = 2 if isinstance(lin, GroupInt4Linear) else 1
+    # 1 int8 / 2 int4 codes in rows; 3 / 4 the same in VNNI blocks (the avx512-vnni path)
+    kind = (2 if isinstance(lin, GroupInt4Linear) else 1) + (2 if lin.blocks is not None else 0)
     return _Linear(kind, lin.q.data_ptr(), lin.scale.data_ptr(), _ptr_of(lin.zero), _ptr_of(bias),
                    lin.out_features, lin.in_features, lin.group)
 

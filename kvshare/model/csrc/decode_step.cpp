@@ -28,7 +28,7 @@
 namespace dec {
 
 struct Linear {
-  int64_t kind;  // 1: int8 codes [N, K]; 2: 4-bit codes two per byte [N, K / 2]
+  int64_t kind;  // 1: int8 codes [N, K]; 2: 4-bit codes two per byte [N, K / 2]; 3 / 4: the same in VNNI blocks
   const void* q;
   const float* scales;  // [N, K / group]
   const float* zeros;   // [N, K / group] or null
@@ -82,12 +82,13 @@ static void rms_norm(const float* x, const float* w, int64_t M, int64_t D, doubl
 static int linear(const Linear& L, const float* x, int64_t M, float* y, bool bf, int num_threads, char* err,
                   int64_t err_len) {
   int rc;
-  if (L.kind == 1)
+  const bool blocks = L.kind >= 3;  // (qmatmul.cpp, "VNNI blocks")
+  if (L.kind == 1 || L.kind == 3)
     rc = qmm::group_matmul<qmm::I8>(x, L.K, 0, static_cast<const uint8_t*>(L.q), L.scales, L.zeros, y, L.N, M, L.N,
-                                    L.K, L.group, 0, num_threads, err, err_len);
+                                    L.K, L.group, 0, num_threads, err, err_len, blocks);
   else
     rc = qmm::group_matmul<qmm::U4>(x, L.K, 0, static_cast<const uint8_t*>(L.q), L.scales, L.zeros, y, L.N, M, L.N,
-                                    L.K, L.group, 0, num_threads, err, err_len);
+                                    L.K, L.group, 0, num_threads, err, err_len, blocks);
   if (rc) return rc;
   round_all(y, M * L.N, bf);  // the matmul's output tensor
   if (L.bias != nullptr)

@@ -37,6 +37,7 @@
 // computed by one thread, so results do not depend on the thread count. Plain C ABI, no torch
 // headers; built with -O3 -fopenmp and no -march (target attributes + runtime dispatch).
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -91,6 +92,11 @@ struct Problem {
   void* y;
   int64_t y_s0;
   bool y_bf16;
+  // The avx512-vnni path's x: int16 code pairs [M][K / 2] (as int32), the step d of each (row,
+  // group) [M][G], and d * sum_k X_k [M][G] (for the zeros term).
+  const int32_t* xq = nullptr;
+  const float* xd = nullptr;
+  const float* xz = nullptr;
 };
 
 // Weight formats: how many bytes `codes` codes take, and code k of a row (scalar path).
@@ -507,9 +513,217 @@ static void rows_avx2(const Problem& P, int64_t n0, int64_t n1) {
   else
     rows_avx2_z<F, false>(P, n0, n1);
 }
+
+// ------------------------------------------------------------------------------------------
+// AVX-512 VNNI path ("avx512-vnni"), for both formats, any M, on weights kept in VNNI blocks
+// (below): x is rounded once per call to int16 per row and group (X = round(x * 32767 / max|x|)
+// over the group, step d = max|x| / 32767: 15 bits below the group's largest value, where
+// bfloat16 keeps 8 below each value's own leading bit), and each group's sum_k X_k * q_k runs in
+// int32 with vpdpwssd (two int16 products per lane, 32 per instruction against the float32 FMA's
+// 16), exactly. Only the per-group epilogue is float32:
+//   acc = fma(float(I_g), scale_g * d_g, acc);  acc = fma(zero_g, d_g * float(sum_k X_k), acc)
+// in group order: the same ops for every tiling, M, N and thread count, so a row's result does
+// not depend on its batch. Lanes run over 16 output rows (so scales are a vector, d a broadcast).
+//
+// VNNI blocks: rows in blocks of 16 (the last one zero padded), each block's bytes as 64-byte
+// lines of 4 bytes from each of its 16 rows (line c, lane r = bytes 4c .. 4c + 3 of row r): q
+// [N16 / 16][Kb / 4][16][4] for Kb bytes per row (K / 2 for int4, K for int8); scales and zeros
+// likewise [N16 / 16][G][16]. One aligned load then gives a code pair of 16 rows per vpdpwssd
+// operand after one byte shuffle (+ a shift and a mask, for nibbles): no per-call transposition.
+// Needs g % 8 == 0 (whole lines per group) and g <= 256 (int32 group sums cannot overflow:
+// 256 * 128 * 32767 < 2^31). SIMDe builds (QMM_ASSUME_CPU) leave the path out.
+#ifndef QMM_ASSUME_CPU
+#define QMM_HAS_VNNI 1
+#define QMM_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma")))
+static bool cpu_has_vnni() {
+  static const bool ok = cpu_has_avx512() && __builtin_cpu_supports("avx512vnni");
+  return ok;
+}
+
+// Code pair p of a line (4 bytes of each of 16 rows) as int16 pairs (code 2j | code 2j + 1 << 16)
+// per lane. int4: byte p holds the pair (two nibbles): put in the high byte of both words,
+// shifted right by 8 and 12, masked to 4 bits. int8: bytes 2p and 2p + 1 put in the high bytes
+// of the two words, then an arithmetic shift sign-extends them.
+template <class F> struct VnniCodes;
+template <> struct VnniCodes<U4> {
+  static constexpr int kPairsPerLine = 4;
+  static void control(int p, int8_t* ctl) {
+    for (int i = 0; i < 64; i += 4) {
+      const int8_t b = int8_t((i & 15) + p);
+      ctl[i] = -128; ctl[i + 1] = b; ctl[i + 2] = -128; ctl[i + 3] = b;
+    }
+  }
+  QMM_VNNI static QMM_INLINE __m512i pair(__m512i line, __m512i ctl) {
+    const __m512i s = _mm512_shuffle_epi8(line, ctl);
+    return _mm512_and_si512(_mm512_srlv_epi16(s, _mm512_set1_epi32(8 | (12 << 16))), _mm512_set1_epi32(0x000F000F));
+  }
+};
+template <> struct VnniCodes<I8> {
+  static constexpr int kPairsPerLine = 2;
+  static void control(int p, int8_t* ctl) {
+    for (int i = 0; i < 64; i += 4) {
+      const int8_t b = int8_t((i & 15) + 2 * p);
+      ctl[i] = -128; ctl[i + 1] = b; ctl[i + 2] = -128; ctl[i + 3] = int8_t(b + 1);
+    }
+  }
+  QMM_VNNI static QMM_INLINE __m512i pair(__m512i line, __m512i ctl) {
+    return _mm512_srai_epi16(_mm512_shuffle_epi8(line, ctl), 8);
+  }
+};
+
+// acc += pairwise int16 products of a and b (vpdpwssd). In asm: GCC's intrinsic made it copy
+// every accumulator between registers once per instruction.
+QMM_VNNI static QMM_INLINE __m512i dpwssd(__m512i acc, __m512i a, __m512i b) {
+  asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+}
+
+// MB x rows (m0 ..) against block `blk`. PANEL: the block's code pairs were unpacked once into
+// `panel` [K / 2][16] (many x rows: each pair vector is then one load per 8 rows); else they are
+// unpacked from the block's lines here (few rows: one pass).
+template <class F, int MB, bool ZEROS, bool PANEL>
+QMM_VNNI static QMM_INLINE void vnni_tile(const Problem& P, int64_t blk, const int32_t* panel, const __m512i* ctl,
+                                          int64_t m0) {
+  using C = VnniCodes<F>;
+  __m512 acc[MB];
+  QMM_UNROLL for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
+  const int64_t pairs = P.K / 2, lines_per_group = P.g / (2 * C::kPairsPerLine);
+  const uint8_t* qb = P.q + blk * 16 * P.q_s0;
+  const float* sb = P.scales + blk * 16 * P.G;
+  const float* zb = ZEROS ? P.zeros + blk * 16 * P.G : nullptr;
+  const int32_t* xr = P.xq + m0 * pairs;
+  for (int64_t gi = 0; gi < P.G; ++gi) {
+    __m512i ia[MB];
+    QMM_UNROLL for (int i = 0; i < MB; ++i) ia[i] = _mm512_setzero_si512();
+    for (int64_t c = gi * lines_per_group; c < (gi + 1) * lines_per_group; ++c) {
+      __m512i line;
+      if (!PANEL) line = _mm512_loadu_si512(qb + c * 64);
+      QMM_UNROLL for (int p = 0; p < C::kPairsPerLine; ++p) {
+        const int64_t j = c * C::kPairsPerLine + p;
+        const __m512i w = PANEL ? _mm512_load_si512(panel + j * 16) : C::pair(line, ctl[p]);
+        QMM_UNROLL for (int i = 0; i < MB; ++i) ia[i] = dpwssd(ia[i], w, _mm512_set1_epi32(xr[i * pairs + j]));
+      }
+    }
+    const __m512 s = _mm512_loadu_ps(sb + gi * 16);
+    QMM_UNROLL for (int i = 0; i < MB; ++i) {
+      const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(P.xd[(m0 + i) * P.G + gi]));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[i]), sd, acc[i]);
+      if (ZEROS)
+        acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(zb + gi * 16), _mm512_set1_ps(P.xz[(m0 + i) * P.G + gi]), acc[i]);
+    }
+  }
+  const int64_t n0 = blk * 16;
+  const int nb = int(std::min<int64_t>(16, P.N - n0));
+  QMM_UNROLL for (int i = 0; i < MB; ++i) {
+    if (nb == 16 && !P.y_bf16) {
+      _mm512_storeu_ps(static_cast<float*>(P.y) + (m0 + i) * P.y_s0 + n0, acc[i]);
+    } else {
+      alignas(64) float tmp[16];
+      _mm512_store_ps(tmp, acc[i]);
+      for (int l = 0; l < nb; ++l) store(P, m0 + i, n0 + l, tmp[l]);
+    }
+  }
+}
+
+template <class F, bool ZEROS, bool PANEL>
+QMM_VNNI static void vnni_rows_of_block(const Problem& P, int64_t blk, const int32_t* panel, const __m512i* ctl) {
+  int64_t m0 = 0;
+  for (; m0 + 8 <= P.M; m0 += 8) vnni_tile<F, 8, ZEROS, PANEL>(P, blk, panel, ctl, m0);
+  switch (P.M - m0) {
+    case 7: vnni_tile<F, 7, ZEROS, PANEL>(P, blk, panel, ctl, m0); break;
+    case 6: vnni_tile<F, 6, ZEROS, PANEL>(P, blk, panel, ctl, m0); break;
+    case 5: vnni_tile<F, 5, ZEROS, PANEL>(P, blk, panel, ctl, m0); break;
+    case 4: vnni_tile<F, 4, ZEROS, PANEL>(P, blk, panel, ctl, m0); break;
+    case 3: vnni_tile<F, 3, ZEROS, PANEL>(P, blk, panel, ctl, m0); break;
+    case 2: vnni_tile<F, 2, ZEROS, PANEL>(P, blk, panel, ctl, m0); break;
+    case 1: vnni_tile<F, 1, ZEROS, PANEL>(P, blk, panel, ctl, m0); break;
+    default: break;
+  }
+}
+
+// Output rows [n0, n1) (n0 a multiple of 16): block by block.
+template <class F, bool ZEROS>
+QMM_VNNI static void rows_vnni_t(const Problem& P, int64_t n0, int64_t n1) {
+  using C = VnniCodes<F>;
+  __m512i ctl[C::kPairsPerLine];
+  for (int p = 0; p < C::kPairsPerLine; ++p) {
+    alignas(64) int8_t c[64];
+    C::control(p, c);
+    ctl[p] = _mm512_load_si512(c);
+  }
+  const bool panel = P.M > 8;
+  std::vector<int32_t> buf(panel ? size_t(P.K / 2 * 16 + 16) : 0);
+  int32_t* pan = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+  const int64_t lines = P.q_s0 / 4;
+  for (int64_t blk = n0 / 16; blk * 16 < n1; ++blk) {
+    const uint8_t* qb = P.q + blk * 16 * P.q_s0;
+    // The next block (16 * q_s0 contiguous bytes) into L2 while this one runs.
+    if ((blk + 1) * 16 < n1)
+      for (int64_t b = 0; b < 16 * P.q_s0; b += 64) _mm_prefetch(reinterpret_cast<const char*>(qb + 16 * P.q_s0 + b), _MM_HINT_T1);
+    if (!panel) {
+      vnni_rows_of_block<F, ZEROS, false>(P, blk, nullptr, ctl);
+      continue;
+    }
+    for (int64_t c = 0; c < lines; ++c) {
+      const __m512i line = _mm512_loadu_si512(qb + c * 64);
+      QMM_UNROLL for (int p = 0; p < C::kPairsPerLine; ++p)
+        _mm512_store_si512(pan + (c * C::kPairsPerLine + p) * 16, C::pair(line, ctl[p]));
+    }
+    vnni_rows_of_block<F, ZEROS, true>(P, blk, pan, ctl);
+  }
+}
+
+// quantize_x (below) for float32 x and g % 16 == 0, 16 lanes at a time: the same values (the
+// same float32 product x * (32767 / max|x|), rounded half to even by vcvtps2dq as by lrintf).
+QMM_VNNI static void quantize_x_avx512(const float* x, int64_t s0, int64_t M, int64_t K, int64_t g, int16_t* xq,
+                                       float* xd, float* xz) {
+  const int64_t G = K / g;
+  const __m512 sign = _mm512_set1_ps(-0.f);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t gi = 0; gi < G; ++gi) {
+      const float* v = x + m * s0 + gi * g;
+      int16_t* X = xq + m * K + gi * g;
+      __m512 amax = _mm512_setzero_ps();
+      __mmask16 bad = 0;
+      for (int64_t k = 0; k < g; k += 16) {
+        const __m512 a = _mm512_loadu_ps(v + k);
+        bad |= _mm512_fpclass_ps_mask(a, 0x99);  // NaN or infinity
+        amax = _mm512_max_ps(amax, _mm512_andnot_ps(sign, a));
+      }
+      const float mx = _mm512_reduce_max_ps(amax);
+      if (bad || mx == 0.f) {
+        for (int64_t k = 0; k < g; ++k) X[k] = 0;
+        xd[m * G + gi] = bad ? std::nanf("") : 0.f;
+        xz[m * G + gi] = xd[m * G + gi];
+        continue;
+      }
+      const __m512 inv = _mm512_set1_ps(32767.f / mx);
+      __m512i sum = _mm512_setzero_si512();
+      for (int64_t k = 0; k < g; k += 16) {
+        const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + k), inv));
+        sum = _mm512_add_epi32(sum, r);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(X + k), _mm512_cvtsepi32_epi16(r));
+      }
+      xd[m * G + gi] = mx / 32767.f;
+      xz[m * G + gi] = xd[m * G + gi] * float(_mm512_reduce_add_epi32(sum));
+    }
+  }
+}
+
+template <class F>
+static void rows_vnni(const Problem& P, int64_t n0, int64_t n1) {
+  if (P.zeros)
+    rows_vnni_t<F, true>(P, n0, n1);
+  else
+    rows_vnni_t<F, false>(P, n0, n1);
+}
+#else
+static bool cpu_has_vnni() { return false; }
+#endif
 #else
 static bool cpu_has_avx512() { return false; }
 static bool cpu_has_avx2() { return false; }
+static bool cpu_has_vnni() { return false; }
 #endif
 
 // x rows as float32, row stride K, into dst; with block > 0 (int4 vector paths), the even
@@ -537,11 +751,61 @@ static void prepare_x(const void* x, int64_t s0, bool bf16, int64_t M, int64_t K
   }
 }
 
-// Shared by both formats: checks, path choice, threading.
+// x rounded for the avx512-vnni path: per row m and group, d = max|x| / 32767 and X = round(x / d)
+// (int16, |X| <= 32767) into xq [M][K] (read as int32 pairs), d into xd [M][G], d * sum X into
+// xz [M][G]. A group with a non-finite value gets X = 0 and d = NaN, so its outputs are NaN as
+// they would be on the float paths; an all-zero group d = 0.
+static void quantize_x(const void* x, int64_t s0, bool bf16, int64_t M, int64_t K, int64_t g, int16_t* xq, float* xd,
+                       float* xz) {
+  const int64_t G = K / g;
+  std::vector<float> row(static_cast<size_t>(K));
+  for (int64_t m = 0; m < M; ++m) {
+    if (bf16) {
+      const uint16_t* r = static_cast<const uint16_t*>(x) + m * s0;
+      for (int64_t k = 0; k < K; ++k) row[size_t(k)] = bf16_to_f32(r[k]);
+    } else {
+      std::memcpy(row.data(), static_cast<const float*>(x) + m * s0, size_t(K) * sizeof(float));
+    }
+    for (int64_t gi = 0; gi < G; ++gi) {
+      const float* v = row.data() + gi * g;
+      int16_t* X = xq + m * K + gi * g;
+      float amax = 0.f;
+      bool finite = true;
+      for (int64_t k = 0; k < g; ++k) {
+        finite = finite && std::isfinite(v[k]);
+        amax = std::max(amax, std::fabs(v[k]));
+      }
+      if (!finite || amax == 0.f) {
+        for (int64_t k = 0; k < g; ++k) X[k] = 0;
+        xd[m * G + gi] = finite ? 0.f : std::nanf("");
+        xz[m * G + gi] = xd[m * G + gi];
+        continue;
+      }
+      const float inv = 32767.f / amax;
+      int32_t sum = 0;
+      for (int64_t k = 0; k < g; ++k) {
+        const long r = std::lrintf(v[k] * inv);
+        X[k] = int16_t(std::max(-32767L, std::min(32767L, r)));
+        sum += X[k];
+      }
+      xd[m * G + gi] = amax / 32767.f;
+      xz[m * G + gi] = xd[m * G + gi] * float(sum);
+    }
+  }
+}
+
+// Whether weights of this shape can be kept in VNNI blocks (and so run on the avx512-vnni path).
+static bool vnni_blocks_fit(int64_t K, int64_t group_size) {
+  return cpu_has_vnni() && group_size >= 8 && group_size % 8 == 0 && group_size <= 256 && K % group_size == 0;
+}
+
+// Shared by both formats: checks, path choice, threading. vnni_blocks: q, scales and zeros are in
+// VNNI blocks (then the avx512-vnni path runs, and only it can); else rows.
 template <class F>
 static int group_matmul(const void* x, int64_t x_s0, int x_bf16, const uint8_t* q, const float* scales,
                         const float* zeros, void* y, int64_t y_s0, int64_t M, int64_t N, int64_t K,
-                        int64_t group_size, int impl, int num_threads, char* err, int64_t err_len) {
+                        int64_t group_size, int impl, int num_threads, char* err, int64_t err_len,
+                        bool vnni_blocks = false) {
   if (group_size < 1 || K % group_size != 0) {
     std::snprintf(err, size_t(err_len), "group_size %lld must be >= 1 and divide K=%lld", (long long)group_size,
                   (long long)K);
@@ -551,12 +815,22 @@ static int group_matmul(const void* x, int64_t x_s0, int x_bf16, const uint8_t* 
     std::snprintf(err, size_t(err_len), "K=%lld must be even for packed 4-bit codes", (long long)K);
     return 1;
   }
-  if ((impl == 2 && !cpu_has_avx512()) || (impl == 3 && !cpu_has_avx2())) {
+  if ((impl == 2 && !cpu_has_avx512()) || (impl == 3 && !cpu_has_avx2()) || (impl == 4 && !cpu_has_vnni())) {
     std::snprintf(err, size_t(err_len), "code path %d is not supported by this CPU", impl);
     return 1;
   }
-  if (impl < 0 || impl > 3) {
+  if (impl < 0 || impl > 4) {
     std::snprintf(err, size_t(err_len), "unknown code path %d", impl);
+    return 1;
+  }
+  if (vnni_blocks != (impl == 4) && !(vnni_blocks && impl == 0)) {
+    std::snprintf(err, size_t(err_len), vnni_blocks ? "weights in VNNI blocks run only on the avx512-vnni path"
+                                                    : "the avx512-vnni path reads weights in VNNI blocks only");
+    return 1;
+  }
+  if (vnni_blocks && !vnni_blocks_fit(K, group_size)) {
+    std::snprintf(err, size_t(err_len), "VNNI blocks need an AVX-512 VNNI CPU and a group size in 8..256 that "
+                  "is a multiple of 8 (got %lld)", (long long)group_size);
     return 1;
   }
   if (M <= 0 || N <= 0) return 0;
@@ -569,7 +843,12 @@ static int group_matmul(const void* x, int64_t x_s0, int x_bf16, const uint8_t* 
   // The path: the requested one (0: the best) if its step divides the group, else the next.
   void (*rows)(const Problem&, int64_t, int64_t) = &rows_scalar<F>;
   int64_t step = 0;  // the vector path's step (codes per group chunk); 0: scalar
+  const bool vnni = vnni_blocks;
 #if QMM_X86
+#ifdef QMM_HAS_VNNI
+  if (vnni) rows = &rows_vnni<F>;
+  else
+#endif
   if ((impl == 0 || impl == 2) && cpu_has_avx512() && group_size % Avx512<F>::kStep == 0) {
     rows = &rows_avx512<F>;
     step = Avx512<F>::kStep;
@@ -582,7 +861,22 @@ static int group_matmul(const void* x, int64_t x_s0, int x_bf16, const uint8_t* 
   // (M x K): bf16 x widened, and for the int4 vector paths each step's columns reordered.
   const int64_t block = F::kCodesPerByte == 2 ? step : 0;
   std::vector<float> xf;
-  if (x_bf16 || block > 0) {
+  std::vector<int16_t> xq;
+  std::vector<float> xd, xz;
+  if (vnni) {
+    xq.resize(size_t(M * K));
+    xd.resize(size_t(M * P.G));
+    xz.resize(size_t(M * P.G));
+#ifdef QMM_HAS_VNNI
+    if (!x_bf16 && group_size % 16 == 0)
+      quantize_x_avx512(static_cast<const float*>(x), x_s0, M, K, group_size, xq.data(), xd.data(), xz.data());
+    else
+#endif
+      quantize_x(x, x_s0, x_bf16 != 0, M, K, group_size, xq.data(), xd.data(), xz.data());
+    P.xq = reinterpret_cast<const int32_t*>(xq.data());
+    P.xd = xd.data();
+    P.xz = xz.data();
+  } else if (x_bf16 || block > 0) {
     xf.resize(size_t(M * K));
     prepare_x(x, x_s0, x_bf16 != 0, M, K, block, xf.data());
     P.x = xf.data();
@@ -723,7 +1017,7 @@ QMM_AVX2 static void dequant_rows_avx2(const uint8_t* q, int64_t q_s0, const flo
 
 template <class F, bool BF16>
 static void dequantize(const uint8_t* q, const float* scales, const float* zeros, void* out, int64_t N, int64_t K,
-                       int64_t g, int num_threads) {
+                       int64_t g, int num_threads, bool vnni_blocks) {
   auto rows = &dequant_rows_scalar<F, BF16>;
 #if QMM_X86
   if (cpu_has_avx512())
@@ -732,6 +1026,37 @@ static void dequantize(const uint8_t* q, const float* scales, const float* zeros
     rows = &dequant_rows_avx2<F, BF16>;
 #endif
   const int64_t q_s0 = F::bytes(K);
+  if (vnni_blocks) {
+    // Block by block: its rows back in row order (16 rows of codes, scales and zeros), then the
+    // same row code as for weights kept in rows, so both give the same values.
+    const int64_t G = K / g, blocks = (N + 15) / 16;
+    int nt = int(std::max<int64_t>(1, std::min<int64_t>(num_threads, blocks)));
+    if (N * K < (int64_t(1) << 16)) nt = 1;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nt) if (nt > 1)
+#endif
+    {
+      std::vector<uint8_t> tq(size_t(16 * q_s0));
+      std::vector<float> ts(size_t(16 * G)), tz(zeros ? size_t(16 * G) : 0);
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* qb = q + b * 16 * q_s0;
+        for (int64_t c = 0; c < q_s0 / 4; ++c)
+          for (int r = 0; r < 16; ++r) std::memcpy(&tq[size_t(r * q_s0 + 4 * c)], qb + c * 64 + 4 * r, 4);
+        for (int r = 0; r < 16; ++r)
+          for (int64_t gi = 0; gi < G; ++gi) {
+            ts[size_t(r * G + gi)] = scales[(b * G + gi) * 16 + r];
+            if (zeros) tz[size_t(r * G + gi)] = zeros[(b * G + gi) * 16 + r];
+          }
+        const int64_t nb = std::min<int64_t>(16, N - b * 16);
+        void* ob = static_cast<char*>(out) + b * 16 * K * (BF16 ? 2 : 4);
+        rows(tq.data(), q_s0, ts.data(), zeros ? tz.data() : nullptr, K, g, ob, 0, nb);
+      }
+    }
+    return;
+  }
   int nt = int(std::max<int64_t>(1, std::min<int64_t>(num_threads, N / 16)));
   if (N * K < (int64_t(1) << 16)) nt = 1;
 #ifdef _OPENMP
@@ -744,19 +1069,24 @@ static void dequantize(const uint8_t* q, const float* scales, const float* zeros
 
 // ---- C ABI (called through ctypes) ---------------------------------------------------------
 
-// Bit mask of the code paths this CPU can run: 1 scalar, 2 avx512, 4 avx2.
+// Bit mask of the code paths this CPU can run: 1 scalar, 2 avx512, 4 avx2, 8 avx512-vnni.
 extern "C" int kvs_qmm_cpu_paths() {
-  return 1 | (qmm::cpu_has_avx512() ? 2 : 0) | (qmm::cpu_has_avx2() ? 4 : 0);
+  return 1 | (qmm::cpu_has_avx512() ? 2 : 0) | (qmm::cpu_has_avx2() ? 4 : 0) | (qmm::cpu_has_vnni() ? 8 : 0);
 }
 
+// Whether weights [N, K] in groups of group_size can be kept in VNNI blocks on this CPU.
+extern "C" int kvs_qmm_vnni_blocks_fit(int64_t K, int64_t group_size) { return qmm::vnni_blocks_fit(K, group_size); }
+
 // Shapes, dtypes and strides are checked by the Python wrapper. Returns 0, or 1 with a message
-// in err. impl: 0 best, 1 scalar, 2 avx512, 3 avx2; a vector path whose lane count does not
-// divide group_size falls back to the next one that does (the scalar path takes any).
+// in err. impl: 0 best, 1 scalar, 2 avx512, 3 avx2, 4 avx512-vnni; a vector path whose lane
+// count does not divide group_size falls back to the next one that does (the scalar path takes
+// any). vnni_blocks: q, scales and zeros are in VNNI blocks (impl 0 or 4: the avx512-vnni path).
 extern "C" int kvs_int8_group_matmul(const void* x, int64_t x_s0, int x_bf16, const int8_t* q, const float* scales,
                                      const float* zeros, void* y, int64_t y_s0, int64_t M, int64_t N, int64_t K,
-                                     int64_t group_size, int impl, int num_threads, char* err, int64_t err_len) {
+                                     int64_t group_size, int impl, int num_threads, char* err, int64_t err_len,
+                                     int vnni_blocks) {
   return qmm::group_matmul<qmm::I8>(x, x_s0, x_bf16, reinterpret_cast<const uint8_t*>(q), scales, zeros, y, y_s0, M,
-                                    N, K, group_size, impl, num_threads, err, err_len);
+                                    N, K, group_size, impl, num_threads, err, err_len, vnni_blocks != 0);
 }
 
 // As kvs_int8_group_matmul, with q the packed 4-bit codes: uint8 [N, K / 2], K even (layout at
@@ -764,22 +1094,25 @@ extern "C" int kvs_int8_group_matmul(const void* x, int64_t x_s0, int x_bf16, co
 extern "C" int kvs_int4_group_matmul(const void* x, int64_t x_s0, int x_bf16, const uint8_t* packed,
                                      const float* scales, const float* zeros, void* y, int64_t y_s0, int64_t M,
                                      int64_t N, int64_t K, int64_t group_size, int impl, int num_threads, char* err,
-                                     int64_t err_len) {
+                                     int64_t err_len, int vnni_blocks) {
   return qmm::group_matmul<qmm::U4>(x, x_s0, x_bf16, packed, scales, zeros, y, y_s0, M, N, K, group_size, impl,
-                                    num_threads, err, err_len);
+                                    num_threads, err, err_len, vnni_blocks != 0);
 }
 
 // Dense weights out [N, K] (contiguous; float32, or bfloat16 when out_bf16) from int8 codes
-// (int4 = 0, q int8 [N, K]) or packed 4-bit codes (int4 = 1, q uint8 [N, K / 2]); scales / zeros
-// as for the matmuls. Shapes are checked by the Python wrapper. Returns 0.
+// (int4 = 0, q int8 [N, K]) or packed 4-bit codes (int4 = 1, q uint8 [N, K / 2]), in rows or (with
+// vnni_blocks) in VNNI blocks; scales / zeros as for the matmuls. Shapes are checked by the Python
+// wrapper. Returns 0.
 extern "C" int kvs_group_dequantize(const uint8_t* q, int int4, const float* scales, const float* zeros, void* out,
-                                    int out_bf16, int64_t N, int64_t K, int64_t group_size, int num_threads) {
+                                    int out_bf16, int64_t N, int64_t K, int64_t group_size, int num_threads,
+                                    int vnni_blocks) {
   if (N <= 0 || K <= 0) return 0;
+  const bool vb = vnni_blocks != 0;
   if (int4)
-    out_bf16 ? qmm::dequantize<qmm::U4, true>(q, scales, zeros, out, N, K, group_size, num_threads)
-             : qmm::dequantize<qmm::U4, false>(q, scales, zeros, out, N, K, group_size, num_threads);
+    out_bf16 ? qmm::dequantize<qmm::U4, true>(q, scales, zeros, out, N, K, group_size, num_threads, vb)
+             : qmm::dequantize<qmm::U4, false>(q, scales, zeros, out, N, K, group_size, num_threads, vb);
   else
-    out_bf16 ? qmm::dequantize<qmm::I8, true>(q, scales, zeros, out, N, K, group_size, num_threads)
-             : qmm::dequantize<qmm::I8, false>(q, scales, zeros, out, N, K, group_size, num_threads);
+    out_bf16 ? qmm::dequantize<qmm::I8, true>(q, scales, zeros, out, N, K, group_size, num_threads, vb)
+             : qmm::dequantize<qmm::I8, false>(q, scales, zeros, out, N, K, group_size, num_threads, vb);
   return 0;
 }
