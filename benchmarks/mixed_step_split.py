@@ -3,8 +3,9 @@
 max_num_seqs=16 (what 16 concurrent clients keep in flight), no prefix caching. Splits the wall
 time into steps that compute prompt tokens and decode-only steps, and times the main kernels
 (wrapped, so each count is wall time inside that call): the prompt rows' dense GEMMs
-(F.linear), SDPA, the packed matmuls outside the fused decode step (decode rows of mixed steps,
-the vocab projection), and the vocab projection alone (compute_logits).
+(F.linear), prompt attention (SDPA, kvshare's causal kernel), the packed matmuls outside the
+fused decode step (decode rows of mixed steps, the vocab projection), and the vocab projection
+alone (compute_logits).
 
     python benchmarks/mixed_step_split.py [--runs 2]
 """
@@ -42,8 +43,10 @@ def main(argv=None) -> int:
     eng = llm.engine
     timed(qlinear.F, "linear", "prompt-row GEMMs (F.linear)", acc)
     timed(attention.F, "scaled_dot_product_attention", "SDPA", acc)
-    timed(cpu_kernels, "int4_group_matmul", "packed int4 matmul (outside fused decode)", acc)
-    timed(cpu_kernels, "int8_group_matmul", "packed int8 matmul (outside fused decode)", acc)
+    timed(cpu_kernels, "causal_prefill_attention", "causal prefill attention (kvshare C++)", acc)
+    timed(cpu_kernels, "int4_group_matmul", "packed int4 matmul, rows (outside fused decode)", acc)
+    timed(cpu_kernels, "int8_group_matmul", "packed int8 matmul, rows (outside fused decode)", acc)
+    timed(cpu_kernels.VnniBlocks, "matmul", "packed matmul, VNNI blocks (outside fused decode)", acc)
     timed(eng.model, "compute_logits", "vocab projection (compute_logits)", acc)
     steps: list[tuple[float, int]] = []
     execute = eng.runner.execute

@@ -320,6 +320,75 @@ def test_backend_matches_pure_pytorch_path():
     assert (a - b).abs().max().item() < 1e-5
 
 
+def _causal_problem(seed, t, h, kvh, d):
+    """q, k, v as views of one fused projection (position stride (h + 2 kvh) d, as the model's)."""
+    qkv = torch.randn(t, (h + 2 * kvh) * d, generator=torch.Generator().manual_seed(seed))
+    q = qkv[:, :h * d].view(t, h, d)
+    k = qkv[:, h * d:(h + kvh) * d].view(t, kvh, d)
+    v = qkv[:, (h + kvh) * d:].view(t, kvh, d)
+    return q, k, v
+
+
+def _causal_reference(q, k, v, scale):
+    import torch.nn.functional as F
+
+    o = F.scaled_dot_product_attention(*(x.double().transpose(0, 1).unsqueeze(0) for x in (q, k, v)),
+                                       is_causal=True, scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1)
+
+
+needs_avx512 = pytest.mark.skipif("avx512" not in PATHS, reason="the causal prefill kernel needs AVX-512")
+
+
+@needs_avx512
+@pytest.mark.parametrize("t", [1, 5, 16, 17, 63, 64, 65, 100, 257])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 1, 128), (8, 8, 64), (2, 1, 256)])
+def test_causal_prefill_matches_float64_reference(t, heads, kv_heads, head_dim):
+    """Every position attends to itself and the keys before it, for any chunk length (partial
+    query blocks of 16, key tiles of 64), GQA / MQA / MHA, head_dim 64-256. float32 math: torch's
+    own float32 SDPA is within ~1e-6 of float64 here (values ~N(0, 1)); F32_TOL leaves 10x."""
+    q, k, v = _causal_problem(t + heads + head_dim, t, heads, kv_heads, head_dim)
+    scale = head_dim ** -0.5
+    y = cpu_kernels.causal_prefill_attention(q, k, v, scale)
+    assert (y.double() - _causal_reference(q, k, v, scale)).abs().max().item() < F32_TOL
+
+
+@needs_avx512
+def test_causal_prefill_is_causal_out_param_and_thread_invariant():
+    q, k, v = _causal_problem(4, 150, 9, 3, 64)
+    full = cpu_kernels.causal_prefill_attention(q, k, v, 0.125)
+    # Later keys and values never reach earlier positions (bit for bit).
+    k2, v2 = k.clone(), v.clone()
+    k2[100:] = 1e3
+    v2[100:] = -1e3
+    assert torch.equal(cpu_kernels.causal_prefill_attention(q, k2, v2, 0.125)[:100], full[:100])
+    # Into a strided view of a wider buffer; each output computed by one task: no thread dependence.
+    buf = torch.full((150, 9 * 64 + 32), float("nan"))
+    out = buf[:, :9 * 64].view(150, 9, 64)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        cpu_kernels.causal_prefill_attention(q, k, v, 0.125, out=out)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(out, full) and torch.isnan(buf[:, 9 * 64:]).all()
+
+
+@needs_avx512
+def test_causal_prefill_rejects_what_it_cannot_run():
+    q, k, v = _causal_problem(1, 8, 9, 3, 64)
+    with pytest.raises(ValueError, match="float32"):
+        cpu_kernels.causal_prefill_attention(q.bfloat16(), k, v, 0.125)
+    with pytest.raises(ValueError, match="D % 64"):
+        cpu_kernels.causal_prefill_attention(*(x[..., :32].contiguous() for x in (q, k, v)), 0.125)
+    with pytest.raises(ValueError, match="must be \\[T, KVH, D\\]"):
+        cpu_kernels.causal_prefill_attention(q, k[:4], v[:4], 0.125)
+    with pytest.raises(ValueError, match="contiguous heads"):
+        cpu_kernels.causal_prefill_attention(q.transpose(0, 1).contiguous().transpose(0, 1), k, v, 0.125)
+    assert not cpu_kernels.causal_prefill_fits(q.bfloat16(), k.bfloat16())
+    assert cpu_kernels.causal_prefill_fits(q, k)
+
+
 def test_env_var_disables(monkeypatch):
     from kvshare.model.attention import TorchPagedAttention
 
@@ -357,10 +426,14 @@ def _generate(block_size: int):
 
 @pytest.mark.parametrize("block_size", [16, 1])
 def test_engine_kernel_on_equals_off(monkeypatch, block_size):
+    causal_calls = []
+    real = cpu_kernels.causal_prefill_attention
+    monkeypatch.setattr(cpu_kernels, "causal_prefill_attention", lambda *a, **k: causal_calls.append(1) or real(*a, **k))
     used_on, on = _generate(block_size)
     monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "1")
     used_off, off = _generate(block_size)
     assert used_on and not used_off
+    assert bool(causal_calls) == ("avx512" in PATHS)  # the prompts' first chunks, on the kernel
     for (ta, la), (tb, lb) in zip(on, off):
         assert ta == tb
         assert max(abs(a - b) for a, b in zip(la, lb)) < 1e-4

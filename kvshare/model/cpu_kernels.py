@@ -340,6 +340,11 @@ def _setup_attention(lib: ctypes.CDLL) -> None:
                   _ptr, _i64, _i64,  # out
                   _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_double,  # n, H, KVH, D, block_size, num_blocks, scale
                   _int, _int, ctypes.c_char_p, _i64]  # impl, threads, error buffer
+    f = lib.kvs_causal_prefill_attention
+    f.restype = _int
+    f.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64,  # q, k, v, out and their position strides
+                  _i64, _i64, _i64, _i64, ctypes.c_double,  # T, H, KVH, D, scale
+                  _int, ctypes.c_char_p, _i64]  # threads, error buffer
 
 
 def _setup_qmatmul(lib: ctypes.CDLL) -> None:
@@ -440,6 +445,41 @@ _DTYPES = (torch.float32, torch.bfloat16)
 # Cache storage dtypes -> the kernel's cache_kind; int8 and float8 come with per-slot scales.
 _CACHE_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3, torch.float8_e4m3fn: 4}
 _SCALED_KINDS = (3, 4)
+
+
+def causal_prefill_fits(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether `causal_prefill_attention` takes these: float32, head_dim % 64 == 0, an AVX-512
+    CPU (the library's avx512 path)."""
+    return (q.dtype == torch.float32 and k.dtype == torch.float32 and q.shape[-1] % 64 == 0
+            and "avx512" in cpu_paths())
+
+
+def causal_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                             out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of a prompt chunk from position 0 over its own keys: q [T, H, D], k and v
+    [T, KVH, D] (H % KVH == 0, D % 64 == 0), float32, heads and head_dim contiguous (any position
+    stride). Position t attends to keys 0 .. t. Returns [T, H, D] (into `out` when given: the
+    same layout rules). Skips the hidden keys in tiles of 64 (torch's CPU SDPA computes them
+    below 512 keys): csrc/paged_attention.cpp. Raises ValueError on bad arguments."""
+    for name, t in (("q", q), ("k", k), ("v", v)) + ((("out", out),) if out is not None else ()):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3 or t.dtype != torch.float32 or t.device.type != "cpu":
+            raise ValueError(f"{name} must be a float32 CPU tensor [T, heads, D]; got {_desc(t)}")
+        if t.stride(2) != 1 or t.stride(1) != t.shape[2]:
+            raise ValueError(f"{name} must have contiguous heads and head_dim; got strides {t.stride()}")
+    n, h, d = q.shape
+    if k.shape != v.shape or k.shape[0] != n or k.shape[2] != d or h % k.shape[1]:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be [T, KVH, D] for q {tuple(q.shape)}")
+    if out is None:
+        out = torch.empty(n, h, d)
+    elif out.shape != q.shape:
+        raise ValueError(f"out must be {tuple(q.shape)}; got {tuple(out.shape)}")
+    err = ctypes.create_string_buffer(256)
+    rc = _lib().kvs_causal_prefill_attention(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
+                                             v.stride(0), out.data_ptr(), out.stride(0), n, h, k.shape[1], d,
+                                             scale, torch.get_num_threads(), err, len(err))
+    if rc:
+        raise ValueError(err.value.decode(errors="replace"))
+    return out
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

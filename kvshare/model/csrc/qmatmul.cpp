@@ -9,6 +9,10 @@
 //   its high nibble. Half the bytes of int8 codes: decode is memory-bound, so this is what
 //   Q4_0 / Q4_1 weights want.
 //
+// Either format may instead be kept in VNNI blocks (16 rows interleaved; see "AVX-512 VNNI path"
+// below), which only the avx512-vnni path reads; everything from here to that section is about
+// weights kept in rows.
+//
 // Code paths, picked at run time by CPU features: AVX-512 (F/BW/VL/DQ), AVX2 + FMA, and a
 // portable scalar path (any g dividing K). A vector path works on steps of kStep codes and needs
 // g % kStep == 0, else the next path that fits runs: int8 steps are 16 (AVX-512) / 8 (AVX2)
