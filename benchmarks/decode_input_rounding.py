@@ -2,7 +2,8 @@
 the bundled model against the exact path (float32, dequantized), as in
 benchmarks/default_mode_accuracy.py, with x rounded before every packed (decode-row and vocab
 projection) matmul of the default mode. A simulation: the rounded x goes through the float32
-kernel, and the fused C++ decode step is turned off so that every matmul passes through Python.
+kernel (weights kept in rows, not VNNI blocks, whose kernel rounds x to int16 itself), and the
+fused C++ decode step is turned off so that every matmul passes through Python.
 
 Roundings: none (the default mode as it is); bfloat16; int16 per row and group of 32 (step
 max|x| / 32767: what an int16 VNNI kernel would multiply); int8 per row and group of 32 (step
@@ -18,12 +19,13 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-from helpers import EXACT, english_token_prompts, greedy_agreement  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from default_mode_accuracy import exact_reference  # noqa: E402
+from helpers import greedy_agreement  # noqa: E402
 
-from kvshare import LLM, SamplingParams  # noqa: E402
+from kvshare import LLM  # noqa: E402
 from kvshare.model import cpu_kernels, fused_decode, qlinear  # noqa: E402
 
-LENGTHS = [5, 12, 20, 33, 47, 64, 80, 100, 128, 160, 200, 260, 300, 350, 400, 480]
 GROUP = 32
 
 
@@ -44,16 +46,13 @@ ROUNDINGS = {
 
 
 def main() -> int:
-    cpu_kernels.build_all()
-    exact = LLM(**EXACT, kv_cache_memory="64MiB", enable_prefix_caching=False)
-    prompts = [{"prompt_token_ids": p} for p in english_token_prompts(exact.get_tokenizer().encode, LENGTHS)]
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=1)
-    ref = exact.generate(prompts, params, use_tqdm=False)
+    prompts, params, ref = exact_reference()
     kernels = {cls: cls._kernel for cls in (qlinear.GroupInt8Linear, qlinear.GroupInt4Linear)}
-    reason = fused_decode.FusedDecode.reason
+    reason, blocks_fit = fused_decode.FusedDecode.reason, cpu_kernels.vnni_blocks_fit
     print(f"{'decode-row x rounded to':<28} {'batched':>8} {'alone':>6} {'worst logprob gap':>18}")
     try:
         fused_decode.FusedDecode.reason = lambda self, *a: "off: x is rounded in Python"
+        cpu_kernels.vnni_blocks_fit = lambda *a: False
         for name, rnd in ROUNDINGS.items():
             for cls, real in kernels.items():
                 cls._kernel = real if rnd is None else (lambda self, x, out=None, real=real, rnd=rnd:
@@ -64,7 +63,7 @@ def main() -> int:
             print(f"{name:<28} {together:>5}/16 {alone:>3}/16 {max(worst_t, worst_a):>18.4f}", flush=True)
             del llm
     finally:
-        fused_decode.FusedDecode.reason = reason
+        fused_decode.FusedDecode.reason, cpu_kernels.vnni_blocks_fit = reason, blocks_fit
         for cls, real in kernels.items():
             cls._kernel = real
     return 0

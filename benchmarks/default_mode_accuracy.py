@@ -53,12 +53,17 @@ def _w8a8(scratch, x: torch.Tensor, lin) -> torch.Tensor:
     return torch._int_mm(xq, w8.t()).float() * sx * sw.T
 
 
-def main() -> int:
+def exact_reference():
+    """The 16 prompts, the sampling parameters, and the exact path's outputs for them."""
     cpu_kernels.build_all()
     exact = LLM(**EXACT, kv_cache_memory="64MiB", enable_prefix_caching=False)
     prompts = [{"prompt_token_ids": p} for p in english_token_prompts(exact.get_tokenizer().encode, LENGTHS)]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=1)
-    ref = exact.generate(prompts, params, use_tqdm=False)
+    return prompts, params, exact.generate(prompts, params, use_tqdm=False)
+
+
+def main() -> int:
+    prompts, params, ref = exact_reference()
     real_matmul = qlinear.DequantScratch.matmul
     print(f"{'variant':<45} {'batched':>8} {'alone':>6} {'worst logprob gap':>18}")
     for name, kw in VARIANTS.items():

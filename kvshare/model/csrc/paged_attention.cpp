@@ -989,24 +989,22 @@ KVS_AVX512 static KVS_INLINE void causal_pv(const float* P, int nk, const float*
   }
 }
 
+// One tile of MR rows from row r: S = Q Kt (pv false), or O += P V (pv true, 64 columns at a time).
 template <int MR>
+KVS_AVX512 static KVS_INLINE void causal_tile(const CausalArgs& A, int64_t r, const float* Q, const float* Kt,
+                                              float* S, const float* V, int nk, float* O, bool pv) {
+  if (!pv) {
+    causal_qk<MR>(Q + r * A.D, A.D, Kt, S + r * kCausalBk);
+    return;
+  }
+  for (int64_t c0 = 0; c0 < A.D; c0 += 64) causal_pv<MR>(S + r * kCausalBk, nk, V + c0, A.v_s0, O + r * A.D + c0, A.D);
+}
+
 KVS_AVX512 static void causal_rows(const CausalArgs& A, int64_t rows, const float* Q, const float* Kt, float* S,
                                    const float* V, int nk, float* O, bool pv) {
   int64_t r = 0;
-  for (; r + MR <= rows; r += MR) {
-    if (pv) {
-      for (int64_t c0 = 0; c0 < A.D; c0 += 64) causal_pv<MR>(S + r * kCausalBk, nk, V + c0, A.v_s0, O + r * A.D + c0, A.D);
-    } else {
-      causal_qk<MR>(Q + r * A.D, A.D, Kt, S + r * kCausalBk);
-    }
-  }
-  for (; r < rows; ++r) {
-    if (pv) {
-      for (int64_t c0 = 0; c0 < A.D; c0 += 64) causal_pv<1>(S + r * kCausalBk, nk, V + c0, A.v_s0, O + r * A.D + c0, A.D);
-    } else {
-      causal_qk<1>(Q + r * A.D, A.D, Kt, S + r * kCausalBk);
-    }
-  }
+  for (; r + 6 <= rows; r += 6) causal_tile<6>(A, r, Q, Kt, S, V, nk, O, pv);
+  for (; r < rows; ++r) causal_tile<1>(A, r, Q, Kt, S, V, nk, O, pv);
 }
 
 struct CausalScratch {
@@ -1037,7 +1035,7 @@ KVS_AVX512 static void causal_block(const CausalArgs& A, int64_t h, int64_t p0, 
       const float* kr = A.k + (t0 + j) * A.k_s0 + h * D;
       for (int64_t d = 0; d < D; ++d) Kt[d * kCausalBk + j] = j < nk ? kr[d] : 0.f;
     }
-    causal_rows<6>(A, rows, Q, Kt, S, nullptr, nk, O, false);
+    causal_rows(A, rows, Q, Kt, S, nullptr, nk, O, false);
     for (int64_t r = 0; r < rows; ++r) {
       float* sr = S + r * kCausalBk;
       const int64_t vis = std::min<int64_t>(nk, p0 + r / G - t0 + 1);  // keys t0 .. position
@@ -1064,7 +1062,7 @@ KVS_AVX512 static void causal_block(const CausalArgs& A, int64_t h, int64_t p0, 
         for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(O + r * D + d, _mm512_mul_ps(_mm512_loadu_ps(O + r * D + d), av));
       }
     }
-    causal_rows<6>(A, rows, nullptr, nullptr, S, A.v + t0 * A.v_s0 + h * D, nk, O, true);
+    causal_rows(A, rows, nullptr, nullptr, S, A.v + t0 * A.v_s0 + h * D, nk, O, true);
   }
   for (int64_t r = 0; r < rows; ++r) {
     float* dst = A.out + (p0 + r / G) * A.out_s0 + (h * G + r % G) * D;
