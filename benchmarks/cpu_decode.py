@@ -190,8 +190,8 @@ def kernel_crossover() -> None:
         scratch = torch.empty_like(dense)
         for rows in (1, 4, 16, 32, 64, 256, 1024):
             x = torch.randn(rows, w.shape[1]).to(dtype)
-            a = bench(lambda: cpu_kernels.int8_group_matmul(x, i8.q, i8.scale, i8.zero, i8.group))
-            a4 = bench(lambda: cpu_kernels.int4_group_matmul(x, g4.q, g4.scale, g4.zero, g4.group))
+            a = bench(lambda: i8._kernel(x))  # (in VNNI blocks on AVX-512 VNNI CPUs)
+            a4 = bench(lambda: g4._kernel(x))
             b = bench(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, torch_packed, 32, scales_zeros))
             c = bench(lambda: torch.nn.functional.linear(x, g4.dense(scratch)))
             d = bench(lambda: torch.nn.functional.linear(x, dense))

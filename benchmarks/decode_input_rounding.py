@@ -5,9 +5,10 @@ projection) matmul of the default mode. A simulation: the rounded x goes through
 kernel (weights kept in rows, not VNNI blocks, whose kernel rounds x to int16 itself), and the
 fused C++ decode step is turned off so that every matmul passes through Python.
 
-Roundings: none (the default mode as it is); bfloat16; int16 per row and group of 32 (step
-max|x| / 32767: what an int16 VNNI kernel would multiply); int8 per row and group of 32 (step
-max|x| / 127, llama.cpp's Q8 activations).
+Roundings: none (the default mode as it is); bfloat16; int16 per row and group of 32 columns
+(step max|x| / 32767: what an int16 VNNI kernel multiplies; every weight of the bundled model
+has groups of 32); int8 per row and group of 32 (step max|x| / 127, llama.cpp's Q8
+activations).
 
     python benchmarks/decode_input_rounding.py
 """

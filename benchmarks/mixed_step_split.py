@@ -46,7 +46,8 @@ def main(argv=None) -> int:
     timed(cpu_kernels, "causal_prefill_attention", "causal prefill attention (kvshare C++)", acc)
     timed(cpu_kernels, "int4_group_matmul", "packed int4 matmul, rows (outside fused decode)", acc)
     timed(cpu_kernels, "int8_group_matmul", "packed int8 matmul, rows (outside fused decode)", acc)
-    timed(cpu_kernels.VnniBlocks, "matmul", "packed matmul, VNNI blocks (outside fused decode)", acc)
+    timed(cpu_kernels.VnniBlocks, "matmul", "packed matmul, VNNI blocks (outside fused decode; "
+                                            "includes the vocab projection)", acc)
     timed(eng.model, "compute_logits", "vocab projection (compute_logits)", acc)
     steps: list[tuple[float, int]] = []
     execute = eng.runner.execute

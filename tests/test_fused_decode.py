@@ -126,6 +126,32 @@ def test_bundled_model_fused_equals_step_by_step_on_vnni_blocks():
     assert worst < VNNI_LOGPROB_TOL, worst
 
 
+def test_weights_go_back_to_rows_when_the_library_cannot_run_vnni_blocks(monkeypatch):
+    """Blocks chosen before the kernel library could say (from /proc/cpuinfo) move back to rows
+    if it cannot run them, before the first fused step, and the fused step then reads the rows:
+    the same tokens and logprobs, bit for bit, as a model built on rows."""
+    llm = LLM(kv_cache_memory="64MiB", enable_prefix_caching=False, kv_cache_dtype="float32")
+    if not _uses_vnni_blocks(llm):
+        pytest.skip("weights are kept in rows on this CPU (no AVX-512 VNNI)")
+    prompts = [{"prompt_token_ids": p} for p in english_token_prompts(llm.get_tokenizer().encode, [5, 47])]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    with monkeypatch.context() as mp:
+        mp.setattr(cpu_kernels, "vnni_blocks_fit", lambda *a: False)
+        rows = LLM(kv_cache_memory="64MiB", enable_prefix_caching=False, kv_cache_dtype="float32")
+    want = rows.generate(prompts, params, use_tqdm=False)
+    monkeypatch.setattr(cpu_kernels.QMATMUL.lib(), "kvs_qmm_vnni_blocks_fit", lambda *a: 0)
+    calls = _count_fused_calls(llm.engine.model.fused_decode)
+    try:
+        got = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        del llm.engine.model.fused_decode.run
+    assert calls[0] > 0 and not _uses_vnni_blocks(llm)
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert [lp[t].logprob for lp, t in zip(g.outputs[0].logprobs, g.outputs[0].token_ids)] == \
+               [lp[t].logprob for lp, t in zip(w.outputs[0].logprobs, w.outputs[0].token_ids)]
+
+
 def test_fused_equals_step_by_step_in_the_other_dtype(bundled_other_dtype):
     llm = bundled_other_dtype
     tok = llm.get_tokenizer()

@@ -95,7 +95,9 @@ def test_kept_quantized_matmul_equals_dequantized_reference(qtype, dtype, rows):
 @pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q8_0, QT.Q6_K], ids=lambda q: q.name)
 def test_packed_and_scratch_paths_agree(qtype):
     """Decode-sized calls read packed weights, prefill-sized ones a dequantized scratch: the same
-    rows must get the same answer either way (up to float32 summation order)."""
+    rows must get the same answer either way: up to float32 summation order, plus, for weights in
+    VNNI blocks, the int16 rounding of x (half a step of max|x| / 32767 per group times the
+    group's sum |w|, as in tests/test_qmatmul.py)."""
     raw = _raw(qtype)
     scratch = DequantScratch()
     cpu_kernels.QMATMUL.wait_until_built()
@@ -103,7 +105,12 @@ def test_packed_and_scratch_paths_agree(qtype):
     x = torch.randn(qlinear.PACKED_MAX_ROWS + 8, K)
     big = lin(x)
     small = torch.cat([lin(x[i:i + 4]) for i in range(0, x.shape[0], 4)])
-    bound = 1e-5 * (x.double().abs() @ _magnitudes(to_group_affine(raw, qtype, (N, K))).T) + 1e-6
+    mags = _magnitudes(to_group_affine(raw, qtype, (N, K)))
+    bound = 1e-5 * (x.double().abs() @ mags.T) + 1e-6
+    if lin.blocks is not None:
+        g = lin.group
+        step = x.double().abs().view(x.shape[0], K // g, g).amax(-1) / 32767
+        bound = bound + (0.5 + 3 * 32767 * 2.0**-24) * step @ mags.view(N, K // g, g).sum(-1).T
     assert ((big.double() - small.double()).abs() <= bound).all()
     assert scratch.nbytes == N * K * 4  # one layer's worth, reused
 

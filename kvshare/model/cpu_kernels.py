@@ -448,9 +448,10 @@ _SCALED_KINDS = (3, 4)
 
 
 def causal_prefill_fits(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether `causal_prefill_attention` takes these: float32, head_dim % 64 == 0, an AVX-512
-    CPU (the library's avx512 path)."""
+    """Whether `causal_prefill_attention` takes these (v laid out as k): float32, head_dim % 64 ==
+    0, contiguous heads and head_dim, an AVX-512 CPU (the library's avx512 path)."""
     return (q.dtype == torch.float32 and k.dtype == torch.float32 and q.shape[-1] % 64 == 0
+            and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (q, k))
             and "avx512" in cpu_paths())
 
 
@@ -596,8 +597,8 @@ def int8_group_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, ze
     zeros float32 [N, K // g], contiguous; K % g == 0. Returns [M, N] in x's dtype (written into
     `out` when given: [M, N], x's dtype, unit last stride). Made for small M (decode batches).
     The AVX-512 path takes g % 16 == 0 (16, 32, 64, ...), AVX2 g % 8 == 0, the scalar path any
-    g; `impl` forces one of `qmatmul_paths()` (for tests; a vector path that does not fit g
-    falls back to the next one that does). Blocks until the library is built if it is not yet
+    g; `impl` forces one of `qmatmul_paths()` but "avx512-vnni", which reads VNNI blocks only
+    (for tests; a vector path that does not fit g falls back to the next one that does). Blocks until the library is built if it is not yet
     (check `QMATMUL.available()` first on a serving path). Raises ValueError on bad arguments.
     """
     _check_x(x)
@@ -628,8 +629,8 @@ def int4_group_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
     x's dtype (or writes `out`); float32 accumulation; a row's result does not depend on the
     other rows, the thread count or N. The AVX-512 path takes g % 32 == 0, AVX2 g % 16 == 0
     (every GGUF 4-bit format's g = 32 runs on both), the scalar path any g dividing K; `impl`
-    forces one of `qmatmul_paths()` (a vector path that does not fit g falls back to the next
-    one that does). Zeros are folded into each dequantized weight (one fma), as in the int8
+    forces one of `qmatmul_paths()` but "avx512-vnni" (a vector path that does not fit g falls
+    back to the next one that does). Zeros are folded into each dequantized weight (one fma), as in the int8
     kernel. Blocks until the library is built. Raises ValueError on bad arguments, naming the
     argument.
     """
@@ -671,17 +672,21 @@ _VNNI_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx
 
 
 def vnni_blocks_fit(n: int, k: int, group_size: int) -> bool:
-    """Whether a group-quantized weight [N, K] can be kept in VNNI blocks here: a CPU with AVX-512
-    VNNI (read from /proc/cpuinfo, so the answer does not wait for the kernel build), N a multiple
-    of 16, and a group size in 8..256 that is a multiple of 8 and divides K. Off where the C++
-    kernels are disabled."""
+    """Whether a group-quantized weight [N, K] can be kept in VNNI blocks here: N a multiple of 16,
+    a group size in 8..256 that is a multiple of 8 and divides K, and a kernel library that runs
+    the avx512-vnni path (asked when it is loaded; before that, /proc/cpuinfo's flags answer, so
+    loading never waits for a build, and GroupInt8Linear.check_blocks settles it once the library
+    is there). Off where the C++ kernels are disabled."""
     from kvshare.config import cpu_flags
 
-    return (not disabled_by_env() and _VNNI_CPU_FLAGS <= cpu_flags() and n > 0 and n % 16 == 0
-            and 8 <= group_size <= 256 and group_size % 8 == 0 and k % group_size == 0)
+    if disabled_by_env() or n <= 0 or n % 16 or not 8 <= group_size <= 256 or group_size % 8 or k % group_size:
+        return False
+    if QMATMUL.available():
+        return bool(QMATMUL.lib().kvs_qmm_vnni_blocks_fit(k, group_size))
+    return _VNNI_CPU_FLAGS <= cpu_flags()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class VnniBlocks:
     """A group-quantized weight [N, K] (int8 codes, or 4-bit codes packed two per byte) in the
     layout the avx512-vnni path reads (qmatmul.cpp, "VNNI blocks"): rows in blocks of 16, each
@@ -751,6 +756,11 @@ def to_vnni_blocks(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | 
     k = row_bytes * (2 if int4 else 1)
     if n % 16 or row_bytes % 4:
         raise ValueError(f"VNNI blocks need N % 16 == 0 and a multiple of 4 bytes per row; got q {tuple(q.shape)}")
+    if not 8 <= group_size <= 256 or group_size % 8 or k % group_size:
+        raise ValueError(f"VNNI blocks need a group size in 8..256, a multiple of 8 dividing K={k}; got {group_size}")
+    for name, t in (("scales", scales), ("zeros", zeros)):
+        if t is not None and tuple(t.shape) != (n, k // group_size):
+            raise ValueError(f"{name} must be [{n}, {k // group_size}] (N, K // group_size); got {_desc(t)}")
 
     def blocked(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [N / 16, G, 16]
         return t.reshape(n // 16, 16, -1).transpose(1, 2).contiguous()

@@ -70,6 +70,10 @@ class FusedDecode:
         self.model = model
         self.enabled = True  # tests switch it off to run the step-by-step reference
         self._layers = None
+        # Weights put in VNNI blocks before the kernel library loaded are confirmed (or moved back
+        # to rows) once it has, and the views (which hold their pointers) built anew, before the
+        # first fused step.
+        self._blocks_settled = False
         self._bound: tuple[int, ctypes.Structure] | None = None
         # Why this model can never take the fused path (None: it can, step by step permitting).
         self.model_reason = unsupported or self._check_model(model)
@@ -134,6 +138,15 @@ class FusedDecode:
             return f"KV cache dtype {kv_cache.data.dtype} is not float32 or bfloat16"
         if not self.model.backend.use_cpp_kernel or not cpu_kernels.DECODE.available():
             return "C++ kernels not available"
+        if not self._blocks_settled:
+            if not cpu_kernels.QMATMUL.available():
+                return "C++ kernels not available"
+            for layer in self.model.layers:
+                for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                    lin.check_blocks()
+            # Views anew: a weight may have moved here or in an earlier prompt step's call.
+            self._layers, self._bound = self._layer_views(self.model), None
+            self._blocks_settled = True
         return None
 
     def _model_view(self, kv_cache: PagedKVStorage) -> ctypes.Structure:

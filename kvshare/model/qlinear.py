@@ -149,8 +149,7 @@ class GroupInt8Linear:
                 self._packed(x[i:i + PACKED_MAX_ROWS], y[i:i + PACKED_MAX_ROWS])
             return y
         if _qmatmul_ready():
-            if self.blocks is not None:
-                self._check_blocks()
+            self.check_blocks()
             return self._kernel(x.contiguous(), out)
         if cpu_kernels.disabled_by_env() or cpu_kernels.QMATMUL.is_done():
             # The kernel cannot be built here (no compiler, or disabled): keep a dense copy
@@ -171,18 +170,21 @@ class GroupInt8Linear:
                              dim=-1)
         return self.scratch.matmul(x, self)
 
-    def _check_blocks(self) -> None:
-        """Once the kernel library is built: back to rows if it cannot run VNNI blocks after all
-        (/proc/cpuinfo said it could: e.g. an OS that does not enable AVX-512)."""
-        if self._blocks_checked:
-            return
+    def check_blocks(self) -> bool:
+        """With the kernel library loaded: back to rows if it cannot run VNNI blocks after all
+        (they were chosen from /proc/cpuinfo before it loaded; e.g. a compiler without the
+        avx512-vnni path). True when the weight moved (FusedDecode.reason rebuilds its pointers
+        after settling every layer's weights this way)."""
+        if self.blocks is None or self._blocks_checked:
+            return False
         self._blocks_checked = True
-        if not cpu_kernels.QMATMUL.lib().kvs_qmm_vnni_blocks_fit(self.in_features, self.group):
-            logger.warning("kvshare's avx512-vnni kernel cannot run here: weights of %d x %d go back to rows",
-                           self.out_features, self.in_features)
-            idx = torch.arange(self.out_features)
-            self.q, self.scale, self.zero = self.blocks.rows(idx)
-            self.blocks = None
+        if cpu_kernels.QMATMUL.lib().kvs_qmm_vnni_blocks_fit(self.in_features, self.group):
+            return False
+        logger.warning("kvshare's avx512-vnni kernel cannot run here: weights of %d x %d go back to rows",
+                       self.out_features, self.in_features)
+        self.q, self.scale, self.zero = self.blocks.rows(torch.arange(self.out_features))
+        self.blocks = None
+        return True
 
     def _pack(self, q: torch.Tensor) -> torch.Tensor:
         return q.to(torch.int8).contiguous()  # codes of 4, 5 and 6 bits fit int8 as they are
@@ -228,8 +230,7 @@ class GroupInt8Linear:
         """The weights [N, K] as the kernels form them (into `out` when given: the prefill
         scratch, filled by one C++ pass when the kernel library is built)."""
         if out is not None and out.is_contiguous() and _qmatmul_ready():
-            if self.blocks is not None:
-                self._check_blocks()
+            self.check_blocks()
             if self.blocks is not None:
                 return self.blocks.dequantize(out)
             return cpu_kernels.group_dequantize(self.q, self.scale, self.zero, self.group, out, self.packed_int4)

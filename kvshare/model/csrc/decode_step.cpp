@@ -82,6 +82,10 @@ static void rms_norm(const float* x, const float* w, int64_t M, int64_t D, doubl
 static int linear(const Linear& L, const float* x, int64_t M, float* y, bool bf, int num_threads, char* err,
                   int64_t err_len) {
   int rc;
+  if (L.kind < 1 || L.kind > 4) {
+    std::snprintf(err, size_t(err_len), "unknown linear kind %lld", (long long)L.kind);
+    return 1;
+  }
   const bool blocks = L.kind >= 3;  // (qmatmul.cpp, "VNNI blocks")
   if (L.kind == 1 || L.kind == 3)
     rc = qmm::group_matmul<qmm::I8>(x, L.K, 0, static_cast<const uint8_t*>(L.q), L.scales, L.zeros, y, L.N, M, L.N,

@@ -96,9 +96,9 @@ struct Problem {
   void* y;
   int64_t y_s0;
   bool y_bf16;
-  // The avx512-vnni path's x: int16 code pairs [M][K / 2] (as int32), the step d of each (row,
-  // group) [M][G], and d * sum_k X_k [M][G] (for the zeros term).
-  const int32_t* xq = nullptr;
+  // The avx512-vnni path's x: int16 X [M][K], the step d of each (row, group) [M][G], and
+  // d * sum_k X_k [M][G] (for the zeros term).
+  const int16_t* xq = nullptr;
   const float* xd = nullptr;
   const float* xz = nullptr;
 };
@@ -536,7 +536,8 @@ static void rows_avx2(const Problem& P, int64_t n0, int64_t n1) {
 // operand after one byte shuffle (+ a shift and a mask, for nibbles): no per-call transposition.
 // Needs g % 8 == 0 (whole lines per group) and g <= 256 (int32 group sums cannot overflow:
 // 256 * 128 * 32767 < 2^31). SIMDe builds (QMM_ASSUME_CPU) leave the path out.
-#ifndef QMM_ASSUME_CPU
+// (GCC >= 9 / clang >= 7 for the avx512vnni target and an assembler that knows vpdpwssd.)
+#if !defined(QMM_ASSUME_CPU) && ((defined(__clang__) && __clang_major__ >= 7) || (!defined(__clang__) && __GNUC__ >= 9))
 #define QMM_HAS_VNNI 1
 #define QMM_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma")))
 static bool cpu_has_vnni() {
@@ -591,11 +592,11 @@ QMM_VNNI static QMM_INLINE void vnni_tile(const Problem& P, int64_t blk, const i
   using C = VnniCodes<F>;
   __m512 acc[MB];
   QMM_UNROLL for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
-  const int64_t pairs = P.K / 2, lines_per_group = P.g / (2 * C::kPairsPerLine);
+  const int64_t lines_per_group = P.g / (2 * C::kPairsPerLine);
   const uint8_t* qb = P.q + blk * 16 * P.q_s0;
   const float* sb = P.scales + blk * 16 * P.G;
   const float* zb = ZEROS ? P.zeros + blk * 16 * P.G : nullptr;
-  const int32_t* xr = P.xq + m0 * pairs;
+  const int16_t* xr = P.xq + m0 * P.K;
   for (int64_t gi = 0; gi < P.G; ++gi) {
     __m512i ia[MB];
     QMM_UNROLL for (int i = 0; i < MB; ++i) ia[i] = _mm512_setzero_si512();
@@ -605,7 +606,11 @@ QMM_VNNI static QMM_INLINE void vnni_tile(const Problem& P, int64_t blk, const i
       QMM_UNROLL for (int p = 0; p < C::kPairsPerLine; ++p) {
         const int64_t j = c * C::kPairsPerLine + p;
         const __m512i w = PANEL ? _mm512_load_si512(panel + j * 16) : C::pair(line, ctl[p]);
-        QMM_UNROLL for (int i = 0; i < MB; ++i) ia[i] = dpwssd(ia[i], w, _mm512_set1_epi32(xr[i * pairs + j]));
+        QMM_UNROLL for (int i = 0; i < MB; ++i) {
+          int32_t xpair;  // X[2j] | X[2j + 1] << 16, read through memcpy (int16 storage)
+          std::memcpy(&xpair, xr + i * P.K + 2 * j, sizeof xpair);
+          ia[i] = dpwssd(ia[i], w, _mm512_set1_epi32(xpair));
+        }
       }
     }
     const __m512 s = _mm512_loadu_ps(sb + gi * 16);
@@ -694,14 +699,14 @@ QMM_VNNI static void quantize_x_avx512(const float* x, int64_t s0, int64_t M, in
         bad |= _mm512_fpclass_ps_mask(a, 0x99);  // NaN or infinity
         amax = _mm512_max_ps(amax, _mm512_andnot_ps(sign, a));
       }
-      const float mx = _mm512_reduce_max_ps(amax);
-      if (bad || mx == 0.f) {
+      const float mx = _mm512_reduce_max_ps(amax), inv_s = 32767.f / mx;
+      if (bad || !std::isfinite(inv_s)) {  // as in quantize_x
         for (int64_t k = 0; k < g; ++k) X[k] = 0;
         xd[m * G + gi] = bad ? std::nanf("") : 0.f;
         xz[m * G + gi] = xd[m * G + gi];
         continue;
       }
-      const __m512 inv = _mm512_set1_ps(32767.f / mx);
+      const __m512 inv = _mm512_set1_ps(inv_s);
       __m512i sum = _mm512_setzero_si512();
       for (int64_t k = 0; k < g; k += 16) {
         const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + k), inv));
@@ -779,13 +784,13 @@ static void quantize_x(const void* x, int64_t s0, bool bf16, int64_t M, int64_t 
         finite = finite && std::isfinite(v[k]);
         amax = std::max(amax, std::fabs(v[k]));
       }
-      if (!finite || amax == 0.f) {
+      const float inv = 32767.f / amax;
+      if (!finite || !std::isfinite(inv)) {  // (an all-zero group, or one too small to scale: 0)
         for (int64_t k = 0; k < g; ++k) X[k] = 0;
         xd[m * G + gi] = finite ? 0.f : std::nanf("");
         xz[m * G + gi] = xd[m * G + gi];
         continue;
       }
-      const float inv = 32767.f / amax;
       int32_t sum = 0;
       for (int64_t k = 0; k < g; ++k) {
         const long r = std::lrintf(v[k] * inv);
@@ -877,7 +882,7 @@ static int group_matmul(const void* x, int64_t x_s0, int x_bf16, const uint8_t* 
     else
 #endif
       quantize_x(x, x_s0, x_bf16 != 0, M, K, group_size, xq.data(), xd.data(), xz.data());
-    P.xq = reinterpret_cast<const int32_t*>(xq.data());
+    P.xq = xq.data();
     P.xd = xd.data();
     P.xz = xz.data();
   } else if (x_bf16 || block > 0) {
