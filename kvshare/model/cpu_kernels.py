@@ -712,27 +712,13 @@ class VnniBlocks:
         """y = x @ w.T on the avx512-vnni path (x rounded to int16 per row and group, exact int32
         group sums): x [M, K] float32 or bfloat16, unit last stride; y [M, N] in x's dtype."""
         _check_x(x)
-        m = x.shape[0]
         if x.shape[1] != self.k:
             raise ValueError(f"x {tuple(x.shape)} does not fit a weight of K={self.k}")
         if x.stride(1) != 1 and self.k > 1:
             raise ValueError(f"x must have contiguous rows (unit last stride); got strides {x.stride()}")
-        if out is None:
-            out = torch.empty(m, self.n, dtype=x.dtype)
-        elif tuple(out.shape) != (m, self.n) or out.dtype != x.dtype or (out.stride(1) != 1 and self.n > 1):
-            raise ValueError(f"out must be [{m}, {self.n}] of x's dtype {x.dtype} with unit last stride; "
-                             f"got {_desc(out)}")
-        if m == 0:
-            return out
-        lib = QMATMUL.lib()
-        err = ctypes.create_string_buffer(256)
-        fn = lib.kvs_int4_group_matmul if self.int4 else lib.kvs_int8_group_matmul
-        rc = fn(x.data_ptr(), x.stride(0), x.dtype == torch.bfloat16, self.q.data_ptr(), self.scales.data_ptr(),
-                self.zeros.data_ptr() if self.zeros is not None else None, out.data_ptr(), out.stride(0),
-                m, self.n, self.k, self.group, _QMM_IMPLS["auto"], torch.get_num_threads(), err, len(err), 1)
-        if rc:
-            raise ValueError(err.value.decode(errors="replace"))
-        return out
+        fn = "kvs_int4_group_matmul" if self.int4 else "kvs_int8_group_matmul"
+        return _call_group_matmul(fn, x, self.q, self.scales, self.zeros, self.n, self.group, out, "auto",
+                                  vnni_blocks=True)
 
     def dequantize(self, out: torch.Tensor) -> torch.Tensor:
         """The dense weights into out [N, K] (float32 or bfloat16, contiguous), the values
@@ -823,6 +809,14 @@ def _group_matmul(fn: str, x: torch.Tensor, q_name: str, q: torch.Tensor, scales
             raise ValueError(f"{name} must be contiguous")
     if impl not in _QMM_IMPLS:
         raise ValueError(f"impl={impl!r} must be one of {sorted(_QMM_IMPLS)}")
+    return _call_group_matmul(fn, x, q, scales, zeros, n, group_size, out, impl, vnni_blocks=False)
+
+
+def _call_group_matmul(fn: str, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                       n: int, group_size: int, out: torch.Tensor | None, impl: str, vnni_blocks: bool) -> torch.Tensor:
+    """`out` checked (or made) and the C call, for weights in rows and in VNNI blocks alike (x and
+    the weight checked by the caller)."""
+    m, k = x.shape
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype)
     elif (not isinstance(out, torch.Tensor) or tuple(out.shape) != (m, n) or out.dtype != x.dtype
@@ -837,7 +831,7 @@ def _group_matmul(fn: str, x: torch.Tensor, q_name: str, q: torch.Tensor, scales
         x.data_ptr(), x.stride(0), x.dtype == torch.bfloat16,
         q.data_ptr(), scales.data_ptr(), zeros.data_ptr() if zeros is not None else None,
         out.data_ptr(), out.stride(0), m, n, k, group_size,
-        _QMM_IMPLS[impl], torch.get_num_threads(), err, len(err), 0)
+        _QMM_IMPLS[impl], torch.get_num_threads(), err, len(err), int(vnni_blocks))
     if rc:
         raise ValueError(err.value.decode(errors="replace"))
     return out
