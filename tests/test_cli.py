@@ -64,7 +64,8 @@ def test_generate_greedy_and_chat():
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert len(out["token_ids"]) == 8 or out["finish_reason"] == "stop"
     assert "Paris" in out["text"]
-    r = _run("generate", "--chat", "What is the capital of France?", "--max-tokens", "24", "--json",
+    # Not "What is the capital of France?": its first token is a near tie (tests/test_server.py, CHAT).
+    r = _run("generate", "--chat", "Name the capital of France.", "--max-tokens", "24", "--json",
              "--kv-cache-memory", "64MiB")
     assert r.returncode == 0, r.stderr
     assert "Paris" in json.loads(r.stdout.strip().splitlines()[-1])["text"]
