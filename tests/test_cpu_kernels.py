@@ -426,10 +426,14 @@ def _generate(block_size: int):
 
 @pytest.mark.parametrize("block_size", [16, 1])
 def test_engine_kernel_on_equals_off(monkeypatch, block_size):
+    causal_calls = []
+    real = cpu_kernels.causal_prefill_attention
+    monkeypatch.setattr(cpu_kernels, "causal_prefill_attention", lambda *a, **k: causal_calls.append(1) or real(*a, **k))
     used_on, on = _generate(block_size)
     monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "1")
     used_off, off = _generate(block_size)
     assert used_on and not used_off
+    assert bool(causal_calls) == ("avx512" in PATHS)  # the prompts' first chunks, on the kernel
     for (ta, la), (tb, lb) in zip(on, off):
         assert ta == tb
         assert max(abs(a - b) for a, b in zip(la, lb)) < 1e-4

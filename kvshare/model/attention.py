@@ -13,7 +13,8 @@ storage format itself.
 
 `AttentionBackend` is the seam a CUDA backend will plug into; `TorchPagedAttention` is the
 CPU implementation: pure PyTorch, except that decode rows go to the C++ kernel in
-`cpu_kernels` (one pass over each row's own blocks) when it builds and is not disabled.
+`cpu_kernels` (one pass over each row's own blocks) when it builds and is not disabled, and so
+do float32 prompt chunks from position 0 (causal over their own keys, skipping the hidden ones).
 """
 from __future__ import annotations
 
@@ -207,10 +208,10 @@ class TorchPagedAttention(AttentionBackend):
                 # The chunk sees only its own keys, just written to the cache: read them from k / v
                 # (as the cache holds them) rather than gather its whole block table back.
                 fk, fv = fresh
-                # (cpu_kernels.causal_prefill_attention computes this 1.5-2x faster, but is not
-                # wired in yet: its float32 rounding differs from SDPA's, and the default mode's
-                # bfloat16 prefill GEMMs magnify that enough to flip near-tie first tokens that
-                # tests rely on; docs/benchmarks.md, "Fourth pass".)
+                if self.use_cpp_kernel and cpu_kernels.causal_prefill_fits(q, fk):
+                    # kvshare's kernel skips the hidden keys, which torch's SDPA computes below 512.
+                    cpu_kernels.causal_prefill_attention(q[s:s + n], fk, fv, scale, out=out[s:s + n])
+                    continue
                 o = F.scaled_dot_product_attention(
                     qc.unsqueeze(0), fk.transpose(0, 1).unsqueeze(0),
                     fv.transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale, enable_gqa=group > 1,
