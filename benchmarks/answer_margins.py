@@ -6,9 +6,9 @@ its runner-up by 0.0003 flips when attention rounds differently (docs/benchmarks
 pass"). This script decodes each candidate prompt greedily in the default mode under several
 attention variants: SDPA as is, SDPA's output times (1 + 1e-7 noise) for a few seeds, and
 kvshare's causal prefill kernel in SDPA's place. For each it prints whether the answer names the
-fact and the smallest top-1 / top-2 logprob margin up to the token that completes it. A prompt a
-test may rest on keeps a margin far above what these variants move (they move a logprob by
-~0.05).
+fact and the smallest top-1 / top-2 logprob margin up to the token that completes it and over
+the whole answer (as many tokens as the test compares). A prompt a test may rest on keeps a
+margin far above what these variants move (they move a logprob by ~0.05).
 
 With --gap MODEL it prints instead, per variant, tests/test_default_mode.py's measure against
 the exact path (prompts decoding identically, the worst chosen-token logprob gap up to the first
@@ -17,7 +17,8 @@ default mode's own rounding noise takes.
 
     .venv/bin/python benchmarks/answer_margins.py
     .venv/bin/python benchmarks/answer_margins.py --gap gemma3-270m --seeds 16
-    .venv/bin/python benchmarks/answer_margins.py --gap bundled --steps 32 --lengths 5,20,47,80,128,200,300,400
+    .venv/bin/python benchmarks/answer_margins.py --gap bundled --seeds 8 --steps 32 --lengths 5,20,47,80,128,200,300,400
+    .venv/bin/python benchmarks/answer_margins.py --gap gemma3-270m --engine-option kv_cache_dtype=float32
 """
 from __future__ import annotations
 
@@ -32,21 +33,25 @@ import torch.nn.functional as F
 from kvshare import LLM, SamplingParams
 from kvshare.model import attention, cpu_kernels
 
-CHAT = "chat"
-COMPLETION = "completion"
-# (kind, prompt, expected word, max tokens), as the end-to-end tests would ask them.
-CANDIDATES = [
-    (CHAT, "What is the capital of France?", "Paris", 24),
-    (CHAT, "What is the capital city of France?", "Paris", 24),
-    (CHAT, "Which city is the capital of France?", "Paris", 24),
-    (CHAT, "Name the capital of France.", "Paris", 24),
-    (CHAT, "What is the capital of France? Answer in one word.", "Paris", 24),
-    (CHAT, "In which city is the Eiffel Tower?", "Paris", 24),
-    (CHAT, "What is the capital of Germany?", "Berlin", 24),
-    (CHAT, "What is the capital of Japan?", "Tokyo", 24),
-    (COMPLETION, "The capital of France is", "Paris", 8),
-    (COMPLETION, "The Eiffel Tower is in the city of", "Paris", 8),
-]
+# (messages, the word the answer must name, max tokens) as the end-to-end tests send them; a
+# messages list ending with an assistant turn is continued (continue_final_message), a str is a
+# completion prompt.
+USER = "user"
+CANDIDATES = (
+    ([{"role": USER, "content": "What is the capital of France?"}], "Paris", 24),
+    ([{"role": USER, "content": "What is the capital city of France?"}], "Paris", 24),
+    ([{"role": USER, "content": "Which city is the capital of France?"}], "Paris", 24),
+    ([{"role": USER, "content": "Name the capital of France."}], "Paris", 24),  # tests/test_server.py CHAT
+    ([{"role": USER, "content": "What is the capital of France? Answer in one word."}], "Paris", 24),
+    ([{"role": USER, "content": "In which city is the Eiffel Tower?"}], "Paris", 24),
+    ([{"role": USER, "content": "What is the capital of Germany?"}], "Berlin", 24),
+    ([{"role": USER, "content": "What is the capital of Japan?"}], "Tokyo", 5),  # tests/test_ray_serve.py
+    ([{"role": USER, "content": "Say hi"}], "Hello", 5),  # what tests/test_ray_serve.py asked before
+    ([{"role": USER, "content": "Name the capital of France."},  # test_continue_final_message...
+      {"role": "assistant", "content": "The capital of France is"}], "Paris", 6),
+    ("The capital of France is", "Paris", 8),
+    ("The Eiffel Tower is in the city of", "Paris", 8),
+)
 
 
 class _NoisySdpa:
@@ -98,33 +103,46 @@ def _attention_functional(stand_in):
         attention.F, cpu_kernels.causal_prefill_fits = saved_f, saved_fits
 
 
-def _margin_up_to(tok, out, word: str) -> tuple[bool, float, str]:
+def _margins(tok, out, word: str) -> tuple[bool, float, float, str]:
     """(the answer names word, the smallest top-1 minus top-2 logprob up to the token completing it
-    (over the whole answer when it never does), the answer)."""
+    (over the whole answer when it never does), the smallest over the whole answer, the answer)."""
     comp = out.outputs[0]
-    text = comp.text
-    margins = []
-    for i, chosen in enumerate(comp.token_ids):
+    margins, named_at = [], None
+    for i in range(len(comp.token_ids)):
         ranked = sorted(lp.logprob for lp in comp.logprobs[i].values())
         margins.append(ranked[-1] - ranked[-2] if len(ranked) > 1 else float("inf"))
-        if word in tok.decode(comp.token_ids[:i + 1], skip_special_tokens=True):
-            return True, min(margins), text
-    return False, min(margins), text
+        if named_at is None and word in tok.decode(comp.token_ids[:i + 1], skip_special_tokens=True):
+            named_at = i
+    if not margins:
+        return False, float("inf"), float("inf"), comp.text
+    upto = margins if named_at is None else margins[:named_at + 1]
+    return named_at is not None, min(upto), min(margins), comp.text
+
+
+def _prompt(tok, messages) -> dict:
+    if isinstance(messages, str):
+        return {"prompt": messages}
+    cont = messages[-1]["role"] == "assistant"
+    text = tok.apply_chat_template(messages, add_generation_prompt=not cont, continue_final_message=cont)
+    return {"prompt_token_ids": tok.encode(text, add_special_tokens=False)}
 
 
 def _variants(seeds: int) -> list[tuple[str, object]]:
+    """Fresh stand-ins (each noise generator starts at its seed), so a prompt's noise does not
+    depend on the prompts measured before it."""
     variants = [("sdpa", None)] + [(f"noise{s}", _NoisySdpa(s)) for s in range(seeds)]
     if "avx512" in cpu_kernels.cpu_paths():
         variants.append(("causal-kernel", _CausalKernel()))
     return variants
 
 
-def _gaps(model: str | None, seeds: int, steps: int, lengths: list[int]) -> None:
-    """The measure of tests/test_default_mode.py and test_gemma3_real.py, per variant."""
+def _gaps(model: str | None, seeds: int, steps: int, lengths: list[int], options: dict) -> None:
+    """The measure of tests/test_default_mode.py and test_gemma3_real.py, per variant, for the
+    default engine with `options` on top."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
     from helpers import EXACT, english_token_prompts, greedy_agreement
 
-    default = LLM(model=model, kv_cache_memory="64MiB", enable_prefix_caching=False)
+    default = LLM(model=model, kv_cache_memory="64MiB", enable_prefix_caching=False, **options)
     exact = LLM(model=model, **EXACT, kv_cache_memory="64MiB", enable_prefix_caching=False)
     tok = default.get_tokenizer()
     prompts = [{"prompt_token_ids": p} for p in english_token_prompts(tok.encode, lengths)]
@@ -137,38 +155,53 @@ def _gaps(model: str | None, seeds: int, steps: int, lengths: list[int]) -> None
         print(f"{model or 'bundled'} {name:<14} identical {identical}/{len(prompts)}  worst logprob gap {worst:.4f}")
 
 
+def _option(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, None if value == "None" else value
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=4, help="noise seeds per prompt")
     ap.add_argument("--gap", metavar="MODEL", help="the default-vs-exact gap per variant for MODEL ('bundled': "
                     "the bundled model) instead")
-    ap.add_argument("--steps", type=int, default=8, help="greedy steps for --gap (test_gemma3_real.py: 8, "
+    ap.add_argument("--steps", type=int, help="greedy steps for --gap (default 8, test_gemma3_real.py's; "
                     "test_default_mode.py: 32)")
-    ap.add_argument("--lengths", default="5,12,20,33,47,64", help="prompt lengths for --gap (test_gemma3_real.py's; "
+    ap.add_argument("--lengths", help="prompt lengths for --gap (default 5,12,20,33,47,64, test_gemma3_real.py's; "
                     "test_default_mode.py's: 5,20,47,80,128,200,300,400)")
+    ap.add_argument("--engine-option", type=_option, action="append", default=[], metavar="KEY=VALUE",
+                    help="for --gap: an LLM() option of the engine measured against the exact path "
+                    "(e.g. kv_cache_dtype=float32); repeatable")
     args = ap.parse_args()
+    if not args.gap:
+        for name in ("steps", "lengths"):
+            if getattr(args, name) is not None:
+                ap.error(f"--{name} applies only with --gap")
+        if args.engine_option:
+            ap.error("--engine-option applies only with --gap")
     if args.gap:
-        _gaps(None if args.gap == "bundled" else args.gap, args.seeds, args.steps,
-              [int(n) for n in args.lengths.split(",")])
+        lengths = [int(n) for n in (args.lengths or "5,12,20,33,47,64").split(",")]
+        _gaps(None if args.gap == "bundled" else args.gap, args.seeds, args.steps or 8, lengths,
+              dict(args.engine_option))
         return
     # No prefix caching: every variant must compute its prompt afresh.
     llm = LLM(enable_prefix_caching=False)
     tok = llm.get_tokenizer()
-    variants = _variants(args.seeds)
-    print(f"{'prompt':<52} {'variant':<14} {'names it':<8} {'min margin':>10}  answer")
-    for kind, prompt, word, max_tokens in CANDIDATES:
+    print(f"{'prompt':<52} {'variant':<14} {'names it':<8} {'to it':>7} {'whole':>7}  answer")
+    for messages, word, max_tokens in CANDIDATES:
         params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=2)
-        worst = float("inf")
-        for name, stand_in in variants:
+        label = messages if isinstance(messages, str) else " / ".join(m["content"] for m in messages)
+        worst_to, worst_whole = float("inf"), float("inf")
+        for name, stand_in in _variants(args.seeds):
             with _attention_functional(stand_in):
-                if kind == CHAT:
-                    out = llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0]
-                else:
-                    out = llm.generate(prompt, params, use_tqdm=False)[0]
-            named, margin, text = _margin_up_to(tok, out, word)
-            worst = min(worst, margin if named else float("-inf"))
-            print(f"{kind[0]}: {prompt[:49]:<49} {name:<14} {str(named):<8} {margin:>10.4f}  {text[:60]!r}")
-        print(f"{'':<52} {'worst':<14} {'':<8} {worst:>10.4f}")
+                out = llm.generate(_prompt(tok, messages), params, use_tqdm=False)[0]
+            named, to_word, whole, text = _margins(tok, out, word)
+            worst_to = min(worst_to, to_word if named else float("-inf"))
+            worst_whole = min(worst_whole, whole)
+            print(f"{label[:52]:<52} {name:<14} {str(named):<8} {to_word:>7.4f} {whole:>7.4f}  {text[:50]!r}")
+        print(f"{'':<52} {'worst':<14} {'':<8} {worst_to:>7.4f} {worst_whole:>7.4f}  ({max_tokens} tokens)")
 
 
 if __name__ == "__main__":

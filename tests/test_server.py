@@ -15,9 +15,10 @@ import kvshare
 from server_proc import MODEL, ServerProcess
 
 FRANCE = "The capital of France is"
-# A question whose greedy answer does not rest on a near tie: in the default mode every token up to
-# "Paris" leads its runner-up by >= 1.4 logprob under last-bit changes to attention, where "What is
-# the capital of France?" leads by 0.0003-0.1 and flips (benchmarks/answer_margins.py).
+# A question whose greedy answer does not rest on a near tie: in the default mode every token of
+# its 24 leads its runner-up by >= 1.0 logprob under last-bit changes to attention (so a second
+# request that reuses the first's cached prompt decodes the same), where "What is the capital of
+# France?" leads by 0.0003 at worst and flips (benchmarks/answer_margins.py).
 CHAT = [{"role": "user", "content": "Name the capital of France."}]
 
 
