@@ -12,8 +12,8 @@ margin far above what these variants move (they move a logprob by ~0.05).
 
 With --gap MODEL it prints instead, per variant, tests/test_default_mode.py's measure against
 the exact path (prompts decoding identically, the worst chosen-token logprob gap up to the first
-differing token) on the prompts tests/test_gemma3_real.py uses: how much of a test's bound the
-default mode's own rounding noise takes.
+differing token), by default on the prompts tests/test_gemma3_real.py uses: how much of a test's
+bound the default mode's own rounding noise takes.
 
     .venv/bin/python benchmarks/answer_margins.py
     .venv/bin/python benchmarks/answer_margins.py --gap gemma3-270m --seeds 16
@@ -175,17 +175,15 @@ def main() -> None:
                     help="for --gap: an LLM() option of the engine measured against the exact path "
                     "(e.g. kv_cache_dtype=float32); repeatable")
     args = ap.parse_args()
-    if not args.gap:
-        for name in ("steps", "lengths"):
-            if getattr(args, name) is not None:
-                ap.error(f"--{name} applies only with --gap")
-        if args.engine_option:
-            ap.error("--engine-option applies only with --gap")
     if args.gap:
         lengths = [int(n) for n in (args.lengths or "5,12,20,33,47,64").split(",")]
-        _gaps(None if args.gap == "bundled" else args.gap, args.seeds, args.steps or 8, lengths,
-              dict(args.engine_option))
+        _gaps(None if args.gap == "bundled" else args.gap, args.seeds, 8 if args.steps is None else args.steps,
+              lengths, dict(args.engine_option))
         return
+    for flag, given in (("--steps", args.steps is not None), ("--lengths", args.lengths is not None),
+                        ("--engine-option", bool(args.engine_option))):
+        if given:
+            ap.error(f"{flag} applies only with --gap")
     # No prefix caching: every variant must compute its prompt afresh.
     llm = LLM(enable_prefix_caching=False)
     tok = llm.get_tokenizer()
