@@ -18,11 +18,11 @@ from kvshare.model import cpu_kernels
 from kvshare.server import async_engine
 from kvshare.server.metrics import ServerMetrics
 
-pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc/self/task")
-
-
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc/self/task")
 def test_release_ends_the_calling_threads_openmp_workers():
-    # A fresh process: this one's OpenMP state depends on the tests run before.
+    # A fresh process (this one's OpenMP state depends on the tests run before), whose
+    # OMP_NUM_THREADS differs from the team size torch sets: the team made again after the
+    # release must still be torch's size, not the environment's.
     code = textwrap.dedent("""
         import os, time, torch
         from kvshare.model import cpu_kernels
@@ -39,16 +39,18 @@ def test_release_ends_the_calling_threads_openmp_workers():
         torch.sin(torch.randn(4_000_000))  # a team is made again when the thread needs one
         print(before, with_team, released, after, threads())
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr
     before, with_team, released, after, again = out.stdout.split()
     assert int(with_team) > int(before), "the parallel region made no worker thread"
     assert released == "True"
     assert int(after) < int(with_team), "the workers did not end"
-    assert int(again) == int(with_team)
+    assert int(again) == int(with_team), "the team made again is not torch's size"
 
 
 def test_the_server_releases_its_workers_before_the_engine_thread_starts(monkeypatch):
+    monkeypatch.setattr(async_engine, "IDLE_WAIT_SECONDS", 60.0)  # the stub engine never wakes to step
     calls = []
     monkeypatch.setattr(cpu_kernels, "release_openmp_workers",
                         lambda: calls.append(ae._thread) or True)

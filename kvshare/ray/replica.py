@@ -44,7 +44,6 @@ class EngineReplica:
         from ray import serve
 
         from kvshare.config import EngineConfig
-        from kvshare.engine.llm_engine import LLMEngine
         from kvshare.server.app import build_app
         from kvshare.server.async_engine import AsyncEngine
         from kvshare.server.metrics import ServerMetrics
@@ -64,8 +63,10 @@ class EngineReplica:
                    # block's token ids (a tenant's prompt) stay here; routers need only the hashes.
                    "kv_events_token_ids": False}
         config = EngineConfig.from_kwargs(**options)
-        # Loading takes seconds: off the replica's event loop.
-        engine = await asyncio.to_thread(LLMEngine, config)
+        # Loading takes seconds: off the replica's event loop, in a worker thread that then ends
+        # the OpenMP workers its load made (the engine thread steps from here on; see
+        # cpu_kernels.release_openmp_workers).
+        engine = await asyncio.to_thread(_build_engine, config)
         server = ServerConfig(**{**server_options, "access_log": False})
         name = server.served_model_name or default_model_name(config.model)
         metrics = ServerMetrics(name)
@@ -164,3 +165,13 @@ class _Lifespan:
         await self._inbox.put({"type": "lifespan.shutdown"})
         await self._expect("lifespan.shutdown.complete")
         self._task = None
+
+
+def _build_engine(config):
+    """An LLMEngine for config, built in the calling thread, which then ends its OpenMP workers."""
+    from kvshare.engine.llm_engine import LLMEngine  # (imported late, as the rest of this module's engine code)
+    from kvshare.model import cpu_kernels
+
+    engine = LLMEngine(config)
+    cpu_kernels.release_openmp_workers()
+    return engine
