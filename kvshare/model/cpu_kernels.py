@@ -434,9 +434,10 @@ def release_openmp_workers() -> bool:
     so the stepping thread's workers sleep and are woken hundreds of times a step (the bundled
     model decoding in a second thread after the first built it: 12.6 against 8.6 ms/token, its
     worker busy 57% of the time; after this call in the first thread, 8.7 ms at 99%). A team
-    the thread needs later is made again, of the size torch set (the pause keeps it). No-op (False) where libgomp is not
-    loaded. (GNU libgomp's pause ends the calling thread's workers only; LLVM's libomp, shipped
-    under the same name by some distributions, ends every thread's.)"""
+    the thread needs later is made again, of the size torch set (the pause keeps it). No-op
+    (False) where libgomp is not loaded. (GNU libgomp's pause ends the calling thread's workers
+    only; LLVM's libomp, shipped under the same name by some distributions, ends every
+    thread's.)"""
     try:
         gomp = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD)  # only the copy already loaded
         pause = gomp.omp_pause_resource_all

@@ -135,9 +135,10 @@ class AsyncEngine:
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        # This thread built the engine (and ran its kernels while loading); from here on it only
-        # serves the event loop. Its idle OpenMP workers would make libgomp put the engine
-        # thread's workers to sleep between parallel regions (cpu_kernels.release_openmp_workers).
+        # Under `kvshare serve` this thread built the engine (and ran its kernels while loading);
+        # from here on it only serves the event loop. Its idle OpenMP workers would make libgomp
+        # put the engine thread's workers to sleep between parallel regions
+        # (cpu_kernels.release_openmp_workers; a Ray replica releases where it built the engine).
         cpu_kernels.release_openmp_workers()
         self._thread = threading.Thread(target=self._run, name="kvshare-engine", daemon=True)
         self._thread.start()
