@@ -18,6 +18,7 @@ from kvshare.model import cpu_kernels
 from kvshare.server import async_engine
 from kvshare.server.metrics import ServerMetrics
 
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc/self/task")
 def test_release_ends_the_calling_threads_openmp_workers():
     # A fresh process (this one's OpenMP state depends on the tests run before), whose
