@@ -3,12 +3,18 @@ holds its share of every layer (KV heads 2 + 1 of the bundled model's 3, query h
 the MLP and of the vocabulary) and runs each step plan rank 0 broadcasts over gloo. On the
 bundled model in float32 it matches TP=1: the same greedy tokens, logprobs and prompt logprobs
 within 1e-4, through chunked prefill, mixed steps and prefix-cache hits. A worker that dies makes
-the next step fail with an error naming it; a rank 0 that dies takes its workers with it."""
+the next step fail with an error naming it; a rank 0 that dies takes its workers with it. Issue 33:
+the ranks start through a store only the server's user can open, with nothing listening on the
+network, every value signed with a per-launch token, and a worker maps no segment and sizes no
+KV pool it is told of unless it matches what it computes itself."""
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -26,7 +32,7 @@ from kvshare.model import cpu_kernels
 from kvshare.model.config import ModelArchConfig
 from kvshare.model.gguf_quants import GroupAffine
 from kvshare.model.tensor_parallel import TPShard, check_tensor_parallel, even_split, shard_weights
-from kvshare.model.tp_transport import ShmSegment, ShmTransport
+from kvshare.model.tp_transport import SEGMENT_PREFIX, SegmentRefused, ShmSegment, ShmTransport, segment_dir
 from server_proc import MODEL, ServerProcess
 
 # Small chunks: prompts prefill over several steps, beside other rows' decode steps.
@@ -359,8 +365,158 @@ def test_a_killed_rank0_takes_its_worker_with_it(tmp_path):
     pytest.fail(f"worker {worker} outlived its killed rank 0 by 20 s")
 
 
-def test_serve_with_tensor_parallel_answers_like_tp1():
-    """The default mode (weights kept quantized: packed shards) behind the OpenAI server."""
+def _listening(pids: list[int]) -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket these processes hold open in the listening state."""
+    found = set()
+    for pid in pids:
+        inodes = set()
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue  # closed meanwhile
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+        for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+            with open(f"/proc/{pid}/net/{table}") as f:
+                for line in f.readlines()[1:]:
+                    cols = line.split()
+                    if cols[3] != "0A" or cols[9] not in inodes:  # 0A: LISTEN
+                        continue
+                    addr, port = cols[1].split(":")
+                    raw = bytes.fromhex(addr)  # 32-bit words in host (little endian) order
+                    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                    found.add((socket.inet_ntop(family, raw), int(port, 16)))
+    return found
+
+
+def _loopback(address: str) -> bool:
+    ip = ipaddress.ip_address(address)
+    return (ip.ipv4_mapped or ip).is_loopback if ip.version == 6 else ip.is_loopback
+
+
+def test_gloo_ranks_listen_on_loopback_alone_and_no_store_outlives_start_up(engines):
+    """Over gloo, the ranks' own sockets (gloo keeps a listener per rank for the group's life) are
+    on loopback, and the start-up store is gone once the engines run: before issue 33 each engine
+    kept a TCPStore listening on every interface."""
+    tp = [llm for key, llm in engines.items() if isinstance(key, tuple)]
+    gloo = engines[("quantized", "gloo")]
+    pids = [os.getpid()] + [p.pid for p in gloo.engine.runner.launcher.procs]
+    listening = _listening(pids)
+    assert listening and all(_loopback(addr) for addr, _ in listening), listening
+    for llm in tp:
+        assert not os.path.exists(llm.engine.runner.launcher.store_dir)
+    assert not [n for n in os.listdir(tempfile.gettempdir()) if n.startswith(f"kvshare-tp-store-{os.getpid()}-")]
+
+
+def _segment_spec(path: str, slot_bytes: int) -> bytes:
+    return json.dumps({"path": path, "slot_bytes": slot_bytes}).encode()
+
+
+def test_a_worker_maps_only_a_segment_its_engine_could_have_made(tmp_path):
+    """The path and slot size a worker is told must be what rank 0 makes and what the worker
+    computes itself: otherwise a clear error, and nothing is mapped (a symbolic link's target
+    stays untouched)."""
+    from kvshare.engine.tp_worker import map_segment
+
+    assert cpu_kernels.SHM.wait_until_built(timeout=600), cpu_kernels.SHM.unavailable_reason()
+    base, slot = segment_dir(), ShmSegment.slot_bytes_for(48, 576)
+    nbytes = 4096 + 2 * 2 * slot
+    name = f"{SEGMENT_PREFIX}test-{os.getpid()}-{time.monotonic_ns()}"
+    good, link, small = (os.path.join(base, name + suffix) for suffix in ("", "-link", "-small"))
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"\x7f" * nbytes)
+    os.symlink(victim, link)
+    with open(small, "wb") as f:
+        f.write(b"\0" * 4096)
+    made = ShmSegment(good, 2, slot, create=True)
+    try:
+        assert map_segment(_segment_spec(good, slot), 2, slot).slot_bytes == slot  # the engine's own: mapped
+        refused = {
+            str(tmp_path / name): "is not a kvshare-tp-\\* file directly in",  # another directory
+            os.path.join(base, "kvshare-test-x"): "is not a kvshare-tp-\\* file",  # another prefix
+            os.path.join(base, name, "..", name): "is not a kvshare-tp-\\* file",  # dot segments
+            link: "is a symbolic link",
+            small: f"has 4096 bytes, not the {nbytes} this rank expects",
+        }
+        for path, message in refused.items():
+            with pytest.raises(SegmentRefused, match=message):
+                map_segment(_segment_spec(path, slot), 2, slot)
+        with pytest.raises(ValueError, match=f"slot_bytes {2 * slot} is not the {slot} this rank computes"):
+            map_segment(_segment_spec(good, 2 * slot), 2, slot)
+        assert map_segment(b"", 2, slot) is None  # rank 0 made none: gloo
+    finally:
+        for path in (good, link, small):
+            os.unlink(path)
+    assert victim.read_bytes() == b"\x7f" * nbytes
+
+
+def test_a_worker_takes_only_the_kv_pool_size_it_would_have_planned():
+    from kvshare.config import EngineConfig
+    from kvshare.engine.model_setup import plan_kv
+    from kvshare.engine.tp_worker import check_num_blocks
+    from kvshare.memory_plan import kv_pool_blocks
+
+    mc = _smollm_like()
+    fixed = EngineConfig(kv_cache_memory="64MiB", max_model_len=512)
+    kv = plan_kv(fixed, mc)
+    per_token = fixed.kv_format.bytes_per_token(kv.layers_per_block, mc.num_kv_heads, mc.head_dim)
+    want = kv_pool_blocks(fixed.kv_budget_bytes(), per_token, fixed.block_size)
+    assert check_num_blocks(want, fixed, mc, kv) == want
+    with pytest.raises(ValueError, match=f"a KV pool of {want + 1} blocks is not the {want} that kv_cache_memory="):
+        check_num_blocks(want + 1, fixed, mc, kv)
+    # A fraction of the memory free when rank 0 planned: any size this machine can hold.
+    share = EngineConfig(max_model_len=512)
+    assert check_num_blocks(want, share, mc, kv) == want
+    for bad in (0, -1, 2**50):
+        with pytest.raises(ValueError, match="is not between one block and this machine's memory"):
+            check_num_blocks(bad, share, mc, kv)
+
+
+def test_start_up_values_count_only_when_signed_with_the_launch_token(tmp_path):
+    """Either side refuses a value another token signed, an unsigned one (a forged ready key) and
+    a signed value moved under another key."""
+    from kvshare.engine.tensor_parallel import SignedStore, open_store
+
+    raw = open_store(str(tmp_path / "store"), 2)
+    ours, theirs = SignedStore(raw, "a" * 64), SignedStore(raw, "b" * 64)
+    ours.set("config", '{"model": "mine"}')
+    assert ours.get("config") == b'{"model": "mine"}'
+    with pytest.raises(RuntimeError, match="the start-up store's 'config' is not signed with this launch's token"):
+        theirs.get("config")
+    raw.set("ready/1", "1")
+    raw.set("num_blocks", raw.get("config"))
+    for key in ("ready/1", "num_blocks"):
+        with pytest.raises(RuntimeError, match=f"'{key}' is not signed"):
+            ours.get(key)
+
+
+def test_a_worker_without_the_launch_token_refuses_to_start(tmp_path):
+    """A worker started by hand (no token in its environment) or with another launch's token
+    stops before it reads the config's model, and signs nothing."""
+    from kvshare.config import EngineConfig
+    from kvshare.engine.tensor_parallel import TOKEN_ENV, SignedStore, config_to_json, open_store
+
+    path = str(tmp_path / "store")
+    raw = open_store(path, 2)
+    SignedStore(raw, "a" * 64).set("config", config_to_json(EngineConfig(model=str(tmp_path / "never-loaded"),
+                                                                         tensor_parallel_size=2)))
+    cmd = [sys.executable, "-m", "kvshare.engine.tp_worker", "--rank", "1", "--size", "2", "--store", path,
+           "--threads", "1", "--parent", str(os.getpid())]
+    env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+    for token, message in ((None, f"{TOKEN_ENV} is not set: a worker is started by its engine"),
+                           ("b" * 64, "the start-up store's 'config' is not signed with this launch's token")):
+        run = subprocess.run(cmd, env=env if token is None else dict(env, **{TOKEN_ENV: token}),
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode != 0 and message in run.stderr, run.stderr[-2000:]
+        assert "never-loaded" not in run.stderr
+    assert os.path.exists(path) and not raw.check(["shm/1"]) and not raw.check(["ready/1"])
+
+
+def test_serve_with_tensor_parallel_answers_like_tp1_and_listens_on_its_port_alone():
+    """The default mode (weights kept quantized: packed shards) behind the OpenAI server. The
+    server and its worker listen on the HTTP port and nothing else (before issue 33 the start-up
+    TCPStore listened on every interface for the engine's life)."""
     prompt = "The three largest planets are"
     ref = LLM(kv_cache_memory="64MiB", max_model_len=512)
     want = ref.generate([prompt], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0].outputs[0].text
@@ -372,6 +528,8 @@ def test_serve_with_tensor_parallel_answers_like_tp1():
         assert "tensor parallel: 2 ranks over shared memory" in srv.log_text()
         workers = _worker_pids(srv.proc.pid)
         assert len(workers) == 1
+        assert _listening([srv.proc.pid, *workers]) == {("127.0.0.1", srv.port)}
+        assert not [n for n in os.listdir(tempfile.gettempdir()) if n.startswith(f"kvshare-tp-store-{srv.proc.pid}-")]
         assert srv.terminate() == 0  # SIGTERM: drained, workers stopped, exit 0
     finally:
         srv.close()

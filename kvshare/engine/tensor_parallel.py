@@ -7,23 +7,31 @@ the model over its shard of the KV cache (its KV heads, at the same block ids), 
 meet only in the model's collectives (kvshare.model.tensor_parallel). So the block tables are
 identical on every rank by construction: there is one table, and it travels in the plan.
 
-Start-up goes through a torch.distributed TCPStore on a free loopback port: rank 0 puts the
+Start-up goes through a torch.distributed FileStore, a file in a fresh directory only the server's
+user can open (mkdtemp: mode 0700), removed once every rank has connected: no TCP listener, unlike
+torch's TCPStore, which listens on every interface whatever host it is given. Rank 0 puts the
 config in it (as JSON) and starts the workers (`python -m kvshare.engine.tp_worker`), which load the
 model while rank 0 does; rank 0 then puts the KV pool size it planned and the shared memory
 segment it made, each worker says whether it could map that segment, and all ranks take the
 same transport (kvshare.model.tp_transport): shared memory when every rank can, else a gloo
-process group (EngineConfig.tensor_parallel_backend="gloo" asks for gloo). kvshare's tensors are
-CPU tensors, so NCCL, which needs CUDA ones, has no use here yet. The gloo group is built
-directly, not through init_process_group: no process-wide default group exists, and several
-engines can live in one process.
+process group on loopback (EngineConfig.tensor_parallel_backend="gloo" asks for gloo). Every
+value in the store is signed with a random per-launch token (SignedStore) that the workers get
+in their environment, and a worker checks what it is told (the segment's path and sizes, the
+pool size) against what it computes itself before it maps or allocates anything.
+kvshare's tensors are CPU tensors, so NCCL, which needs CUDA ones, has no use here yet. The gloo
+group is built directly, not through init_process_group: no process-wide default group exists,
+and several engines can live in one process.
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import json
 import logging
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -39,7 +47,7 @@ from kvshare.config import EngineConfig
 from kvshare.engine.step_plan import ChunkPlan, GroupAccess, StepPlan
 from kvshare.model import cpu_kernels
 from kvshare.model.tensor_parallel import TPCollectives, TPShard
-from kvshare.model.tp_transport import GlooTransport, ShmSegment, ShmTransport
+from kvshare.model.tp_transport import SEGMENT_PREFIX, GlooTransport, ShmSegment, ShmTransport, segment_dir
 
 logger = logging.getLogger("kvshare")
 
@@ -48,6 +56,9 @@ STARTUP_TIMEOUT = timedelta(minutes=5)
 # A gloo collective's wait: a worker sits in the plan broadcast for as long as the engine is idle.
 # A rank that dies ends the others' waits at once (its sockets close); this is only the backstop.
 COLLECTIVE_TIMEOUT = timedelta(days=365)
+# The per-launch token reaches the workers in this environment variable: a process's environment
+# is readable only by its user, its command line by everyone (/proc/<pid>/cmdline).
+TOKEN_ENV = "KVSHARE_TP_TOKEN"
 
 
 def threads_per_rank(config: EngineConfig) -> int:
@@ -57,12 +68,52 @@ def threads_per_rank(config: EngineConfig) -> int:
 
 
 def gloo_group(store: dist.Store, rank: int, size: int) -> dist.ProcessGroup:
-    return dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, COLLECTIVE_TIMEOUT)
+    # The device on loopback: by default gloo binds (and keeps a listener on, for the group's
+    # life) the address the host name resolves to, which other machines may reach.
+    opts = dist.ProcessGroupGloo._Options()
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    opts._timeout = COLLECTIVE_TIMEOUT
+    return dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, opts)
+
+
+def open_store(path: str, size: int) -> dist.FileStore:
+    store = dist.FileStore(path, size)
+    store.set_timeout(STARTUP_TIMEOUT)
+    return store
+
+
+class SignedStore:
+    """The start-up store, every value signed with the launch's token (HMAC-SHA256 over the key
+    and the value): a rank trusts only what a holder of the token wrote under that key, and
+    refuses the rest with an error rather than act on it. (The gloo group reads and writes the
+    store itself, unsigned: only addresses it connects to on loopback.)"""
+
+    def __init__(self, store: dist.Store, token: str) -> None:
+        self.store = store
+        self._key = token.encode()
+
+    def _mac(self, key: str, value: bytes) -> bytes:
+        return hmac.new(self._key, key.encode() + b"\0" + value, hashlib.sha256).digest()
+
+    def set(self, key: str, value: str) -> None:
+        data = value.encode()
+        self.store.set(key, self._mac(key, data) + data)
+
+    def get(self, key: str) -> bytes:
+        """Waits for `key` (up to the store's timeout), then returns its value if signed."""
+        data = self.store.get(key)
+        mac, value = data[:32], data[32:]
+        if not hmac.compare_digest(mac, self._mac(key, value)):
+            raise RuntimeError(f"tensor parallel: the start-up store's {key!r} is not signed with this launch's "
+                               "token: refusing it")
+        return value
+
+    def check(self, key: str) -> bool:
+        return self.store.check([key])
 
 
 def config_to_json(config: EngineConfig) -> str:
-    # JSON, not pickle: the store is a loopback TCP port any local user can reach, and data read
-    # from it must never be able to run code.
+    # JSON, not pickle: nothing a rank reads at start-up may be able to run code, whoever wrote it.
     return json.dumps(dataclasses.asdict(config), default=str)  # (a pathlib.Path model: its string)
 
 
@@ -106,18 +157,21 @@ class TensorParallelLauncher:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.size = config.tensor_parallel_size
-        self.store = dist.TCPStore("127.0.0.1", 0, self.size, True, timeout=STARTUP_TIMEOUT,
-                                   wait_for_workers=False)
+        self.procs: list[subprocess.Popen] = []
+        self.store_dir = tempfile.mkdtemp(prefix=f"kvshare-tp-store-{os.getpid()}-")  # mode 0700: this user's alone
+        # An engine dropped without close() (the offline LLM never closes) still ends its workers
+        # and removes the store, as does a start-up that fails between two of them.
+        self._finalizer = weakref.finalize(self, _clean_up, self.procs, self.store_dir)
+        token = secrets.token_hex(32)
+        store_path = os.path.join(self.store_dir, "store")
+        self.store = SignedStore(open_store(store_path, self.size), token)
         self.store.set("config", config_to_json(config))
         threads = str(threads_per_rank(config))
-        self.procs: list[subprocess.Popen] = []
-        # An engine dropped without close() (the offline LLM never closes) still ends its workers,
-        # as does a start-up that fails between two of them.
-        self._finalizer = weakref.finalize(self, _terminate, self.procs)
+        env = dict(os.environ, **{TOKEN_ENV: token})
         for r in range(1, self.size):
             self.procs.append(subprocess.Popen([sys.executable, "-m", "kvshare.engine.tp_worker", "--rank", str(r),
-                                                "--size", str(self.size), "--port", str(self.store.port),
-                                                "--threads", threads, "--parent", str(os.getpid())]))
+                                                "--size", str(self.size), "--store", store_path,
+                                                "--threads", threads, "--parent", str(os.getpid())], env=env))
         self.transport_name = ""
 
     def connect(self, shard: TPShard, num_blocks: int) -> TPCollectives:
@@ -127,7 +181,7 @@ class TensorParallelLauncher:
         self.store.set("shm", json.dumps({"path": segment.path, "slot_bytes": segment.slot_bytes}) if segment else "")
         self.store.set("num_blocks", str(num_blocks))
         try:
-            self._wait_ready()
+            self._wait_for("ready")
         finally:
             if segment is not None:
                 os.unlink(segment.path)  # every rank has mapped it (or given up): no file is left behind
@@ -135,7 +189,9 @@ class TensorParallelLauncher:
         self.transport_name = "shared memory" if use_shm else "gloo"
         self.store.set("transport", "shm" if use_shm else "gloo")
         transport = (ShmTransport(segment, 0, self._check_worker) if use_shm
-                     else GlooTransport(gloo_group(self.store, 0, self.size), 0, self.size))
+                     else GlooTransport(gloo_group(self.store.store, 0, self.size), 0, self.size))
+        self._wait_for("connected")
+        shutil.rmtree(self.store_dir)  # every rank is done with the store: nothing of it outlives start-up
         return TPCollectives(transport, shard)
 
     def _segment(self, shard: TPShard) -> ShmSegment | None:
@@ -146,8 +202,8 @@ class TensorParallelLauncher:
                            "use gloo, several times slower per step (`make setup` builds them)",
                            cpu_kernels.SHM.unavailable_reason())
             return None
-        base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        path = os.path.join(base, f"kvshare-tp-{os.getpid()}-{secrets.token_hex(6)}")
+        base = segment_dir()
+        path = os.path.join(base, f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(6)}")
         slot = ShmSegment.slot_bytes_for(self.config.max_num_batched_tokens, shard.config.hidden_size)
         try:
             return ShmSegment(path, self.size, slot, create=True)
@@ -155,10 +211,11 @@ class TensorParallelLauncher:
             logger.warning("tensor parallel: no shared memory segment in %s (%s): the ranks use gloo", base, e)
             return None
 
-    def _wait_ready(self) -> None:
+    def _wait_for(self, key: str) -> None:
+        """Until every worker has signed `{key}/{rank}` (or one exits, or start-up times out)."""
         deadline = time.monotonic() + STARTUP_TIMEOUT.total_seconds()
         for r, proc in enumerate(self.procs, start=1):
-            while not self.store.check([f"ready/{r}"]):
+            while not self.store.check(f"{key}/{r}"):
                 if proc.poll() is not None:
                     raise RuntimeError(f"tensor parallel: worker rank {r} exited with code {proc.returncode} during "
                                        "start-up (its error is in the log above)")
@@ -166,6 +223,7 @@ class TensorParallelLauncher:
                     raise RuntimeError(f"tensor parallel: worker rank {r} did not start within "
                                        f"{STARTUP_TIMEOUT.total_seconds():.0f} s")
                 time.sleep(0.02)
+            self.store.get(f"{key}/{r}")  # signed by the worker, or refused
 
     def _check_worker(self, rank: int) -> None:
         """Called while a shared memory wait for `rank` drags on: raises if that worker is gone."""
@@ -188,7 +246,12 @@ class TensorParallelLauncher:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-        self._finalizer.detach()
+        self._finalizer()  # the store, if start-up ended before removing it
+
+
+def _clean_up(procs: list[subprocess.Popen], store_dir: str) -> None:
+    _terminate(procs)
+    shutil.rmtree(store_dir, ignore_errors=True)
 
 
 def _terminate(procs: list[subprocess.Popen]) -> None:

@@ -1,7 +1,12 @@
 """A tensor-parallel worker rank: `python -m kvshare.engine.tp_worker`, started by the engine
 (kvshare.engine.tensor_parallel), never by hand. It loads the model, keeps its shard, and runs
 every step plan rank 0 broadcasts until told to stop. Its own module, which the kvshare package
-does not import, so `-m` runs it as a fresh __main__."""
+does not import, so `-m` runs it as a fresh __main__.
+
+It trusts the start-up store only as far as it must: every value it reads is signed with the
+launch's token, which it gets in its environment (TOKEN_ENV; a worker without it refuses to
+start), and it maps a shared memory segment or sizes its KV pool only where what it is told
+matches what it computes itself from the config."""
 from __future__ import annotations
 
 import argparse
@@ -15,14 +20,17 @@ import time
 import traceback
 
 import torch
-import torch.distributed as dist
 
-from kvshare.engine.model_setup import build_rank, plan_kv
-from kvshare.engine.tensor_parallel import STARTUP_TIMEOUT, PlanChannel, config_from_json, gloo_group
+from kvshare.config import EngineConfig
+from kvshare.engine.model_setup import KVPlan, build_rank, plan_kv
+from kvshare.engine.tensor_parallel import (TOKEN_ENV, PlanChannel, SignedStore, config_from_json, gloo_group,
+                                            open_store)
+from kvshare.memory_plan import kv_pool_blocks
 from kvshare.model import cpu_kernels
+from kvshare.model.config import ModelArchConfig
 from kvshare.model.loader import load_model
 from kvshare.model.tensor_parallel import TPCollectives, TPShard
-from kvshare.model.tp_transport import GlooTransport, ShmSegment, ShmTransport
+from kvshare.model.tp_transport import GlooTransport, ShmSegment, ShmTransport, check_segment_path
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -37,15 +45,51 @@ def _ignore(signum, frame) -> None:
     pass
 
 
-def _map_segment(spec: bytes, size: int) -> ShmSegment | None:
-    """Rank 0's shared memory segment, or None (it made none, or this rank cannot use it)."""
-    if not spec or not cpu_kernels.SHM.available():
+def map_segment(spec: bytes, size: int, slot_bytes: int) -> ShmSegment | None:
+    """Rank 0's shared memory segment, or None (it made none, or this rank cannot use it).
+    slot_bytes: what this rank computes from the config. A segment its engine could not have
+    made (another path, another size, a symbolic link) raises: it is never mapped."""
+    if not spec:
         return None
     info = json.loads(spec)
-    try:
-        return ShmSegment(info["path"], size, info["slot_bytes"], create=False)
-    except OSError:
+    path = info["path"]
+    check_segment_path(path)
+    if info["slot_bytes"] != slot_bytes:
+        raise ValueError(f"shared memory segment {path}: slot_bytes {info['slot_bytes']} is not the {slot_bytes} "
+                         "this rank computes from the config")
+    if not cpu_kernels.SHM.available():
         return None
+    try:
+        return ShmSegment(path, size, slot_bytes, create=False)
+    except OSError:  # one it cannot map (SegmentRefused is no OSError): every rank then takes gloo
+        return None
+
+
+def check_num_blocks(num_blocks: int, config: EngineConfig, mc: ModelArchConfig, kv: KVPlan) -> int:
+    """The KV pool size rank 0 planned, if this rank would have planned it: the same count when
+    the budget is fixed (kv_cache_memory), else at least one block and no more than this machine's
+    memory holds."""
+    bytes_per_token = config.kv_format.bytes_per_token(kv.layers_per_block, mc.num_kv_heads, mc.head_dim)
+    if config.kv_cache_memory is not None:
+        want = kv_pool_blocks(config.kv_budget_bytes(), bytes_per_token, config.block_size)
+        if num_blocks != want:
+            raise ValueError(f"a KV pool of {num_blocks} blocks is not the {want} that kv_cache_memory="
+                             f"{config.kv_cache_memory} holds")
+        return num_blocks
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if num_blocks < 1 or num_blocks * bytes_per_token * config.block_size > memory:
+        raise ValueError(f"a KV pool of {num_blocks} blocks of {config.block_size} tokens x {bytes_per_token} bytes "
+                         f"is not between one block and this machine's memory ({memory} bytes)")
+    return num_blocks
+
+
+def launch_token(environ: dict) -> str:
+    """The launch's token, taken out of `environ` so that no process this worker starts inherits it."""
+    token = environ.pop(TOKEN_ENV, "")
+    if not token:
+        raise SystemExit(f"kvshare tensor-parallel worker: {TOKEN_ENV} is not set: a worker is started by its "
+                         "engine, which hands it the launch's token; refusing to start")
+    return token
 
 
 def worker_main(argv: list[str] | None = None) -> int:
@@ -53,10 +97,11 @@ def worker_main(argv: list[str] | None = None) -> int:
                                 description="a tensor-parallel worker rank (started by the engine, not by hand)")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--size", type=int, required=True)
-    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--store", required=True)
     p.add_argument("--threads", type=int, required=True)
     p.add_argument("--parent", type=int, required=True)
     args = p.parse_args(argv)
+    token = launch_token(os.environ)
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s kvshare tp rank {args.rank}: %(message)s")
     # Rank 0 decides when this rank stops (a stop message, or SIGKILL): a Ctrl+C or a SIGTERM sent
     # to the whole process group must not take a worker away while rank 0 drains its requests.
@@ -66,20 +111,22 @@ def worker_main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _ignore)
     threading.Thread(target=_exit_with_parent, args=(args.parent,), daemon=True).start()
     torch.set_num_threads(args.threads)
-    store = dist.TCPStore("127.0.0.1", args.port, args.size, False, timeout=STARTUP_TIMEOUT)
+    store = SignedStore(open_store(args.store, args.size), token)
     config = config_from_json(store.get("config"))
     loaded = load_model(config.model, dtype=config.torch_dtype, quantization=config.quantization)
     config.settle_for_weights(loaded.kept_quantized)
     shard = TPShard(args.rank, args.size, loaded.config)
     kv = plan_kv(config, loaded.config)
-    num_blocks = int(store.get("num_blocks"))
-    segment = _map_segment(store.get("shm"), args.size)
+    num_blocks = check_num_blocks(int(store.get("num_blocks")), config, loaded.config, kv)
+    segment = map_segment(store.get("shm"), args.size,
+                          ShmSegment.slot_bytes_for(config.max_num_batched_tokens, loaded.config.hidden_size))
     store.set(f"shm/{args.rank}", "1" if segment is not None else "0")
     store.set(f"ready/{args.rank}", "1")
     if store.get("transport") == b"shm":
         transport = ShmTransport(segment, args.rank, lambda rank: None)  # rank 0 gone: the watchdog exits
     else:
-        transport = GlooTransport(gloo_group(store, args.rank, args.size), args.rank, args.size)
+        transport = GlooTransport(gloo_group(store.store, args.rank, args.size), args.rank, args.size)
+    store.set(f"connected/{args.rank}", "1")  # rank 0 removes the store once every rank says this
     _, _, runner = build_rank(config, loaded.config, loaded.weights, kv, num_blocks, TPCollectives(transport, shard))
     del loaded
     channel = PlanChannel(transport)

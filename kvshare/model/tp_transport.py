@@ -6,16 +6,20 @@
 
 `ShmTransport` (the default where kvshare's C++ library is built) goes through a shared memory
 segment (csrc/shm_collectives.cpp): a copy, a flag store and a wait, microseconds when the ranks
-arrive together. `GlooTransport` uses a torch.distributed gloo process group over loopback TCP:
-1-2 ms per all-reduce on a 2-core VM, where a sharded forward needs two per layer. Every rank
+arrive together. `GlooTransport` uses a torch.distributed gloo process group over loopback TCP
+(its device bound to 127.0.0.1, kvshare.engine.tensor_parallel.gloo_group): 1-2 ms per
+all-reduce on a 2-core VM, where a sharded forward needs two per layer. Every rank
 uses the same one (the engine agrees on it at start-up), and both sum in rank order, so ranks
 never disagree on a result.
 """
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
+import stat
+import tempfile
 from typing import Callable
 
 import torch
@@ -29,6 +33,27 @@ _HEADER = 4096
 # and checks the awaited rank is still alive every _CHECK_MS while it waits.
 _SPIN_US = 200.0
 _CHECK_MS = 1000
+
+
+# A segment's file name starts with this, directly in segment_dir(): the only files a worker maps.
+SEGMENT_PREFIX = "kvshare-tp-"
+
+
+def segment_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+class SegmentRefused(ValueError):
+    """A segment a rank will not map: not one its engine could have made."""
+
+
+def check_segment_path(path: str) -> None:
+    """A worker maps only a file its engine could have made: a `kvshare-tp-` name directly in
+    segment_dir(), so a path it is told can never name another file it could write."""
+    name = os.path.basename(path)
+    if os.path.normpath(path) != path or os.path.dirname(path) != segment_dir() or not name.startswith(SEGMENT_PREFIX):
+        raise SegmentRefused(f"shared memory segment {path!r} is not a {SEGMENT_PREFIX}* file directly in "
+                             f"{segment_dir()}")
 
 
 def _bytes_view(t: torch.Tensor) -> torch.Tensor:
@@ -71,13 +96,20 @@ class ShmSegment:
     def __init__(self, path: str, size: int, slot_bytes: int, create: bool) -> None:
         self.path, self.size, self.slot_bytes = path, size, slot_bytes
         nbytes = _HEADER + 2 * size * slot_bytes
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(path, flags, 0o600)
+        flags = os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if create else 0)
+        try:
+            fd = os.open(path, flags, 0o600)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise SegmentRefused(f"shared memory segment {path} is a symbolic link") from e
+            raise
         try:
             if create:
                 # Allocated now, not sparse: a /dev/shm too small fails here (OSError, and the
                 # engine takes gloo), never as a SIGBUS on the first write to an unbacked page.
                 os.posix_fallocate(fd, 0, nbytes)
+            else:
+                _check_segment_file(path, os.fstat(fd), nbytes)
             self._map = mmap.mmap(fd, nbytes)
         except BaseException:
             if create:
@@ -99,6 +131,15 @@ class ShmSegment:
     def slot(self, seq: int, rank: int) -> torch.Tensor:
         start = _HEADER + ((seq & 1) * self.size + rank) * self.slot_bytes
         return self.bytes[start:start + self.slot_bytes]
+
+
+def _check_segment_file(path: str, st: os.stat_result, nbytes: int) -> None:
+    # The segment rank 0 made: this user's own regular file, of exactly the size both sides compute.
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        raise SegmentRefused(f"shared memory segment {path} is not a regular file of this user")
+    if st.st_size != nbytes:
+        raise SegmentRefused(f"shared memory segment {path} has {st.st_size} bytes, not the {nbytes} this rank "
+                             "expects")
 
 
 # on_late(rank) -> nonzero to give up on that rank (kvs_shm_allreduce_comm's callback).
