@@ -409,6 +409,33 @@ def test_gloo_ranks_listen_on_loopback_alone_and_no_store_outlives_start_up(engi
     assert not [n for n in os.listdir(tempfile.gettempdir()) if n.startswith(f"kvshare-tp-store-{os.getpid()}-")]
 
 
+def test_the_store_is_its_users_alone_and_goes_with_a_start_up_that_ends_early():
+    """The store's directory is mode 0700 and removed when start-up ends before the ranks connect
+    (the engine's failure path); the token reaches the worker in its environment, never on its
+    command line, which every user can read."""
+    from kvshare.config import EngineConfig
+    from kvshare.engine.tensor_parallel import TOKEN_ENV, TensorParallelLauncher
+
+    launcher = TensorParallelLauncher(EngineConfig(tensor_parallel_size=2, kv_cache_memory="32MiB"))
+    try:
+        assert os.stat(launcher.store_dir).st_mode & 0o777 == 0o700
+        pid = launcher.procs[0].pid
+        deadline = time.monotonic() + 30
+        while not (cmdline := _read(f"/proc/{pid}/cmdline")) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the child is not yet the worker (its exec has not finished)
+        environ = dict(v.split(b"=", 1) for v in _read(f"/proc/{pid}/environ").split(b"\0") if b"=" in v)
+        token = environ[TOKEN_ENV.encode()]
+        assert b"kvshare.engine.tp_worker" in cmdline and len(token) == 64 and token not in cmdline
+    finally:
+        launcher.close(None)
+    assert not os.path.exists(launcher.store_dir) and all(p.poll() is not None for p in launcher.procs)
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
 def _segment_spec(path: str, slot_bytes: int) -> bytes:
     return json.dumps({"path": path, "slot_bytes": slot_bytes}).encode()
 
