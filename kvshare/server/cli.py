@@ -171,10 +171,10 @@ def serve_replicas(args: argparse.Namespace, parser: argparse.ArgumentParser, cf
 
     def argv(rank: int, port: int, events: str, replay: str) -> list[str]:
         # The front end writes the access log (one line per client request); a replica's would
-        # also list the front end's /metrics polls.
+        # also list the front end's /metrics polls. The hash seed goes through the environment
+        # (ReplicaLaunch.hash_seed), not here, where `ps` shows it to every user.
         return replica_argv(parser, args, {"host": "127.0.0.1", "port": port, "data_parallel_rank": rank,
                                            "kv_events_endpoint": events,
-                                           "kv_events_replay_endpoint": replay,
-                                           "prefix_caching_hash_seed": options.hash_seed, **pool}) + ["--no-access-log"]
+                                           "kv_events_replay_endpoint": replay, **pool}) + ["--no-access-log"]
 
     return serve_data_parallel(cfg, options, argv, args.model)

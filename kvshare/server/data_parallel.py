@@ -251,7 +251,8 @@ def serve_data_parallel(config: ServerConfig, options: DataParallelOptions, repl
             launch = ReplicaLaunch(index=r, port=port,
                                    argv=replica_argv(r, port, events, replay) + ["--listen-fd", str(sock.fileno())],
                                    kv_events_endpoint=events, kv_events_replay_endpoint=replay,
-                                   omp_threads=threads, cpus=cpus, api_key=config.api_key, listen_fd=sock.fileno())
+                                   omp_threads=threads, cpus=cpus, api_key=config.api_key, listen_fd=sock.fileno(),
+                                   hash_seed=options.hash_seed)
             replicas.append(ReplicaProcess(launch, listen_socket=sock))
         state = FrontendState(config=config, options=options, metrics=RouterMetrics(name, options.size, options.policy),
                               router=router, replicas=replicas, tokenizer=tokenizer, model_name=name)
