@@ -6,6 +6,7 @@ import asyncio
 import json
 import signal
 import uuid
+from types import SimpleNamespace
 
 import openai
 import pytest
@@ -201,3 +202,53 @@ def test_sigterm_finishes_in_flight_refuses_new_and_exits_zero():
         assert srv.proc.wait(120) == 0
     finally:
         srv.close()
+
+
+# ---- an engine failure's text stays in the log ------------------------------------------------
+
+def test_an_engine_failure_text_reaches_the_log_but_no_response(caplog):
+    """A failed step's exception can quote a tenant's salt (a BlockPoolError names the block's
+    salt group): /health, /ready and every 503 say the engine failed and where to look, with a
+    stable code; only the server log has the text."""
+    import httpx2
+
+    from kvshare.kvcache.block_pool import BlockPoolError
+    from kvshare.server.app import build_app
+    from kvshare.server.async_engine import AsyncEngine
+    from kvshare.server.metrics import ServerMetrics
+    from kvshare.server.settings import ServerConfig
+    from kvshare.server.state import ServerState
+
+    secret = "salt-" + uuid.uuid4().hex
+
+    class FakeLoop:  # the hand-over to the event loop, at once
+        def call_soon_threadsafe(self, fn, *args):
+            fn(*args)
+
+    def failing_step():
+        raise BlockPoolError(f"block 7 is cached under salt {secret!r} but has ref_count -1")
+
+    engine = SimpleNamespace(manager=SimpleNamespace(num_blocks=8), view_tap=None, step_count=3, auditor=None,
+                             has_unfinished_requests=lambda: True, step=failing_step)
+    ae = AsyncEngine(engine, ServerMetrics(MODEL))
+    ae._loop = FakeLoop()
+    with caplog.at_level("ERROR", logger="kvshare.server"):
+        ae._run()  # returns once the step has failed
+    assert secret in caplog.text  # the operator has it
+
+    state = ServerState(config=ServerConfig(), engine=ae, metrics=ae.metrics, model_name=MODEL, model_source="m",
+                        tokenizer=None, max_model_len=64, max_num_seqs=2)
+
+    async def main():
+        transport = httpx2.ASGITransport(app=build_app(state))
+        async with httpx2.AsyncClient(transport=transport, base_url="http://127.0.0.1") as c:
+            return [await c.get("/health"), await c.get("/ready"), await c.get("/kv/snapshot"),
+                    await c.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 1})]
+
+    replies = asyncio.run(main())
+    assert [r.status_code for r in replies] == [503] * 4
+    for r in replies:
+        assert secret not in r.text and "ref_count" not in r.text, r.text
+        body = r.json()
+        assert body.get("status") == "engine_dead" or body["error"]["code"] == "engine_dead"
+        assert "server log" in r.text

@@ -310,10 +310,12 @@ class AsyncEngine:
                     self.snapshot = self._take_snapshot()
         except BaseException as e:  # a bug in a step: fail loudly, never hang the clients
             logger.exception("engine loop failed")  # the whole report, audit detail included: the log only
-            reason = f"{type(e).__name__}: {e}"
+            # The reason reaches clients (/health, /ready, every 503): never the exception's text,
+            # which can quote a salt, a prompt or a request id (a BlockPoolError's does).
+            reason = f"{type(e).__name__}; the engine failed, details are in the server log"
             if isinstance(e, AuditError):
                 self.audit_failure = self._audit_verdict(e)
-                # The reason reaches clients (/health, every 503): the redacted verdict only.
+                # The redacted verdict only.
                 f = self.audit_failure
                 reason = (f"AuditError: invariant '{f['invariant']}' violated at step {f['step']}"
                           + (f" on block {f['block']}" if f["block"] is not None else "") + " (details in the server log)")
