@@ -252,3 +252,63 @@ def test_an_engine_failure_text_reaches_the_log_but_no_response(caplog):
         body = r.json()
         assert body.get("status") == "engine_dead" or body["error"]["code"] == "engine_dead"
         assert "server log" in r.text
+
+
+# ---- slow clients -------------------------------------------------------------------------------
+
+def test_a_stalled_body_gets_408_and_a_closed_connection_while_a_neighbour_is_served():
+    """Slowloris: headers and half a body, then nothing. After --request-body-timeout the client
+    gets a 408 in OpenAI's shape and the server closes the connection; a neighbour meanwhile is
+    served as usual."""
+    import socket
+    import time
+
+    deadline = 2.0
+    srv = ServerProcess("--request-body-timeout", str(deadline), "--limit-concurrency", "64",
+                        "--timeout-keep-alive", "5").wait_ready()
+    try:
+        body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 2}).encode()
+        slow = socket.create_connection(("127.0.0.1", srv.port), timeout=60)
+        started = time.monotonic()
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body[:len(body) // 2])
+        status, _, answer = srv.request("POST", "/v1/completions", json.loads(body), timeout=120)
+        assert status == 200 and json.loads(answer)["choices"][0]["finish_reason"] in ("length", "stop")
+        reply = b""
+        while chunk := slow.recv(65536):  # until the server closes the connection
+            reply += chunk
+        elapsed = time.monotonic() - started
+        slow.close()
+        head, _, payload = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408 "), reply[:200]
+        assert b"connection: close" in head.lower()
+        err = json.loads(payload)["error"]
+        assert err["code"] == "request_timeout" and "--request-body-timeout" in err["message"]
+        assert deadline * 0.9 <= elapsed < deadline + 30
+        # The server is still there for the next client.
+        assert srv.request("GET", "/v1/models")[0] == 200
+    finally:
+        srv.close()
+
+
+def test_uvicorn_gets_the_connection_limit_and_keep_alive_timeout(monkeypatch):
+    from kvshare.server import runner
+    from kvshare.server.settings import ServerConfig
+
+    seen = {}
+
+    class CapturingServer:
+        def __init__(self, config, state):
+            seen["config"] = config
+
+        def run(self, sockets=None):
+            pass
+
+    monkeypatch.setattr(runner, "build_app", lambda state: object())
+    monkeypatch.setattr(runner, "DrainingServer", CapturingServer)
+    runner.serve(SimpleNamespace(config=ServerConfig(limit_concurrency=7, timeout_keep_alive=3.5)))
+    assert (seen["config"].limit_concurrency, seen["config"].timeout_keep_alive) == (7, 3.5)
+    defaults = ServerConfig()
+    assert (defaults.request_body_timeout, defaults.limit_concurrency, defaults.timeout_keep_alive) == (30.0, 1024, 5.0)
+    with pytest.raises(ValueError, match="request_body_timeout=0 is invalid"):
+        ServerConfig(request_body_timeout=0)
