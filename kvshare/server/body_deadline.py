@@ -32,8 +32,10 @@ class BodyDeadlineMiddleware:
 
         async def bounded_receive():
             nonlocal body_done, timed_out
-            if body_done or timed_out:
-                return await receive() if not timed_out else {"type": "http.disconnect"}
+            if timed_out:
+                return {"type": "http.disconnect"}
+            if body_done:
+                return await receive()
             try:
                 message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
             except asyncio.TimeoutError:
