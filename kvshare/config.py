@@ -1,6 +1,7 @@
 """The one engine configuration object; every component receives it (or the part it needs)."""
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from dataclasses import dataclass, fields
@@ -33,6 +34,23 @@ def parse_bytes(value: int | str, field_name: str = "kv_cache_memory") -> int:
     if n <= 0:
         raise ValueError(f"{field_name}={value!r} is invalid: must be > 0 bytes")
     return n
+
+
+def local_endpoint(endpoint: str) -> bool:
+    """Whether a ZMQ endpoint can be reached only from this machine: ipc:// and inproc://, or TCP
+    on a loopback address. A wildcard, a host name or an interface name counts as remote."""
+    transport, _, rest = endpoint.partition("://")
+    if transport in ("ipc", "inproc"):
+        return True
+    if transport != "tcp":
+        return False
+    host = rest.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def cpu_flags() -> frozenset[str]:
@@ -148,11 +166,16 @@ class EngineConfig:
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
     kv_events_topic: str = ""
-    # BlockStored events carry the block's token ids, as vLLM's do. They are the tenants' prompts,
-    # and the event sockets have no authentication: False sends empty lists (the wire format stays
-    # valid; routers need only the hashes). The Ray replicas set False (their sockets are on the
-    # node's network); `kvshare serve --kv-events-endpoint` keeps vLLM's True.
-    kv_events_token_ids: bool = True
+    # vLLM's BlockStored events carry the block's token ids. They are the tenants' prompts (salted
+    # ones too), and the event sockets have no authentication: by default the lists are empty (the
+    # wire format stays valid; routers need only the hashes). True publishes them, for consumers
+    # that need them (`--kv-events-token-ids`).
+    kv_events_token_ids: bool = False
+    # A TCP endpoint that is not loopback (tcp://*:..., 0.0.0.0, a host name or another address)
+    # lets anyone on the network follow every tenant's cache, and the replay socket hands out the
+    # last 10,000 batches: refused unless this is True (`--kv-events-allow-remote`). ipc:// and
+    # inproc:// stay on this machine. The Ray replicas set it (their routers are elsewhere).
+    kv_events_allow_remote: bool = False
     # Prefix-cache block hashes start from a random per-process root, so they are never comparable
     # across processes. A seed makes them stable (the root is derived from it: every replica with
     # the same seed hashes alike, and a router can compute them from token ids); a tenant's
@@ -219,8 +242,17 @@ class EngineConfig:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint: there is nothing to replay")
         if not isinstance(self.kv_events_topic, str):
             raise ValueError(f"kv_events_topic={self.kv_events_topic!r} is invalid: must be a string")
-        if not isinstance(self.kv_events_token_ids, bool):
-            raise ValueError(f"kv_events_token_ids={self.kv_events_token_ids!r} is invalid: must be true or false")
+        for name in ("kv_events_token_ids", "kv_events_allow_remote"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: must be true or false")
+        if not self.kv_events_allow_remote:
+            for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+                v = getattr(self, name)
+                if v is not None and not local_endpoint(v):
+                    raise ValueError(
+                        f"{name}={v!r} can be reached from other machines, and the KV event sockets have no "
+                        "authentication: use a loopback address (tcp://127.0.0.1:PORT) or ipc://PATH, or set "
+                        "kv_events_allow_remote (--kv-events-allow-remote) to publish on the network")
         if self.data_parallel_rank is not None and (
                 not isinstance(self.data_parallel_rank, int) or isinstance(self.data_parallel_rank, bool)
                 or self.data_parallel_rank < 0):

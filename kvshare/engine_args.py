@@ -4,8 +4,12 @@ Defaults come from EngineConfig, so the flags cannot drift from the Python API."
 from __future__ import annotations
 
 import argparse
+import os
 
 from kvshare.config import engine_default
+
+# How a data-parallel front end hands its replicas the hash seed: not on their command lines.
+HASH_SEED_ENV = "KVSHARE_PREFIX_CACHING_HASH_SEED"
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -49,12 +53,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="ZMQ ROUTER endpoint that resends buffered event batches from a sequence number")
     g.add_argument("--kv-events-topic", default=engine_default("kv_events_topic"),
                    help="topic frame of every published batch (default: empty)")
+    g.add_argument("--kv-events-token-ids", action="store_true",
+                   help="publish BlockStored with the block's token ids (the tenants' prompt text) for consumers "
+                        "that need them; by default they are empty lists (routers need only the hashes)")
     g.add_argument("--kv-events-no-token-ids", action="store_true",
-                   help="publish BlockStored with empty token_ids: the event sockets have no authentication and "
-                        "token ids are the prompts' text; routers need only the hashes (default: vLLM's, with them)")
-    g.add_argument("--prefix-caching-hash-seed", default=engine_default("prefix_caching_hash_seed"),
+                   help="accepted for compatibility: empty token_ids are the default now")
+    g.add_argument("--kv-events-allow-remote", action="store_true",
+                   help="allow a KV event or replay endpoint other machines can reach (tcp://*, 0.0.0.0, a host "
+                        "name, a non-loopback address): the sockets have no authentication, and the replay socket "
+                        "resends the last 10,000 batches (default: loopback tcp://, ipc:// and inproc:// only)")
+    g.add_argument("--prefix-caching-hash-seed",
+                   default=os.environ.get(HASH_SEED_ENV) or engine_default("prefix_caching_hash_seed"),
                    help="derive prefix-cache block hashes from this seed instead of a random per-process "
-                        "root, so replicas (and a router) compute the same hashes from token ids")
+                        "root, so replicas (and a router) compute the same hashes from token ids (default: "
+                        f"${HASH_SEED_ENV}, which keeps it off the command line other users can read)")
     g.add_argument("--data-parallel-rank", type=int, default=engine_default("data_parallel_rank"),
                    help="this engine's rank among data-parallel replicas, carried in its KV event batches (set "
                         "by --data-parallel-size for each replica; default: none)")
@@ -67,6 +79,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                                                   "(gloo where kvshare's C++ library is not built), gloo = always gloo")
 
 
+def kv_events_token_ids(args: argparse.Namespace) -> bool:
+    if args.kv_events_token_ids and args.kv_events_no_token_ids:
+        raise ValueError("--kv-events-token-ids and --kv-events-no-token-ids contradict each other: give one "
+                         "(without either, token_ids are empty)")
+    return args.kv_events_token_ids
+
+
 def engine_options(args: argparse.Namespace) -> dict:
     return dict(
         model=args.model, dtype=args.dtype, prefill_dtype=args.prefill_dtype, quantization=args.quantization, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
@@ -75,7 +94,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
         seed=args.seed, kv_event_log=args.kv_event_log, kv_events_endpoint=args.kv_events_endpoint,
         kv_events_replay_endpoint=args.kv_events_replay_endpoint, kv_events_topic=args.kv_events_topic,
-        kv_events_token_ids=not args.kv_events_no_token_ids,
+        kv_events_token_ids=kv_events_token_ids(args),
+        kv_events_allow_remote=args.kv_events_allow_remote,
         prefix_caching_hash_seed=args.prefix_caching_hash_seed, data_parallel_rank=args.data_parallel_rank,
         kv_policy=args.kv_policy,
         sink_tokens=args.sink_tokens, window_tokens=args.window_tokens,

@@ -454,6 +454,48 @@ def test_replica_command_line_passes_the_users_flags_and_sets_its_own():
     assert "k" not in argv  # the key travels in the environment, not where `ps` shows it
 
 
+def test_the_hash_seed_reaches_replicas_through_the_environment_not_their_command_line(monkeypatch):
+    """Other users read command lines (ps, /proc/PID/cmdline): the seed a router hashes with is not
+    on a replica's; its environment (readable by its user only) carries it."""
+    import subprocess
+
+    import kvshare.server.data_parallel as dp
+    from kvshare.cli import build_parser
+    from kvshare.engine_args import HASH_SEED_ENV
+    from kvshare.server.replica import ReplicaLaunch, ReplicaProcess
+
+    seen = {}
+
+    def fake_serve(config, options, argv, model):
+        seen["options"], seen["argv"] = options, argv(1, 9101, "ipc://e", "ipc://r")
+        return 0
+
+    monkeypatch.setattr(dp, "serve_data_parallel", fake_serve)
+    monkeypatch.delenv(HASH_SEED_ENV, raising=False)
+    parser = build_parser()
+    args = parser.parse_args(["serve", "-dp", "2", "--prefix-caching-hash-seed", "seed-on-the-cli",
+                              "--kv-cache-memory", "16MiB"])
+    assert args.func(args) == 0
+    assert seen["options"].hash_seed == "seed-on-the-cli"
+    assert not any("seed" in a for a in seen["argv"]), seen["argv"]
+
+    started = {}
+
+    class FakePopen:
+        def __init__(self, cmd, env, **_kw):
+            started["cmd"], started["env"] = cmd, env
+            self.pid, self.stdout = 1, iter(())
+
+    monkeypatch.setattr(subprocess, "Popen", FakePopen)
+    ReplicaProcess(ReplicaLaunch(1, 9101, seen["argv"], "ipc://e", "ipc://r", 1, None, None,
+                                 hash_seed="seed-on-the-cli")).start()
+    assert started["env"][HASH_SEED_ENV] == "seed-on-the-cli" and "seed-on-the-cli" not in started["cmd"]
+    # The replica's parser takes it from there.
+    monkeypatch.setenv(HASH_SEED_ENV, "seed-on-the-cli")
+    replica = build_parser().parse_args(["serve", *seen["argv"]])
+    assert replica.prefix_caching_hash_seed == "seed-on-the-cli"
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--data-parallel-size", "0"], "--data-parallel-size 0 is invalid: must be >= 1"),
     (["-dp", "2", "--kv-events-endpoint", "tcp://127.0.0.1:0"], "--kv-events-endpoint 'tcp://127.0.0.1:0' is invalid"),

@@ -47,7 +47,8 @@ def replay(endpoint: str, start: int) -> list[tuple[int, bytes]]:
 def published():
     """A shared-prefix workload on a pool small enough to evict, with a live subscriber."""
     llm = LLM(kv_cache_memory=46080 * BLOCK * 60, kv_cache_dtype="float32", kv_events_endpoint="tcp://127.0.0.1:0",
-              kv_events_replay_endpoint="tcp://127.0.0.1:0", kv_events_topic="kv", prefix_caching_hash_seed="s1")
+              kv_events_replay_endpoint="tcp://127.0.0.1:0", kv_events_topic="kv", prefix_caching_hash_seed="s1",
+              kv_events_token_ids=True)
     pub = llm.engine.kv_event_publisher
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
@@ -146,18 +147,28 @@ def test_reset_prefix_cache_publishes_all_blocks_cleared():
         llm.engine.close()
 
 
-def test_events_without_token_ids_still_route_by_hash():
-    """kv_events_token_ids=False (what the Ray replicas publish on their unauthenticated sockets):
-    BlockStored keeps vLLM's 7 fields but its token_ids are empty, so no prompt text leaves the
-    engine; the hashes alone rebuild the cache and a router still finds the prefix there."""
+def test_events_carry_no_token_ids_by_default_and_still_route_by_hash():
+    """The default: BlockStored keeps vLLM's 7 fields but its token_ids are empty, for a live
+    subscriber and on the replay socket alike, so no tenant's prompt text leaves the engine; the
+    hashes alone rebuild the cache and a router still finds the prefix there."""
     llm = LLM(kv_cache_memory="16MiB", kv_events_endpoint="tcp://127.0.0.1:0",
-              kv_events_replay_endpoint="tcp://127.0.0.1:0", prefix_caching_hash_seed="s1",
-              kv_events_token_ids=False)
+              kv_events_replay_endpoint="tcp://127.0.0.1:0", prefix_caching_hash_seed="s1")
+    sub = zmq.Context.instance().socket(zmq.SUB)
     try:
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(llm.engine.kv_event_publisher.endpoint)
+        time.sleep(0.3)  # ZMQ's slow joiner
         tok = llm.get_tokenizer()
         prompt = token_prompts(tok.encode, [100])[0]
+        llm.generate([{"prompt_token_ids": prompt, "cache_salt": "tenant-a"}], SamplingParams(max_tokens=2),
+                     use_tqdm=False)
         llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=2), use_tqdm=False)
         llm.engine.publish_kv_events()
+        live = []
+        while sub.poll(1000):
+            live += [e for e in decode(sub.recv_multipart()[2]) if e[0] == "BlockStored"]
+        assert len(live) >= 2 * (100 // BLOCK) and all(e[3] == [] for e in live), live[0]
         events = [e for _, p in replay(llm.engine.kv_event_publisher.replay_endpoint, 0) for e in decode(p)]
         stored = [e for e in events if e[0] == "BlockStored"]
         assert len(stored) >= 100 // BLOCK
@@ -168,7 +179,39 @@ def test_events_without_token_ids_still_route_by_hash():
         decision = router.route(prompt + [7, 8, 9])
         assert (decision.index, decision.reason, decision.matched_blocks) == (1, "prefix", 100 // BLOCK)
     finally:
+        sub.close(0)
         llm.engine.close()
+
+
+def test_token_ids_flag_and_its_old_opposite():
+    from kvshare.cli import build_parser
+    from kvshare.engine_args import engine_options
+
+    def options(*flags):
+        return engine_options(build_parser().parse_args(["serve", *flags]))
+
+    assert options()["kv_events_token_ids"] is False and EngineConfig().kv_events_token_ids is False
+    assert options("--kv-events-token-ids")["kv_events_token_ids"] is True
+    assert options("--kv-events-no-token-ids")["kv_events_token_ids"] is False  # the default now; still accepted
+    with pytest.raises(ValueError, match="--kv-events-token-ids and --kv-events-no-token-ids contradict"):
+        options("--kv-events-token-ids", "--kv-events-no-token-ids")
+    assert options("--kv-events-allow-remote")["kv_events_allow_remote"] is True
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://0.0.0.0:5557", "tcp://*:5557", "tcp://10.1.2.3:5557",
+                                      "tcp://example.com:5557", "tcp://eth0:5557", "tcp://[::]:5557"])
+@pytest.mark.parametrize("option", ["kv_events_endpoint", "kv_events_replay_endpoint"])
+def test_a_remote_event_endpoint_needs_allow_remote(option, endpoint):
+    kwargs = {"kv_events_endpoint": "ipc:///tmp/kvshare-events", option: endpoint}
+    with pytest.raises(ValueError, match=rf"{option}=.*can be reached from other machines.*--kv-events-allow-remote"):
+        EngineConfig(**kwargs)
+    assert EngineConfig(**kwargs, kv_events_allow_remote=True).kv_events_allow_remote is True
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1:5557", "tcp://127.0.0.2:0", "tcp://[::1]:5557",
+                                      "tcp://localhost:5557", "ipc:///tmp/kv-events", "inproc://kv"])
+def test_local_event_endpoints_need_no_flag(endpoint):
+    assert EngineConfig(kv_events_endpoint=endpoint, kv_events_replay_endpoint=endpoint).kv_events_endpoint == endpoint
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -176,6 +219,7 @@ def test_events_without_token_ids_still_route_by_hash():
     (dict(kv_events_replay_endpoint="tcp://127.0.0.1:5558"), "kv_events_replay_endpoint needs kv_events_endpoint"),
     (dict(prefix_caching_hash_seed=""), "prefix_caching_hash_seed='' is invalid"),
     (dict(kv_events_token_ids="no"), "kv_events_token_ids='no' is invalid"),
+    (dict(kv_events_allow_remote=1), "kv_events_allow_remote=1 is invalid"),
 ])
 def test_bad_kv_event_options_name_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -178,6 +178,64 @@ def test_a_failed_audit_is_kept_redacted_after_the_engine_stops():
     assert asyncio.run(ae.read_stopped(lambda: "the pool")) == "the pool"  # no thread: nothing to wait for
 
 
+def test_concurrent_snapshot_viewers_share_one_pass_over_the_pool(monkeypatch):
+    """M viewers asking at once (any `blocks` choice) cost the engine thread one snapshot; asking
+    again before the engine changes costs nothing; after a step, one more."""
+    import httpx2
+
+    import kvshare.server.kv_routes as kv_routes
+    from kvshare.server.app import build_app
+    from kvshare.server.settings import ServerConfig
+    from kvshare.server.state import ServerState
+
+    builds = []
+
+    def counting_snapshot(engine, blocks="all"):
+        builds.append(engine.step_count)
+        time.sleep(0.05)  # an O(blocks) pass takes a while: the other viewers arrive meanwhile
+        return {"step": engine.step_count, "blocks": [{"ref_count": 1}, {"ref_count": 0}], "requests": []}
+
+    monkeypatch.setattr(kv_routes, "kv_snapshot", counting_snapshot)
+    engine = SimpleNamespace(
+        manager=SimpleNamespace(num_blocks=2, num_used_blocks=lambda: 0, stats=SimpleNamespace(queries=0, hits=0)),
+        scheduler=SimpleNamespace(running=[], waiting=[], num_preemptions=0), step_count=0, work=0,
+        has_unfinished_requests=lambda: engine.work > 0, close=lambda: None)
+
+    def step():
+        engine.work -= 1
+        engine.step_count += 1
+        return []
+
+    engine.step = step
+    ae = AsyncEngine(engine, ServerMetrics("m"))
+    state = ServerState(config=ServerConfig(), engine=ae, metrics=ae.metrics, model_name="m", model_source="m",
+                        tokenizer=None, max_model_len=64, max_num_seqs=2)
+    app = build_app(state)
+
+    async def main():
+        ae.start(asyncio.get_running_loop())
+        try:
+            async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://127.0.0.1") as c:
+                paths = ["/kv/snapshot", "/kv/snapshot?blocks=held", "/kv/snapshot?blocks=none"] * 4
+                first = await asyncio.gather(*(c.get(p) for p in paths))
+                assert len(builds) == 1
+                again = await c.get("/kv/snapshot")
+                assert len(builds) == 1  # nothing changed since: the same snapshot
+                await ae.call(lambda: setattr(engine, "work", 1))  # one step follows this call
+                while ae.snapshot.step < 1:
+                    await asyncio.sleep(0.01)
+                after = await c.get("/kv/snapshot")
+                assert len(builds) == 2
+                return first, again, after
+        finally:
+            await asyncio.to_thread(ae.stop, 10)
+
+    first, again, after = asyncio.run(main())
+    assert all(r.status_code == 200 for r in (*first, again, after))
+    assert [len(r.json()["blocks"]) for r in first[:3]] == [2, 1, 0]
+    assert again.json() == first[0].json() and first[0].json()["step"] == 0 and after.json()["step"] == 1
+
+
 # ---- a real server ------------------------------------------------------------------------------
 
 PREFIX = ("The history of the lighthouse keepers of the northern coast is a long one. Each keeper kept a log "

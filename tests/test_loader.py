@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import shutil
+import struct
 
 import gguf
 import numpy as np
@@ -646,3 +647,32 @@ def test_missing_bundled_package(monkeypatch):
 def test_bad_dtype():
     with pytest.raises(ModelLoadError, match="dtype"):
         load_model(None, dtype=torch.float16)
+
+
+def _gguf_with_metadata(path, key: str, value_type: int, value: bytes) -> None:
+    """A GGUF v3 file with one metadata key (its type id and encoded value) and no tensors."""
+    name = key.encode()
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(name)) + name
+                     + struct.pack("<I", value_type) + value)
+
+
+@pytest.mark.parametrize("alignment", [0, 24])
+def test_a_gguf_alignment_that_is_not_a_power_of_two_is_a_load_error_naming_it(tmp_path, alignment):
+    path = tmp_path / "aligned.gguf"
+    _gguf_with_metadata(path, "general.alignment", 4, struct.pack("<I", alignment))
+    message = rf"'general\.alignment' is {alignment}; it must be a power of two"
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(str(path))
+    with pytest.raises(ModelLoadError, match=message):
+        gguf_loader.read_tensors(str(path))  # the gguf package's reader, behind our check
+
+
+def test_deeply_nested_gguf_arrays_are_a_load_error_naming_the_key(tmp_path):
+    depth = 5000  # past Python's recursion limit
+    path = tmp_path / "nested.gguf"
+    nested = struct.pack("<IQ", 9, 1) * depth + struct.pack("<IQ", 4, 0)  # [[[...[]...]]] of uint32
+    _gguf_with_metadata(path, "general.nested", 9, nested)
+    with pytest.raises(ModelLoadError, match=r"'general\.nested' nests arrays more than 8 deep"):
+        load_model(str(path))
+    with pytest.raises(ModelLoadError, match=r"'general\.nested' nests arrays"):
+        gguf_loader.read_tensors(str(path))

@@ -6,6 +6,7 @@ import asyncio
 import json
 import signal
 import uuid
+from types import SimpleNamespace
 
 import openai
 import pytest
@@ -201,3 +202,113 @@ def test_sigterm_finishes_in_flight_refuses_new_and_exits_zero():
         assert srv.proc.wait(120) == 0
     finally:
         srv.close()
+
+
+# ---- an engine failure's text stays in the log ------------------------------------------------
+
+def test_an_engine_failure_text_reaches_the_log_but_no_response(caplog):
+    """A failed step's exception can quote a tenant's salt (a BlockPoolError names the block's
+    salt group): /health, /ready and every 503 say the engine failed and where to look, with a
+    stable code; only the server log has the text."""
+    import httpx2
+
+    from kvshare.kvcache.block_pool import BlockPoolError
+    from kvshare.server.app import build_app
+    from kvshare.server.async_engine import AsyncEngine
+    from kvshare.server.metrics import ServerMetrics
+    from kvshare.server.settings import ServerConfig
+    from kvshare.server.state import ServerState
+
+    secret = "salt-" + uuid.uuid4().hex
+
+    class FakeLoop:  # the hand-over to the event loop, at once
+        def call_soon_threadsafe(self, fn, *args):
+            fn(*args)
+
+    def failing_step():
+        raise BlockPoolError(f"block 7 is cached under salt {secret!r} but has ref_count -1")
+
+    engine = SimpleNamespace(manager=SimpleNamespace(num_blocks=8), view_tap=None, step_count=3, auditor=None,
+                             has_unfinished_requests=lambda: True, step=failing_step)
+    ae = AsyncEngine(engine, ServerMetrics(MODEL))
+    ae._loop = FakeLoop()
+    with caplog.at_level("ERROR", logger="kvshare.server"):
+        ae._run()  # returns once the step has failed
+    assert secret in caplog.text  # the operator has it
+
+    state = ServerState(config=ServerConfig(), engine=ae, metrics=ae.metrics, model_name=MODEL, model_source="m",
+                        tokenizer=None, max_model_len=64, max_num_seqs=2)
+
+    async def main():
+        transport = httpx2.ASGITransport(app=build_app(state))
+        async with httpx2.AsyncClient(transport=transport, base_url="http://127.0.0.1") as c:
+            return [await c.get("/health"), await c.get("/ready"), await c.get("/kv/snapshot"),
+                    await c.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 1})]
+
+    replies = asyncio.run(main())
+    assert [r.status_code for r in replies] == [503] * 4
+    for r in replies:
+        assert secret not in r.text and "ref_count" not in r.text, r.text
+        body = r.json()
+        assert body.get("status") == "engine_dead" or body["error"]["code"] == "engine_dead"
+        assert "server log" in r.text
+
+
+# ---- slow clients -------------------------------------------------------------------------------
+
+def test_a_stalled_body_gets_408_and_a_closed_connection_while_a_neighbour_is_served():
+    """Slowloris: headers and half a body, then nothing. After --request-body-timeout the client
+    gets a 408 in OpenAI's shape and the server closes the connection; a neighbour meanwhile is
+    served as usual."""
+    import socket
+    import time
+
+    deadline = 2.0
+    srv = ServerProcess("--request-body-timeout", str(deadline), "--limit-concurrency", "64",
+                        "--timeout-keep-alive", "5").wait_ready()
+    try:
+        body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 2}).encode()
+        slow = socket.create_connection(("127.0.0.1", srv.port), timeout=60)
+        started = time.monotonic()
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body[:len(body) // 2])
+        status, _, answer = srv.request("POST", "/v1/completions", json.loads(body), timeout=120)
+        assert status == 200 and json.loads(answer)["choices"][0]["finish_reason"] in ("length", "stop")
+        reply = b""
+        while chunk := slow.recv(65536):  # until the server closes the connection
+            reply += chunk
+        elapsed = time.monotonic() - started
+        slow.close()
+        head, _, payload = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408 "), reply[:200]
+        assert b"connection: close" in head.lower()
+        err = json.loads(payload)["error"]
+        assert err["code"] == "request_timeout" and "--request-body-timeout" in err["message"]
+        assert deadline * 0.9 <= elapsed < deadline + 30
+        # The server is still there for the next client.
+        assert srv.request("GET", "/v1/models")[0] == 200
+    finally:
+        srv.close()
+
+
+def test_uvicorn_gets_the_connection_limit_and_keep_alive_timeout(monkeypatch):
+    from kvshare.server import runner
+    from kvshare.server.settings import ServerConfig
+
+    seen = {}
+
+    class CapturingServer:
+        def __init__(self, config, state):
+            seen["config"] = config
+
+        def run(self, sockets=None):
+            pass
+
+    monkeypatch.setattr(runner, "build_app", lambda state: object())
+    monkeypatch.setattr(runner, "DrainingServer", CapturingServer)
+    runner.serve(SimpleNamespace(config=ServerConfig(limit_concurrency=7, timeout_keep_alive=3.5)))
+    assert (seen["config"].limit_concurrency, seen["config"].timeout_keep_alive) == (7, 3.5)
+    defaults = ServerConfig()
+    assert (defaults.request_body_timeout, defaults.limit_concurrency, defaults.timeout_keep_alive) == (30.0, 1024, 5.0)
+    with pytest.raises(ValueError, match="request_body_timeout=0 is invalid"):
+        ServerConfig(request_body_timeout=0)

@@ -6,7 +6,7 @@ Wire format (what vLLM's ZmqEventPublisher sends, msgpack of msgspec array-like 
   signed; payload is msgpack of [ts, [event, ...]] (+ data_parallel_rank when set), each event
   [tag, fields...]: ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
   lora_id, medium], ["BlockRemoved", block_hashes, medium], ["AllBlocksCleared"]. token_ids is
-  an empty list when the publisher is made with include_token_ids=False (the Ray replicas').
+  an empty list unless the publisher is made with include_token_ids=True (--kv-events-token-ids).
   Replay (ROUTER, optional): a DEALER sends [b"", start_seq (8 bytes big-endian)]; the replies are
   [b"", seq, payload] for every buffered batch with seq >= start_seq, then [b"", -1, b""].
 
@@ -35,10 +35,11 @@ def encode_batch(events, ts: float, data_parallel_rank: int | None = None, inclu
 class ZmqKVEventPublisher:
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
                  buffer_batches: int = 10_000, data_parallel_rank: int | None = None,
-                 include_token_ids: bool = True) -> None:
-        """`include_token_ids=False` sends BlockStored with empty token_ids: the sockets have no
+                 include_token_ids: bool = False) -> None:
+        """BlockStored goes out with empty token_ids unless `include_token_ids`: the sockets have no
         authentication, and a block's token ids are a tenant's prompt text. A router needs only
-        the hashes; vLLM-compatible consumers that want the tokens need True (the default)."""
+        the hashes; consumers that want the tokens opt in. The replay socket keeps the last
+        `buffer_batches` batches (vLLM's buffer_steps, 10,000) for anyone who connects."""
         self.include_token_ids = include_token_ids
         self.topic = topic.encode("utf-8")
         self.data_parallel_rank = data_parallel_rank

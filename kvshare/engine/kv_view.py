@@ -31,13 +31,19 @@ def kv_snapshot(engine, blocks: str = "all") -> dict:
     requests = [{"request_id": st.request_id, "status": request_status(st), "blocks": held.get(st.request_id, 0),
                  "cached_tokens": max((s.num_cached_tokens for s in st.seqs), default=0)}
                 for st in engine.requests.values()]
+    return select_blocks({"step": engine.step_count, "num_blocks": engine.manager.num_blocks,
+                          "block_size": engine.manager.block_size, "counts": counts,
+                          "engine_counts": manager_counts(engine.manager), "blocks": rows, "requests": requests},
+                         blocks)
+
+
+def select_blocks(snapshot: dict, blocks: str) -> dict:
+    """A whole snapshot narrowed to the rows `blocks` asks for (a new dict; the rows are shared)."""
     if blocks == "held":
-        rows = [r for r in rows if r["ref_count"]]
-    elif blocks == "none":
-        rows = []
-    return {"step": engine.step_count, "num_blocks": engine.manager.num_blocks,
-            "block_size": engine.manager.block_size, "counts": counts,
-            "engine_counts": manager_counts(engine.manager), "blocks": rows, "requests": requests}
+        return {**snapshot, "blocks": [r for r in snapshot["blocks"] if r["ref_count"]]}
+    if blocks == "none":
+        return {**snapshot, "blocks": []}
+    return snapshot
 
 
 def start_view(engine) -> ViewTap:

@@ -28,6 +28,9 @@ _NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 
           12: "<f8"}
 _STRING, _ARRAY = 8, 9
 DEFAULT_ALIGNMENT = 32
+# Arrays of arrays nest at most this deep (llama.cpp reads none): deeper is a corrupt or hostile
+# file, refused before the walk recurses past Python's stack.
+MAX_ARRAY_DEPTH = 8
 
 
 @dataclass
@@ -92,10 +95,13 @@ class _Walker:
         self.pos += n
         return raw.decode("utf-8", errors="replace")
 
-    def value(self, type_id: int) -> Any:
+    def value(self, type_id: int, key: str, depth: int = 0) -> Any:
         if type_id == _STRING:
             return self.string()
         if type_id == _ARRAY:
+            if depth == MAX_ARRAY_DEPTH:
+                raise ModelLoadError(f"{self.path}: GGUF metadata {key!r} nests arrays more than {MAX_ARRAY_DEPTH} "
+                                     "deep; the file is corrupt.")
             elem, count = self.take("<I"), self.take("<Q")
             skip = self.max_array is not None and count > self.max_array
             if elem in _NUMPY:
@@ -115,10 +121,10 @@ class _Walker:
                         raise self._short()
                     return None
                 return [self.string() for _ in range(count)]
-            items = [self.value(elem) for _ in range(count)]
+            items = [self.value(elem, key, depth + 1) for _ in range(count)]
             return None if skip else items
         if type_id not in _SCALARS:
-            raise ModelLoadError(f"{self.path}: unknown GGUF metadata type {type_id}; the file is corrupt.")
+            raise ModelLoadError(f"{self.path}: GGUF metadata {key!r} has unknown type {type_id}; the file is corrupt.")
         return self.take(_SCALARS[type_id])
 
 
@@ -150,7 +156,7 @@ def _parse(buf, path: str, max_array: int | None, file_size: int) -> GGUFHeader:
     meta: dict[str, Any] = {}
     for _ in range(n_kv):
         key = w.string()
-        value = w.value(w.take("<I"))
+        value = w.value(w.take("<I"), key)
         if value is not None:
             meta[key] = value
     tensors = []
@@ -160,7 +166,10 @@ def _parse(buf, path: str, max_array: int | None, file_size: int) -> GGUFHeader:
         type_id = w.take("<I")
         offset = w.take("<Q")
         tensors.append(TensorInfo(name, shape, type_id, offset, _tensor_nbytes(path, name, shape, type_id)))
-    align = int(meta.get("general.alignment", DEFAULT_ALIGNMENT))
+    align = meta.get("general.alignment", DEFAULT_ALIGNMENT)
+    if not isinstance(align, int) or isinstance(align, bool) or align < 1 or align & (align - 1):
+        raise ModelLoadError(f"{path}: GGUF metadata 'general.alignment' is {align!r}; it must be a power of two "
+                             f"(the default is {DEFAULT_ALIGNMENT}), so the file is corrupt.")
     data_start = -(-w.pos // align) * align
     for t in tensors:
         t.offset += data_start

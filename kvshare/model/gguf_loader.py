@@ -14,7 +14,7 @@ from gguf.quants import dequantize
 
 from kvshare.model import gemma
 from kvshare.model.config import ModelArchConfig
-from kvshare.model.gguf_header import open_gguf_file
+from kvshare.model.gguf_header import open_gguf_file, read_gguf_header
 from kvshare.model.gguf_quants import GROUP_AFFINE_TYPES, GroupAffine, to_group_affine
 from kvshare.model.hf_loader import split_fused_weights
 from kvshare.model.load_error import ModelLoadError
@@ -79,6 +79,9 @@ def open_gguf(path: str) -> GGUFReader:
         magic = f.read(4)
     if magic != b"GGUF":
         raise ModelLoadError(f"{path} is not a GGUF file (starts with {magic!r}, expected b'GGUF').")
+    # Our walk first: it names the field a corrupt header gets wrong (an alignment of 0, arrays
+    # nested past the stack), where GGUFReader fails with ZeroDivisionError or RecursionError.
+    read_gguf_header(path)
     try:
         reader = GGUFReader(path, "r")
     except Exception as exc:  # noqa: BLE001 - a short/corrupt header surfaces as many error types

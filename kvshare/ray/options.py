@@ -15,7 +15,7 @@ from kvshare.server.settings import ServerConfig
 # (an ephemeral port on its node, reported to the routers), its rank, and that its events carry
 # no token ids (the sockets are unauthenticated and on the node's network; routers need only hashes).
 REPLICA_SET = frozenset({"kv_events_endpoint", "kv_events_replay_endpoint", "data_parallel_rank",
-                         "kv_events_token_ids"})
+                         "kv_events_token_ids", "kv_events_allow_remote"})
 ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name not in REPLICA_SET)
 # ServerConfig options that mean something behind Ray Serve (host, port and the drain are Serve's).
 SERVER_OPTIONS = ("served_model_name", "api_key", "max_waiting", "request_timeout", "max_body_bytes",

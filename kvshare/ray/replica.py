@@ -59,9 +59,10 @@ class EngineReplica:
                    # Port 0: the OS picks free ports; the publisher reports what it bound.
                    "kv_events_endpoint": f"tcp://{host}:0", "kv_events_replay_endpoint": f"tcp://{host}:0",
                    "prefix_caching_hash_seed": hash_seed, "data_parallel_rank": self.rank,
-                   # The sockets have no authentication and listen on the node's network: a
-                   # block's token ids (a tenant's prompt) stay here; routers need only the hashes.
-                   "kv_events_token_ids": False}
+                   # The sockets have no authentication and listen on the node's network (the
+                   # routers run elsewhere): a block's token ids (a tenant's prompt) stay here;
+                   # routers need only the hashes.
+                   "kv_events_token_ids": False, "kv_events_allow_remote": True}
         config = EngineConfig.from_kwargs(**options)
         # Loading takes seconds: off the replica's event loop, in a worker thread that then ends
         # the OpenMP workers its load made (the engine thread steps from here on; see

@@ -13,6 +13,7 @@ from starlette.responses import JSONResponse, PlainTextResponse
 
 from kvshare import __version__
 from kvshare.errors import InvalidRequestError
+from kvshare.server.body_deadline import BodyDeadlineMiddleware
 from kvshare.server.dashboard import add_dashboard_routes
 from kvshare.server.errors import APIError
 from kvshare.server.kv_routes import add_kv_view_routes
@@ -37,6 +38,7 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="kvshare", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.kvshare = state
     app.add_middleware(GuardMiddleware, state=state)
+    app.add_middleware(BodyDeadlineMiddleware, timeout=state.config.request_body_timeout)  # outside the guard
     serving = OpenAIServing(state)
     tokenizing = TokenizeServing(state)
     registry = state.metrics.registry(lambda: state.engine.snapshot)

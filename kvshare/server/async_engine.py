@@ -124,6 +124,10 @@ class AsyncEngine:
         self._view_sink: Callable[[int, list[dict]], None] | None = None
         self.snapshot = EngineSnapshot(blocks_total=engine.manager.num_blocks)
         self.heartbeat = time.monotonic()
+        # Bumped by the engine thread whenever an add, an abort, a step or the view's recorder may
+        # have changed the pool, the requests or what a snapshot shows: a reader of engine state (the KV view's shared snapshot) whose
+        # copy has this number still has the current state.
+        self.state_version = 0
         self.dead: str | None = None
         # The broken invariant when an audit stopped the engine: {"invariant", "block", "step"},
         # kept so a view opened after the stop can still show it (only these three: the audit's
@@ -247,6 +251,7 @@ class AsyncEngine:
         def start() -> None:
             start_view(self.engine)
             self._view_sink = sink
+            self.state_version += 1  # snapshots show each block's last event from now on
 
         await self.call(start)
 
@@ -255,6 +260,7 @@ class AsyncEngine:
         def stop() -> None:
             stop_view(self.engine)
             self._view_sink = None
+            self.state_version += 1
 
         self.post(stop)
 
@@ -302,6 +308,8 @@ class AsyncEngine:
                     self._in_hand = []
                 stepping = self.engine.has_unfinished_requests()
                 outputs = self.engine.step() if stepping else []
+                if stepping:
+                    self.state_version += 1
                 self._busy = self.engine.has_unfinished_requests()
                 self._publish(outputs)
                 if self._view_sink is not None:
@@ -310,10 +318,12 @@ class AsyncEngine:
                     self.snapshot = self._take_snapshot()
         except BaseException as e:  # a bug in a step: fail loudly, never hang the clients
             logger.exception("engine loop failed")  # the whole report, audit detail included: the log only
-            reason = f"{type(e).__name__}: {e}"
+            # The reason reaches clients (/health, /ready, every 503): never the exception's text,
+            # which can quote a salt, a prompt or a request id (a BlockPoolError's does).
+            reason = f"{type(e).__name__}; the engine failed, details are in the server log"
             if isinstance(e, AuditError):
                 self.audit_failure = self._audit_verdict(e)
-                # The reason reaches clients (/health, every 503): the redacted verdict only.
+                # The redacted verdict only.
                 f = self.audit_failure
                 reason = (f"AuditError: invariant '{f['invariant']}' violated at step {f['step']}"
                           + (f" on block {f['block']}" if f["block"] is not None else "") + " (details in the server log)")
@@ -330,6 +340,8 @@ class AsyncEngine:
                 self._call(cmd)
             else:
                 self._abort(cmd)
+        if added or any(isinstance(cmd, _Abort) for cmd in commands):
+            self.state_version += 1
         with self._cond:
             self._shared.pending -= added
             self.snapshot = self._take_snapshot()

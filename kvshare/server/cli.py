@@ -9,7 +9,7 @@ import os
 
 from kvshare.engine_args import add_engine_args, engine_options
 from kvshare.server.routing import ROUTING_POLICIES
-from kvshare.server.settings import DEFAULT_MAX_BODY_BYTES
+from kvshare.server.settings import DEFAULT_LIMIT_CONCURRENCY, DEFAULT_MAX_BODY_BYTES
 from kvshare.server.tool_parsers import TOOL_PARSERS
 
 
@@ -30,6 +30,14 @@ def add_serve_parser(sub) -> None:
                    help="on SIGTERM, seconds in-flight requests get to finish before they are aborted")
     g.add_argument("--max-body-bytes", default=str(DEFAULT_MAX_BODY_BYTES),
                    help="largest request body accepted, e.g. 4MiB (413 beyond)")
+    g.add_argument("--request-body-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="answer 408 and close the connection when a request body has not fully arrived this many "
+                        "seconds after its headers (default: 30)")
+    g.add_argument("--limit-concurrency", type=int, default=DEFAULT_LIMIT_CONCURRENCY, metavar="N",
+                   help=f"uvicorn's: answer 503 beyond N open connections or tasks (default: "
+                        f"{DEFAULT_LIMIT_CONCURRENCY})")
+    g.add_argument("--timeout-keep-alive", type=float, default=5.0, metavar="SECONDS",
+                   help="uvicorn's: close an idle keep-alive connection after this long (default: 5)")
     g.add_argument("--log-prompts", action="store_true", help="log prompt text and parameters of every request")
     g.add_argument("--no-access-log", action="store_true", help="no per-request access log lines")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -132,6 +140,8 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser | None =
         log_level=args.log_level, chat_template=read_chat_template(args.chat_template),
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
         grammar_compile_timeout=args.grammar_compile_timeout, listen_fd=args.listen_fd,
+        request_body_timeout=args.request_body_timeout, limit_concurrency=args.limit_concurrency,
+        timeout_keep_alive=args.timeout_keep_alive,
     )
     if args.inject_fault is not None:
         check_inject_fault(args)
@@ -171,10 +181,10 @@ def serve_replicas(args: argparse.Namespace, parser: argparse.ArgumentParser, cf
 
     def argv(rank: int, port: int, events: str, replay: str) -> list[str]:
         # The front end writes the access log (one line per client request); a replica's would
-        # also list the front end's /metrics polls.
+        # also list the front end's /metrics polls. The hash seed goes through the environment
+        # (ReplicaLaunch.hash_seed), not here, where `ps` shows it to every user.
         return replica_argv(parser, args, {"host": "127.0.0.1", "port": port, "data_parallel_rank": rank,
                                            "kv_events_endpoint": events,
-                                           "kv_events_replay_endpoint": replay,
-                                           "prefix_caching_hash_seed": options.hash_seed, **pool}) + ["--no-access-log"]
+                                           "kv_events_replay_endpoint": replay, **pool}) + ["--no-access-log"]
 
     return serve_data_parallel(cfg, options, argv, args.model)

@@ -55,6 +55,7 @@ from kvshare.server.dp_supervisor import (  # noqa: F401
     log_task_failure, monitor_replicas, poll_replica, poll_replicas, start_background, wait_replicas_ready)
 from kvshare.server.errors import APIError
 from kvshare.server.kv_subscriber import KVEventSubscriber
+from kvshare.server.body_deadline import BodyDeadlineMiddleware
 from kvshare.server.middleware import GuardMiddleware
 from kvshare.server.replica import (  # noqa: F401
     ReplicaLaunch, ReplicaProcess, bind_loopback_socket, connect_endpoint, free_loopback_port, offset_endpoint,
@@ -198,6 +199,7 @@ def build_frontend_app(state: FrontendState, subscribers: list[KVEventSubscriber
                     exception_handlers={404: not_found, 405: not_allowed, APIError: api_error,
                                         InvalidRequestError: invalid, Exception: internal})
     app.add_middleware(GuardMiddleware, state=state)
+    app.add_middleware(BodyDeadlineMiddleware, timeout=state.config.request_body_timeout)  # outside the guard
     return app
 
 
@@ -251,7 +253,8 @@ def serve_data_parallel(config: ServerConfig, options: DataParallelOptions, repl
             launch = ReplicaLaunch(index=r, port=port,
                                    argv=replica_argv(r, port, events, replay) + ["--listen-fd", str(sock.fileno())],
                                    kv_events_endpoint=events, kv_events_replay_endpoint=replay,
-                                   omp_threads=threads, cpus=cpus, api_key=config.api_key, listen_fd=sock.fileno())
+                                   omp_threads=threads, cpus=cpus, api_key=config.api_key, listen_fd=sock.fileno(),
+                                   hash_seed=options.hash_seed)
             replicas.append(ReplicaProcess(launch, listen_socket=sock))
         state = FrontendState(config=config, options=options, metrics=RouterMetrics(name, options.size, options.policy),
                               router=router, replicas=replicas, tokenizer=tokenizer, model_name=name)
@@ -261,7 +264,8 @@ def serve_data_parallel(config: ServerConfig, options: DataParallelOptions, repl
                                                  options.kv_events_topic))
         app = build_frontend_app(state, subscribers)
         uv = uvicorn.Config(app, host=config.host, port=config.port, log_config=None, log_level=config.log_level,
-                            access_log=config.access_log, timeout_graceful_shutdown=5, lifespan="on")
+                            access_log=config.access_log, timeout_graceful_shutdown=5, lifespan="on",
+                            limit_concurrency=config.limit_concurrency, timeout_keep_alive=config.timeout_keep_alive)
         server = DrainingFrontend(uv, state)
         try:
             for rep in replicas:

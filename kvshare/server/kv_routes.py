@@ -1,7 +1,9 @@
 """The live KV view's data endpoints: GET /kv/snapshot (the pool block by block, JSON) and
 GET /kv/events (block events, one server-sent event per engine step). Both sit behind --api-key
 when one is set (GuardMiddleware). The snapshot is taken on the engine thread between steps,
-never beside a running one (or, once the engine has stopped, from the state it stopped in)."""
+never beside a running one (or, once the engine has stopped, from the state it stopped in), and
+shared by every viewer until the engine's state changes (SharedSnapshot); the events are
+serialized once per step for every viewer (kv_stream.KVEventHub)."""
 from __future__ import annotations
 
 import asyncio
@@ -10,9 +12,9 @@ import logging
 from typing import Callable
 
 from fastapi import FastAPI, Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 
-from kvshare.engine.kv_view import kv_snapshot
+from kvshare.engine.kv_view import kv_snapshot, select_blocks
 from kvshare.server.errors import APIError, EngineDeadError
 from kvshare.server.kv_stream import (DEFAULT_QUEUE_BATCHES, EventRedactor, KVEventHub, sse_message,
                                       step_message)
@@ -60,6 +62,40 @@ def read_query(raw: Request, accepted: dict[str, Callable[[str, str], object]]) 
     return out
 
 
+class SharedSnapshot:
+    """One pass over the pool for every /kv/snapshot viewer: the requests that arrive while one is
+    being taken wait for it, and until the engine next adds, aborts or steps (its state_version)
+    everyone gets that one, each `blocks` choice serialized once. N viewers polling cost the
+    engine thread one O(blocks) pass per step at most, never N."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine  # the AsyncEngine
+        self._taking: asyncio.Future | None = None
+        self._version: int | None = None  # the engine's state_version the snapshot was taken at
+        self._snapshot: dict = {}
+        self._bodies: dict[str, bytes] = {}  # blocks choice -> JSON of the current snapshot
+
+    async def body(self, blocks: str) -> bytes:
+        if self._version != self.engine.state_version:
+            if self._taking is None:
+                self._taking = asyncio.ensure_future(self._take())
+            # Shielded: one viewer leaving must not cancel the pass the others wait for.
+            await asyncio.shield(self._taking)
+        if blocks not in self._bodies:
+            self._bodies[blocks] = JSONResponse(select_blocks(self._snapshot, blocks)).body
+        return self._bodies[blocks]
+
+    async def _take(self) -> None:
+        def read() -> tuple[int, dict]:
+            return self.engine.state_version, kv_snapshot(self.engine.engine)
+
+        try:
+            self._version, self._snapshot = await self.engine.call(read)
+            self._bodies = {}
+        finally:
+            self._taking = None
+
+
 async def dead_engine_reply(engine, read: Callable[[], dict]) -> JSONResponse:
     """/kv/snapshot once the engine has stopped: still a 503 (engine_dead) for scripts, but with
     the pool as the engine left it and the failed audit's verdict, so a page opened or reloaded
@@ -77,22 +113,19 @@ async def dead_engine_reply(engine, read: Callable[[], dict]) -> JSONResponse:
 def add_kv_view_routes(app: FastAPI, state: ServerState) -> None:
     engine = state.engine
     hub = KVEventHub(engine, EventRedactor(show_tokens=state.config.log_prompts))
+    shared = SharedSnapshot(engine)
     snapshot_query = {"blocks": choice("all", "held", "none")}
     events_query = {"queue": int_in(1, MAX_QUEUE_BATCHES)}
 
     @app.get("/kv/snapshot")
     async def snapshot(raw: Request):
         blocks = read_query(raw, snapshot_query).get("blocks", "all")
-        def read() -> dict:
-            return kv_snapshot(engine.engine, blocks)
-
         if engine.dead is None:
             try:
-                # Plain JSON types already: straight to the response, not through FastAPI's encoder.
-                return JSONResponse(await engine.call(read))
+                return Response(await shared.body(blocks), media_type="application/json")
             except EngineDeadError:
                 pass  # it stopped while this waited: answered as below
-        return await dead_engine_reply(engine, read)
+        return await dead_engine_reply(engine, lambda: kv_snapshot(engine.engine, blocks))
 
     @app.get("/kv/events")
     async def events(raw: Request):

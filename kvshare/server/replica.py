@@ -20,6 +20,8 @@ import sys
 import threading
 from dataclasses import dataclass
 
+from kvshare.engine_args import HASH_SEED_ENV
+
 logger = logging.getLogger("kvshare.server")
 
 LOG_TAIL_LINES = 40
@@ -114,6 +116,7 @@ class ReplicaLaunch:
     cpus: tuple[int, ...] | None  # CPU affinity; None: whatever the front end has
     api_key: str | None
     listen_fd: int | None = None  # the bound socket the replica serves (inherited, same number); None: it binds port
+    hash_seed: str | None = None  # the prefix-caching hash seed, passed in the environment
 
 
 class ReplicaProcess:
@@ -133,6 +136,9 @@ class ReplicaProcess:
         env.pop("KVSHARE_API_KEY", None)
         if self.launch.api_key is not None:
             env["KVSHARE_API_KEY"] = self.launch.api_key  # not on the command line, where `ps` shows it
+        env.pop(HASH_SEED_ENV, None)
+        if self.launch.hash_seed is not None:
+            env[HASH_SEED_ENV] = self.launch.hash_seed  # like the key: not where `ps` shows it
         env[PARENT_ENV] = str(os.getpid())
         cmd = [sys.executable, "-c", REPLICA_BOOT, "serve", *self.launch.argv]
         cpus = self.launch.cpus

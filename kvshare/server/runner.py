@@ -75,6 +75,7 @@ def serve(state: ServerState) -> None:
     config = uvicorn.Config(
         build_app(state), host=cfg.host, port=cfg.port, log_config=None, log_level=cfg.log_level,
         access_log=cfg.access_log, timeout_graceful_shutdown=5, lifespan="on",
+        limit_concurrency=cfg.limit_concurrency, timeout_keep_alive=cfg.timeout_keep_alive,
     )
     # An inherited socket (data-parallel replica) is bound already; uvicorn listens on it.
     sockets = None

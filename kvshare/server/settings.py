@@ -8,6 +8,7 @@ from kvshare.model.tokenizer import check_chat_template
 from kvshare.server.tool_parsers import TOOL_PARSERS
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+DEFAULT_LIMIT_CONCURRENCY = 1024
 
 
 @dataclass
@@ -32,6 +33,13 @@ class ServerConfig:
     retry_after_seconds: int = 1
     # A structured-output grammar that takes longer to compile is refused (400), not waited on.
     grammar_compile_timeout: float = 10.0
+    # Slow clients (issue 33): a request whose body has not fully arrived this many seconds after
+    # its headers gets a 408 and its connection closed; uvicorn answers 503 beyond
+    # limit_concurrency connections or tasks, and closes an idle keep-alive connection after
+    # timeout_keep_alive seconds (uvicorn's and vLLM's names and keep-alive default).
+    request_body_timeout: float = 30.0
+    limit_concurrency: int | None = DEFAULT_LIMIT_CONCURRENCY
+    timeout_keep_alive: float = 5.0
     # A socket bound by the data-parallel front end and inherited (no race for a free port between
     # choosing it and binding it): served instead of binding host:port.
     listen_fd: int | None = None
@@ -45,6 +53,11 @@ class ServerConfig:
             raise ValueError(f"request_timeout={self.request_timeout} is invalid: must be > 0 seconds")
         if not self.grammar_compile_timeout > 0:
             raise ValueError(f"grammar_compile_timeout={self.grammar_compile_timeout} is invalid: must be > 0 seconds")
+        for name in ("request_body_timeout", "timeout_keep_alive"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)} is invalid: must be > 0 seconds")
+        if self.limit_concurrency is not None and self.limit_concurrency < 1:
+            raise ValueError(f"limit_concurrency={self.limit_concurrency} is invalid: must be >= 1")
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout={self.shutdown_timeout} is invalid: must be >= 0 seconds")
         self.max_body_bytes = parse_bytes(self.max_body_bytes, "max_body_bytes")
