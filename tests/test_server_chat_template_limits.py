@@ -77,5 +77,6 @@ def test_oversized_tools_and_kwargs_are_400s_naming_the_field_and_flag(server):
     assert status == 400 and body["error"]["param"] == "chat_template_kwargs"
     assert "--max-chat-template-kwargs-bytes" in body["error"]["message"] and "1024" in body["error"]["message"]
     small = dict(tool, function=dict(tool["function"], description="Looks things up."))
-    status, body = server.post_json("/v1/chat/completions", chat(tools=[small], tool_choice="none", chat_template_kwargs={"passes": 2}))
+    status, body = server.post_json("/v1/chat/completions",
+                                    chat(tools=[small], tool_choice="none", chat_template_kwargs={"passes": 2}))
     assert status == 200, body

@@ -7,7 +7,7 @@ The budget: a deadline, and a cap on what the template builds. A Python thread c
 from outside, so the render stops itself: the deadline is checked wherever a template's work can
 grow without bound (each step of a range() loop, each call, each intercepted operator, each
 namespace assignment, each piece of output), and values that could multiply memory (`*`, `**`,
-`+`, `%`, str.replace / str.join, format widths, filters' numeric arguments) are sized before they
+`%`, str.replace / str.join, format widths, filters' numeric arguments) are sized before they
 are built and charged after. Loops over the request's own data are bounded by its size.
 """
 from __future__ import annotations
@@ -53,8 +53,9 @@ class RenderBudget:
                                      f"and lists while rendering", False)
 
     def _charge(self, value: Any) -> Any:
-        self._reserve(_size(value))
-        self._built += _size(value)
+        size = _size(value)
+        self._reserve(size)
+        self._built += size
         return value
 
 
@@ -74,10 +75,11 @@ def _budget(context) -> RenderBudget:
 
 
 def _check_int(value: Any) -> None:
-    if isinstance(value, int) and not isinstance(value, bool) and (
-            abs(value) > MAX_TEMPLATE_BUILD or value.bit_length() > MAX_TEMPLATE_INT_BITS):
-        raise TemplateLimitError(f"the chat template was given the number {value if value.bit_length() < 64 else '(huge)'}"
-                                 f" where a size or count goes: at most {MAX_TEMPLATE_BUILD}", False)
+    """Numbers passed to calls, filters and format widths are sizes and counts in practice."""
+    if isinstance(value, int) and abs(value) > MAX_TEMPLATE_BUILD:
+        shown = value if value.bit_length() <= 64 else f"of {value.bit_length()} bits"
+        raise TemplateLimitError(f"the chat template was given the number {shown} where a size or count goes: "
+                                 f"at most {MAX_TEMPLATE_BUILD}", False)
 
 
 def _check_format(fmt: str) -> None:
@@ -142,7 +144,8 @@ def _namespace(context, *args: Any, **kwargs: Any) -> Namespace:
 
 def _budgeted_filter(func):
     """A filter with its numeric arguments checked and its result charged (filters are called
-    directly by compiled templates, not through the sandbox's call())."""
+    directly by compiled templates, not through the sandbox's call()). It takes the context
+    itself, so it hands the filter what the filter asked jinja2 for (jinja2's private _PassArg)."""
     pass_arg = jinja2.utils._PassArg.from_obj(func)
     is_format = getattr(func, "__name__", "") == "do_format"
 
@@ -177,7 +180,9 @@ def _growth(obj: Any, args: tuple) -> int:
 
 
 class TemplateSandbox(ImmutableSandboxedEnvironment):
-    intercepted_binops = frozenset({"*", "**", "+", "%"})
+    # Not "+": what it builds is no larger than its operands, and the one place a sum can keep
+    # growing (a namespace attribute, across loop iterations) is charged.
+    intercepted_binops = frozenset({"*", "**", "%"})
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -211,8 +216,6 @@ class TemplateSandbox(ImmutableSandboxedEnvironment):
             for seq, n in ((left, right), (right, left)):
                 if isinstance(seq, (str, list, tuple)) and isinstance(n, int):
                     budget._reserve(_size(seq) * max(n, 0))
-        elif operator == "+":
-            budget._reserve(_size(left) + _size(right))
         elif operator == "%" and isinstance(left, str):
             _check_format(left)
             for a in right if isinstance(right, tuple) else (right,):
