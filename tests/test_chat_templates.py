@@ -156,3 +156,64 @@ def test_phi3_template_renders_as_transformers(conversation, bundled_tokenizers)
     tok = bundled_tokenizers["phi3"]
     text = check_agrees(tok, source, CONVERSATIONS[conversation], add_generation_prompt=True)
     assert text.endswith("<|assistant|>\n")
+
+
+# ---- the render budget (kvshare.model.template_sandbox) -----------------------------------------
+
+ONE_TURN = [{"role": "user", "content": "Hi"}]
+
+
+def test_a_render_stops_at_its_deadline(bundled_tokenizers):
+    import time
+
+    from kvshare.model.template_sandbox import TemplateLimitError
+
+    tok = next(iter(bundled_tokenizers.values()))
+    source = template("kwarg_loops")
+    assert "<|im_start|>user\nHi<|im_end|>" in tok.apply_chat_template(ONE_TURN, chat_template=source, passes=3)
+    start = time.monotonic()
+    with pytest.raises(TemplateLimitError) as e:  # 9 million loop steps: seconds without the deadline
+        tok.apply_chat_template(ONE_TURN, chat_template=source, render_timeout=0.05, passes=3000)
+    assert e.value.timed_out and "0.05 s" in str(e.value)
+    assert time.monotonic() - start < 1.0
+
+
+# Each builds 2**27 characters (or a 2**27-digit power), over the sandbox's cap of 2**26: built
+# in full without the budget.
+BIG = 2**27
+BOMBS = {
+    "repeat": ("{{ 'x' * n }}", {"n": BIG}),
+    "replace": ("{{ s.replace('', s) }}", {"s": "y" * 2**14}),
+    "join": ("{{ s.join(range(9000)|list) }}", {"s": "z" * 2**14}),
+    "center_filter": ("{{ 'a'|center(n) }}", {"n": BIG}),
+    "format_width": ("{{ f.format(1) }}", {"f": "{:>%d}" % BIG}),
+    "percent_width": ("{{ '%*d' % (n, 1) }}", {"n": BIG}),
+    "power": ("{{ (10 ** n) % 7 }}", {"n": 2**17}),
+    "namespace_doubling": ("{% set ns = namespace(s='ab') %}{% for i in range(27) %}{% set ns.s = ns.s ~ ns.s %}"
+                           "{% endfor %}{{ ns.s|length }}", {}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BOMBS))
+def test_a_template_cannot_build_without_bound(name, bundled_tokenizers):
+    from kvshare.model.template_sandbox import MAX_TEMPLATE_BUILD, TemplateLimitError
+
+    tok = next(iter(bundled_tokenizers.values()))
+    source, kwargs = BOMBS[name]
+    with pytest.raises(TemplateLimitError) as e:
+        tok.apply_chat_template(ONE_TURN, chat_template=source, **kwargs)
+    assert not e.value.timed_out and (str(MAX_TEMPLATE_BUILD) in str(e.value) or "bits" in str(e.value))
+
+
+def test_a_template_cannot_reach_python_internals(bundled_tokenizers):
+    import jinja2.exceptions
+
+    tok = next(iter(bundled_tokenizers.values()))
+    for source in ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "{{ messages.__class__.__base__ }}",
+                   "{{ ('{0.__class__}'|attr('format'))(1) }}", "{{ '{0.__class__}'.format(1) }}",
+                   "{{ cycler.__init__.__globals__ }}"):
+        try:
+            text = tok.apply_chat_template(ONE_TURN, chat_template=source)
+        except jinja2.exceptions.SecurityError:
+            continue
+        assert text == ""  # an undefined value, never the object

@@ -209,34 +209,127 @@ def test_stop_strings_and_min_tokens_keep_their_meaning(llm):
     assert len(longer.token_ids) >= len(short.token_ids) + 2
 
 
-def test_a_slow_compile_is_refused_and_the_loop_keeps_running():
+class FakeCompiler:
+    """StructuredOutputs.compile's stand-in: counts the compiles (per regex), how many run at once,
+    and takes `seconds` (or, for the regexes in `held`, until `release` is set)."""
+
+    def __init__(self, seconds: float = 0.0, held: tuple = ()) -> None:
+        import threading
+
+        self.seconds, self.held = seconds, held
+        self.release = threading.Event()
+        self.calls: list[str] = []
+        self.running = self.most_running = 0
+        self._lock = threading.Lock()
+
+    def compile(self, spec):
+        import time
+
+        with self._lock:
+            self.calls.append(spec.regex)
+            self.running += 1
+            self.most_running = max(self.most_running, self.running)
+        try:
+            if spec.regex in self.held:
+                self.release.wait(10)
+            else:
+                time.sleep(self.seconds)
+        finally:
+            with self._lock:
+                self.running -= 1
+
+
+def test_a_slow_compile_is_refused_stays_refused_and_the_loop_keeps_running():
     import asyncio
-    import threading
+    import time
 
-    from kvshare.server.structured import compile_off_loop
+    from kvshare.server.structured import GrammarCompiles
 
-    release = threading.Event()
-
-    class SlowCompiler:
-        def compile(self, spec):
-            release.wait(5)
+    compiler = FakeCompiler(held=("a+",))
+    compiles = GrammarCompiles(max_concurrent=2, timeout=0.2)
 
     async def main():
         ticks = 0
 
         async def ticker():
             nonlocal ticks
-            while not release.is_set():
+            while not compiler.release.is_set():
                 ticks += 1
                 await asyncio.sleep(0.005)
 
         t = asyncio.create_task(ticker())
-        with pytest.raises(InvalidRequestError) as e:
-            await compile_off_loop(SlowCompiler(), StructuredOutputsParams(regex="a+"), timeout=0.2)
-        release.set()
+        with pytest.raises(InvalidRequestError) as first:
+            await compiles.compile(compiler, StructuredOutputsParams(regex="a+"))
+        compiler.release.set()
         await t
-        return e.value, ticks
+        await asyncio.sleep(0.2)  # the background compile finishes (in the real server: into the cache)
+        start = time.monotonic()
+        with pytest.raises(InvalidRequestError) as retry:  # the retry is not served from that compile
+            await compiles.compile(compiler, StructuredOutputsParams(regex="a+"))
+        return first.value, retry.value, time.monotonic() - start, ticks
 
-    err, ticks = asyncio.run(main())
-    assert err.param == "structured_outputs" and "0.2 s" in str(err)
+    first, retry, retry_seconds, ticks = asyncio.run(main())
+    assert first.param == "structured_outputs" and "0.2 s" in str(first) and "--grammar-compile-timeout" in str(first)
+    assert retry.param == first.param and str(retry) == str(first)
+    assert retry_seconds < 0.1 and compiler.calls == ["a+"]  # refused at once, never compiled again
     assert ticks >= 10  # the event loop ran on while the compile was pending
+
+
+def test_one_grammar_asked_for_by_many_requests_compiles_once():
+    import asyncio
+
+    from kvshare.server.structured import GrammarCompiles
+
+    compiler = FakeCompiler(seconds=0.3)
+    compiles = GrammarCompiles(max_concurrent=2, timeout=10)
+
+    async def main():
+        await asyncio.gather(*(compiles.compile(compiler, StructuredOutputsParams(regex="b+")) for _ in range(8)))
+
+    asyncio.run(main())
+    assert compiler.calls == ["b+"]
+
+
+def test_no_more_grammars_compile_at_once_than_the_limit():
+    import asyncio
+
+    from kvshare.server.structured import GrammarCompiles
+
+    compiler = FakeCompiler(seconds=0.2)
+    compiles = GrammarCompiles(max_concurrent=2, timeout=30)
+
+    async def main():
+        await asyncio.gather(*(compiles.compile(compiler, StructuredOutputsParams(regex=f"c{{{i}}}"))
+                               for i in range(6)))
+
+    asyncio.run(main())
+    assert sorted(compiler.calls) == sorted(f"c{{{i}}}" for i in range(6))
+    assert compiler.most_running == 2
+
+
+def test_a_compile_that_cannot_start_in_time_is_a_429_and_leaves_the_queue():
+    import asyncio
+
+    from kvshare.server.errors import APIError
+    from kvshare.server.structured import GrammarCompiles
+
+    compiler = FakeCompiler(held=("busy",))
+    compiles = GrammarCompiles(max_concurrent=1, timeout=0.3)
+
+    async def main():
+        hog = asyncio.create_task(compiles.compile(compiler, StructuredOutputsParams(regex="busy")))
+        await asyncio.sleep(0.05)
+        with pytest.raises(APIError) as queued:
+            await compiles.compile(compiler, StructuredOutputsParams(regex="d+"))
+        with pytest.raises(InvalidRequestError):
+            await hog
+        compiler.release.set()
+        await asyncio.sleep(0.2)
+        ran_while_nobody_waited = "d+" in compiler.calls
+        await compiles.compile(compiler, StructuredOutputsParams(regex="d+"))  # not refused: it never ran
+        return queued.value, ran_while_nobody_waited
+
+    err, ran_while_nobody_waited = asyncio.run(main())
+    assert err.status == 429 and err.param == "structured_outputs" and err.headers == {"Retry-After": "1"}
+    assert "--max-concurrent-grammar-compiles" in err.message
+    assert not ran_while_nobody_waited and compiler.calls == ["busy", "d+"]

@@ -16,9 +16,10 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as _BackendTokenizer
+
+from kvshare.model.template_sandbox import TemplateSandbox, render
 
 # Texts (characters) and id lists longer than this go through the backend's batch calls, which
 # release the GIL: its single-text encode holds it throughout, and a server thread tokenizing a
@@ -149,12 +150,14 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, s
 
 @lru_cache(maxsize=16)
 def _compile_template(source: str) -> jinja2.Template:
-    # Templates come with downloaded models, so they are untrusted code: sandboxed and immutable.
+    # Templates come with downloaded models, so they are untrusted code: sandboxed, immutable, and
+    # each render within a budget (kvshare.model.template_sandbox).
     # trim_blocks/lstrip_blocks are what HF renders with; templates are written against that.
-    env = ImmutableSandboxedEnvironment(
+    env = TemplateSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
+    env.budget_filters()
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(source)
@@ -500,6 +503,7 @@ class Tokenizer:
         tools: Sequence[Mapping[str, Any]] | None = None,
         documents: Sequence[Mapping[str, Any]] | None = None,
         chat_template: str | None = None,
+        render_timeout: float | None = None,
         **template_kwargs: Any,
     ) -> str | list[int]:
         """Render ``messages`` with the model's chat template (or ``chat_template``, a template
@@ -511,6 +515,8 @@ class Tokenizer:
         after the last message's content (no end-of-turn), so generation continues it; as in
         transformers it excludes ``add_generation_prompt``. The defaults differ from transformers'
         (text, with a generation prompt): pass both ``tokenize`` and ``add_generation_prompt``.
+        A render that takes longer than ``render_timeout`` seconds (None: no limit) or builds more
+        than MAX_TEMPLATE_BUILD characters stops with TemplateLimitError.
         """
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true: the first "
@@ -527,9 +533,8 @@ class Tokenizer:
         conversation = [dict(m) for m in messages]
         if continue_final_message:
             conversation = _tag_final_message(conversation)
-        text = _compile_template(source).render(
-            messages=conversation, add_generation_prompt=add_generation_prompt, **context
-        )
+        text = render(_compile_template(source), render_timeout, messages=conversation,
+                      add_generation_prompt=add_generation_prompt, **context)
         if continue_final_message:
             text = _cut_at_tag(text)
         if tokenize:

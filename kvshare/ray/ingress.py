@@ -94,7 +94,7 @@ class OpenAIIngress:
         self._check_key(raw)  # before tokenizing: an unauthorized body is not read for routing
         body = await self._body(raw)
         try:
-            if len(body) > LONG_BODY:
+            if len(body) > LONG_BODY or chat:  # chat_template_kwargs can make a small body slow to render
                 token_ids, salt = await asyncio.to_thread(prompt_for_routing, self.tokenizer, self.chat_template,
                                                           body, chat)
             else:

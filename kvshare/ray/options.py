@@ -20,7 +20,8 @@ ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.nam
 # ServerConfig options that mean something behind Ray Serve (host, port and the drain are Serve's).
 SERVER_OPTIONS = ("served_model_name", "api_key", "max_waiting", "request_timeout", "max_body_bytes",
                   "chat_template", "enable_auto_tool_choice", "tool_call_parser", "grammar_compile_timeout",
-                  "log_prompts")
+                  "log_prompts", "max_concurrent_grammar_compiles", "max_tools_bytes",
+                  "max_chat_template_kwargs_bytes", "chat_template_timeout")
 APP_OPTIONS = ("num_replicas", "routing_policy", "num_cpus_per_replica", "max_ongoing_requests",
                "kv_events_host", "routing_stats_period_s")
 # `serve run kvshare.ray:app` (no arguments) reads its options from KVSHARE_RAY_<OPTION> variables.

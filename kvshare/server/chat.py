@@ -4,10 +4,12 @@ from __future__ import annotations
 import json
 
 from kvshare.errors import InvalidRequestError
+from kvshare.model.template_sandbox import TemplateLimitError
 from kvshare.outputs import CompletionOutput, Logprob, RequestOutput
 from kvshare.server.chat_options import template_options
 from kvshare.server.formatting import MIN_LOGPROB, BaseFormatter, PromptInput, clamp_logprob, ranked
 from kvshare.server.protocol import ChatCompletionRequest
+from kvshare.server.settings import ServerConfig
 from kvshare.server.tool_calls import ToolPlan
 from kvshare.server.tool_stream import ToolCallStream
 
@@ -48,20 +50,49 @@ def _template_call(call, where: str) -> dict:
     return {"id": call.id, "type": call.type, "function": {"name": call.function.name, "arguments": arguments}}
 
 
-def render_chat_prompt(tokenizer, req: ChatCompletionRequest, chat_template: str | None = None) -> PromptInput:
+def render_chat_prompt(tokenizer, req: ChatCompletionRequest, chat_template: str | None = None,
+                       config: ServerConfig | None = None) -> PromptInput:
     """The same rendering as LLM.chat: the model's template (or --chat-template), given the request's
-    tools, then tokens without extra specials."""
+    tools, then tokens without extra specials. `config` gives the limits on what the template is
+    given and how long it may run (ServerConfig's defaults when None)."""
     if tokenizer is None:
         raise InvalidRequestError("this model has no tokenizer, so chat messages cannot be rendered", "messages")
+    limits = config if config is not None else ServerConfig()
     conversation = _conversation(req)
     req_tools = getattr(req, "tools", None)  # /tokenize's chat requests render without tools
     tools = [t.model_dump(exclude_none=True) for t in req_tools] if req_tools else None
+    _check_json_size(tools, "tools", limits.max_tools_bytes, "--max-tools-bytes")
+    _check_json_size(req.chat_template_kwargs, "chat_template_kwargs", limits.max_chat_template_kwargs_bytes,
+                     "--max-chat-template-kwargs-bytes")
     options = template_options(req)  # its own 400s, naming their fields
     try:
-        text = tokenizer.apply_chat_template(conversation, tools=tools, chat_template=chat_template, **options)
+        text = tokenizer.apply_chat_template(conversation, tools=tools, chat_template=chat_template,
+                                             render_timeout=limits.chat_template_timeout, **options)
+    except TemplateLimitError as e:
+        # The template's input is what the client controls; kwargs are the usual lever.
+        param = "chat_template_kwargs" if req.chat_template_kwargs else "messages"
+        limit = (f"--chat-template-timeout {limits.chat_template_timeout:g}" if e.timed_out
+                 else "a fixed cap of the template sandbox")
+        raise InvalidRequestError(f"the chat template stopped: {e} ({limit}); check {param}", param) from None
     except Exception as e:  # templates raise their own errors (e.g. "roles must alternate")
         raise InvalidRequestError(f"the chat template rejected these messages: {e}", "messages") from None
     return PromptInput(text=text, token_ids=tokenizer.encode(text, add_special_tokens=False))
+
+
+def renders_off_loop(req: ChatCompletionRequest, long_text: int) -> bool:
+    """Whether rendering may take long enough to keep off the event loop: long messages, or any
+    tools or chat_template_kwargs (small kwargs can still drive a template's loops)."""
+    return bool(getattr(req, "tools", None) or req.chat_template_kwargs
+                or sum(len(m.content or "") for m in req.messages) > long_text)
+
+
+def _check_json_size(value, field: str, limit: int, flag: str) -> None:
+    if value is None:
+        return
+    size = len(json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode())
+    if size > limit:
+        raise InvalidRequestError(f"{field} is {size} bytes as JSON: the chat template is given at most {limit} "
+                                  f"bytes of it ({flag})", field)
 
 
 class ChatFormatter(BaseFormatter):

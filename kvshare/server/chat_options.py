@@ -8,7 +8,7 @@ from kvshare.errors import InvalidRequestError
 
 # Names the renderer sets itself; chat_template_kwargs may not override them.
 RESERVED_TEMPLATE_NAMES = frozenset({"messages", "add_generation_prompt", "continue_final_message", "tokenize",
-                                     "chat_template", "bos_token", "eos_token"})
+                                     "chat_template", "bos_token", "eos_token", "render_timeout"})
 
 
 def template_options(req) -> dict[str, Any]:

@@ -9,7 +9,8 @@ import os
 
 from kvshare.engine_args import add_engine_args, engine_options
 from kvshare.server.routing import ROUTING_POLICIES
-from kvshare.server.settings import DEFAULT_LIMIT_CONCURRENCY, DEFAULT_MAX_BODY_BYTES
+from kvshare.server.settings import (DEFAULT_LIMIT_CONCURRENCY, DEFAULT_MAX_BODY_BYTES,
+                                     DEFAULT_MAX_CHAT_TEMPLATE_KWARGS_BYTES, DEFAULT_MAX_TOOLS_BYTES)
 from kvshare.server.tool_parsers import TOOL_PARSERS
 
 
@@ -50,7 +51,17 @@ def add_serve_parser(sub) -> None:
                    help="how calls are written in the model's replies: hermes (Hermes, Qwen2.5/Qwen3 "
                         "<tool_call> JSON), llama3_json, pythonic")
     t.add_argument("--grammar-compile-timeout", type=float, default=10.0, metavar="SECONDS",
-                   help="refuse (400) a structured-output grammar that takes longer than this to compile")
+                   help="refuse (400) a structured-output grammar that takes longer than this to compile; the "
+                        "grammar stays refused")
+    t.add_argument("--max-concurrent-grammar-compiles", type=int, default=2, metavar="N",
+                   help="grammars compiled at once; a request waits for a free slot within "
+                        "--grammar-compile-timeout, then gets 429 (default: 2)")
+    t.add_argument("--max-tools-bytes", default=str(DEFAULT_MAX_TOOLS_BYTES),
+                   help="largest 'tools' (as JSON) a chat request may give the template, e.g. 1MiB (400 beyond)")
+    t.add_argument("--max-chat-template-kwargs-bytes", default=str(DEFAULT_MAX_CHAT_TEMPLATE_KWARGS_BYTES),
+                   help="largest 'chat_template_kwargs' (as JSON) a request may give, e.g. 64KiB (400 beyond)")
+    t.add_argument("--chat-template-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="stop (400) rendering a chat template after this long (default: 10)")
     d = p.add_argument_group("data parallel (docs/data_parallel.md)")
     d.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
                    help="run N engine replicas (each its own process, with its share of the CPU threads) behind "
@@ -142,6 +153,9 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser | None =
         grammar_compile_timeout=args.grammar_compile_timeout, listen_fd=args.listen_fd,
         request_body_timeout=args.request_body_timeout, limit_concurrency=args.limit_concurrency,
         timeout_keep_alive=args.timeout_keep_alive,
+        max_concurrent_grammar_compiles=args.max_concurrent_grammar_compiles, max_tools_bytes=args.max_tools_bytes,
+        max_chat_template_kwargs_bytes=args.max_chat_template_kwargs_bytes,
+        chat_template_timeout=args.chat_template_timeout,
     )
     if args.inject_fault is not None:
         check_inject_fault(args)

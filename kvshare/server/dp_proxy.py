@@ -73,13 +73,14 @@ class ReplicaFailed(Exception):
 
 
 
-def prompt_for_routing(tokenizer, chat_template: str | None, body: bytes, chat: bool) -> tuple[list[int], str | None]:
+def prompt_for_routing(tokenizer, chat_template: str | None, body: bytes, chat: bool,
+                       config=None) -> tuple[list[int], str | None]:
     """The first prompt's token ids as a replica computes them, and the request's cache_salt.
     Raises InvalidRequestError for a body a replica would refuse (the same check, so the same 400).
     Shared with the Ray Serve ingress (kvshare.ray), which routes the same way."""
     req = parse_body(body, ChatCompletionRequest if chat else CompletionRequest)
     if chat:
-        ids = render_chat_prompt(tokenizer, req, chat_template).token_ids
+        ids = render_chat_prompt(tokenizer, req, chat_template, config).token_ids
     else:
         first = req.prompt[0]
         if isinstance(first, str):
@@ -99,11 +100,12 @@ class Proxy:
 
     # ---- routing input ------------------------------------------------------------------------
     def _prompt_for_routing(self, body: bytes, chat: bool) -> tuple[list[int], str | None]:
-        return prompt_for_routing(self.state.tokenizer, self.state.config.chat_template, body, chat)
+        return prompt_for_routing(self.state.tokenizer, self.state.config.chat_template, body, chat,
+                                  self.state.config)
 
     async def routing_input(self, body: bytes, chat: bool) -> tuple[list[int], str | None]:
         try:
-            if len(body) > LONG_BODY:
+            if len(body) > LONG_BODY or chat:  # chat_template_kwargs can make a small body slow to render
                 return await asyncio.to_thread(self._prompt_for_routing, body, chat)
             return self._prompt_for_routing(body, chat)
         except (InvalidRequestError, APIError):

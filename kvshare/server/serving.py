@@ -22,7 +22,7 @@ from kvshare.errors import InvalidRequestError
 from kvshare.outputs import RequestOutput
 from kvshare.sampling_params import SamplingParams
 from kvshare.server.async_engine import EngineRequest, RequestStream
-from kvshare.server.chat import ChatFormatter, render_chat_prompt
+from kvshare.server.chat import ChatFormatter, render_chat_prompt, renders_off_loop
 from kvshare.server.chat_options import echo_text
 from kvshare.server.completions import CompletionFormatter
 from kvshare.server.errors import APIError
@@ -30,7 +30,7 @@ from kvshare.server.formatting import BaseFormatter, Job, PromptInput
 from kvshare.server.ignored_fields import check_ignored_fields
 from kvshare.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvshare.server.state import ServerState
-from kvshare.server.structured import compile_off_loop, structured_params
+from kvshare.server.structured import structured_params
 from kvshare.server.tool_calls import plan_tool_calls
 
 logger = logging.getLogger("kvshare.server")
@@ -104,10 +104,10 @@ class OpenAIServing:
                                           f"structured outputs, so response_format / structured_outputs cannot "
                                           f"constrain the reply too", "tool_choice")
             params = dataclasses.replace(params, structured_outputs=tools.structured_outputs())
-        if sum(len(m.content or "") for m in req.messages) > LONG_TEXT:
-            prompt = await asyncio.to_thread(render_chat_prompt, self.tok, req, cfg.chat_template)
+        if renders_off_loop(req, LONG_TEXT):
+            prompt = await asyncio.to_thread(render_chat_prompt, self.tok, req, cfg.chat_template, cfg)
         else:
-            prompt = render_chat_prompt(self.tok, req, cfg.chat_template)
+            prompt = render_chat_prompt(self.tok, req, cfg.chat_template, cfg)
         job = self._job("chatcmpl", req, [prompt], logprobs=logprobs)
         job.echo_text = echo_text(req)
         fmt = ChatFormatter(job, self.tok, tools)
@@ -171,8 +171,7 @@ class OpenAIServing:
                    rename: dict):
         self._log(job, params)
         if params.structured_outputs is not None:
-            await compile_off_loop(self.engine.engine.structured, params.structured_outputs,
-                                   self.state.config.grammar_compile_timeout)
+            await self.state.grammar_compiles.compile(self.engine.engine.structured, params.structured_outputs)
         requests = [EngineRequest(job.engine_id(i), p.token_ids, params) for i, p in enumerate(job.prompts)]
         try:
             stream = await self.engine.submit(requests, arrival)

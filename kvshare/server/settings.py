@@ -9,6 +9,8 @@ from kvshare.server.tool_parsers import TOOL_PARSERS
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 DEFAULT_LIMIT_CONCURRENCY = 1024
+DEFAULT_MAX_TOOLS_BYTES = 2**20
+DEFAULT_MAX_CHAT_TEMPLATE_KWARGS_BYTES = 64 * 2**10
 
 
 @dataclass
@@ -40,6 +42,13 @@ class ServerConfig:
     request_body_timeout: float = 30.0
     limit_concurrency: int | None = DEFAULT_LIMIT_CONCURRENCY
     timeout_keep_alive: float = 5.0
+    # Grammars compiled at once, on their own threads (a compile cannot be stopped, so the number is bounded).
+    max_concurrent_grammar_compiles: int = 2
+    # Request data a chat template renders (serialized JSON), and how long a render may take: a
+    # template is code, and chat_template_kwargs can set any variable it reads.
+    max_tools_bytes: int = DEFAULT_MAX_TOOLS_BYTES
+    max_chat_template_kwargs_bytes: int = DEFAULT_MAX_CHAT_TEMPLATE_KWARGS_BYTES
+    chat_template_timeout: float = 10.0
     # A socket bound by the data-parallel front end and inherited (no race for a free port between
     # choosing it and binding it): served instead of binding host:port.
     listen_fd: int | None = None
@@ -58,6 +67,14 @@ class ServerConfig:
                 raise ValueError(f"{name}={getattr(self, name)} is invalid: must be > 0 seconds")
         if self.limit_concurrency is not None and self.limit_concurrency < 1:
             raise ValueError(f"limit_concurrency={self.limit_concurrency} is invalid: must be >= 1")
+        if self.max_concurrent_grammar_compiles < 1:
+            raise ValueError(f"max_concurrent_grammar_compiles={self.max_concurrent_grammar_compiles} is invalid: "
+                             f"must be >= 1")
+        if not self.chat_template_timeout > 0:
+            raise ValueError(f"chat_template_timeout={self.chat_template_timeout} is invalid: must be > 0 seconds")
+        self.max_tools_bytes = parse_bytes(self.max_tools_bytes, "max_tools_bytes")
+        self.max_chat_template_kwargs_bytes = parse_bytes(self.max_chat_template_kwargs_bytes,
+                                                          "max_chat_template_kwargs_bytes")
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout={self.shutdown_timeout} is invalid: must be >= 0 seconds")
         self.max_body_bytes = parse_bytes(self.max_body_bytes, "max_body_bytes")

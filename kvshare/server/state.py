@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from kvshare.server.async_engine import AsyncEngine
 from kvshare.server.metrics import ServerMetrics
 from kvshare.server.settings import ServerConfig
+from kvshare.server.structured import GrammarCompiles
 
 BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -33,3 +34,8 @@ class ServerState:
     draining: bool = False  # set by SIGTERM: new API requests get 503
     inflight: int = 0  # API requests inside the app (streams until their last byte)
     ignored_fields_logged: set[str] = field(default_factory=set)  # accepted-and-ignored names already logged
+    grammar_compiles: GrammarCompiles = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.grammar_compiles = GrammarCompiles(self.config.max_concurrent_grammar_compiles,
+                                                self.config.grammar_compile_timeout)

@@ -1,12 +1,17 @@
 """Structured outputs as clients ask for them: OpenAI's `response_format` and vLLM's
 `structured_outputs` extra, turned into one StructuredOutputsParams and compiled off the event
-loop and off the engine thread, within a time limit."""
+loop and off the engine thread, on a bounded pool, within a time limit."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from kvshare.errors import InvalidRequestError
 from kvshare.sampling_params import StructuredOutputsParams
+from kvshare.server.errors import APIError
 
 
 def structured_params(req) -> StructuredOutputsParams | None:
@@ -37,12 +42,89 @@ def structured_params(req) -> StructuredOutputsParams | None:
     return StructuredOutputsParams(json=schema, source_field="response_format.json_schema.schema")
 
 
-async def compile_off_loop(structured, spec: StructuredOutputsParams, timeout: float) -> None:
-    """Compile (or find cached) on a worker thread, so neither the event loop nor the engine
-    waits on it; the engine then finds the grammar in the cache."""
-    try:
-        await asyncio.wait_for(asyncio.to_thread(structured.compile, spec), timeout)
-    except TimeoutError:
-        # The worker finishes in the background (its result is cached); this request is refused.
-        raise InvalidRequestError(f"{spec.source_field}: the {spec.kind} grammar took longer than "
-                                  f"{timeout:g} s to compile; simplify it", spec.source_field) from None
+class GrammarCompiles:
+    """Grammars compiled off the event loop and off the engine thread, on a bounded pool.
+
+    A compile cannot be stopped once it runs, so: at most `max_concurrent` run at once; one per
+    grammar (a second request for it waits on the first); a grammar whose compile runs past the
+    timeout stays refused (its compile goes on in the background and is cached, but a retry must
+    not collect it), remembered by digest for the last REFUSED_KEPT of them. A request whose
+    compile has not started within the timeout (every slot busy) gets 429 and leaves the queue."""
+
+    REFUSED_KEPT = 4096
+
+    def __init__(self, max_concurrent: int, timeout: float) -> None:
+        self.timeout = timeout
+        self.max_concurrent = max_concurrent
+        self._pool = ThreadPoolExecutor(max_concurrent, thread_name_prefix="kvshare-grammar")
+        self._in_flight: dict[bytes, _Compile] = {}
+        self._refused: OrderedDict[bytes, None] = OrderedDict()
+
+    async def compile(self, structured, spec: StructuredOutputsParams) -> None:
+        """Compile (or find cached) `spec` so the engine then finds the grammar in the cache."""
+        key = hashlib.sha256(repr(spec.cache_key()).encode()).digest()
+        if key in self._refused:
+            raise self._too_slow(spec)
+        job = self._in_flight.get(key)
+        if job is None or job.future.cancelled():
+            job = self._in_flight[key] = _Compile(self._pool, structured.compile, spec)
+            loop = asyncio.get_running_loop()
+            job.future.add_done_callback(lambda _: loop.call_soon_threadsafe(self._settle, key, job))
+        job.waiters += 1
+        try:
+            await self._wait(job, spec, key)
+        finally:
+            job.waiters -= 1
+            if job.waiters == 0 and not job.future.running():
+                job.future.cancel()  # still queued and nobody waits for it: it never runs
+
+    async def _wait(self, job: "_Compile", spec: StructuredOutputsParams, key: bytes) -> None:
+        waiting = asyncio.wrap_future(job.future)
+        try:
+            await asyncio.wait_for(asyncio.shield(waiting), self.timeout)
+            return
+        except TimeoutError:
+            pass
+        started = job.started
+        if started is None:
+            raise APIError(429, f"{spec.source_field}: {self.max_concurrent} grammars were compiling for "
+                                f"{self.timeout:g} s (--max-concurrent-grammar-compiles), so this one did not start "
+                                f"within --grammar-compile-timeout; retry later", param=spec.source_field,
+                           code="grammar_compiles_busy", headers={"Retry-After": "1"})
+        remaining = started + self.timeout - time.monotonic()
+        try:  # the compile's own time is what the timeout limits, not its wait for a slot
+            await asyncio.wait_for(asyncio.shield(waiting), max(remaining, 0))
+        except TimeoutError:
+            self._refuse(key)
+            raise self._too_slow(spec) from None
+
+    def _settle(self, key: bytes, job: "_Compile") -> None:
+        if self._in_flight.get(key) is job:
+            del self._in_flight[key]
+        if not job.future.cancelled() and job.future.exception() is None and job.future.result() > self.timeout:
+            self._refuse(key)  # finished after every waiter had gone
+
+    def _refuse(self, key: bytes) -> None:
+        self._refused[key] = None
+        self._refused.move_to_end(key)
+        while len(self._refused) > self.REFUSED_KEPT:
+            self._refused.popitem(last=False)
+
+    def _too_slow(self, spec: StructuredOutputsParams) -> InvalidRequestError:
+        return InvalidRequestError(f"{spec.source_field}: the {spec.kind} grammar took longer than {self.timeout:g} s "
+                                   f"to compile (--grammar-compile-timeout); simplify it", spec.source_field)
+
+
+class _Compile:
+    """One grammar's compile on the pool, when it started, and how many requests wait for it."""
+
+    def __init__(self, pool: ThreadPoolExecutor, compile_fn, spec: StructuredOutputsParams) -> None:
+        self.started: float | None = None
+        self.waiters = 0
+        self.future: Future = pool.submit(self._run, compile_fn, spec)
+
+    def _run(self, compile_fn, spec: StructuredOutputsParams) -> float:
+        """The compile's own duration in seconds (so one finishing after every waiter left is still judged)."""
+        self.started = time.monotonic()
+        compile_fn(spec)
+        return time.monotonic() - self.started

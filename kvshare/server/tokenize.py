@@ -47,7 +47,8 @@ class TokenizeServing:
         self.tok = state.tokenizer
 
     async def tokenize(self, raw: bytes) -> dict:
-        return await self._off_loop_if_long(raw, self._tokenize)
+        # Off the loop whatever its size: a chat body's chat_template_kwargs can make rendering slow.
+        return await asyncio.to_thread(self._tokenize, raw)
 
     async def detokenize(self, raw: bytes) -> dict:
         return await self._off_loop_if_long(raw, self._detokenize)
@@ -74,7 +75,7 @@ class TokenizeServing:
         self._check_model(req)
         tok = self._tokenizer()
         if isinstance(req, TokenizeChatRequest):
-            rendered = render_chat_prompt(tok, req, self.state.config.chat_template)
+            rendered = render_chat_prompt(tok, req, self.state.config.chat_template, self.state.config)
             ids = tok.encode(rendered.text, add_special_tokens=True) if req.add_special_tokens else rendered.token_ids
         else:
             ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)

@@ -1,0 +1,244 @@
+"""The environment chat templates render in: jinja2's immutable sandbox (no attribute escapes, no
+mutation of lists and dicts) plus a budget per render, since a template is code from a model file
+run on data from clients (`chat_template_kwargs` can set any variable, e.g. a number a template
+passes to range()).
+
+The budget: a deadline, and a cap on what the template builds. A Python thread cannot be stopped
+from outside, so the render stops itself: the deadline is checked wherever a template's work can
+grow without bound (each step of a range() loop, each call, each intercepted operator, each
+namespace assignment, each piece of output), and values that could multiply memory (`*`, `**`,
+`%`, str.replace / str.join, format widths, filters' numeric arguments) are sized before they
+are built and charged after. Loops over the request's own data are bounded by its size.
+"""
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
+from jinja2.utils import Namespace
+
+# Characters (about bytes) a render may build in all, its output included; far above any prompt a
+# model's context holds, far below what hurts the server.
+MAX_TEMPLATE_BUILD = 2**26
+MAX_TEMPLATE_INT_BITS = 2**16  # larger integers make arithmetic itself slow
+_BUDGET = "__kvshare_render_budget"  # its context name; the sandbox hides its (underscored) attributes
+_WIDTH = re.compile(r"\d+")
+
+
+class TemplateLimitError(Exception):
+    """A render went over its time limit (``timed_out``) or its size cap."""
+
+    def __init__(self, message: str, timed_out: bool) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
+
+
+class RenderBudget:
+    def __init__(self, timeout: float | None) -> None:
+        self._timeout = timeout
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._built = 0
+
+    def _check(self) -> None:
+        if self._deadline is not None and time.monotonic() > self._deadline:
+            raise TemplateLimitError(f"rendering the chat template took longer than {self._timeout:g} s", True)
+
+    def _reserve(self, size: int) -> None:
+        self._check()
+        if self._built + size > MAX_TEMPLATE_BUILD:
+            raise TemplateLimitError(f"the chat template built more than {MAX_TEMPLATE_BUILD} characters of text "
+                                     f"and lists while rendering", False)
+
+    def _charge(self, value: Any) -> Any:
+        size = _size(value)
+        self._reserve(size)
+        self._built += size
+        return value
+
+
+def _size(value: Any) -> int:
+    if isinstance(value, (str, bytes)):
+        return len(value)
+    if isinstance(value, (list, tuple, dict, set, range)):
+        return 8 * len(value)  # a reference per item
+    if isinstance(value, int):
+        return value.bit_length() // 8
+    return 0
+
+
+def _budget(context) -> RenderBudget:
+    budget = context.get(_BUDGET)
+    return budget if isinstance(budget, RenderBudget) else RenderBudget(None)
+
+
+def _check_int(value: Any) -> None:
+    """Numbers passed to calls, filters and format widths are sizes and counts in practice."""
+    if isinstance(value, int) and abs(value) > MAX_TEMPLATE_BUILD:
+        shown = value if value.bit_length() <= 64 else f"of {value.bit_length()} bits"
+        raise TemplateLimitError(f"the chat template was given the number {shown} where a size or count goes: "
+                                 f"at most {MAX_TEMPLATE_BUILD}", False)
+
+
+def _check_format(fmt: str) -> None:
+    for width in _WIDTH.findall(fmt):
+        if len(width) > 9 or int(width) > MAX_TEMPLATE_BUILD:
+            raise TemplateLimitError(f"the chat template formats with a width of {width[:12]}: at most "
+                                     f"{MAX_TEMPLATE_BUILD}", False)
+
+
+class _BudgetedRange:
+    """range() as the sandbox allows it (MAX_RANGE items), checking the deadline at every step:
+    a loop over a stored range makes no calls the sandbox sees."""
+
+    def __init__(self, rng: range, budget: RenderBudget) -> None:
+        self._range = rng
+        self._budget = budget
+
+    def __iter__(self):
+        for i in self._range:
+            self._budget._check()
+            yield i
+
+    def __reversed__(self):
+        return iter(_BudgetedRange(self._range[::-1], self._budget))
+
+    def __len__(self) -> int:
+        return len(self._range)
+
+    def __getitem__(self, index):
+        item = self._range[index]
+        return _BudgetedRange(item, self._budget) if isinstance(item, range) else item
+
+    def __contains__(self, value) -> bool:
+        return value in self._range
+
+    def __repr__(self) -> str:
+        return repr(self._range)
+
+
+@jinja2.pass_context
+def _range(context, *args: int) -> _BudgetedRange:
+    for a in args:
+        _check_int(a)
+    return _BudgetedRange(safe_range(*args), _budget(context))
+
+
+class _BudgetedNamespace(Namespace):
+    """namespace(): the one value a template can grow across loop iterations, so every assignment
+    is charged."""
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        object.__getattribute__(self, "_budget")._charge(value)
+        super().__setitem__(name, value)
+
+
+@jinja2.pass_context
+def _namespace(context, *args: Any, **kwargs: Any) -> Namespace:
+    ns = _BudgetedNamespace(*args, **kwargs)
+    object.__setattr__(ns, "_budget", _budget(context))
+    return ns
+
+
+def _budgeted_filter(func):
+    """A filter with its numeric arguments checked and its result charged (filters are called
+    directly by compiled templates, not through the sandbox's call()). It takes the context
+    itself, so it hands the filter what the filter asked jinja2 for (jinja2's private _PassArg)."""
+    pass_arg = jinja2.utils._PassArg.from_obj(func)
+    is_format = getattr(func, "__name__", "") == "do_format"
+
+    @jinja2.pass_context
+    def budgeted(context, *args: Any, **kwargs: Any) -> Any:
+        for a in (*args[1:], *kwargs.values()):
+            _check_int(a)
+        if is_format and args and isinstance(args[0], str):
+            _check_format(args[0])
+        budget = _budget(context)
+        budget._check()
+        first = {jinja2.utils._PassArg.context: context, jinja2.utils._PassArg.eval_context: context.eval_ctx,
+                 jinja2.utils._PassArg.environment: context.environment}.get(pass_arg)
+        result = func(first, *args, **kwargs) if first is not None else func(*args, **kwargs)
+        if isinstance(result, (str, list, tuple, dict)):
+            budget._charge(result)
+        return result
+
+    return budgeted
+
+
+def _growth(obj: Any, args: tuple) -> int:
+    """An upper bound on the size of what a str method that can multiply its input returns."""
+    self = getattr(obj, "__self__", None)
+    name = getattr(obj, "__name__", "")
+    if isinstance(self, str) and name == "replace" and len(args) >= 2:
+        old, new = str(args[0]), str(args[1])
+        return len(self) + (len(self) // max(len(old), 1) + 1) * len(new)
+    if isinstance(self, str) and name == "join" and args and hasattr(args[0], "__len__"):
+        return len(self) * len(args[0])
+    return 0
+
+
+class TemplateSandbox(ImmutableSandboxedEnvironment):
+    # Not "+": what it builds is no larger than its operands, and the one place a sum can keep
+    # growing (a namespace attribute, across loop iterations) is charged.
+    intercepted_binops = frozenset({"*", "**", "%"})
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.globals.pop("lipsum", None)  # lipsum(n) writes n paragraphs
+        self.globals["range"] = _range
+        self.globals["namespace"] = _namespace
+
+    def budget_filters(self) -> None:
+        """Wrap every filter, those set after construction included (call once, at the end)."""
+        self.filters = {name: _budgeted_filter(f) for name, f in self.filters.items()}
+
+    def call(__self, __context, __obj, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 (jinja's spelling)
+        budget = _budget(__context)
+        for a in (*args, *kwargs.values()):
+            _check_int(a)
+        budget._reserve(_growth(__obj, args))
+        result = super().call(__context, __obj, *args, **kwargs)
+        if isinstance(result, (str, list, tuple, dict)):
+            budget._charge(result)
+        return result
+
+    def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
+        budget = _budget(context)
+        if isinstance(left, int) and isinstance(right, int) and operator in ("*", "**"):
+            power = operator == "**" and right > 0
+            bits = left.bit_length() * right if power else left.bit_length() + right.bit_length()
+            if bits > MAX_TEMPLATE_INT_BITS:
+                raise TemplateLimitError(f"the chat template computes a number of more than {MAX_TEMPLATE_INT_BITS} "
+                                         f"bits with '{operator}'", False)
+        elif operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int):
+                    budget._reserve(_size(seq) * max(n, 0))
+        elif operator == "%" and isinstance(left, str):
+            _check_format(left)
+            for a in right if isinstance(right, tuple) else (right,):
+                _check_int(a)
+        result = super().call_binop(context, operator, left, right)
+        if isinstance(result, (str, list, tuple)):
+            budget._charge(result)
+        return result
+
+    def wrap_str_format(self, value: Any):
+        wrapper = super().wrap_str_format(value)
+        if wrapper is None:
+            return None
+        _check_format(value.__self__)
+        return wrapper
+
+
+def render(template: jinja2.Template, timeout: float | None, **variables: Any) -> str:
+    """The template's text, within ``timeout`` seconds (None: no limit) and the size cap; raises
+    TemplateLimitError beyond either."""
+    budget = RenderBudget(timeout)
+    pieces = []
+    for piece in template.generate(**variables, **{_BUDGET: budget}):
+        budget._charge(piece)
+        pieces.append(piece)
+    return "".join(pieces)
