@@ -221,7 +221,7 @@ def test_a_client_disconnect_aborts_the_request_on_its_replica(prefix_server):
     body = json.dumps({"model": MODEL, "prompt": "The weather today", "max_tokens": 400,
                        "ignore_eos": True}).encode()
     with socket.create_connection(("127.0.0.1", srv.port)) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                   b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         wait_for(lambda: sum(by_engine(srv, "kvshare:router_in_flight_requests").values()) == 1, 20,
                  "the request to be routed")
@@ -536,7 +536,7 @@ def test_a_replica_whose_engine_thread_stopped_is_marked_dead_and_the_request_go
 
     async def main():
         state.client = httpx2.AsyncClient(transport=httpx2.MockTransport(replica_http))
-        async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://front") as c:
+        async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://localhost") as c:
             answer = await c.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1})
             again = await c.post("/v1/completions", json={"prompt": [4, 5, 6], "max_tokens": 1})
             ready = await c.get("/ready")
@@ -606,7 +606,7 @@ def test_a_stuck_replica_is_killed_and_its_requests_fail_while_the_other_serves(
         state.client = new_upstream_client()
         tasks = start_background(state, [])
         try:
-            async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://front",
+            async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://localhost",
                                           timeout=60) as c:
                 first = await c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1})
                 os.kill(replicas[0].pid, signal.SIGSTOP)
@@ -664,7 +664,7 @@ def test_a_connect_timeout_sends_the_request_to_another_replica_and_passthroughs
 
     async def main():
         state.client = httpx2.AsyncClient(transport=httpx2.MockTransport(replica_http))
-        async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://front") as c:
+        async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://localhost") as c:
             answer = await c.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1})
             tokenizing = asyncio.ensure_future(c.post("/tokenize", json={"prompt": "x"}))
             await tokenize_arrived.wait()
