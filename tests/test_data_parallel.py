@@ -261,6 +261,21 @@ def test_round_robin_alternates_behind_the_api_key(rr_server):
     assert srv.log_text().count("socket fd") == 2
 
 
+def test_the_front_end_forwards_only_its_own_routes_and_openapi_behind_the_key(rr_server):
+    """Before the fix /v1/models/../../kv/snapshot (as sent, or with %2e) reached a replica's KV
+    view through the front end, and /openapi.json was a 404 where a single server served it."""
+    srv = rr_server
+    auth = {"Authorization": f"Bearer {KEY}"}
+    for path in ("/v1/models/../../kv/snapshot", "/v1/models/%2e%2e/%2E%2E/kv/snapshot", "/v1/models/.%2e/.%2e/kv/events"):
+        status, headers, data = srv.request("GET", path, headers=auth)
+        assert status == 404 and "x-kvshare-engine" not in headers, (path, data[:300])
+    status, headers, data = srv.request("GET", f"/v1/models/{MODEL}", headers=auth)
+    assert status == 200 and json.loads(data)["id"] == MODEL
+    assert srv.request("GET", "/openapi.json")[0] == 401
+    status, _, data = srv.request("GET", "/openapi.json", headers=auth)
+    assert status == 200 and "/v1/completions" in json.loads(data)["paths"]
+
+
 def test_429s_reach_the_client(rr_server):
     """2 engines x (2 running + 1 waiting): with 6 streams held open, the front end refuses the
     next requests itself (429 queue_full, Retry-After), however fast the machine is."""
@@ -446,12 +461,14 @@ def test_replica_command_line_passes_the_users_flags_and_sets_its_own():
     parser = build_parser()
     args = parser.parse_args(["serve", "-dp", "2", "--port", "9000", "--max-model-len", "512", "--audit",
                               "--api-key", "k", "--kv-events-endpoint", "tcp://*:5557", "--routing-policy",
-                              "round_robin"])
+                              "round_robin", "--api-key-file", "/keys.txt", "--admin-key", "adm",
+                              "--cache-salt-from-api-key"])
     serve = args.func.keywords["parser"]
     argv = replica_argv(serve, args, {"port": 9100, "kv_events_endpoint": "tcp://*:5558"})
-    assert argv[:3] == ["--max-model-len", "512", "--audit"]
-    assert argv[3:] == ["--port", "9100", "--kv-events-endpoint", "tcp://*:5558"]
-    assert "k" not in argv  # the key travels in the environment, not where `ps` shows it
+    assert argv[:4] == ["--cache-salt-from-api-key", "--max-model-len", "512", "--audit"]
+    assert argv[4:] == ["--port", "9100", "--kv-events-endpoint", "tcp://*:5558"]
+    # The keys travel in the environment (kvshare.server.tenants.REPLICA_AUTH_ENV), not where `ps` shows them.
+    assert "k" not in argv and "adm" not in argv and "/keys.txt" not in argv
 
 
 @pytest.mark.parametrize("argv, message", [
