@@ -205,6 +205,31 @@ def test_a_keyless_server_logs_that_auth_is_off():
         srv.close()
 
 
+def test_tenants_stay_apart_behind_the_data_parallel_front_end(tmp_path):
+    """The replicas get the front end's keys (in their environment): each finds a request's tenant
+    as the front end did, so the salt the router hashed with is the one the replica caches under,
+    and the KV view on a replica needs the admin key too."""
+    path = tmp_path / "keys.txt"
+    path.write_text(KEY_FILE)
+    srv = ServerProcess("--data-parallel-size", "2", "--api-key-file", str(path), "--cache-salt-from-api-key",
+                        "--admin-key", ADMIN)
+    try:
+        srv.wait_ready()
+        prompt = f"Memo {uuid.uuid4().hex}. " + "It is a truth universally acknowledged, that a single man " * 8
+        assert _cached(srv, "sk-acme-1", prompt) == 0
+        assert _cached(srv, "sk-globex-1", prompt) == 0
+        assert _cached(srv, "sk-acme-2", prompt) >= 16  # routed to the replica caching acme's prompt: a hit
+        status, _, body = srv.request("GET", "/ready")
+        replica = json.loads(body)["engines"][0]["url"]
+        for key, want in (("sk-acme-1", 403), (ADMIN, 200)):
+            assert httpx2.get(replica + "/kv/snapshot", headers={"Authorization": f"Bearer {key}"}).status_code == want
+        log = srv.log_text()
+        assert "authentication on: 3 API key(s) of 2 tenant(s)" in log
+        assert not any(key in log for key in (*KEYS, ADMIN))
+    finally:
+        srv.close()
+
+
 # ---- the data-parallel front end, against replicas that record what reaches them -------------------
 
 def _recording_frontend(config: ServerConfig):
