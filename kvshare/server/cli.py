@@ -73,7 +73,9 @@ def add_serve_parser(sub) -> None:
 
 
 # Flags the front end sets for each replica itself (or keeps to itself), never passed through as given.
-FRONTEND_ONLY = frozenset({"help", "host", "port", "api_key", "api_key_file", "admin_key", "no_access_log", "data_parallel_size", "routing_policy",
+# The keys reach the replicas in their environment (kvshare.server.tenants.REPLICA_AUTH_ENV).
+FRONTEND_ONLY = frozenset({"help", "host", "port", "api_key", "api_key_file", "admin_key", "no_access_log",
+                           "data_parallel_size", "routing_policy",
                            "kv_events_endpoint", "kv_events_replay_endpoint", "prefix_caching_hash_seed",
                            "data_parallel_rank", "listen_fd"})
 

@@ -112,18 +112,16 @@ class GuardMiddleware:
         if view_keys:
             headers = dict(scope["headers"])
             header = headers.get(b"authorization", b"")
-            if bearer_tenant(header, view_keys) is None:
-                site = headers.get(b"sec-fetch-site", b"same-origin")
-                if header[:6].lower() == b"basic " and site not in OWN_SITE:
-                    # Whatever the credentials: another site made the browser send them.
-                    return await self._reject(scope, receive, send, "unauthorized", _cross_site_view(site))
-                password = basic_password(header)
-                if password is None or view_keys.get(key_digest(password)) is None:
-                    if cfg.admin_digests and (bearer_tenant(header, cfg.key_digests) is not None or (
-                            password is not None and key_digest(password) in cfg.key_digests)):
-                        return await self._reject(scope, receive, send, "unauthorized", _not_admin())
-                    return await self._reject(scope, receive, send, "unauthorized",
-                                              _unauthorized_view(bool(cfg.admin_digests)))
+            site = headers.get(b"sec-fetch-site", b"same-origin")
+            if header[:6].lower() == b"basic " and site not in OWN_SITE:
+                # Whatever the credentials: another site made the browser send them.
+                return await self._reject(scope, receive, send, "unauthorized", _cross_site_view(site))
+            token = bearer_token(header)
+            presented = basic_password(header) if token is None else token
+            digest = key_digest(presented) if presented is not None else None
+            if digest not in view_keys:
+                refusal = _not_admin() if digest in cfg.key_digests else _unauthorized_view(bool(cfg.admin_digests))
+                return await self._reject(scope, receive, send, "unauthorized", refusal)
         await self.app(scope, receive, send)
 
     async def _forward(self, scope, body: bytes, receive, send) -> None:
@@ -164,20 +162,25 @@ class GuardMiddleware:
         await err.response()(scope, receive, send)
 
 
+def bearer_token(header: bytes | str) -> bytes | None:
+    """The key of an Authorization header value 'Bearer <key>' (the scheme in any case, RFC 7235;
+    the token trimmed), or None. The one parser of the key for `kvshare serve`, its data-parallel
+    front end and the Ray ingress, so a client accepted by one is accepted by all."""
+    if isinstance(header, str):
+        header = header.encode("latin-1")  # how Starlette decoded it; always encodes back
+    scheme, _, token = header.partition(b" ")
+    return token.strip() if scheme.lower() == b"bearer" else None
+
+
 def bearer_tenant(header: bytes | str, key_digests: dict[bytes, str]) -> str | None:
-    """The tenant of the key in an Authorization header value 'Bearer <key>' (the scheme in any
-    case, RFC 7235; the token trimmed), or None. The one parser of the key for `kvshare serve`,
-    its data-parallel front end and the Ray ingress, so a client accepted by one is accepted by all.
+    """The tenant of the Bearer key in an Authorization header value, or None.
 
     `key_digests` maps SHA-256(key) -> tenant (ServerConfig.key_digests): the presented token is
     hashed and looked up, so the time taken is the same for one key or thousands, and whatever
     it depends on (the token's digest, how much of it equals a stored digest) says nothing about
     any key: a digest gives no way back to its key."""
-    if isinstance(header, str):
-        header = header.encode("latin-1")  # how Starlette decoded it; always encodes back
-    scheme, _, token = header.partition(b" ")
-    tenant = key_digests.get(key_digest(token.strip()))
-    return tenant if scheme.lower() == b"bearer" else None
+    token = bearer_token(header)
+    return key_digests.get(key_digest(token)) if token is not None else None
 
 
 def bearer_key_matches(header: bytes | str, key: str) -> bool:

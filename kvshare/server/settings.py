@@ -99,8 +99,8 @@ class ServerConfig:
         """The start-up log's line on authentication: counts, never a key."""
         if self.auth_on:
             tenants = len(set(self.api_keys.values()))
-            return (f"authentication on: {len(self.api_keys)} API key(s) of {tenants} tenant(s); admin key: "
-                    f"{'yes (only it opens /kv/ and /dashboard)' if self.admin_key else 'no (any API key opens /kv/ and /dashboard)'}; "
+            view = "yes (only it opens /kv/ and /dashboard)" if self.admin_key else "no (any API key opens /kv/)"
+            return (f"authentication on: {len(self.api_keys)} API key(s) of {tenants} tenant(s); admin key: {view}; "
                     f"cache salt from the API key's tenant: {'yes' if self.cache_salt_from_api_key else 'no'}")
         view = "admin key: yes (/kv/ and /dashboard need it)" if self.admin_key else "admin key: no"
         if self.loopback_only:
