@@ -75,6 +75,7 @@ class ServerProcess:
             hdrs = dict(headers or {})
             if isinstance(body, (dict, list)):
                 body = json.dumps(body).encode()
+            if body is not None:  # as API clients send it (a key-less server refuses other bodies: 415)
                 hdrs.setdefault("Content-Type", "application/json")
             if chunked:
                 data = body

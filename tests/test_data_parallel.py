@@ -221,7 +221,7 @@ def test_a_client_disconnect_aborts_the_request_on_its_replica(prefix_server):
     body = json.dumps({"model": MODEL, "prompt": "The weather today", "max_tokens": 400,
                        "ignore_eos": True}).encode()
     with socket.create_connection(("127.0.0.1", srv.port)) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                   b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         wait_for(lambda: sum(by_engine(srv, "kvshare:router_in_flight_requests").values()) == 1, 20,
                  "the request to be routed")
@@ -259,6 +259,21 @@ def test_round_robin_alternates_behind_the_api_key(rr_server):
     assert engines in (["0", "1", "0", "1"], ["1", "0", "1", "0"])
     # Each replica serves the socket the front end bound for it (no race for a free port).
     assert srv.log_text().count("socket fd") == 2
+
+
+def test_the_front_end_forwards_only_its_own_routes_and_openapi_behind_the_key(rr_server):
+    """Before the fix /v1/models/../../kv/snapshot (as sent, or with %2e) reached a replica's KV
+    view through the front end, and /openapi.json was a 404 where a single server served it."""
+    srv = rr_server
+    auth = {"Authorization": f"Bearer {KEY}"}
+    for path in ("/v1/models/../../kv/snapshot", "/v1/models/%2e%2e/%2E%2E/kv/snapshot", "/v1/models/.%2e/.%2e/kv/events"):
+        status, headers, data = srv.request("GET", path, headers=auth)
+        assert status == 404 and "x-kvshare-engine" not in headers, (path, data[:300])
+    status, headers, data = srv.request("GET", f"/v1/models/{MODEL}", headers=auth)
+    assert status == 200 and json.loads(data)["id"] == MODEL
+    assert srv.request("GET", "/openapi.json")[0] == 401
+    status, _, data = srv.request("GET", "/openapi.json", headers=auth)
+    assert status == 200 and "/v1/completions" in json.loads(data)["paths"]
 
 
 def test_429s_reach_the_client(rr_server):
@@ -446,12 +461,14 @@ def test_replica_command_line_passes_the_users_flags_and_sets_its_own():
     parser = build_parser()
     args = parser.parse_args(["serve", "-dp", "2", "--port", "9000", "--max-model-len", "512", "--audit",
                               "--api-key", "k", "--kv-events-endpoint", "tcp://*:5557", "--routing-policy",
-                              "round_robin"])
+                              "round_robin", "--api-key-file", "/keys.txt", "--admin-key", "adm",
+                              "--cache-salt-from-api-key"])
     serve = args.func.keywords["parser"]
     argv = replica_argv(serve, args, {"port": 9100, "kv_events_endpoint": "tcp://*:5558"})
-    assert argv[:3] == ["--max-model-len", "512", "--audit"]
-    assert argv[3:] == ["--port", "9100", "--kv-events-endpoint", "tcp://*:5558"]
-    assert "k" not in argv  # the key travels in the environment, not where `ps` shows it
+    assert argv[:4] == ["--cache-salt-from-api-key", "--max-model-len", "512", "--audit"]
+    assert argv[4:] == ["--port", "9100", "--kv-events-endpoint", "tcp://*:5558"]
+    # The keys travel in the environment (kvshare.server.tenants.REPLICA_AUTH_ENV), not where `ps` shows them.
+    assert "k" not in argv and "adm" not in argv and "/keys.txt" not in argv
 
 
 def test_the_hash_seed_reaches_replicas_through_the_environment_not_their_command_line(monkeypatch):
@@ -578,7 +595,7 @@ def test_a_replica_whose_engine_thread_stopped_is_marked_dead_and_the_request_go
 
     async def main():
         state.client = httpx2.AsyncClient(transport=httpx2.MockTransport(replica_http))
-        async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://front") as c:
+        async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://localhost") as c:
             answer = await c.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1})
             again = await c.post("/v1/completions", json={"prompt": [4, 5, 6], "max_tokens": 1})
             ready = await c.get("/ready")
@@ -648,7 +665,7 @@ def test_a_stuck_replica_is_killed_and_its_requests_fail_while_the_other_serves(
         state.client = new_upstream_client()
         tasks = start_background(state, [])
         try:
-            async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://front",
+            async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://localhost",
                                           timeout=60) as c:
                 first = await c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1})
                 os.kill(replicas[0].pid, signal.SIGSTOP)
@@ -706,7 +723,7 @@ def test_a_connect_timeout_sends_the_request_to_another_replica_and_passthroughs
 
     async def main():
         state.client = httpx2.AsyncClient(transport=httpx2.MockTransport(replica_http))
-        async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://front") as c:
+        async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://localhost") as c:
             answer = await c.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1})
             tokenizing = asyncio.ensure_future(c.post("/tokenize", json={"prompt": "x"}))
             await tokenize_arrived.wait()

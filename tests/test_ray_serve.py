@@ -549,6 +549,12 @@ def test_the_api_key_comes_from_the_environment_as_for_kvshare_serve(monkeypatch
     assert ingress.init_args[0]._bound_deployment.init_args[1] == {"api_key": "sk-from-env"}  # the replicas check it too
     monkeypatch.setenv("KVSHARE_RAY_API_KEY", "sk-ray")  # kvshare.ray:app's own variable wins
     assert kvshare.ray.app._bound_deployment.init_kwargs["api_key"] == "sk-ray"
-    monkeypatch.setenv("KVSHARE_API_KEY", "")  # empty: unset, as for kvshare serve
+    # Empty is an error, as for kvshare serve (it used to mean no key: authentication off).
+    with pytest.raises(ValueError, match="api_key is empty"):
+        parse_app_args({"api_key": ""})  # as KVSHARE_RAY_API_KEY="" gives it
+    monkeypatch.setenv("KVSHARE_API_KEY", "")
     monkeypatch.delenv("KVSHARE_RAY_API_KEY")
+    with pytest.raises(ValueError, match="KVSHARE_API_KEY is set but empty"):
+        parse_app_args({})
+    monkeypatch.delenv("KVSHARE_API_KEY")
     assert "api_key" not in parse_app_args({}).server

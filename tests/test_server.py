@@ -8,6 +8,7 @@ import random
 import re
 import uuid
 
+import httpx2
 import openai
 import pytest
 
@@ -80,6 +81,34 @@ def test_probes_version_models_and_metric_names(server, client):
     status, _, body = server.request("GET", "/v1/models/gpt-4o")
     err = json.loads(body)["error"]
     assert status == 404 and "'gpt-4o'" in err["message"] and err["code"] == "model_not_found"
+
+
+def test_a_keyless_loopback_server_answers_only_loopback_host_names(server):
+    """DNS rebinding: a page on evil.example that resolves its name to 127.0.0.1 sends Host
+    evil.example. Before the fix the server answered it (and its /kv/ view) like anyone."""
+    for path in ("/v1/models", "/kv/snapshot", "/health"):
+        resp = httpx2.get(server.url + path, headers={"Host": "evil.example"})
+        error = resp.json()["error"]
+        assert resp.status_code == 421 and "'evil.example'" in error["message"] and "--api-key" in error["message"]
+        resp = httpx2.get(server.url + path, headers={"Host": f"evil.example:{server.port}"})
+        assert resp.status_code == 421, path
+    for host in ("localhost", f"localhost:{server.port}", f"127.0.0.1:{server.port}", f"[::1]:{server.port}"):
+        assert httpx2.get(server.url + "/v1/models", headers={"Host": host}).status_code == 200, host
+
+
+def test_a_keyless_loopback_server_takes_only_json_bodies(server):
+    """A cross-site form or fetch can POST text/plain without a preflight: refused (415) when no key guards the API."""
+    body = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 1})
+    for path in ("/v1/completions", "/tokenize"):
+        for content_type in ("text/plain", "application/x-www-form-urlencoded", None):
+            headers = {"Content-Type": content_type} if content_type else {}
+            resp = httpx2.post(server.url + path, content=body, headers=headers)
+            error = resp.json()["error"]
+            assert resp.status_code == 415 and error["param"] == "Content-Type", (path, content_type, resp.text)
+            assert "application/json" in error["message"]
+    resp = httpx2.post(server.url + "/v1/completions", content=body,
+                       headers={"Content-Type": "Application/JSON; charset=utf-8"})
+    assert resp.status_code == 200, resp.text
 
 
 def test_completion_and_chat_answer_with_usage(server, client):
@@ -500,7 +529,7 @@ async def _hang_up(port: int, body: dict, after_chunks: int, linger: float) -> N
     """Send a request by hand, read `after_chunks` SSE events, then close the connection."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     payload = json.dumps(body).encode()
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
     await writer.drain()
     seen = 0
@@ -568,7 +597,7 @@ def test_non_streamed_request_is_aborted_when_its_client_hangs_up(server):
     async def main():
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
         payload = json.dumps({"prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True}).encode()
-        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
         await writer.drain()
         for _ in range(600):  # hang up once it is generating

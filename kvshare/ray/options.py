@@ -94,6 +94,8 @@ def parse_app_args(args: dict, environ=None) -> RayAppOptions:
             ann, default = engine_fields[name]
             opts.engine[name] = _convert(name, value, ann, default)
         elif name in SERVER_OPTIONS:
+            if name == "api_key" and value == "":  # never "no key": an empty key must not turn auth off
+                raise ValueError("api_key is empty: give a non-empty key, or leave the option out to serve without one")
             ann, default = server_fields[name]
             opts.server[name] = _convert(name, value, ann, default)
         elif name in REPLICA_SET:
@@ -120,7 +122,9 @@ def parse_app_args(args: dict, environ=None) -> RayAppOptions:
         raise ValueError("routing_policy='prefix_aware' needs enable_prefix_caching: without a prefix cache there "
                          "is nothing to route by (choose least_loaded or round_robin)")
     server = {**opts.server}
-    if server.get("api_key") is None and environ.get(API_KEY_ENV):
+    if server.get("api_key") is None and environ.get(API_KEY_ENV) is not None:
+        if not environ[API_KEY_ENV]:
+            raise ValueError(f"{API_KEY_ENV} is set but empty: set it to a key, or unset it to serve without one")
         server["api_key"] = environ[API_KEY_ENV]
     if server.get("chat_template") is not None:  # a file path, as --chat-template; replicas get its text
         from kvshare.server.cli import read_chat_template

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import logging
 import os
 
@@ -21,8 +22,19 @@ def add_serve_parser(sub) -> None:
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--served-model-name", default=None,
                    help="model id clients send and /v1/models lists (default: from the model file)")
-    g.add_argument("--api-key", default=os.environ.get("KVSHARE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/, /kv/ and /dashboard (a browser: the key as Basic password; default: $KVSHARE_API_KEY; unset: open)")
+    g.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1/, /tokenize, /detokenize, /openapi.json, /kv/ and "
+                        "/dashboard (a browser: the key as Basic password); repeat for several keys, each its own "
+                        "tenant api-key-N (default: $KVSHARE_API_KEY; unset: open, loopback Host names only)")
+    g.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="more API keys with their tenants: lines 'KEY TENANT' (# comments; several keys may share "
+                        "a tenant)")
+    g.add_argument("--admin-key", default=None, metavar="KEY",
+                   help="the only key that opens /kv/ and /dashboard, which show every tenant's requests "
+                        "(default: $KVSHARE_ADMIN_KEY; unset: any API key opens them)")
+    g.add_argument("--cache-salt-from-api-key", action="store_true",
+                   help="isolate tenants' prefix caches: a request's cache salt is its API key's tenant with "
+                        "its own cache_salt, so no tenant can hit (or learn of) another's cached prompts")
     g.add_argument("--max-waiting", type=int, default=None,
                    help="answer 429 when this many requests already wait to be scheduled (default: unbounded)")
     g.add_argument("--request-timeout", type=float, default=None,
@@ -80,7 +92,9 @@ def add_serve_parser(sub) -> None:
 
 
 # Flags the front end sets for each replica itself (or keeps to itself), never passed through as given.
-FRONTEND_ONLY = frozenset({"help", "host", "port", "api_key", "no_access_log", "data_parallel_size", "routing_policy",
+# The keys reach the replicas in their environment (kvshare.server.tenants.REPLICA_AUTH_ENV).
+FRONTEND_ONLY = frozenset({"help", "host", "port", "api_key", "api_key_file", "admin_key", "no_access_log",
+                           "data_parallel_size", "routing_policy",
                            "kv_events_endpoint", "kv_events_replay_endpoint", "prefix_caching_hash_seed",
                            "data_parallel_rank", "listen_fd"})
 
@@ -117,6 +131,17 @@ def read_chat_template(path: str | None) -> str | None:
         raise ValueError(f"--chat-template {path}: cannot read the template file ({e})") from None
 
 
+def auth_options(args: argparse.Namespace, environ) -> dict:
+    """ServerConfig's api_keys and admin_key: from the flags and environment, or for a
+    data-parallel replica those its front end handed it (never on its command line)."""
+    from kvshare.server.tenants import REPLICA_AUTH_ENV, admin_key_from_args, keys_from_args
+
+    if args.listen_fd is not None and REPLICA_AUTH_ENV in environ:
+        return json.loads(environ.pop(REPLICA_AUTH_ENV))
+    return {"api_keys": keys_from_args(args.api_key, args.api_key_file, environ),
+            "admin_key": admin_key_from_args(args.admin_key, environ)}
+
+
 def check_inject_fault(args: argparse.Namespace) -> None:
     """--inject-fault plants a bug that corrupts other requests' KV on purpose: it runs only with
     the explicit --audit flag (KVSHARE_AUDIT is not enough: an environment variable is too easy to
@@ -145,7 +170,8 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser | None =
     from kvshare.server.state import ServerState, default_model_name
 
     cfg = ServerConfig(
-        host=args.host, port=args.port, served_model_name=args.served_model_name, api_key=args.api_key or None,
+        host=args.host, port=args.port, served_model_name=args.served_model_name, **auth_options(args, os.environ),
+        cache_salt_from_api_key=args.cache_salt_from_api_key,
         max_waiting=args.max_waiting, request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
         max_body_bytes=args.max_body_bytes, log_prompts=args.log_prompts, access_log=not args.no_access_log,
         log_level=args.log_level, chat_template=read_chat_template(args.chat_template),

@@ -194,6 +194,7 @@ def build_frontend_app(state: FrontendState, subscribers: list[KVEventSubscriber
         Route("/v1/models/{model_id:path}", proxy.passthrough, methods=["GET"]),
         Route("/tokenize", proxy.passthrough, methods=["POST"]),
         Route("/detokenize", proxy.passthrough, methods=["POST"]),
+        Route("/openapi.json", proxy.passthrough, methods=probe),  # behind the key, as a single server's
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={404: not_found, 405: not_allowed, APIError: api_error,
@@ -226,6 +227,7 @@ def serve_data_parallel(config: ServerConfig, options: DataParallelOptions, repl
 
     # Each proxied request would be logged twice (httpx2's line and the access log's).
     logging.getLogger("httpx2").setLevel(logging.WARNING)
+    logger.info("%s", config.describe_auth())
     tokenizer = load_tokenizer(model_arg)
     name = config.served_model_name or default_model_name(model_arg)
     router = build_router(options, config.max_waiting)
@@ -253,7 +255,7 @@ def serve_data_parallel(config: ServerConfig, options: DataParallelOptions, repl
             launch = ReplicaLaunch(index=r, port=port,
                                    argv=replica_argv(r, port, events, replay) + ["--listen-fd", str(sock.fileno())],
                                    kv_events_endpoint=events, kv_events_replay_endpoint=replay,
-                                   omp_threads=threads, cpus=cpus, api_key=config.api_key, listen_fd=sock.fileno(),
+                                   omp_threads=threads, cpus=cpus, auth=replica_auth(config), listen_fd=sock.fileno(),
                                    hash_seed=options.hash_seed)
             replicas.append(ReplicaProcess(launch, listen_socket=sock))
         state = FrontendState(config=config, options=options, metrics=RouterMetrics(name, options.size, options.policy),
@@ -287,6 +289,14 @@ def serve_data_parallel(config: ServerConfig, options: DataParallelOptions, repl
         ctx.destroy(linger=0)  # closes the SUB sockets of subscribers that never ran
         shutil.rmtree(socket_dir, ignore_errors=True)
 
+
+
+def replica_auth(config: ServerConfig) -> dict | None:
+    """The keys a replica checks: the front end's own, so it finds the same tenant for a request
+    (and with --cache-salt-from-api-key the same cache salt the front end routed by)."""
+    if not config.api_keys and config.admin_key is None:
+        return None
+    return {"api_keys": config.api_keys, "admin_key": config.admin_key}
 
 
 def new_hash_seed() -> str:

@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import time
+import urllib.parse
 from typing import TYPE_CHECKING
 
 import httpx2
@@ -25,6 +26,7 @@ from kvshare.server.errors import APIError
 from kvshare.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from kvshare.server.replica import ReplicaProcess
 from kvshare.server.routing import RoutingDecision
+from kvshare.server.tenants import effective_cache_salt
 
 if TYPE_CHECKING:
     from kvshare.server.dp_supervisor import FrontendState
@@ -125,6 +127,7 @@ class Proxy:
         st = self.state
         body = await raw.body()
         token_ids, salt = await self.routing_input(body, chat)
+        salt = effective_cache_salt(st.config, raw.scope, salt)  # what the replica will cache under
         cap = st.capacity()
         busy = sum(r.in_flight for r in st.router.replicas if r.alive)
         if cap is not None and busy >= cap:
@@ -152,7 +155,7 @@ class Proxy:
         st = self.state
         # No accept-encoding: replicas answer uncompressed, so bodies pass through byte for byte.
         headers = [(k, v) for k, v in raw.headers.items() if k.lower() not in HOP_BY_HOP | {"accept-encoding"}]
-        path = raw.url.path + (f"?{raw.url.query}" if raw.url.query else "")
+        path = upstream_path(raw)
         tried: set[int] = set()  # replicas that could not be reached: the request goes to another one
         failure: ReplicaFailed | None = None
         for _attempt in range(len(st.replicas)):
@@ -304,6 +307,18 @@ class Proxy:
 
         return _ClosingStream(events(), upstream.status_code, headers, on_close)
 
+
+
+def upstream_path(raw: Request) -> str:
+    """The path (and query) to send a replica: the request's own, percent-encoded again, and
+    never one with '.' or '..' segments (also sent as %2e): the upstream client resolves those,
+    so /v1/models/../../kv/snapshot would reach a replica-only route."""
+    path = raw.scope["path"]  # decoded: %2e%2e is '..' here
+    if any(segment in (".", "..") for segment in path.split("/")):
+        raise APIError(404, f"no route {raw.method} {path[:200]}: the data-parallel front end forwards no path with "
+                            f"'.' or '..' segments", code="not_found")
+    query = raw.scope.get("query_string", b"").decode("latin-1")
+    return urllib.parse.quote(path, safe="/") + (f"?{query}" if query else "")
 
 
 def _engine_dead_detail(upstream: httpx2.Response) -> str | None:

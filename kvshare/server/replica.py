@@ -10,6 +10,7 @@ last lines are kept to explain a replica that fails to start.
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import os
 import re
@@ -21,6 +22,7 @@ import threading
 from dataclasses import dataclass
 
 from kvshare.engine_args import HASH_SEED_ENV
+from kvshare.server.tenants import ADMIN_KEY_ENV, API_KEY_ENV, REPLICA_AUTH_ENV
 
 logger = logging.getLogger("kvshare.server")
 
@@ -114,7 +116,7 @@ class ReplicaLaunch:
     kv_events_replay_endpoint: str
     omp_threads: int
     cpus: tuple[int, ...] | None  # CPU affinity; None: whatever the front end has
-    api_key: str | None
+    auth: dict | None  # ServerConfig's api_keys and admin_key, for the replica's own check; None: no keys
     listen_fd: int | None = None  # the bound socket the replica serves (inherited, same number); None: it binds port
     hash_seed: str | None = None  # the prefix-caching hash seed, passed in the environment
 
@@ -133,12 +135,13 @@ class ReplicaProcess:
     def start(self) -> None:
         threads = str(self.launch.omp_threads)
         env = dict(os.environ, OMP_NUM_THREADS=threads, KVSHARE_NUM_THREADS=threads)
-        env.pop("KVSHARE_API_KEY", None)
-        if self.launch.api_key is not None:
-            env["KVSHARE_API_KEY"] = self.launch.api_key  # not on the command line, where `ps` shows it
+        for var in (API_KEY_ENV, ADMIN_KEY_ENV, REPLICA_AUTH_ENV):
+            env.pop(var, None)
+        if self.launch.auth is not None:
+            env[REPLICA_AUTH_ENV] = json.dumps(self.launch.auth)  # not on the command line, where `ps` shows it
         env.pop(HASH_SEED_ENV, None)
         if self.launch.hash_seed is not None:
-            env[HASH_SEED_ENV] = self.launch.hash_seed  # like the key: not where `ps` shows it
+            env[HASH_SEED_ENV] = self.launch.hash_seed  # like the keys: not where `ps` shows it
         env[PARENT_ENV] = str(os.getpid())
         cmd = [sys.executable, "-c", REPLICA_BOOT, "serve", *self.launch.argv]
         cpus = self.launch.cpus

@@ -72,6 +72,7 @@ class DrainingServer(LoopKeepingServer):
 
 def serve(state: ServerState) -> None:
     cfg = state.config
+    logger.info("%s", cfg.describe_auth())
     config = uvicorn.Config(
         build_app(state), host=cfg.host, port=cfg.port, log_config=None, log_level=cfg.log_level,
         access_log=cfg.access_log, timeout_graceful_shutdown=5, lifespan="on",

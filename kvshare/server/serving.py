@@ -31,6 +31,7 @@ from kvshare.server.ignored_fields import check_ignored_fields
 from kvshare.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvshare.server.state import ServerState
 from kvshare.server.structured import structured_params
+from kvshare.server.tenants import effective_cache_salt
 from kvshare.server.tool_calls import plan_tool_calls
 
 logger = logging.getLogger("kvshare.server")
@@ -76,7 +77,7 @@ class OpenAIServing:
         prompt_logprobs = req.prompt_logprobs
         if prompt_logprobs is None and req.echo and req.logprobs is not None:
             prompt_logprobs = req.logprobs  # echoed prompt tokens carry their logprobs
-        params = self._params(req, req.max_tokens, req.logprobs, prompt_logprobs, {})
+        params = self._params(req, req.max_tokens, req.logprobs, prompt_logprobs, {}, raw)
         if sum(len(p) for p in req.prompt if isinstance(p, str)) > LONG_TEXT:
             prompts = await asyncio.to_thread(lambda: [self._tokenize(p) for p in req.prompt])
         else:
@@ -97,7 +98,7 @@ class OpenAIServing:
         max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         rename = {"max_tokens": max_name, "logprobs": "top_logprobs", "prompt": "messages"}
-        params = self._params(req, max_tokens, logprobs, req.prompt_logprobs, rename)
+        params = self._params(req, max_tokens, logprobs, req.prompt_logprobs, rename, raw)
         if tools is not None and tools.schema is not None:  # required / named: the call is enforced
             if params.structured_outputs is not None:
                 raise InvalidRequestError(f"tool_choice {json.dumps(req.tool_choice)} is enforced through "
@@ -130,7 +131,7 @@ class OpenAIServing:
             raise InvalidRequestError("prompt_logprobs are not available with stream: true (as in vLLM)",
                                       "prompt_logprobs")
 
-    def _params(self, req, max_tokens, logprobs, prompt_logprobs, rename: dict) -> SamplingParams:
+    def _params(self, req, max_tokens, logprobs, prompt_logprobs, rename: dict, raw: Request) -> SamplingParams:
         def pick(value, default):
             return default if value is None else value
 
@@ -143,7 +144,8 @@ class OpenAIServing:
                 min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
                 ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
                 logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
-                cache_salt=req.cache_salt, structured_outputs=structured_params(req),
+                cache_salt=effective_cache_salt(self.state.config, raw.scope, req.cache_salt),
+                structured_outputs=structured_params(req),
             )
         except InvalidRequestError as e:
             param = rename.get(e.param, e.param)

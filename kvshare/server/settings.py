@@ -1,7 +1,9 @@
 """ServerConfig: the one object that carries every server option down to the parts that need it."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import ipaddress
+from dataclasses import dataclass, field
 
 from kvshare.config import parse_bytes
 from kvshare.model.tokenizer import check_chat_template
@@ -11,6 +13,27 @@ DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 DEFAULT_LIMIT_CONCURRENCY = 1024
 DEFAULT_MAX_TOOLS_BYTES = 2**20
 DEFAULT_MAX_CHAT_TEMPLATE_KWARGS_BYTES = 64 * 2**10
+ADMIN = "admin"
+
+
+def flag_key_tenant(n: int) -> str:
+    """The tenant of the n-th --api-key (from 1)."""
+    return f"api-key-{n}"
+
+
+def key_digest(key: str | bytes) -> bytes:
+    return hashlib.sha256(key.encode() if isinstance(key, str) else key).digest()
+
+
+def is_loopback_name(host: str) -> bool:
+    """localhost, or a loopback address (127.0.0.0/8, ::1; IPv6 in brackets or not)."""
+    host = host.strip().lower()
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host[1:-1] if host.startswith("[") and host.endswith("]") else host).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass
@@ -18,7 +41,13 @@ class ServerConfig:
     host: str = "127.0.0.1"  # loopback unless the operator opens it up on purpose
     port: int = 8000
     served_model_name: str | None = None  # None: derived from the model file
-    api_key: str | None = None
+    api_key: str | None = None  # one key (Ray's option): tenant api-key-1, as the first --api-key's
+    # Authentication and tenants (docs/security.md). key -> tenant name: `kvshare serve` fills it
+    # from --api-key (tenants api-key-1, api-key-2, ...) and --api-key-file.
+    api_keys: dict[str, str] = field(default_factory=dict)
+    admin_key: str | None = None  # when set, the only key that opens /kv/ and /dashboard
+    # The prefix cache salt is the key's tenant with the client's cache_salt (tenant_cache_salt).
+    cache_salt_from_api_key: bool = False
     # Requests admitted but not yet scheduled (queued submissions + scheduler waiting); None = unbounded.
     max_waiting: int | None = None
     request_timeout: float | None = None  # seconds from arrival; None = no limit
@@ -53,6 +82,50 @@ class ServerConfig:
     # choosing it and binding it): served instead of binding host:port.
     listen_fd: int | None = None
 
+    @property
+    def auth_on(self) -> bool:
+        return bool(self.api_keys)
+
+    @property
+    def loopback_only(self) -> bool:
+        """Whether the server listens on loopback (--host 127.0.0.1, ::1, localhost)."""
+        return is_loopback_name(self.host)
+
+    def _check_keys(self) -> None:
+        if self.api_key == "":
+            raise ValueError("api_key is empty: give a non-empty key or leave it unset")
+        if self.api_key is not None:
+            self.api_keys = {self.api_key: flag_key_tenant(1), **self.api_keys}
+        if any(not k for k in self.api_keys):
+            raise ValueError("an API key is empty: give non-empty keys or none")
+        if any(not t for t in self.api_keys.values()):
+            raise ValueError("an API key's tenant name is empty")
+        if self.admin_key == "":
+            raise ValueError("admin_key is empty (--admin-key / KVSHARE_ADMIN_KEY): give a non-empty key or "
+                             "leave it unset")
+        if self.admin_key is not None and self.admin_key in self.api_keys:
+            raise ValueError("the admin key (--admin-key) is also an API key: give the admin a key of its own")
+        if self.cache_salt_from_api_key and not self.api_keys:
+            raise ValueError("cache_salt_from_api_key (--cache-salt-from-api-key) needs API keys (--api-key or "
+                             "--api-key-file): the cache salt is derived from the key's tenant")
+        # By digest: a lookup costs the same for one key or thousands (middleware.bearer_tenant).
+        self.key_digests = {key_digest(k): t for k, t in self.api_keys.items()}
+        self.admin_digests = {key_digest(self.admin_key): ADMIN} if self.admin_key is not None else {}
+
+    def describe_auth(self) -> str:
+        """The start-up log's line on authentication: counts, never a key."""
+        if self.auth_on:
+            tenants = len(set(self.api_keys.values()))
+            view = "yes (only it opens /kv/ and /dashboard)" if self.admin_key else "no (any API key opens /kv/)"
+            return (f"authentication on: {len(self.api_keys)} API key(s) of {tenants} tenant(s); admin key: {view}; "
+                    f"cache salt from the API key's tenant: {'yes' if self.cache_salt_from_api_key else 'no'}")
+        view = "admin key: yes (/kv/ and /dashboard need it)" if self.admin_key else "admin key: no"
+        if self.loopback_only:
+            return (f"authentication off (no --api-key): listening on loopback only, so only requests with a "
+                    f"loopback Host and application/json bodies are accepted; {view}")
+        return (f"authentication OFF (no --api-key) on --host {self.host}, which is not loopback: anyone who "
+                f"reaches the port can use the server; {view}")
+
     def __post_init__(self) -> None:
         if not (0 <= self.port <= 65535):
             raise ValueError(f"port={self.port} is invalid: must be in [0, 65535]")
@@ -78,8 +151,7 @@ class ServerConfig:
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout={self.shutdown_timeout} is invalid: must be >= 0 seconds")
         self.max_body_bytes = parse_bytes(self.max_body_bytes, "max_body_bytes")
-        if self.api_key == "":
-            raise ValueError("api_key is empty: give a non-empty key or leave it unset")
+        self._check_keys()
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
             raise ValueError(f"tool_call_parser={self.tool_call_parser!r} is unknown: choose from "
                              f"{', '.join(sorted(TOOL_PARSERS))}")
