@@ -441,3 +441,28 @@ def test_stream_holds_back_what_the_quadratic_scan_held():
             if d.check_stop() is not None:
                 break
             assert released == decoded[: max(before, len(decoded) - quadratic_held_suffix_len(decoded, stops))]
+
+
+def test_stop_strings_cost_per_token_does_not_grow_with_their_size():
+    """At the server's default limits (64 stop strings of 1024 characters, none matching) a token
+    costs about what it costs with one short stop string. The scan this replaced tried every
+    prefix of every stop string against the output's last 1023 characters at every token:
+    ~10^3 times slower here (milliseconds a token per sequence, on the engine thread)."""
+    import time
+
+    ct = CharTok(["<s>"])
+    words = ct.ids([" word", " and", " more", " text"])
+    hostile = [chr(0x3400 + i) * 1024 for i in range(64)]
+
+    def per_token(stops) -> float:
+        d = IncrementalDetokenizer(ct, [], stop=stops)  # (the automaton is built here, once)
+        for i in range(300):  # an output longer than the longest stop string
+            d.add(words[i % 4])
+        start = time.perf_counter()
+        for i in range(200):
+            d.add(words[i % 4])
+        return (time.perf_counter() - start) / 200
+
+    plain = min(per_token(["STOP"]) for _ in range(3))
+    at_limits = min(per_token(hostile) for _ in range(3))
+    assert at_limits < 20 * plain, (plain, at_limits)
