@@ -15,10 +15,10 @@ import pytest
 from server_proc import ServerProcess
 
 PROMPT = "Once upon a time"
-# 64 stop strings of 1024 characters (the defaults of --max-stop-strings and
+# 64 stop strings of 256 characters (the defaults of --max-stop-strings and
 # --max-stop-string-length) that never match: the quadratic scan tried each prefix of each one
-# against the output's tail at every token (~8 ms per token per sequence once the tail is long).
-HOSTILE_STOPS = [chr(0x3400 + i) * 1024 for i in range(64)]
+# against the output's tail at every token (~2 ms per token per sequence once the tail is long).
+HOSTILE_STOPS = [chr(0x3400 + i) * 256 for i in range(64)]
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ class Stream:
                                                    "--max-sequences-per-request"]),
     ({"prompt": [[1]] * 257}, "prompt", ["257 prompts", "at most 256", "--max-sequences-per-request"]),
     ({"prompt": PROMPT, "stop": ["x"] * 65}, "stop", ["65 strings", "at most 64", "--max-stop-strings"]),
-    ({"prompt": PROMPT, "stop": "y" * 1025}, "stop", ["1025 characters", "at most 1024", "--max-stop-string-length"]),
+    ({"prompt": PROMPT, "stop": "y" * 257}, "stop", ["257 characters", "at most 256", "--max-stop-string-length"]),
     ({"prompt": PROMPT, "stop_token_ids": list(range(1025))}, "stop_token_ids",
      ["1025 ids", "at most 1024", "--max-stop-token-ids"]),
 ])
@@ -152,7 +152,7 @@ class Background:
 
 def test_stop_strings_at_the_limits_do_not_slow_a_neighbour(server):
     """The same background load (one prompt, n=4, a long ignore_eos generation) with no stop
-    strings, then with 64 never-matching stop strings of 1024 characters (the limits): the
+    strings, then with 64 never-matching stop strings of 256 characters (the limits): the
     neighbour's median gap may not double. The per-token cost the scan had at these limits is
     test_detokenizer.py's test_stop_strings_cost_per_token_does_not_grow_with_their_size (here
     the outputs stay too short in a test's time for the scan's O(length^2) to show)."""

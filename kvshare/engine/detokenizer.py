@@ -46,6 +46,7 @@ recent tokens (``prefix_offset``/``read_offset``), so each step costs O(window),
 """
 from __future__ import annotations
 
+from array import array
 from typing import Protocol, Sequence
 
 _CONTEXT_TOKENS = 5  # prompt tokens kept as left context (leading-space behaviour)
@@ -300,37 +301,42 @@ class StopStrings:
     def __init__(self, stops: Sequence[str]) -> None:
         self.strings = tuple(dict.fromkeys(stops))
         self.max_len = max((len(s) for s in self.strings), default=0)
-        children: list[dict[str, int]] = [{}]
-        depth = [0]
-        word: list[str | None] = [None]
+        # Compact, as a request may bring ~10^4 nodes (the server's limits: 64 stop strings of 256
+        # characters): one dict of edges keyed node << 21 | code point (~100 bytes a node, a third
+        # of a dict per node), int arrays for the per-node values.
+        edges: dict[int, int] = {}
+        parent, code, depth = array("i", [0]), array("i", [0]), array("i", [0])
+        branches = bytearray(1)  # whether a node has children: a proper prefix of a stop string
+        words: dict[int, str] = {}
         for s in self.strings:
             node = 0
             for ch in s:
-                nxt = children[node].get(ch)
+                key = node << 21 | ord(ch)
+                nxt = edges.get(key)
                 if nxt is None:
-                    nxt = len(children)
-                    children[node][ch] = nxt
-                    children.append({})
+                    nxt = edges[key] = len(parent)
+                    parent.append(node)
+                    code.append(ord(ch))
                     depth.append(depth[node] + 1)
-                    word.append(None)
+                    branches.append(0)
+                    branches[node] = 1
                 node = nxt
-            word[node] = s
-        fail = [0] * len(children)
-        # longest stop string that is a suffix of the node's text (a match ends here)
-        match: list[str | None] = [None] * len(children)
-        # length of the longest suffix of the node's text that is a proper prefix of a stop string
-        held = [0] * len(children)
-        order = list(children[0].values())
-        for node in order:  # breadth first: a node's failure link is shallower, so done before it
-            match[node] = word[node] if word[node] is not None else match[fail[node]]
-            held[node] = depth[node] if children[node] else held[fail[node]]
-            for ch, child in children[node].items():
-                f = fail[node]
-                while f and ch not in children[f]:
+            words[node] = s
+        fail = array("i", bytes(4 * len(parent)))
+        held = array("i", bytes(4 * len(parent)))
+        matches: dict[int, str] = {}  # node -> the longest stop string its text ends with
+        # Shallower nodes first: a node's failure link is shallower than the node.
+        for node in sorted(range(1, len(parent)), key=depth.__getitem__):
+            f = fail[parent[node]]
+            if parent[node]:
+                while f and (f << 21 | code[node]) not in edges:
                     f = fail[f]
-                fail[child] = children[f].get(ch, 0) if node else 0
-                order.append(child)
-        self._children, self._fail, self._match, self._held = children, fail, match, held
+                f = fail[node] = edges.get(f << 21 | code[node], 0)
+            match = words.get(node, matches.get(f))
+            if match is not None:
+                matches[node] = match
+            held[node] = depth[node] if branches[node] else held[f]
+        self._edges, self._fail, self._matches, self._held = edges, fail, matches, held
 
     def __deepcopy__(self, memo) -> "StopStrings":
         return self  # immutable: a cloned SamplingParams shares it
@@ -338,13 +344,16 @@ class StopStrings:
     def feed(self, state: int, text: str, report: bool = False) -> tuple[int, int, str | None]:
         """(state after ``text``, end offset in ``text``, stop string) -- with ``report``, stopping at
         the first stop string completed (the earliest end; the longest there); else (state, 0, None)."""
-        children, fail, match = self._children, self._fail, self._match
+        edges, fail, matches = self._edges, self._fail, self._matches
         for i, ch in enumerate(text):
-            while state and ch not in children[state]:
+            c = ord(ch)
+            nxt = edges.get(state << 21 | c)
+            while nxt is None and state:
                 state = fail[state]
-            state = children[state].get(ch, 0)
-            if report and match[state] is not None:
-                return state, i + 1, match[state]
+                nxt = edges.get(state << 21 | c)
+            state = nxt or 0
+            if report and state in matches:
+                return state, i + 1, matches[state]
         return state, 0, None
 
     def held(self, state: int) -> int:

@@ -38,8 +38,8 @@ def add_serve_parser(sub) -> None:
                      help="most sequences one request may ask for: its prompts x n (default: 256)")
     lim.add_argument("--max-stop-strings", type=int, default=64, metavar="N",
                      help="most strings in a request's stop list (default: 64)")
-    lim.add_argument("--max-stop-string-length", type=int, default=1024, metavar="CHARS",
-                     help="longest stop string, in characters (default: 1024)")
+    lim.add_argument("--max-stop-string-length", type=int, default=256, metavar="CHARS",
+                     help="longest stop string, in characters (default: 256)")
     lim.add_argument("--max-stop-token-ids", type=int, default=1024, metavar="N",
                      help="most token ids in a request's stop_token_ids (default: 1024)")
     t = p.add_argument_group("chat template and tool calling")

@@ -36,7 +36,7 @@ class ServerConfig:
     # stop strings (count, characters each) and stop_token_ids.
     max_sequences_per_request: int = 256
     max_stop_strings: int = 64
-    max_stop_string_length: int = 1024
+    max_stop_string_length: int = 256
     max_stop_token_ids: int = 1024
     # A socket bound by the data-parallel front end and inherited (no race for a free port between
     # choosing it and binding it): served instead of binding host:port.
