@@ -155,7 +155,12 @@ class EngineConfig:
     kv_policy: str | None = None
     sink_tokens: int = 4
     window_tokens: int | None = None
-    seed: int = 0
+    # Under "sink" a sequence is never stopped by max_model_len: the most tokens one request may
+    # generate there (a larger max_tokens is refused), so no request decodes forever.
+    sink_max_tokens: int = 32768
+    # The root of unseeded requests' sampling generators: a fixed seed repeats them run after run
+    # (the offline default, 0); None draws one per engine from os.urandom (`kvshare serve`'s default).
+    seed: int | None = 0
     num_threads: int | None = None
     # Isolation audit after every step (KVSHARE_AUDIT=1 turns it on too); costs nothing when off.
     audit: bool = False
@@ -218,6 +223,8 @@ class EngineConfig:
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len={self.max_model_len!r} is invalid: must be an integer >= 2")
         self._check_kv_policy()
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed={self.seed!r} is invalid: must be an integer, or None for a random one")
         self._check_kv_events()
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
@@ -263,6 +270,8 @@ class EngineConfig:
                              "non-empty string")
 
     def _check_kv_policy(self) -> None:
+        if isinstance(self.sink_max_tokens, bool) or not isinstance(self.sink_max_tokens, int) or self.sink_max_tokens < 1:
+            raise ValueError(f"sink_max_tokens={self.sink_max_tokens!r} is invalid: must be an integer >= 1")
         if self.kv_policy not in (None, "sink"):
             raise ValueError(f"kv_policy={self.kv_policy!r} is invalid: allowed are None (keep all keys) and 'sink' "
                              "(attention sinks + recent window); see docs/kv_policies.md (no 'h2o': why is there)")

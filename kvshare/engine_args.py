@@ -42,7 +42,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="sink: keep --sink-tokens first tokens + --window-tokens recent ones (docs/kv_policies.md)")
     g.add_argument("--sink-tokens", type=int, default=engine_default("sink_tokens"))
     g.add_argument("--window-tokens", type=int, default=engine_default("window_tokens"))
-    g.add_argument("--seed", type=int, default=engine_default("seed"))
+    g.add_argument("--sink-max-tokens", type=int, default=engine_default("sink_max_tokens"),
+                   help="with --kv-policy sink: the most tokens one request may generate (default: %(default)s)")
+    g.add_argument("--seed", type=int, default=engine_default("seed"),
+                   help="root of unseeded requests' sampling; a request's own seed always reproduces "
+                        f"(default: {engine_default('seed')}; serve: a random one per start)")
     g.add_argument("--audit", action="store_true", help="check KV isolation invariants after every step")
     g.add_argument("--kv-event-log", default=engine_default("kv_event_log"),
                    help="write block events as JSONL (see kvshare audit replay)")
@@ -98,7 +102,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         kv_events_allow_remote=args.kv_events_allow_remote,
         prefix_caching_hash_seed=args.prefix_caching_hash_seed, data_parallel_rank=args.data_parallel_rank,
         kv_policy=args.kv_policy,
-        sink_tokens=args.sink_tokens, window_tokens=args.window_tokens,
+        sink_tokens=args.sink_tokens, window_tokens=args.window_tokens, sink_max_tokens=args.sink_max_tokens,
         kv_cache_groups=not args.disable_hybrid_kv_cache_manager, tensor_parallel_size=args.tensor_parallel_size,
         tensor_parallel_backend=args.tensor_parallel_backend,
         # Only an explicit --audit overrides KVSHARE_AUDIT.

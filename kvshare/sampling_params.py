@@ -1,10 +1,12 @@
 """Per-request generation settings, named and validated as vLLM names them."""
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvshare.engine.detokenizer import StopStrings
 from kvshare.errors import InvalidRequestError
 
 _STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -91,6 +93,8 @@ class SamplingParams:
     # Constrained decoding (JSON schema, regex, choice, grammar); None = unconstrained.
     structured_outputs: StructuredOutputsParams | None = None
     stop_list: list[str] = field(init=False, default_factory=list)
+    # stop_token_ids for the per-token membership test (the list keeps the caller's order)
+    stop_token_id_set: frozenset[int] = field(init=False, default=frozenset(), repr=False)
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -104,6 +108,9 @@ class SamplingParams:
         if self.top_k == 0:
             self.top_k = -1
         self.validate()
+        # Deduplicated once here: the sampler masks these ids at every step while min_tokens holds.
+        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))
+        self.stop_token_id_set = frozenset(self.stop_token_ids)
 
     def validate(self) -> None:
         def bad(field_name: str, value, allowed: str) -> InvalidRequestError:
@@ -147,6 +154,13 @@ class SamplingParams:
             raise bad("seed", self.seed, "an integer or None")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise bad("structured_outputs", self.structured_outputs, "a StructuredOutputsParams or None")
+
+    @functools.cached_property
+    def stop_strings(self) -> StopStrings:
+        """The automaton the detokenizer matches stop_list with: built on first use (O(total
+        length); the server builds long ones off its event loop) and shared by every sequence
+        of the request."""
+        return StopStrings(self.stop_list)
 
     @property
     def greedy(self) -> bool:

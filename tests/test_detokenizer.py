@@ -7,7 +7,7 @@ import random
 import pytest
 
 from helpers import hf_tokenizer
-from kvshare.engine.detokenizer import IncrementalDetokenizer
+from kvshare.engine.detokenizer import IncrementalDetokenizer, StopStrings
 from kvshare.sampling_params import SamplingParams
 
 REPL = "\ufffd"
@@ -371,3 +371,99 @@ def test_sentencepiece_leading_space_uses_prompt_context():
     assert run(d, out) == [" Hello", " wor", "ld", "!", ""]
     d = IncrementalDetokenizer(sp, [])
     assert "".join(run(d, out)) == "Hello world!"
+
+
+# ----------------------------------------------------------------------------- stop automaton
+
+
+def quadratic_held_suffix_len(text, stops):
+    """The hold-back kvshare computed before the automaton (kept as the reference): the longest
+    suffix of the text that is a proper prefix of a stop string, trying every stop string and
+    every prefix length (O(count x length^2) per token)."""
+    max_stop = max(map(len, stops))
+    tail = text[-(max_stop - 1):] if max_stop > 1 else ""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(tail)), best, -1):
+            if tail.endswith(s[:k]):
+                best = k
+                break
+    return best
+
+
+def scanned_stop(text, old_len, stops):
+    """The match kvshare searched for before (the reference): the stop string ending first after
+    offset old_len (then the longest); (end, stop) or None."""
+    best = None
+    for pos, s in enumerate(stops):
+        i = text.find(s, max(0, old_len - (len(s) - 1)))
+        if i >= 0:
+            key = (i + len(s), -len(s), pos, s)
+            best = key if best is None or key < best else best
+    return None if best is None else (best[0], best[3])
+
+
+@pytest.mark.parametrize("alphabet", ["ab", "abc ", "aab"])
+def test_stop_automaton_matches_the_quadratic_scan(alphabet):
+    """StopStrings (Aho-Corasick) gives the same held length and the same first match as the
+    scans it replaced, chunk by chunk, on random texts and random (overlapping) stop strings."""
+    rng = random.Random(alphabet)
+    for trial in range(500):
+        stops = list(dict.fromkeys("".join(rng.choice(alphabet) for _ in range(rng.randint(1, 7)))
+                                   for _ in range(rng.randint(1, 6))))
+        automaton = StopStrings(stops)
+        state, text = 0, ""
+        while len(text) < 60:
+            chunk = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 5)))
+            report = rng.random() < 0.7  # (min_tokens: some chunks are not searched)
+            old_len, text = len(text), text + chunk
+            state, end, stop = automaton.feed(state, chunk, report)
+            want = scanned_stop(text, old_len, stops) if report else None
+            assert (None if stop is None else (old_len + end, stop)) == want, (stops, text, old_len)
+            if stop is not None:
+                break
+            assert automaton.held(state) == quadratic_held_suffix_len(text, stops), (stops, text)
+
+
+def test_stream_holds_back_what_the_quadratic_scan_held():
+    """Each add() returns exactly the text the old hold-back released: everything but the
+    longest suffix that may still begin a stop string."""
+    rng = random.Random(7)
+    ct = CharTok(["<s>"])
+    for trial in range(300):
+        stops = ["".join(rng.choice("abc") for _ in range(rng.randint(2, 6))) for _ in range(rng.randint(1, 4))]
+        d = IncrementalDetokenizer(ct, [], stop=stops)
+        released = ""
+        for part in ["".join(rng.choice("abcd") for _ in range(rng.randint(1, 4))) for _ in range(15)]:
+            decoded = d.decoded_text + part
+            before = len(released)
+            released += d.add(ct.ids([part])[0])
+            if d.check_stop() is not None:
+                break
+            assert released == decoded[: max(before, len(decoded) - quadratic_held_suffix_len(decoded, stops))]
+
+
+def test_stop_strings_cost_per_token_does_not_grow_with_their_size():
+    """At the server's default limits (64 stop strings of 256 characters, none matching) a token
+    costs about what it costs with one short stop string. The scan this replaced tried every
+    prefix of every stop string against the output's last 255 characters at every token:
+    ~10^3 times slower here (milliseconds a token per sequence, on the engine thread; 4x that at
+    1024 characters, as the cost grows with the square of the length)."""
+    import time
+
+    ct = CharTok(["<s>"])
+    words = ct.ids([" word", " and", " more", " text"])
+    hostile = [chr(0x3400 + i) * 256 for i in range(64)]
+
+    def per_token(stops) -> float:
+        d = IncrementalDetokenizer(ct, [], stop=stops)  # (the automaton is built here, once)
+        for i in range(300):  # an output longer than the longest stop string
+            d.add(words[i % 4])
+        start = time.perf_counter()
+        for i in range(200):
+            d.add(words[i % 4])
+        return (time.perf_counter() - start) / 200
+
+    plain = min(per_token(["STOP"]) for _ in range(3))
+    at_limits = min(per_token(hostile) for _ in range(3))
+    assert at_limits < 20 * plain, (plain, at_limits)

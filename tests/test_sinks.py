@@ -14,6 +14,7 @@ from helpers import EXACT, ENGLISH_TEXT, tiny_model
 from kvshare import LLM, SamplingParams
 from kvshare.config import EngineConfig
 from kvshare.engine.llm_engine import LLMEngine
+from kvshare.errors import InvalidRequestError
 from kvshare.kvcache.audit import AuditError
 from kvshare.kvcache.replay import replay
 from kvshare.testing.faults import plant
@@ -248,3 +249,22 @@ def test_long_prompts_are_admitted_without_thrashing(llama):
     assert engine.scheduler.num_preemptions == 0
     assert engine.stats.prompt_tokens_computed == 5 * 512
     assert most >= 2
+
+
+def test_max_tokens_is_capped_under_sinks(llama):
+    """A sink sequence is never stopped by max_model_len, so sink_max_tokens (--sink-max-tokens)
+    bounds every request: a larger max_tokens is refused naming the field, the limit and the
+    flag, and the default max_tokens stays within it."""
+    _, path = llama
+    engine = sink_engine(path, audit=False)
+    limit = engine.config.sink_max_tokens
+    with pytest.raises(InvalidRequestError, match=rf"max_tokens={limit + 1} .* at most {limit} "
+                                                  r"\(sink_max_tokens, --sink-max-tokens\)") as refused:
+        engine.add_request("long", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=limit + 1))
+    assert refused.value.param == "max_tokens"
+    engine.add_request("at-limit", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=limit))
+    capped = sink_engine(path, audit=False, sink_max_tokens=50)
+    capped.add_request("default", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=None))
+    assert capped.requests["default"].params.max_tokens == 50
+    with pytest.raises(ValueError, match="sink_max_tokens=0 is invalid"):
+        EngineConfig.from_kwargs(**EXACT, model=path, kv_policy="sink", window_tokens=64, sink_max_tokens=0)

@@ -46,6 +46,7 @@ recent tokens (``prefix_offset``/``read_offset``), so each step costs O(window),
 """
 from __future__ import annotations
 
+from array import array
 from typing import Protocol, Sequence
 
 _CONTEXT_TOKENS = 5  # prompt tokens kept as left context (leading-space behaviour)
@@ -65,7 +66,7 @@ class IncrementalDetokenizer:
         prompt_token_ids: Sequence[int],
         skip_special_tokens: bool = True,
         *,
-        stop: Sequence[str] | str | None = None,
+        stop: Sequence[str] | str | StopStrings | None = None,
         include_stop_str_in_output: bool = False,
         min_tokens: int = 0,
     ) -> None:
@@ -95,23 +96,26 @@ class IncrementalDetokenizer:
         self._last_add_start = 0  # text length before the most recent add()'s new text
         self._min_tokens = int(min_tokens)
         self._stop: list[str] = []
+        self._stop_strings = StopStrings(())
+        self._stop_state = 0  # the automaton's state after the text so far
         self._include = False
         self._max_stop = 0
         # suffix of the text starting at global offset _recent_start; it always covers the
         # unemitted text and the last (max_stop - 1) chars.
         self._recent = ""
         self._recent_start = 0
-        self._configure(_as_list(stop), bool(include_stop_str_in_output))
+        self._configure(stop if isinstance(stop, StopStrings) else StopStrings(_as_list(stop)),
+                        bool(include_stop_str_in_output))
 
     @classmethod
     def from_params(cls, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], params) -> "IncrementalDetokenizer":
-        """Build from a SamplingParams (stop_list, include_stop_str_in_output, min_tokens,
+        """Build from a SamplingParams (stop_strings, include_stop_str_in_output, min_tokens,
         skip_special_tokens)."""
         return cls(
             tokenizer,
             prompt_token_ids,
             params.skip_special_tokens,
-            stop=params.stop_list,
+            stop=params.stop_strings,
             include_stop_str_in_output=params.include_stop_str_in_output,
             min_tokens=params.min_tokens,
         )
@@ -154,7 +158,7 @@ class IncrementalDetokenizer:
             stops = _as_list(stop)
             include = self._include if include_stop_str_in_output is None else bool(include_stop_str_in_output)
             if stops != self._stop or include != self._include:
-                self._configure(stops, include)
+                self._configure(StopStrings(stops) if stops != self._stop else self._stop_strings, include)
                 if self._stop:
                     self._search(self._last_add_start)
                 self._trim_recent()
@@ -217,10 +221,12 @@ class IncrementalDetokenizer:
         self._len += len(delta)
         self._text_cache = None
 
-    def _configure(self, stop: list[str], include: bool) -> None:
-        self._stop = stop
+    def _configure(self, stop: StopStrings, include: bool) -> None:
+        self._stop = list(stop.strings)
+        self._stop_strings = stop
+        self._stop_state = 0
         self._include = include
-        self._max_stop = max((len(s) for s in stop), default=0)
+        self._max_stop = stop.max_len
         self._recent = self.decoded_text  # (trimmed after the caller's first search)
         self._recent_start = 0
 
@@ -231,28 +237,27 @@ class IncrementalDetokenizer:
             self._recent_start = keep_from
 
     def _search(self, old_len: int) -> bool:
-        """Look for a stop string ending after offset ``old_len``; on a match cut the text and
-        finish. Returns True on a match."""
-        rs = self._recent_start
-        best: tuple[int, int, int, str] | None = None  # (end, -len, list pos, stop)
-        for pos, s in enumerate(self._stop):
-            start = max(old_len - (len(s) - 1), rs)
-            idx = self._recent.find(s, start - rs)
-            if idx >= 0:
-                key = (rs + idx + len(s), -len(s), pos, s)
-                if best is None or key < best:
-                    best = key
-        if best is None:
+        """Compatibility mode, after new stop strings were adopted: run the text through their
+        automaton, looking for a stop string ending after offset ``old_len``; on a match cut the
+        text and finish. Returns True on a match."""
+        text = self.decoded_text
+        self._stop_state = self._stop_strings.feed(0, text[max(0, old_len - self._max_stop):old_len])[0]
+        return self._feed(text[old_len:], old_len, report=True)
+
+    def _feed(self, delta: str, old_len: int, report: bool) -> bool:
+        """Advance the stop-string automaton over ``delta`` (the text from offset ``old_len``); with
+        ``report``, the first stop string it completes cuts the text and finishes it (True)."""
+        self._stop_state, end, stop = self._stop_strings.feed(self._stop_state, delta, report)
+        if stop is None:
             return False
-        end, neg_len, _, s = best
-        cut = end if self._include else end + neg_len
+        cut = old_len + end if self._include else old_len + end - len(stop)
         full = self.decoded_text[:cut]
         self._chunks = [full] if full else []
         self._text_cache = full
         self._len = cut
         self._emitted = min(self._emitted, cut)
-        self._recent = self._recent[: max(0, cut - rs)]
-        self._stop_str = s
+        self._recent = self._recent[: max(0, cut - self._recent_start)]
+        self._stop_str = stop
         self._finished = True
         return True
 
@@ -268,28 +273,92 @@ class IncrementalDetokenizer:
 
         self._recent += delta
         rs = self._recent_start
-        if delta and self._num_output > self._min_tokens and self._search(old_len):
+        if delta and self._feed(delta, old_len, report=self._num_output > self._min_tokens):
             out = self._recent[self._emitted - rs :]
             self._emitted = self._len
             return out
 
-        hold = 0 if (final or self._include) else self._held_suffix_len()
+        hold = 0 if (final or self._include) else self._stop_strings.held(self._stop_state)
         safe_end = max(self._len - hold, self._emitted)
         out = self._recent[self._emitted - rs : safe_end - rs]
         self._emitted = safe_end
         self._trim_recent()
         return out
 
-    def _held_suffix_len(self) -> int:
-        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
-        tail = self._recent[-(self._max_stop - 1) :] if self._max_stop > 1 else ""
-        best = 0
-        for s in self._stop:
-            for k in range(min(len(s) - 1, len(tail)), best, -1):
-                if tail.endswith(s[:k]):
-                    best = k
-                    break
-        return best
+
+class StopStrings:
+    """One Aho-Corasick automaton over a request's stop strings, built once (O(total length);
+    SamplingParams.stop_strings) and shared by its sequences; each detokenizer keeps only its
+    state, an int.
+
+    A state is a node of the trie of the stop strings: the longest suffix of the text so far that
+    is a prefix of some stop string. Feeding a character costs O(1) amortized (the failure links
+    walked back are at most the characters fed before), whatever the number or length of the stop
+    strings, where testing every stop string and every prefix length cost O(count x length^2) per
+    token. The text held back for a possible stop string and the stop string a step completes
+    are table lookups on the state."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.strings = tuple(dict.fromkeys(stops))
+        self.max_len = max((len(s) for s in self.strings), default=0)
+        # Compact, as a request may bring ~10^4 nodes (the server's limits: 64 stop strings of 256
+        # characters): one dict of edges keyed node << 21 | code point (~100 bytes a node, a third
+        # of a dict per node), int arrays for the per-node values.
+        edges: dict[int, int] = {}
+        parent, code, depth = array("i", [0]), array("i", [0]), array("i", [0])
+        branches = bytearray(1)  # whether a node has children: a proper prefix of a stop string
+        words: dict[int, str] = {}
+        for s in self.strings:
+            node = 0
+            for ch in s:
+                key = node << 21 | ord(ch)
+                nxt = edges.get(key)
+                if nxt is None:
+                    nxt = edges[key] = len(parent)
+                    parent.append(node)
+                    code.append(ord(ch))
+                    depth.append(depth[node] + 1)
+                    branches.append(0)
+                    branches[node] = 1
+                node = nxt
+            words[node] = s
+        fail = array("i", bytes(4 * len(parent)))
+        held = array("i", bytes(4 * len(parent)))
+        matches: dict[int, str] = {}  # node -> the longest stop string its text ends with
+        # Shallower nodes first: a node's failure link is shallower than the node.
+        for node in sorted(range(1, len(parent)), key=depth.__getitem__):
+            f = fail[parent[node]]
+            if parent[node]:
+                while f and (f << 21 | code[node]) not in edges:
+                    f = fail[f]
+                f = fail[node] = edges.get(f << 21 | code[node], 0)
+            match = words.get(node, matches.get(f))
+            if match is not None:
+                matches[node] = match
+            held[node] = depth[node] if branches[node] else held[f]
+        self._edges, self._fail, self._matches, self._held = edges, fail, matches, held
+
+    def __deepcopy__(self, memo) -> "StopStrings":
+        return self  # immutable: a cloned SamplingParams shares it
+
+    def feed(self, state: int, text: str, report: bool = False) -> tuple[int, int, str | None]:
+        """(state after ``text``, end offset in ``text``, stop string) -- with ``report``, stopping at
+        the first stop string completed (the earliest end; the longest there); else (state, 0, None)."""
+        edges, fail, matches = self._edges, self._fail, self._matches
+        for i, ch in enumerate(text):
+            c = ord(ch)
+            nxt = edges.get(state << 21 | c)
+            while nxt is None and state:
+                state = fail[state]
+                nxt = edges.get(state << 21 | c)
+            state = nxt or 0
+            if report and state in matches:
+                return state, i + 1, matches[state]
+        return state, 0, None
+
+    def held(self, state: int) -> int:
+        """How many trailing characters may still begin a stop string (hold them back)."""
+        return self._held[state]
 
 
 def _as_list(stop: Sequence[str] | str | None) -> list[str]:
@@ -300,4 +369,4 @@ def _as_list(stop: Sequence[str] | str | None) -> list[str]:
     return list(dict.fromkeys(s for s in stop if s))
 
 
-__all__ = ["IncrementalDetokenizer", "Tokenizer"]
+__all__ = ["IncrementalDetokenizer", "StopStrings", "Tokenizer"]

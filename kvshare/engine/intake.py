@@ -27,7 +27,8 @@ class RequestIntake:
     """Checks prompts against the tokenizer, the vocabulary and the KV pool the engine was built with."""
 
     def __init__(self, tokenizer, vocab_size: int, layout: KVLayout, kv_policy,
-                 max_num_batched_tokens: int, length_unbounded: bool, seq_blocks=None) -> None:
+                 max_num_batched_tokens: int, length_unbounded: bool, seq_blocks=None,
+                 sink_max_tokens: int | None = None) -> None:
         self.tokenizer = tokenizer
         # KV cache groups: tokens -> most blocks one sequence holds across the groups (None: one group).
         self.seq_blocks = seq_blocks
@@ -37,6 +38,7 @@ class RequestIntake:
         self.max_num_batched_tokens = max_num_batched_tokens
         # Sink sequences keep cache positions below max_model_len whatever their length.
         self.length_unbounded = length_unbounded
+        self.sink_max_tokens = sink_max_tokens  # the cap on max_tokens when length_unbounded
 
     def prepare(self, prompt, params: SamplingParams) -> tuple[str | None, list[int], SamplingParams]:
         """(prompt text, prompt token ids, params): params is a copy when max_tokens or cache_salt
@@ -125,7 +127,11 @@ class RequestIntake:
                 raise InvalidRequestError(
                     f"prompt is {n} tokens, at least max_model_len={limit}: with kv_policy='sink' give max_tokens "
                     f"explicitly (there is no default length past max_model_len)", "max_tokens")
-            max_tokens = limit - n
+            max_tokens = limit - n if not unbounded else min(limit - n, self.sink_max_tokens)
+        if unbounded and max_tokens > self.sink_max_tokens:
+            raise InvalidRequestError(
+                f"max_tokens={max_tokens} is more than one request may generate under kv_policy='sink': at most "
+                f"{self.sink_max_tokens} (sink_max_tokens, --sink-max-tokens)", "max_tokens")
         if n + max_tokens > limit and not unbounded:
             raise InvalidRequestError(
                 f"max_tokens={max_tokens} plus the prompt's {n} tokens is {n + max_tokens}, beyond "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -120,12 +121,14 @@ class LLMEngine:
         # Grammars for constrained decoding; llguidance's tokenizer is built on the first one.
         self.structured = StructuredOutputs(self.tokenizer, mc.vocab_size, self.eos_token_ids)
         self.intake = RequestIntake(self.tokenizer, mc.vocab_size, self.layout, self.kv_policy,
-                                    config.max_num_batched_tokens, length_unbounded, self._seq_blocks)
+                                    config.max_num_batched_tokens, length_unbounded, self._seq_blocks,
+                                    config.sink_max_tokens)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler, self.eos_token_ids, max_model_len,
                                        length_unbounded)
         self.beams = BeamSearchDriver(self.scheduler, self._new_seq, self.outputs.finish_seq,
                                       self.outputs.maybe_finish_request, self._constrain_beam)
-        self._rng = torch.Generator().manual_seed(config.seed)
+        seed = config.seed if config.seed is not None else int.from_bytes(os.urandom(8), "little")
+        self._rng = torch.Generator().manual_seed(seed)
         self._ids = itertools.count()
         self.step_count = 0
         self.stats = EngineStats()

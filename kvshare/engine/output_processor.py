@@ -68,7 +68,7 @@ class OutputProcessor:
         if n_out >= params.min_tokens:
             if not params.ignore_eos and res.token_id in self.eos_token_ids:
                 reason = "stop"
-            elif res.token_id in params.stop_token_ids:
+            elif res.token_id in params.stop_token_id_set:
                 reason, stop_reason = "stop", res.token_id
         # A terminating token stays out of the text unless asked for, as in vLLM.
         if seq.detokenizer is not None and (reason is None or params.include_stop_str_in_output):

@@ -102,7 +102,8 @@ def _min_tokens_ids(row: SamplingRow) -> list[int]:
     p = row.params
     if p.min_tokens <= 0 or len(row.output_token_ids) >= p.min_tokens:
         return []
-    return list(dict.fromkeys(list(row.eos_token_ids) + list(p.stop_token_ids or [])))
+    # (an id in both lists is set twice, harmlessly: no per-step deduplication)
+    return [*row.eos_token_ids, *(p.stop_token_ids or [])]
 
 
 def _pad_ids(lists: Sequence[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:

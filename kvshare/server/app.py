@@ -44,11 +44,13 @@ def build_app(state: ServerState) -> FastAPI:
     registry = state.metrics.registry(lambda: state.engine.snapshot)
     _add_error_handlers(app, state)
 
+    limits = {"max_prompts": state.config.max_sequences_per_request}
+
     async def parse(raw: Request, model):
         body = await raw.body()
         if len(body) > LONG_BODY:  # JSON, Unicode checks and validation of a big body: off the event loop
-            return await asyncio.to_thread(parse_body, body, model)
-        return parse_body(body, model)
+            return await asyncio.to_thread(parse_body, body, model, limits)
+        return parse_body(body, model, limits)
 
     probe = ["GET", "HEAD"]
 

@@ -173,9 +173,13 @@ class AsyncEngine:
                 raise EngineDeadError("the server is shutting down")
             queued = self._shared.pending + self.snapshot.waiting
             # Checked and counted under the same lock the engine thread publishes under, so
-            # simultaneous arrivals cannot all see room for one.
-            if self.max_waiting is not None and queued >= self.max_waiting:
-                raise QueueFullError(queued, self.max_waiting, self.retry_after)
+            # simultaneous arrivals cannot all see room for one. Every prompt of the request
+            # counts; one request larger than the limit alone (bounded by
+            # --max-sequences-per-request) is taken only into an empty queue, else it could never run.
+            adding = len(requests)
+            if self.max_waiting is not None and (
+                    queued >= self.max_waiting or (queued and queued + adding > self.max_waiting)):
+                raise QueueFullError(queued, self.max_waiting, self.retry_after, adding)
             self._shared.pending += len(requests)
             self._shared.commands.append(_Add(requests, arrival, future))
             self._cond.notify()

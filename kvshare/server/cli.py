@@ -54,6 +54,15 @@ def add_serve_parser(sub) -> None:
     g.add_argument("--log-prompts", action="store_true", help="log prompt text and parameters of every request")
     g.add_argument("--no-access-log", action="store_true", help="no per-request access log lines")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    lim = p.add_argument_group("per-request limits (400 beyond)")
+    lim.add_argument("--max-sequences-per-request", type=int, default=256, metavar="N",
+                     help="most sequences one request may ask for: its prompts x n (default: 256)")
+    lim.add_argument("--max-stop-strings", type=int, default=64, metavar="N",
+                     help="most strings in a request's stop list (default: 64)")
+    lim.add_argument("--max-stop-string-length", type=int, default=256, metavar="CHARS",
+                     help="longest stop string, in characters (default: 256)")
+    lim.add_argument("--max-stop-token-ids", type=int, default=1024, metavar="N",
+                     help="most token ids in a request's stop_token_ids (default: 1024)")
     t = p.add_argument_group("chat template and tool calling")
     t.add_argument("--chat-template", default=None, metavar="FILE",
                    help="Jinja chat template to render chat requests with instead of the model's")
@@ -88,7 +97,9 @@ def add_serve_parser(sub) -> None:
     # Internal: a replica serves the socket its data-parallel front end bound for it (fd inherited).
     p.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)
     add_engine_args(p)
-    p.set_defaults(func=functools.partial(cmd_serve, parser=p))
+    # Unseeded requests must not repeat their samples each time the server restarts (--seed S to
+    # have them repeat); a request's own seed reproduces either way.
+    p.set_defaults(seed=None, func=functools.partial(cmd_serve, parser=p))
 
 
 # Flags the front end sets for each replica itself (or keeps to itself), never passed through as given.
@@ -182,6 +193,8 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser | None =
         max_concurrent_grammar_compiles=args.max_concurrent_grammar_compiles, max_tools_bytes=args.max_tools_bytes,
         max_chat_template_kwargs_bytes=args.max_chat_template_kwargs_bytes,
         chat_template_timeout=args.chat_template_timeout,
+        max_sequences_per_request=args.max_sequences_per_request, max_stop_strings=args.max_stop_strings,
+        max_stop_string_length=args.max_stop_string_length, max_stop_token_ids=args.max_stop_token_ids,
     )
     if args.inject_fault is not None:
         check_inject_fault(args)

@@ -42,7 +42,8 @@ class EngineDeadError(APIError):
 
 
 class QueueFullError(APIError):
-    def __init__(self, waiting: int, limit: int, retry_after: int) -> None:
+    def __init__(self, waiting: int, limit: int, retry_after: int, adding: int = 1) -> None:
+        extra = f" and this request would add {adding}" if adding > 1 else ""
         super().__init__(
-            429, f"server is at capacity: {waiting} requests already wait to be scheduled (--max-waiting {limit}); "
-                 f"retry after {retry_after}s", code="queue_full", headers={"Retry-After": str(retry_after)})
+            429, f"server is at capacity: {waiting} requests already wait to be scheduled{extra} (--max-waiting "
+                 f"{limit}); retry after {retry_after}s", code="queue_full", headers={"Retry-After": str(retry_after)})

@@ -7,9 +7,10 @@ message content) have their own validators so the error names what is allowed in
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo
 from pydantic_core import PydanticCustomError
 
 from kvshare.errors import InvalidRequestError
@@ -30,13 +31,19 @@ def _is_ids(x: Any) -> bool:
     return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 
-def _prompt(value: Any) -> list[str | list[int]]:
+def _prompt(value: Any, info: ValidationInfo) -> list[str | list[int]]:
     """One prompt or several: text, token ids, or a list of either (each is its own request)."""
     if isinstance(value, str):
         return [value]
     if isinstance(value, list):
         if not value:
             raise PydanticCustomError("prompt_empty", "'prompt' is an empty list: give at least one prompt")
+        limit = (info.context or {}).get("max_prompts")
+        if limit is not None and len(value) > limit and isinstance(value[0], (str, list)):
+            # Before the per-prompt checks: a body of ~10^6 prompts costs seconds to validate.
+            raise PydanticCustomError(
+                "prompt_count", "'prompt' holds {count} prompts, more than one request may ask for: at most {limit} "
+                                "(--max-sequences-per-request)", {"count": len(value), "limit": limit})
         if all(isinstance(x, str) for x in value):
             return list(value)
         if _is_ids(value):
@@ -242,7 +249,7 @@ def describe_validation_error(exc: ValidationError, model: type[BaseModel]) -> I
             msg += f"; allowed fields: {', '.join(sorted(model.model_fields))}"
     elif kind == "missing":
         msg = f"'{param}' is required"
-    elif kind in ("prompt_empty", "prompt_type", "stop_type", "content_part", "content_type", "tool_choice_type"):
+    elif kind in ("prompt_empty", "prompt_type", "prompt_count", "stop_type", "content_part", "content_type", "tool_choice_type"):
         msg = err["msg"] if kind.startswith(("prompt", "stop")) else f"'{param}': {err['msg']}"
     else:
         msg = f"'{param}' is invalid: {err['msg'].rstrip('.')} (got {_describe(err.get('input'))})"
@@ -273,8 +280,12 @@ def _check_text(value: Any) -> None:
             _check_text(v)
 
 
-def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
-    return validate_body(load_json_object(raw), model)
+_ESCAPED_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def parse_body(raw: bytes, model: type[BaseModel], context: dict | None = None) -> BaseModel:
+    """``context``: the server's limits the validators check ({"max_prompts": N})."""
+    return validate_body(load_json_object(raw), model, context)
 
 
 def load_json_object(raw: bytes) -> dict:
@@ -297,14 +308,15 @@ def load_json_object(raw: bytes) -> dict:
     if not isinstance(obj, dict):
         raise InvalidRequestError(f"the request body must be a JSON object, got a JSON {type(obj).__name__}", None)
     try:
-        _check_text(obj)
+        if _ESCAPED_SURROGATE.search(text):  # (strict UTF-8 decoding lets no other surrogate in)
+            _check_text(obj)
     except RecursionError:
         raise InvalidRequestError("the request body is nested too deeply", None) from None
     return obj
 
 
-def validate_body(obj: dict, model: type[BaseModel]) -> BaseModel:
+def validate_body(obj: dict, model: type[BaseModel], context: dict | None = None) -> BaseModel:
     try:
-        return model.model_validate(obj)
+        return model.model_validate(obj, context=context)
     except ValidationError as e:
         raise describe_validation_error(e, model) from None

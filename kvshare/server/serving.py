@@ -130,6 +130,28 @@ class OpenAIServing:
         if req.prompt_logprobs is not None and req.stream:
             raise InvalidRequestError("prompt_logprobs are not available with stream: true (as in vLLM)",
                                       "prompt_logprobs")
+        self._check_limits(req)
+
+    def _check_limits(self, req) -> None:
+        """The work one request may ask for (ServerConfig), checked before anything is tokenized."""
+        cfg = self.state.config
+        prompts = len(req.prompt) if isinstance(req, CompletionRequest) else 1
+        if prompts * req.n > cfg.max_sequences_per_request:
+            what = f"{prompts} prompts x n={req.n} is {prompts * req.n} sequences" if prompts > 1 else f"n={req.n}"
+            raise InvalidRequestError(
+                f"{what}, more than one request may ask for: at most {cfg.max_sequences_per_request} "
+                f"(--max-sequences-per-request)", "prompt" if prompts > 1 else "n")
+        stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
+        if len(stops) > cfg.max_stop_strings:
+            raise InvalidRequestError(f"'stop' has {len(stops)} strings: at most {cfg.max_stop_strings} are "
+                                      f"allowed (--max-stop-strings)", "stop")
+        longest = max(map(len, stops), default=0)
+        if longest > cfg.max_stop_string_length:
+            raise InvalidRequestError(f"a stop string is {longest} characters long: at most "
+                                      f"{cfg.max_stop_string_length} are allowed (--max-stop-string-length)", "stop")
+        if req.stop_token_ids is not None and len(req.stop_token_ids) > cfg.max_stop_token_ids:
+            raise InvalidRequestError(f"'stop_token_ids' has {len(req.stop_token_ids)} ids: at most "
+                                      f"{cfg.max_stop_token_ids} are allowed (--max-stop-token-ids)", "stop_token_ids")
 
     def _params(self, req, max_tokens, logprobs, prompt_logprobs, rename: dict, raw: Request) -> SamplingParams:
         def pick(value, default):
@@ -172,6 +194,8 @@ class OpenAIServing:
     async def _run(self, job: Job, params: SamplingParams, fmt: BaseFormatter, arrival: float, raw: Request,
                    rename: dict):
         self._log(job, params)
+        if sum(map(len, params.stop_list)) > LONG_TEXT:
+            await asyncio.to_thread(lambda: params.stop_strings)  # built once, here, not on the engine thread
         if params.structured_outputs is not None:
             await self.state.grammar_compiles.compile(self.engine.engine.structured, params.structured_outputs)
         requests = [EngineRequest(job.engine_id(i), p.token_ids, params) for i, p in enumerate(job.prompts)]

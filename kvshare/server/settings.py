@@ -78,6 +78,12 @@ class ServerConfig:
     max_tools_bytes: int = DEFAULT_MAX_TOOLS_BYTES
     max_chat_template_kwargs_bytes: int = DEFAULT_MAX_CHAT_TEMPLATE_KWARGS_BYTES
     chat_template_timeout: float = 10.0
+    # Work one request may ask for (400 beyond, before any tokenizing): prompts x n sequences,
+    # stop strings (count, characters each) and stop_token_ids.
+    max_sequences_per_request: int = 256
+    max_stop_strings: int = 64
+    max_stop_string_length: int = 256
+    max_stop_token_ids: int = 1024
     # A socket bound by the data-parallel front end and inherited (no race for a free port between
     # choosing it and binding it): served instead of binding host:port.
     listen_fd: int | None = None
@@ -148,6 +154,11 @@ class ServerConfig:
         self.max_tools_bytes = parse_bytes(self.max_tools_bytes, "max_tools_bytes")
         self.max_chat_template_kwargs_bytes = parse_bytes(self.max_chat_template_kwargs_bytes,
                                                           "max_chat_template_kwargs_bytes")
+        for name in ("max_sequences_per_request", "max_stop_strings", "max_stop_string_length", "max_stop_token_ids"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} is invalid: must be an integer >= 1 "
+                                 f"(--{name.replace('_', '-')})")
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout={self.shutdown_timeout} is invalid: must be >= 0 seconds")
         self.max_body_bytes = parse_bytes(self.max_body_bytes, "max_body_bytes")
