@@ -19,12 +19,13 @@ import time
 
 import openai
 import pytest
+from prometheus_client import generate_latest
 
 from kvshare import LLM, SamplingParams
 from kvshare.bench.workloads import ENGLISH_TEXT
 from kvshare.server.async_engine import AsyncEngine, EngineRequest
 from kvshare.server.metrics import ServerMetrics
-from server_proc import MODEL, ServerProcess
+from server_proc import MODEL, ServerProcess, parse_metrics
 
 BLOCK_SIZE = 16
 POOL_BLOCKS = 14
@@ -305,6 +306,11 @@ async def _assert_nothing_left(ae: AsyncEngine) -> None:
     assert ae._streams == {} and ae._tracks == {} and ae._shared.pending == 0
 
 
+def _metric(ae: AsyncEngine, name: str) -> float:
+    text = generate_latest(ae.metrics.registry(ae.metrics_snapshot)).decode()
+    return sum(v for n, _, v in parse_metrics(text) if n == name)
+
+
 async def _serves_the_next(ae: AsyncEngine) -> None:
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     stream = await ae.submit([EngineRequest("after", [1, 2, 3, 4], params)], time.monotonic())
@@ -325,11 +331,14 @@ def test_a_handler_cancelled_before_the_engine_takes_its_add_adds_nothing(engine
         task = asyncio.create_task(ae.submit([EngineRequest("gone", [5, 6, 7, 8], params)], time.monotonic()))
         while ae._shared.pending != 1:  # the add is queued
             await asyncio.sleep(0.005)
+        # Queued behind the engine thread's work, it waits: /metrics says so.
+        assert _metric(ae, "vllm:num_requests_waiting") == 1
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         release.set()
         await _assert_nothing_left(ae)
+        assert _metric(ae, "vllm:num_requests_waiting") == 0
         m = ae.metrics  # never added: nothing computed, nothing finished, nothing to abort
         assert (m.prompt_tokens, m.generation_tokens, sum(m.success.values()), sum(m.aborted.values())) == (0, 0, 0, 0)
         await _serves_the_next(ae)

@@ -39,7 +39,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_middleware(GuardMiddleware, state=state)
     serving = OpenAIServing(state)
     tokenizing = TokenizeServing(state)
-    registry = state.metrics.registry(lambda: state.engine.snapshot)
+    registry = state.metrics.registry(state.engine.metrics_snapshot)
     _add_error_handlers(app, state)
 
     async def parse(raw: Request, model):
