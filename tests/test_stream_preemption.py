@@ -155,7 +155,8 @@ def test_streamed_deltas_under_preemption_equal_the_request_alone(tight_server):
             worst = max(abs(a - b) for a, b in zip(have["logprobs"], want["logprobs"]))
             assert worst <= LOGPROB_TOL, (where, worst)
         assert usage is not None, i
-        assert usage.completion_tokens == ref_usage.completion_tokens == sum(len(c["tokens"]) for c in choices.values()), i
+        streamed_tokens = sum(len(c["tokens"]) for c in choices.values())
+        assert usage.completion_tokens == ref_usage.completion_tokens == streamed_tokens, i
         if i < len(COMPLETIONS):  # ignore_eos: every choice runs to max_tokens
             assert usage.completion_tokens == MAX_TOKENS * len(ref), i
         assert usage.prompt_tokens == ref_usage.prompt_tokens, i
