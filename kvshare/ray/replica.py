@@ -130,7 +130,7 @@ class EngineReplica:
             return {"rank": self.rank, "engine_alive": self.state.engine.is_alive()}
         pool = self.state.engine.engine.manager.pool
         own = await self.state.engine.call(lambda: set(pool.cached))
-        snap = self.state.engine.snapshot
+        snap = self.state.engine.metrics_snapshot()
         return {"rank": self.rank, "replica_id": self.replica_id, "kv_events_endpoint": self.kv_events_endpoint,
                 "kv_events_replay_endpoint": self.kv_events_replay_endpoint,
                 "cached_blocks": len(own), "cached_digest": cached_digest(own),

@@ -41,7 +41,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_middleware(BodyDeadlineMiddleware, timeout=state.config.request_body_timeout)  # outside the guard
     serving = OpenAIServing(state)
     tokenizing = TokenizeServing(state)
-    registry = state.metrics.registry(lambda: state.engine.snapshot)
+    registry = state.metrics.registry(state.engine.metrics_snapshot)
     _add_error_handlers(app, state)
 
     limits = {"max_prompts": state.config.max_sequences_per_request}

@@ -16,7 +16,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from kvshare.engine.kv_view import start_view, stop_view
@@ -161,6 +161,13 @@ class AsyncEngine:
 
     def heartbeat_age(self) -> float:
         return time.monotonic() - self.heartbeat
+
+    def metrics_snapshot(self) -> EngineSnapshot:
+        """The latest snapshot with the engine requests submitted but not added yet counted as
+        waiting: behind a long step they wait as much as those in the scheduler's queue, and
+        /metrics would otherwise show an idle server with a queue."""
+        with self._cond:
+            return replace(self.snapshot, waiting=self.snapshot.waiting + self._shared.pending)
 
     # ---- event-loop side ------------------------------------------------------------------
     async def submit(self, requests: list[EngineRequest], arrival: float) -> RequestStream:
