@@ -196,3 +196,30 @@ def test_a_4_mib_body_of_prompts_is_a_fast_400_and_a_neighbour_streams_on(server
     print(f"neighbour's median gap: quiet {quiet * 1e3:.1f} ms, beside the 4 MiB body {loud * 1e3:.1f} ms "
           f"(its 400 in {result['seconds']:.2f} s)")
     assert loud < 2 * quiet, (quiet, loud)
+
+
+def test_the_old_hostile_stop_strings_are_a_400_and_a_neighbour_streams_on(server):
+    """~4 MB of stop strings (1,000 of 4,000 characters), the body the security read used: once
+    admitted, its quadratic scan made every step take seconds for everyone; now it is refused
+    before it is queued, and the neighbour streams at its quiet pace."""
+    stops = [chr(0x41 + i % 26) * 3999 + str(i % 10) for i in range(1000)]
+    body = json.dumps({"prompt": PROMPT, "stop": stops, "max_tokens": 400, "ignore_eos": True,
+                       "stream": True}).encode()
+    assert len(body) <= 4 * 2**20
+    quiet = statistics.median(neighbour_gaps(server, tokens=40))
+    result = {}
+
+    def hostile():
+        status, _, data = server.request("POST", "/v1/completions", body, {"Content-Type": "application/json"},
+                                         timeout=120)
+        result.update(status=status, data=data)
+
+    thread = threading.Thread(target=hostile, daemon=True)
+    thread.start()
+    loud = statistics.median(neighbour_gaps(server, tokens=40))
+    thread.join(120)
+    assert result["status"] == 400, result
+    error = json.loads(result["data"])["error"]
+    assert error["param"] == "stop" and "--max-stop-strings" in error["message"]
+    print(f"neighbour's median gap: quiet {quiet * 1e3:.1f} ms, beside the stop strings {loud * 1e3:.1f} ms")
+    assert loud < 2 * quiet, (quiet, loud)
