@@ -93,8 +93,10 @@ def test_max_waiting_refuses_the_excess_at_once_and_serves_the_rest(bp_server):
 
 @pytest.fixture(scope="module")
 def secure_server():
+    # Room for LONG_GENERATION: a request the 3 s timeout cuts short however fast the CPU.
     srv = ServerProcess("--api-key", KEY, "--log-prompts", "--request-timeout", "3",
-                        "--shutdown-timeout", "0.5").wait_ready()
+                        "--shutdown-timeout", "0.5",
+                        engine_args=["--kv-cache-memory", "128MiB", "--max-model-len", "4100"]).wait_ready()
     yield srv
     srv.close()
 
@@ -126,25 +128,29 @@ def test_log_prompts_logs_the_prompt(secure_server):
     assert marker in secure_server.log_text()
 
 
+LONG_GENERATION = 4000  # tokens: a request the 3 s --request-timeout always cuts short
+
+
 def test_request_timeout_aborts_with_finish_reason_abort(secure_server):
     srv = secure_server
     client = openai.OpenAI(base_url=srv.base_url, api_key=KEY, max_retries=0, timeout=300)
-    # 500 tokens take far longer than 3 s on a CPU; the timeout ends the request early.
-    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=500, temperature=0,
+    # 4,000 tokens take far longer than 3 s on a CPU (500 did not: ~4 ms a token on a quiet Zen 4
+    # finished them in 2 s); the timeout ends the request early.
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=LONG_GENERATION, temperature=0,
                                   extra_body={"ignore_eos": True})
     assert r.choices[0].finish_reason == "abort"
-    assert 0 < r.usage.completion_tokens < 500
+    assert 0 < r.usage.completion_tokens < LONG_GENERATION
     assert len(r.choices[0].text) > 0
 
     async def streamed():
         aclient = _aclient(srv, KEY)
         try:
-            return await _stream(aclient, 500)
+            return await _stream(aclient, LONG_GENERATION)
         finally:
             await aclient.close()
 
     text, finish, n = asyncio.run(streamed())
-    assert finish == "abort" and 0 < n < 500 and text
+    assert finish == "abort" and 0 < n < LONG_GENERATION and text
     assert srv.metric("kvshare:aborted_requests_total", reason="timeout") == 2
     assert srv.metric("vllm:request_success_total", finished_reason="abort") == 2
     assert srv.wait_idle()["kvshare:kv_cache_blocks_in_use"] == 0
