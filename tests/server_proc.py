@@ -90,6 +90,23 @@ class ServerProcess:
         status, _, data = self.request("POST", path, body, headers)
         return status, json.loads(data)
 
+    def streamed_token_gaps(self, tokens: int = 60) -> list[float]:
+        """Seconds between the consecutive tokens of a greedy streamed completion (past its first
+        five: prefill, warm-up): a neighbour's view of what other requests cost it."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+        try:
+            conn.request("POST", "/v1/completions", json.dumps({
+                "prompt": "The history of the city", "max_tokens": tokens, "ignore_eos": True, "temperature": 0,
+                "stream": True}), {"Content-Type": "application/json"})
+            response = conn.getresponse()
+            assert response.status == 200
+            times = [time.monotonic() for raw in response
+                     if raw.startswith(b"data: {") and json.loads(raw[6:])["choices"]]
+        finally:
+            conn.close()
+        assert len(times) >= tokens // 2
+        return [b - a for a, b in zip(times[5:], times[6:])]
+
     def metrics(self) -> list[tuple[str, dict, float]]:
         status, _, data = self.request("GET", "/metrics")
         assert status == 200

@@ -4,8 +4,6 @@ is a 400 while the server serves everyone else (a real server with tests/templat
 whose cost a kwarg sets)."""
 from __future__ import annotations
 
-import http.client
-import json
 import os
 import statistics
 import threading
@@ -85,27 +83,11 @@ def test_oversized_tools_and_kwargs_are_400s_naming_the_field_and_flag(server):
     assert status == 200, body
 
 
-def streamed_token_gaps(server, tokens: int) -> list[float]:
-    """Seconds between a greedy streamed neighbour's consecutive tokens (past its first five)."""
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
-    try:
-        conn.request("POST", "/v1/completions", json.dumps({
-            "prompt": "The history of the city", "max_tokens": tokens, "ignore_eos": True, "temperature": 0,
-            "stream": True}), {"Content-Type": "application/json"})
-        response = conn.getresponse()
-        assert response.status == 200
-        times = [time.monotonic() for raw in response
-                 if raw.startswith(b"data: {") and json.loads(raw[6:])["choices"]]
-    finally:
-        conn.close()
-    return [b - a for a, b in zip(times[5:], times[6:])]
-
-
 def test_a_hostile_render_leaves_a_neighbours_token_gaps_within_2x(server):
     """Renders run on a worker thread; a hostile one (looping until its deadline) may not more than
     double a streaming neighbour's median inter-token gap while it runs. Without the throttle of
     long renders (template_sandbox.LONG_RENDER) the gap went from 5.1 to 21.2 ms here."""
-    quiet = statistics.median(streamed_token_gaps(server, 60))
+    quiet = statistics.median(server.streamed_token_gaps(60))
     results = []
 
     def send_hostile():
@@ -117,7 +99,7 @@ def test_a_hostile_render_leaves_a_neighbours_token_gaps_within_2x(server):
     t = threading.Thread(target=send_hostile)
     t.start()
     time.sleep(0.3)
-    loud = statistics.median(streamed_token_gaps(server, 60))
+    loud = statistics.median(server.streamed_token_gaps(60))
     done.set()
     t.join(60)
     print(f"neighbour's median gap: quiet {quiet * 1e3:.1f} ms, beside hostile renders {loud * 1e3:.1f} ms")
