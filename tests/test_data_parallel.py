@@ -936,3 +936,19 @@ def test_a_stream_whose_upstream_fails_to_close_still_releases_its_slot():
     asyncio.run(main())
     assert released == [True]
     assert any(m.get("body") == b"data: {}\n\n" for m in sent)
+
+
+def test_the_front_end_refuses_too_many_prompts_before_validating_them():
+    """The front end parses a body to route it: with its --max-sequences-per-request the prompt
+    count is checked before any of them is validated (800k one-token prompts held its interpreter
+    for seconds before the replica's 400), and the 400 is the replica's."""
+    from kvshare.errors import InvalidRequestError
+    from kvshare.server.dp_proxy import prompt_for_routing
+    from kvshare.server.settings import ServerConfig
+
+    body = json.dumps({"prompt": [[7]] * 3, "max_tokens": 1}).encode()
+    with pytest.raises(InvalidRequestError) as refused:
+        prompt_for_routing(None, None, body, chat=False, config=ServerConfig(max_sequences_per_request=2))
+    assert refused.value.param == "prompt" and "--max-sequences-per-request" in str(refused.value)
+    ids, _ = prompt_for_routing(None, None, body, chat=False, config=ServerConfig(max_sequences_per_request=3))
+    assert ids == [7]

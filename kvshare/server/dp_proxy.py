@@ -80,7 +80,8 @@ def prompt_for_routing(tokenizer, chat_template: str | None, body: bytes, chat: 
     """The first prompt's token ids as a replica computes them, and the request's cache_salt.
     Raises InvalidRequestError for a body a replica would refuse (the same check, so the same 400).
     Shared with the Ray Serve ingress (kvshare.ray), which routes the same way."""
-    req = parse_body(body, ChatCompletionRequest if chat else CompletionRequest)
+    limits = {"max_prompts": config.max_sequences_per_request} if config is not None else None
+    req = parse_body(body, ChatCompletionRequest if chat else CompletionRequest, limits)
     if chat:
         ids = render_chat_prompt(tokenizer, req, chat_template, config).token_ids
     else:
