@@ -530,7 +530,11 @@ def test_serve_run_app_reads_its_options_from_the_environment(monkeypatch):
     # The ingress is bound to the engine deployment (Ray's Application internals, pinned 2.60.0).
     engine = app._bound_deployment.init_args[0]._bound_deployment
     assert engine.num_replicas == 3 and engine.max_ongoing_requests == 12  # 6 running + 6 waiting
-    assert engine.init_args[0] == {"max_num_seqs": 6}  # the replicas' engine options
+    # The replicas' engine options; seed None: each replica draws its own root (as kvshare serve)
+    assert engine.init_args[0] == {"max_num_seqs": 6, "seed": None}
+    monkeypatch.setenv("KVSHARE_RAY_SEED", "5")
+    assert kvshare.ray.app._bound_deployment.init_args[0]._bound_deployment.init_args[0]["seed"] == 5
+    monkeypatch.delenv("KVSHARE_RAY_SEED")
     monkeypatch.setenv("KVSHARE_RAY_MAX_NUM_SEQ", "6")
     with pytest.raises(ValueError, match="unknown option 'max_num_seq'"):
         kvshare.ray.app  # noqa: B018

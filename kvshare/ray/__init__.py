@@ -56,6 +56,9 @@ def build_app(args: dict | None = None):
         logger.warning("kvshare.ray: no prefix_caching_hash_seed given, a new one was drawn for this build; "
                        "set prefix_caching_hash_seed (or KVSHARE_RAY_PREFIX_CACHING_HASH_SEED for kvshare.ray:app), "
                        "kept secret, so that redeploying does not restart every replica")
+    # As under `kvshare serve`: unseeded sampling draws a new root in each replica at each start,
+    # so it does not repeat across restarts (EngineConfig's default 0 is the offline LLM's).
+    engine_options.setdefault("seed", None)
     engine_cfg = EngineConfig.from_kwargs(**engine_options)
     threads = engine_options.pop("num_threads", None) or max(1, int(opts.num_cpus_per_replica))
     router_config = RequestRouterConfig(
