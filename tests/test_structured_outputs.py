@@ -211,7 +211,7 @@ def test_stop_strings_and_min_tokens_keep_their_meaning(llm):
 
 class FakeCompiler:
     """StructuredOutputs.compile's stand-in: counts the compiles (per regex), how many run at once,
-    and takes `seconds` (or, for the regexes in `held`, until `release` is set)."""
+    and sleeps `seconds` (or, for the regexes in `held`, computes until `release` is set)."""
 
     def __init__(self, seconds: float = 0.0, held: tuple = ()) -> None:
         import threading
@@ -230,10 +230,12 @@ class FakeCompiler:
             self.running += 1
             self.most_running = max(self.most_running, self.running)
         try:
-            if spec.regex in self.held:
-                self.release.wait(10)
+            if spec.regex in self.held:  # compiling: CPU time, which is what a refusal is judged by
+                deadline = time.monotonic() + 10
+                while not self.release.is_set() and time.monotonic() < deadline:
+                    pass
             else:
-                time.sleep(self.seconds)
+                time.sleep(self.seconds)  # waiting (a starved compile thread): no CPU time
         finally:
             with self._lock:
                 self.running -= 1
@@ -333,3 +335,27 @@ def test_a_compile_that_cannot_start_in_time_is_a_429_and_leaves_the_queue():
     assert err.status == 429 and err.param == "structured_outputs" and err.headers == {"Retry-After": "1"}
     assert "--max-concurrent-grammar-compiles" in err.message
     assert not ran_while_nobody_waited and compiler.calls == ["busy", "d+"]
+
+
+def test_a_compile_slow_only_on_the_clock_is_not_refused_for_good():
+    """Compile threads run at the lowest priority, so on a busy server a quick grammar can take
+    long on the clock: its request gets the 400, but once its compile is done (cached), a retry
+    is served. Only CPU time past the timeout refuses a grammar for good."""
+    import asyncio
+
+    from kvshare.server.structured import GrammarCompiles
+
+    compiler = FakeCompiler(seconds=0.4)  # sleeps: a starved thread, no CPU time
+    compiles = GrammarCompiles(max_concurrent=1, timeout=0.2)
+
+    async def main():
+        with pytest.raises(InvalidRequestError) as first:
+            await compiles.compile(compiler, StructuredOutputsParams(regex="b+"))
+        await asyncio.sleep(0.4)  # its compile finishes in the background
+        compiler.seconds = 0.0  # what the engine's cache does for a compiled grammar
+        await compiles.compile(compiler, StructuredOutputsParams(regex="b+"))
+        return first.value
+
+    first = asyncio.run(main())
+    assert first.param == "structured_outputs" and "--grammar-compile-timeout" in str(first)
+    assert compiler.calls == ["b+", "b+"]  # asked again, not refused from memory

@@ -72,8 +72,8 @@ def add_serve_parser(sub) -> None:
                    help="how calls are written in the model's replies: hermes (Hermes, Qwen2.5/Qwen3 "
                         "<tool_call> JSON), llama3_json, pythonic")
     t.add_argument("--grammar-compile-timeout", type=float, default=10.0, metavar="SECONDS",
-                   help="refuse (400) a structured-output grammar that takes longer than this to compile; the "
-                        "grammar stays refused")
+                   help="refuse (400) a structured-output grammar that takes longer than this to compile; one "
+                        "whose compile used more CPU time than this stays refused")
     t.add_argument("--max-concurrent-grammar-compiles", type=int, default=2, metavar="N",
                    help="grammars compiled at once; a request waits for a free slot within "
                         "--grammar-compile-timeout, then gets 429 (default: 2)")

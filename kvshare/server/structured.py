@@ -48,10 +48,13 @@ class GrammarCompiles:
     """Grammars compiled off the event loop and off the engine thread, on a bounded pool.
 
     A compile cannot be stopped once it runs, so: at most `max_concurrent` run at once; one per
-    grammar (a second request for it waits on the first); a grammar whose compile runs past the
-    timeout stays refused (its compile goes on in the background and is cached, but a retry must
-    not collect it), remembered by digest for the last REFUSED_KEPT of them. A request whose
-    compile has not started within the timeout (every slot busy) gets 429 and leaves the queue."""
+    grammar (a second request for it waits on the first); a request whose compile has not started
+    within the timeout (every slot busy) gets 429 and leaves the queue, one whose compile has not
+    finished within the timeout of its start gets 400. A grammar whose compile used more than the
+    timeout of CPU time stays refused (its compile finishes in the background and is cached, but
+    no request may collect it), remembered by digest for the last REFUSED_KEPT of them. CPU time,
+    not wall time: compile threads run at the lowest priority, so on a busy server a quick
+    grammar can take long on the clock, and must not be refused for good because of that."""
 
     REFUSED_KEPT = 4096
 
@@ -85,7 +88,7 @@ class GrammarCompiles:
         waiting = asyncio.wrap_future(job.future)
         try:
             await asyncio.wait_for(asyncio.shield(waiting), self.timeout)
-            return
+            return self._check_cpu(job, spec)
         except TimeoutError:
             pass
         started = job.started
@@ -98,14 +101,18 @@ class GrammarCompiles:
         try:  # the compile's own time is what the timeout limits, not its wait for a slot
             await asyncio.wait_for(asyncio.shield(waiting), max(remaining, 0))
         except TimeoutError:
-            self._refuse(key)
-            raise self._too_slow(spec) from None
+            raise self._too_slow(spec) from None  # refused for good only if its CPU time says so (_settle)
+        self._check_cpu(job, spec)
+
+    def _check_cpu(self, job: "_Compile", spec: StructuredOutputsParams) -> None:
+        if job.future.result() > self.timeout:
+            raise self._too_slow(spec)
 
     def _settle(self, key: bytes, job: "_Compile") -> None:
         if self._in_flight.get(key) is job:
             del self._in_flight[key]
         if not job.future.cancelled() and job.future.exception() is None and job.future.result() > self.timeout:
-            self._refuse(key)  # finished after every waiter had gone
+            self._refuse(key)
 
     def _refuse(self, key: bytes) -> None:
         self._refused[key] = None
@@ -137,7 +144,9 @@ class _Compile:
         self.future: Future = pool.submit(self._run, compile_fn, spec)
 
     def _run(self, compile_fn, spec: StructuredOutputsParams) -> float:
-        """The compile's own duration in seconds (so one finishing after every waiter left is still judged)."""
+        """The compile's CPU time in seconds (llguidance compiles on the calling thread), so one
+        that finishes after every waiter left is still judged, and by its own work."""
         self.started = time.monotonic()
+        cpu = time.thread_time()
         compile_fn(spec)
-        return time.monotonic() - self.started
+        return time.thread_time() - cpu
