@@ -191,6 +191,14 @@ BOMBS = {
     "power": ("{{ (10 ** n) % 7 }}", {"n": 2**17}),
     "namespace_doubling": ("{% set ns = namespace(s='ab') %}{% for i in range(27) %}{% set ns.s = ns.s ~ ns.s %}"
                            "{% endfor %}{{ ns.s|length }}", {}),
+    # Doubling through a macro's arguments, by ~ and by +: nothing is stored or written until the
+    # innermost call (the review's bomb: 2**29 characters, ~1.25 GB, rendered within the deadline).
+    "macro_argument_concat": ("{% macro f(s, n) %}{% if n > 0 %}{{ f(s ~ s, n - 1) }}{% else %}{{ s|length }}"
+                              "{% endif %}{% endmacro %}{{ f('x', 28) }}", {}),
+    "macro_argument_plus": ("{% macro f(s, n) %}{% if n > 0 %}{{ f(s + s, n - 1) }}{% else %}{{ s|length }}"
+                            "{% endif %}{% endmacro %}{{ f('x', 28) }}", {}),
+    "filter_argument": ("{% macro f(s, n) %}{% if n > 0 %}{{ f(s ~ s, n - 1)|replace('q', s ~ s) }}"
+                        "{% endif %}{% endmacro %}{{ f('x', 28) }}", {}),
 }
 
 
