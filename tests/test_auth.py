@@ -124,6 +124,11 @@ def test_only_a_keyless_loopback_server_checks_host_and_content_type():
     assert _through_gate(ServerConfig(host="0.0.0.0"), "POST", "/v1/completions", foreign) == 200
     assert _through_gate(ServerConfig(api_key="k"), "POST", "/v1/completions",
                          foreign + [("authorization", "Bearer k")]) == 200
+    # A data-parallel replica (serving the socket its front end bound): the front end checked;
+    # behind a front end on --host 0.0.0.0 a form-encoded POST it accepted must not come back 415.
+    form = [("host", "127.0.0.1:41000"), ("content-type", "application/x-www-form-urlencoded")]
+    assert _through_gate(ServerConfig(), "POST", "/v1/completions", form) == 415
+    assert _through_gate(ServerConfig(listen_fd=3), "POST", "/v1/completions", form) == 200
 
 
 # ---- a real server with two tenants and an admin --------------------------------------------------

@@ -535,6 +535,13 @@ def test_serve_run_app_reads_its_options_from_the_environment(monkeypatch):
     monkeypatch.setenv("KVSHARE_RAY_SEED", "5")
     assert kvshare.ray.app._bound_deployment.init_args[0]._bound_deployment.init_args[0]["seed"] == 5
     monkeypatch.delenv("KVSHARE_RAY_SEED")
+    # The request limits reach the ingress too, so its routing parse stops where a replica's would.
+    monkeypatch.setenv("KVSHARE_RAY_MAX_SEQUENCES_PER_REQUEST", "8")
+    monkeypatch.setenv("KVSHARE_RAY_MAX_TOOLS_BYTES", "2KiB")
+    limits = kvshare.ray.app._bound_deployment.init_kwargs["server_config"]
+    assert limits.max_sequences_per_request == 8 and limits.max_tools_bytes == 2048
+    monkeypatch.delenv("KVSHARE_RAY_MAX_SEQUENCES_PER_REQUEST")
+    monkeypatch.delenv("KVSHARE_RAY_MAX_TOOLS_BYTES")
     monkeypatch.setenv("KVSHARE_RAY_MAX_NUM_SEQ", "6")
     with pytest.raises(ValueError, match="unknown option 'max_num_seq'"):
         kvshare.ray.app  # noqa: B018

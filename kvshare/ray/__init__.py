@@ -79,7 +79,8 @@ def build_app(args: dict | None = None):
     return ingress.bind(
         engine.bind(engine_options, opts.server, hash_seed, opts.kv_events_host, threads),
         model=engine_cfg.model, model_name=model_name, chat_template=opts.server.get("chat_template"),
-        api_key=server_cfg.api_key, num_replicas=opts.num_replicas, max_body_bytes=server_cfg.max_body_bytes)
+        api_key=server_cfg.api_key, num_replicas=opts.num_replicas, max_body_bytes=server_cfg.max_body_bytes,
+        server_config=server_cfg)
 
 
 def __getattr__(name: str):

@@ -24,7 +24,7 @@ from kvshare.errors import InvalidRequestError
 from kvshare.server.dp_proxy import HOP_BY_HOP, LONG_BODY, prompt_for_routing
 from kvshare.server.errors import APIError
 from kvshare.server.middleware import bearer_key_matches, unauthorized
-from kvshare.server.settings import DEFAULT_MAX_BODY_BYTES
+from kvshare.server.settings import DEFAULT_MAX_BODY_BYTES, ServerConfig
 
 logger = logging.getLogger("kvshare.ray")
 
@@ -37,7 +37,8 @@ class OpenAIIngress:
     """The Serve ingress class (kvshare.ray.build_app wraps it with serve.ingress and serve.deployment)."""
 
     def __init__(self, engine, model: str | None, model_name: str, chat_template: str | None,
-                 api_key: str | None, num_replicas: int, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+                 api_key: str | None, num_replicas: int, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 server_config: ServerConfig | None = None) -> None:
         from kvshare.model.loader import load_tokenizer
 
         self.engine = engine  # the engine deployment's handle; its router is kvshare's
@@ -47,6 +48,9 @@ class OpenAIIngress:
         self.api_key = api_key
         self.num_replicas = num_replicas
         self.max_body_bytes = max_body_bytes  # the replicas' own limit, enforced before tokenizing
+        # The replicas' request limits (prompts x n, tools, template kwargs and render time), so
+        # the ingress's routing parse and render stop where a replica's would.
+        self.server_config = server_config
 
     def __serve_build_asgi_app__(self) -> Starlette:
         probe = ["GET", "HEAD"]
@@ -96,9 +100,10 @@ class OpenAIIngress:
         try:
             if len(body) > LONG_BODY or chat:  # chat_template_kwargs can make a small body slow to render
                 token_ids, salt = await asyncio.to_thread(prompt_for_routing, self.tokenizer, self.chat_template,
-                                                          body, chat)
+                                                          body, chat, self.server_config)
             else:
-                token_ids, salt = prompt_for_routing(self.tokenizer, self.chat_template, body, chat)
+                token_ids, salt = prompt_for_routing(self.tokenizer, self.chat_template, body, chat,
+                                                     self.server_config)
         except (InvalidRequestError, APIError):
             raise
         except Exception:  # not the ingress's to judge: route by load, the replica answers

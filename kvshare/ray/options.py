@@ -21,7 +21,8 @@ ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.nam
 SERVER_OPTIONS = ("served_model_name", "api_key", "max_waiting", "request_timeout", "max_body_bytes",
                   "chat_template", "enable_auto_tool_choice", "tool_call_parser", "grammar_compile_timeout",
                   "log_prompts", "max_concurrent_grammar_compiles", "max_tools_bytes",
-                  "max_chat_template_kwargs_bytes", "chat_template_timeout")
+                  "max_chat_template_kwargs_bytes", "chat_template_timeout", "max_sequences_per_request",
+                  "max_stop_strings", "max_stop_string_length", "max_stop_token_ids")
 APP_OPTIONS = ("num_replicas", "routing_policy", "num_cpus_per_replica", "max_ongoing_requests",
                "kv_events_host", "routing_stats_period_s")
 # `serve run kvshare.ray:app` (no arguments) reads its options from KVSHARE_RAY_<OPTION> variables.
@@ -42,7 +43,7 @@ class RayAppOptions:
 
 
 # Byte sizes, given as `kvshare serve` takes them (4MiB or a number): ServerConfig parses them.
-SIZE_OPTIONS = frozenset({"max_body_bytes"})
+SIZE_OPTIONS = frozenset({"max_body_bytes", "max_tools_bytes", "max_chat_template_kwargs_bytes"})
 
 
 def _convert(name: str, value, annotation: str, default):

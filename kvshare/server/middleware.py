@@ -58,7 +58,7 @@ class GuardMiddleware:
             return
         cfg = self.state.config
         path = scope["path"]
-        if not cfg.api_keys and cfg.loopback_only:
+        if cfg.checks_browsers:
             refusal = _browser_refusal(scope, path)
             if refusal is not None:
                 return await self._reject(scope, receive, send, *refusal)

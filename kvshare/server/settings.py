@@ -97,6 +97,14 @@ class ServerConfig:
         """Whether the server listens on loopback (--host 127.0.0.1, ::1, localhost)."""
         return is_loopback_name(self.host)
 
+    @property
+    def checks_browsers(self) -> bool:
+        """Whether requests must show no sign of a browser acting for another site (a loopback
+        Host, JSON bodies): on a key-less server of its own on loopback. Not on a data-parallel
+        replica (it serves the socket its front end bound, listen_fd): the front end checked the
+        request, and one it forwards from a --host open to the network keeps its Content-Type."""
+        return not self.api_keys and self.loopback_only and self.listen_fd is None
+
     def _check_keys(self) -> None:
         if self.api_key == "":
             raise ValueError("api_key is empty: give a non-empty key or leave it unset")
