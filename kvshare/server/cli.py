@@ -144,7 +144,8 @@ def read_chat_template(path: str | None) -> str | None:
 
 def auth_options(args: argparse.Namespace, environ) -> dict:
     """ServerConfig's api_keys and admin_key: from the flags and environment, or for a
-    data-parallel replica those its front end handed it (never on its command line)."""
+    data-parallel replica those its front end handed it (never on its command line; taken out of
+    `environ`, so nothing the replica starts inherits them)."""
     from kvshare.server.tenants import REPLICA_AUTH_ENV, admin_key_from_args, keys_from_args
 
     if args.listen_fd is not None and REPLICA_AUTH_ENV in environ:

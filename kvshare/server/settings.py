@@ -41,13 +41,18 @@ class ServerConfig:
     host: str = "127.0.0.1"  # loopback unless the operator opens it up on purpose
     port: int = 8000
     served_model_name: str | None = None  # None: derived from the model file
-    api_key: str | None = None  # one key (Ray's option): tenant api-key-1, as the first --api-key's
+    # Keys stay out of repr(), so a logged config shows none.
+    api_key: str | None = field(default=None, repr=False)  # one key (Ray's option): tenant api-key-1
     # Authentication and tenants (docs/security.md). key -> tenant name: `kvshare serve` fills it
     # from --api-key (tenants api-key-1, api-key-2, ...) and --api-key-file.
-    api_keys: dict[str, str] = field(default_factory=dict)
-    admin_key: str | None = None  # when set, the only key that opens /kv/ and /dashboard
+    api_keys: dict[str, str] = field(default_factory=dict, repr=False)
+    admin_key: str | None = field(default=None, repr=False)  # when set, the only key that opens /kv/ and /dashboard
     # The prefix cache salt is the key's tenant with the client's cache_salt (tenant_cache_salt).
     cache_salt_from_api_key: bool = False
+    # Derived from the keys in __post_init__: SHA-256(key) -> tenant, what the gate looks a
+    # presented key up in (middleware.bearer_tenant).
+    key_digests: dict[bytes, str] = field(init=False, repr=False, default_factory=dict)
+    admin_digests: dict[bytes, str] = field(init=False, repr=False, default_factory=dict)
     # Requests admitted but not yet scheduled (queued submissions + scheduler waiting); None = unbounded.
     max_waiting: int | None = None
     request_timeout: float | None = None  # seconds from arrival; None = no limit
