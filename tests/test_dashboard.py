@@ -543,6 +543,9 @@ def test_aggregated_cells_fill_in_proportion_to_their_blocks(server, browser):
         page = ctx.new_page()
         assert page.goto(server.url + "/dashboard").status == 200
         page.wait_for_function("() => kvDashboard.numBlocks === 20000 && kvDashboard.counts.cached === 5000")
+        # The grid is painted up to 100 ms (RENDER_INTERVAL_MS) after the model has the snapshot;
+        # the shown counts are written right after the paint (a clean-clone run read the cells before it).
+        page.wait_for_function("() => document.querySelector('[data-count=\"cached\"]').textContent === '5000'")
         palette = page.evaluate("() => kvDashboard.palette")
         per = page.evaluate("() => kvDashboard.blocksPerCell")
         assert per >= 2
