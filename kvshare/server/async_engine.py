@@ -125,8 +125,8 @@ class AsyncEngine:
         self.snapshot = EngineSnapshot(blocks_total=engine.manager.num_blocks)
         self.heartbeat = time.monotonic()
         # Bumped by the engine thread whenever an add, an abort, a step or the view's recorder may
-        # have changed the pool, the requests or what a snapshot shows: a reader of engine state (the KV view's shared snapshot) whose
-        # copy has this number still has the current state.
+        # have changed the pool, the requests or what a snapshot shows: a reader of engine state
+        # (the KV view's shared snapshot) whose copy has this number still has the current state.
         self.state_version = 0
         self.dead: str | None = None
         # The broken invariant when an audit stopped the engine: {"invariant", "block", "step"},

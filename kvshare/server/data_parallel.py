@@ -53,9 +53,9 @@ from kvshare.server.dp_supervisor import (  # noqa: F401
     DRAIN_MARGIN_SECONDS, MONITOR_SECONDS, POLL_SECONDS, POLL_TIMEOUT_SECONDS, RETIRE_GRACE_SECONDS,
     STARTUP_TIMEOUT_SECONDS, STUCK_POLLS, DrainingFrontend, FrontendState, _wait_started, exit_status,
     log_task_failure, monitor_replicas, poll_replica, poll_replicas, start_background, wait_replicas_ready)
+from kvshare.server.body_deadline import BodyDeadlineMiddleware
 from kvshare.server.errors import APIError
 from kvshare.server.kv_subscriber import KVEventSubscriber
-from kvshare.server.body_deadline import BodyDeadlineMiddleware
 from kvshare.server.middleware import GuardMiddleware
 from kvshare.server.replica import (  # noqa: F401
     ReplicaLaunch, ReplicaProcess, bind_loopback_socket, connect_endpoint, free_loopback_port, offset_endpoint,
