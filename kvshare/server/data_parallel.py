@@ -44,6 +44,7 @@ from starlette.routing import Route
 
 from kvshare import __version__
 from kvshare.errors import InvalidRequestError
+from kvshare.server.body_deadline import BodyDeadlineMiddleware
 from kvshare.server.dp_metrics import RouterMetrics, merge_exposition, process_families
 # The proxy and the supervision live in their own modules; their names stay importable from here.
 from kvshare.server.dp_proxy import (  # noqa: F401
@@ -53,7 +54,6 @@ from kvshare.server.dp_supervisor import (  # noqa: F401
     DRAIN_MARGIN_SECONDS, MONITOR_SECONDS, POLL_SECONDS, POLL_TIMEOUT_SECONDS, RETIRE_GRACE_SECONDS,
     STARTUP_TIMEOUT_SECONDS, STUCK_POLLS, DrainingFrontend, FrontendState, _wait_started, exit_status,
     log_task_failure, monitor_replicas, poll_replica, poll_replicas, start_background, wait_replicas_ready)
-from kvshare.server.body_deadline import BodyDeadlineMiddleware
 from kvshare.server.errors import APIError
 from kvshare.server.kv_subscriber import KVEventSubscriber
 from kvshare.server.middleware import GuardMiddleware
