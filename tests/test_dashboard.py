@@ -86,7 +86,12 @@ def hex_rgb(colour: str) -> tuple[int, int, int]:
 
 
 def pixel_at_block(page, block: int) -> tuple[int, int, int]:
-    """The colour actually on screen in the middle of a block's cell."""
+    """The colour actually on screen in the middle of a block's cell, once the grid has been painted
+    after the caller's look at the model (a live page paints up to RENDER_INTERVAL_MS = 100 ms
+    later; a CI run read a copied block's cell before its paint)."""
+    if not page.evaluate("() => kvDashboard.paused"):
+        seen = page.evaluate("() => kvDashboard.paints")
+        page.wait_for_function("(n) => kvDashboard.paints > n", arg=seen)
     c = page.evaluate("(b) => kvDashboard.cellCentre(b)", block)
     png = page.screenshot(clip={"x": int(c["x"]), "y": int(c["y"]), "width": 1, "height": 1})
     return Image.open(io.BytesIO(png)).convert("RGB").getpixel((0, 0))

@@ -625,6 +625,7 @@
       this.prefixWindow = [];   // /metrics prefix cache counters, one reading a second
       this.frameTimes = [];
       this.lastFrame = null;
+      this.paints = 0;
       this.tooltipCell = -1;
       this.hover = null;
       this.panelsDue = 0;
@@ -850,7 +851,7 @@
       } finally {
         this.paused = true;
       }
-      if (this.grid) this.grid.draw(performance.now());
+      if (this.grid) { this.grid.draw(performance.now()); this.paints++; }
       this.renderCounts();
       this.renderPanels();
       return this.model.step;
@@ -872,6 +873,7 @@
       if (!this.paused && this.grid && t >= this.renderDue) {
         this.renderDue = t + RENDER_INTERVAL_MS;
         this.grid.draw(t);
+        this.paints++;
         this.renderCounts();
         if (t >= this.panelsDue) { this.panelsDue = t + 500; this.renderPanels(); }
         if (t >= this.treeDue && this.model.treeDirty) {
@@ -1041,6 +1043,8 @@
     get step() { return dash.model.step; },
     get numBlocks() { return dash.model.numBlocks; },
     get blocksPerCell() { return dash.grid ? dash.grid.perCell : null; },
+    // Grid paints so far: a test that saw the model change waits for the next one before reading pixels.
+    get paints() { return dash.paints; },
     get cellPixels() { return dash.grid ? dash.grid.cell * dash.grid.dpr : null; }, // a cell's side, in canvas pixels
     get counts() { return { ...dash.model.counts }; },
     get totals() { return { ...dash.model.totals }; },
