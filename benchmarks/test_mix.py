@@ -34,6 +34,8 @@ Test lines are physical lines of tests/test_*.py, so the total is `wc -l tests/t
   model-free (else as the strongest kind among its users; an unused one by what it reaches);
 - the rest of a module (docstring, imports, constants, blank lines between definitions) is split
   among the kinds in proportion to the module's other lines.
+The last line also gives the coarser count by whole file (files in which no test loads anything),
+which is lower: a file of server tests with a few model-free ones counts as model there.
 """
 from __future__ import annotations
 
@@ -143,11 +145,12 @@ class Module:
 
 
 def parse_module(path: str) -> Module:
+    tests_dir = os.path.dirname(path)
     with open(path, encoding="utf-8") as f:
         source = f.read()
     tree = ast.parse(source)
     mod = Module(os.path.splitext(os.path.basename(path))[0], path, len(source.splitlines()))
-    local_modules = {os.path.splitext(n)[0] for n in os.listdir(TESTS) if n.endswith(".py")}
+    local_modules = {os.path.splitext(n)[0] for n in os.listdir(tests_dir) if n.endswith(".py")}
     for node in tree.body:
         if isinstance(node, ast.ImportFrom) and node.module in local_modules:
             for alias in node.names:
@@ -190,6 +193,7 @@ def parse_module(path: str) -> Module:
 
 class Suite:
     def __init__(self, tests_dir: str = TESTS) -> None:
+        self.tests_dir = tests_dir
         self.modules = {}
         for name in sorted(os.listdir(tests_dir)):
             if name.endswith(".py"):
@@ -322,6 +326,9 @@ def report(table: dict[str, list[float]]) -> None:
           f"  {100 * totals[FREE] / total:5.1f}")
     print(f"model-free: {100 * totals[FREE] / total:.1f}% of test lines "
           f"(model-free or model-file: {100 * (totals[FREE] + totals[FILE]) / total:.1f}%)")
+    # The coarser count, by whole file: the lines of files in which no test loads anything.
+    whole = sum(sum(c) for c in table.values() if c[FILE] == c[MODEL] == 0)
+    print(f"files with only model-free tests: {100 * whole / total:.1f}% of test lines")
 
 
 # --- --verify: a pytest plugin recording what each test really loaded -------------------------
@@ -489,8 +496,9 @@ def main() -> int:
                     help="as --verify, running only the tests the static measure counts as model-free or model-file")
     ap.add_argument("--pytest-arg", action="append", default=[], help="passed to pytest under --verify")
     ap.add_argument("--tests", action="store_true", help="list each test's kind")
+    ap.add_argument("--tests-dir", default=TESTS, help="measure another checkout's tests/ (e.g. main's)")
     args = ap.parse_args()
-    table, kinds = Suite().classify()
+    table, kinds = Suite(os.path.abspath(args.tests_dir)).classify()
     if args.verify:
         return verify(args.verify, kinds, args.pytest_arg)
     if args.verify_free:
