@@ -14,10 +14,15 @@ Definitions (one per test; a test is a `test_*` function or method in tests/test
   (`load_model`, a transformers `*ForCausalLM`, `tests/helpers.py`'s `tiny_model` /
   `hf_reference`), or starts a `kvshare` process (`ServerProcess`, a `subprocess` call naming
   kvshare: a served model, a CLI run that may load one).
-- model-file: none of that, but it reads a real model file's metadata: the bundled GGUF's (or
+  Reading a model file's tensors (`dequantize_tensor`, a tensor's `.data`) is loading weights,
+  and `kvshare.cli`'s `main` run in-process counts as a kvshare process.
+- model-file: none of that, but it reads a model file's metadata: the bundled GGUF's (or
   Gemma's) tokenizer (`Tokenizer.from_gguf_metadata` / `from_file`, `load_tokenizer`,
-  `hf_tokenizer`) or header (`bundled_path`, `bundled_model_path`, `packaged_model_path`). No
-  weights and no engine, but it needs the model package installed and costs a file parse.
+  `hf_tokenizer`) or header (`bundled_path`, `bundled_model_path`, `packaged_model_path`,
+  `open_gguf_file`, `read_gguf_header`, `resolve_model_path`, `load_arch_config`, `kvshare
+  memory`). No weights and no engine, but it needs the model package installed and costs a file
+  parse. (Statically these names count whatever path they are given, so a test reading a file it
+  wrote itself counts here too: the share errs low.)
 - model-free: neither. This is the headline share; model-file tests are NOT counted in it.
 
 A test's kind is the strongest kind among the names it reaches: its own body, the module's helpers,
@@ -62,8 +67,13 @@ MODEL_NAMES = {
 }
 FILE_NAMES = {
     "from_gguf_metadata", "from_file", "load_tokenizer", "hf_tokenizer", "bundled_path",
-    "bundled_model_path", "packaged_model_path", "bundled_dir",
+    "bundled_model_path", "packaged_model_path", "bundled_dir", "open_gguf_file", "read_gguf_header",
+    "resolve_model_path", "load_arch_config", "PACKAGED_MODELS",
 }
+# Reading a model file's tensors is loading weights: these names, with a model file reached.
+WEIGHT_NAMES = {"dequantize_tensor", "to_group_affine", "data"}
+# In-process command lines: `kvshare` itself may build an engine; `kvshare memory` reads a header.
+CLI_MODULES = {"kvshare.cli": MODEL, "kvshare.__main__": MODEL, "kvshare.memory_cli": FILE}
 MODEL_IN_STRING = re.compile(r"kvshare\.cli|kvshare\.engine\.tp_worker|\b(LLM|LLMEngine|load_model)\b")
 SUBPROCESS_CALLS = {"run", "Popen", "check_output", "check_call", "call"}
 
@@ -111,6 +121,9 @@ def _scan(node: ast.AST, d: Definition) -> None:
             d.names.add(sub.attr)
         elif isinstance(sub, ast.Constant) and isinstance(sub.value, str):
             d.strings.append(sub.value)
+        elif isinstance(sub, ast.ImportFrom) and sub.module in CLI_MODULES:
+            if any(alias.name == "main" for alias in sub.names):
+                d.own_kind = max(d.own_kind, CLI_MODULES[sub.module])
         elif isinstance(sub, ast.Call):
             func = sub.func
             if isinstance(func, ast.Attribute) and func.attr in SUBPROCESS_CALLS and ast.unparse(func.value) == "subprocess":
@@ -120,7 +133,7 @@ def _scan(node: ast.AST, d: Definition) -> None:
     if d.names & MODEL_NAMES:
         d.own_kind = MODEL
     elif d.names & FILE_NAMES:
-        d.own_kind = FILE
+        d.own_kind = max(d.own_kind, FILE)
 
 
 def _definition(module: str, node: ast.AST, owner: Definition | None = None, name: str | None = None) -> Definition:
@@ -152,6 +165,12 @@ def parse_module(path: str) -> Module:
     mod = Module(os.path.splitext(os.path.basename(path))[0], path, len(source.splitlines()))
     local_modules = {os.path.splitext(n)[0] for n in os.listdir(tests_dir) if n.endswith(".py")}
     for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module in CLI_MODULES:
+            for alias in node.names:
+                if alias.name == "main":
+                    cli = Definition(mod.name, alias.asname or "main", node.lineno, node.end_lineno,
+                                     own_kind=CLI_MODULES[node.module])
+                    mod.defs[cli.name] = cli
         if isinstance(node, ast.ImportFrom) and node.module in local_modules:
             for alias in node.names:
                 mod.imported[alias.asname or alias.name] = (node.module, alias.name)
@@ -232,7 +251,7 @@ class Suite:
             if d.owner:
                 stack += [m for m in d.owner.members.values() if m.autouse]
         kind = FREE
-        spawns, strings = False, []
+        spawns, strings, names = False, [], set()
         while stack:
             cur = stack.pop()
             if id(cur) in seen:
@@ -241,6 +260,7 @@ class Suite:
             kind = max(kind, cur.own_kind)
             spawns |= cur.spawns
             strings += cur.strings
+            names |= cur.names
             mod = self.modules[cur.module]
             owner = cur.owner if cur.owner else (cur if cur.members else None)
             for name in cur.names:
@@ -255,6 +275,8 @@ class Suite:
                 stack += list(cur.members.values())
         # A spawned process is a model one when the strings it reaches start kvshare or build one.
         if spawns and any(MODEL_IN_STRING.search(text) for text in strings):
+            kind = MODEL
+        if kind == FILE and names & WEIGHT_NAMES:
             kind = MODEL
         used = [u for u in seen.values() if u is not d]
         return kind, used
@@ -334,6 +356,9 @@ def report(table: dict[str, list[float]]) -> None:
 # --- --verify: a pytest plugin recording what each test really loaded -------------------------
 
 _RECORD_ENV = "KVSHARE_TEST_MIX_RECORD"
+# tests/conftest.py's autouse fixture finds the model files to cache their loads: it loads nothing
+# itself (the static measure skips conftest's autouse fixtures for the same reason).
+SETUP_ONLY_FIXTURES = {"load_real_models_once"}
 
 
 class _Recorder:
@@ -342,8 +367,11 @@ class _Recorder:
     def __init__(self) -> None:
         self.current: list[str] = []
         self.seen: dict[str, int] = defaultdict(int)
+        self.muted = 0
 
     def note(self, kind: int) -> None:
+        if self.muted:
+            return
         for key in self.current:
             self.seen[key] = max(self.seen[key], kind)
 
@@ -354,21 +382,23 @@ def _install(recorder: _Recorder) -> None:
     from kvshare.engine import llm_engine
     from kvshare.model import loader, tokenizer
 
-    def wrap(owner, attr, kind, test=None):
+    real_files = _real_model_files(loader)
+
+    def wrap(owner, attr, kind, counts=lambda args: True):
+        """Patch owner.attr, and every kvshare module that imported that same function by name."""
         original = getattr(owner, attr)
-        raw = original.__func__ if isinstance(original, classmethod) else None
 
         @functools.wraps(original)
         def patched(*args, **kwargs):
-            if test is None or test(args, kwargs):
+            if counts(args):
                 recorder.note(kind)
             return original(*args, **kwargs)
 
-        setattr(owner, attr, patched)
-        return raw
+        for name, module in list(sys.modules.items()):
+            if (name.startswith("kvshare") or module is owner) and getattr(module, attr, None) is original:
+                setattr(module, attr, patched)
 
     wrap(loader, "load_model", MODEL)
-    wrap(llm_engine, "load_model", MODEL)
     original_init = llm_engine.LLMEngine.__init__
 
     def engine_init(self, *args, **kwargs):
@@ -385,7 +415,15 @@ def _install(recorder: _Recorder) -> None:
 
         setattr(tokenizer.Tokenizer, attr, staticmethod(reader))
     wrap(loader, "load_tokenizer", FILE)
-    wrap(loader, "resolve_model_path", FILE)
+    wrap(loader, "bundled_model_path", FILE)
+    wrap(loader, "packaged_model_path", FILE)
+    import kvshare.memory_plan  # noqa: F401 (imports the header reader by name: patched there too)
+    from kvshare.model import gguf_header, gguf_loader
+
+    # A GGUF the test wrote itself (random blocks) is not a model file.
+    wrap(gguf_header, "open_gguf_file", FILE, lambda args: os.path.realpath(args[0]) in real_files)
+    wrap(gguf_header, "read_gguf_header", FILE, lambda args: os.path.realpath(args[0]) in real_files)
+    wrap(gguf_loader, "dequantize_tensor", MODEL, lambda args: _mapped_from(args[0], real_files))
     popen_init = subprocess.Popen.__init__
 
     def spawn(self, args, *rest, **kwargs):
@@ -408,6 +446,26 @@ def _install(recorder: _Recorder) -> None:
         pass
 
 
+def _real_model_files(loader) -> set[str]:
+    files = {os.path.realpath(loader.bundled_model_path())}
+    try:
+        files.add(os.path.realpath(loader.packaged_model_path("gemma3-270m")))
+    except Exception:  # not assembled here
+        pass
+    return files
+
+
+def _mapped_from(tensor, files: set[str]) -> bool:
+    """Whether a GGUF tensor's bytes are a view of one of `files` (np.memmap keeps the name)."""
+    obj = getattr(tensor, "data", None)
+    while obj is not None:
+        name = getattr(obj, "filename", None)
+        if name:
+            return os.path.realpath(name) in files
+        obj = getattr(obj, "base", None)
+    return False
+
+
 class VerifyPlugin:
     def __init__(self, out_path: str) -> None:
         self.recorder = _Recorder()
@@ -420,6 +478,13 @@ class VerifyPlugin:
 
     @_pytest.hookimpl(hookwrapper=True)
     def pytest_fixture_setup(self, fixturedef, request):
+        if fixturedef.argname in SETUP_ONLY_FIXTURES:
+            self.recorder.muted += 1
+            try:
+                yield
+            finally:
+                self.recorder.muted -= 1
+            return
         key = f"fixture:{fixturedef.baseid}:{fixturedef.argname}"
         self.recorder.current.append(key)
         try:

@@ -138,6 +138,10 @@ def test_without_a_timeout_only_the_size_cap_applies():
                            "{% endfor %}{{ ns.s | length }}", {}),
     ("macro_argument", "{% macro f(s, n) %}{% if n > 0 %}{{ f(s ~ s, n - 1) }}{% else %}{{ s | length }}"
                        "{% endif %}{% endmacro %}{{ f('x', 28) }}", {}),
+    ("macro_argument_plus", "{% macro f(s, n) %}{% if n > 0 %}{{ f(s + s, n - 1) }}{% else %}{{ s | length }}"
+                            "{% endif %}{% endmacro %}{{ f('x', 28) }}", {}),
+    ("list_plus", "{% macro f(l, n) %}{% if n > 0 %}{{ f(l + l, n - 1) }}{% else %}{{ l | length }}{% endif %}"
+                  "{% endmacro %}{{ f([1], 26) }}", {}),
     ("output", "{% for i in range(40000) %}{{ s }}{% endfor %}", {"s": "w" * 2**12}),
 ])
 def test_nothing_builds_past_the_cap(name, source, variables):
