@@ -12,8 +12,10 @@
 Definitions (one per test; a test is a `test_*` function or method in tests/test_*.py):
 - model: the test builds an engine (`LLM`, `LLMEngine`, `AsyncEngine`), loads model weights
   (`load_model`, a transformers `*ForCausalLM`, `tests/helpers.py`'s `tiny_model` /
-  `hf_reference`), or starts a `kvshare` process (`ServerProcess`, a `subprocess` call naming
-  kvshare: a served model, a CLI run that may load one).
+  `hf_reference`), or starts a `kvshare` process (`ServerProcess`, Ray's `build_app`, the
+  `TensorParallelLauncher`, a replica's `REPLICA_BOOT`, a `subprocess` call whose strings start
+  `kvshare.cli` or a TP worker
+  or build an `LLM`: a served model, a CLI run that may load one).
   Reading a model file's tensors (`dequantize_tensor`, a tensor's `.data`) is loading weights,
   and `kvshare.cli`'s `main` run in-process counts as a kvshare process.
 - model-file: none of that, but it reads a model file's metadata: the bundled GGUF's (or
@@ -64,6 +66,8 @@ MODEL_NAMES = {
     "AutoModelForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
     "Gemma2ForCausalLM", "Gemma3ForCausalLM",
     "build_app",  # kvshare.ray: a Serve application whose replicas build engines
+    "TensorParallelLauncher",  # starts the engine's tensor-parallel worker processes
+    "REPLICA_BOOT",  # a data-parallel replica's boot code: a `kvshare serve` process
 }
 FILE_NAMES = {
     "from_gguf_metadata", "from_file", "load_tokenizer", "hf_tokenizer", "bundled_path",
@@ -427,7 +431,8 @@ def _install(recorder: _Recorder) -> None:
     popen_init = subprocess.Popen.__init__
 
     def spawn(self, args, *rest, **kwargs):
-        if "kvshare" in " ".join(map(str, args if isinstance(args, (list, tuple)) else [args])):
+        # As statically: a process is a model one when its command line starts kvshare or builds one.
+        if MODEL_IN_STRING.search(" ".join(map(str, args if isinstance(args, (list, tuple)) else [args]))):
             recorder.note(MODEL)
         return popen_init(self, args, *rest, **kwargs)
 
