@@ -14,8 +14,7 @@ Definitions (one per test; a test is a `test_*` function or method in tests/test
   (`load_model`, a transformers `*ForCausalLM`, `tests/helpers.py`'s `tiny_model` /
   `hf_reference`), or starts a `kvshare` process (`ServerProcess`, Ray's `build_app`, the
   `TensorParallelLauncher`, a replica's `REPLICA_BOOT`, a `subprocess` call whose strings start
-  `kvshare.cli` or a TP worker
-  or build an `LLM`: a served model, a CLI run that may load one).
+  `kvshare.cli` or a TP worker or build an `LLM`: a served model, a CLI run that may load one).
   Reading a model file's tensors (`dequantize_tensor`, a tensor's `.data`) is loading weights,
   and `kvshare.cli`'s `main` run in-process counts as a kvshare process.
 - model-file: none of that, but it reads a model file's metadata: the bundled GGUF's (or
