@@ -60,7 +60,7 @@ def schedule(sched: Scheduler) -> StepPlan:
 
 def scheduled(out: StepPlan) -> dict[str, tuple[int, int]]:
     """seq id -> (first position computed, number of tokens), in the order the step lists them."""
-    return {c.seq.seq_id: (c.start, c.num_tokens) for c in out.chunks}
+    return {c.seq_id: (c.start, c.num_tokens) for c in out.chunks}
 
 
 def fake_token(seq: Sequence) -> int:
@@ -73,7 +73,7 @@ def finish_step(sched: Scheduler, out: StepPlan, next_token=fake_token) -> list[
     chunk's positions count as computed, blocks they completed are published, each chunk that
     reached the end of its known tokens appends a sampled token, and a sequence that reached its
     max_tokens finishes. Returns the sequences finished here."""
-    sampling = [c.seq for c in out.chunks if c.samples]  # decided before any token is appended
+    sampling = [sched.scheduled_seqs[c.seq_id] for c in out.chunks if c.samples]  # before any token is appended
     sched.step_done(out)
     finished = []
     for seq in sampling:
@@ -280,7 +280,7 @@ def test_preemption_frees_the_most_recently_admitted_sequence_which_is_recompute
 
     # Each decode now needs a third block. C, admitted last, makes room for A and B.
     out = schedule(sched)
-    assert [s.seq_id for s in out.preempted] == ["C"]
+    assert out.preempted == ["C"]
     assert scheduled(out) == {"A": (8, 1), "B": (8, 1)}
     assert table_of(mgr, "C") is None
     assert released_by(log, "C") == c_blocks[::-1]  # the one release path: tail first, like finish

@@ -53,7 +53,7 @@ class Harness:
         self.log.record("step")
         out = self.sched.schedule()
         record_step_io(self.log, None, out)
-        sampling = [c.seq for c in out.chunks if c.samples]
+        sampling = [self.sched.scheduled_seqs[c.seq_id] for c in out.chunks if c.samples]
         self.sched.step_done(out)
         done = []
         for seq in sampling:

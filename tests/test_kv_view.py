@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from kvshare.kvcache.audit import AuditError
+from kvshare.kvcache.cache_key import CacheNamespace
 from kvshare.kvcache.kv_groups import GroupedKVCacheManager, plan_kv_groups
 from kvshare.kvcache.manager import KVCacheManager
 from kvshare.kvcache.pool_view import manager_counts, read_pool
@@ -33,7 +34,7 @@ HEX12 = re.compile(r"^[0-9a-f]{12}$")
 # ---- the pool read, on a manager (no model) --------------------------------------------------
 
 def _admit(mgr, seq_id: str, token_ids: list[int], salt: str | None = None) -> None:
-    plan = mgr.plan_admission(seq_id, token_ids, salt, max_new_tokens=len(token_ids))
+    plan = mgr.plan_admission(seq_id, token_ids, CacheNamespace(salt=salt), max_new_tokens=len(token_ids))
     assert plan.refusal is None
     mgr.commit_admission(plan)
     mgr.publish_full_blocks(seq_id, token_ids, len(token_ids))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvshare.kvcache.cache_key import CacheNamespace
 from kvshare.kvcache.hashing import BlockHasher
 from kvshare.server.routing import Router
 
@@ -15,7 +16,7 @@ def tokens(start: int, n: int) -> list[int]:
 
 
 def stored(token_ids, salt=None, seed=SEED):
-    hashes = BlockHasher.seeded(BS, seed).prefix_hashes(token_ids, salt)
+    hashes = BlockHasher.seeded(BS, seed).prefix_hashes(token_ids, CacheNamespace(salt=salt))
     return [["BlockStored", [h], p, token_ids[i * BS:(i + 1) * BS], BS, None, "CPU"]
             for i, (h, p) in enumerate(zip(hashes, [None] + hashes))]
 
@@ -44,7 +45,7 @@ def test_a_removed_block_cuts_the_match_and_salts_keep_tenants_apart():
     r.replicas[1].apply([["BlockRemoved", [hashes[3]], "CPU"]])
     assert r.matched_blocks(r.replicas[1], hashes) == 3
     # Another tenant's salt hashes differently: no match, so no affinity to that cache.
-    salted = BlockHasher.seeded(BS, SEED).prefix_hashes(prefix, "tenant-b")
+    salted = BlockHasher.seeded(BS, SEED).prefix_hashes(prefix, CacheNamespace(salt="tenant-b"))
     assert r.matched_blocks(r.replicas[1], salted) == 0
     r.replicas[1].apply([["AllBlocksCleared"]])
     assert r.replicas[1].cached == set()

@@ -294,8 +294,9 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.is_empty():
             now = time.monotonic()
+            scheduled = self.scheduler.scheduled_seqs
             for c in sched.chunks:
-                st = self.requests[c.seq.request_id]
+                st = self.requests[scheduled[c.seq_id].request_id]
                 if st.metrics.first_scheduled_time is None:
                     st.metrics.first_scheduled_time = now
             record_step_io(self.manager.events, self.auditor, sched)
@@ -303,7 +304,7 @@ class LLMEngine:
             stats = self.stats
             stats.peak_blocks_in_use = max(stats.peak_blocks_in_use, self.manager.num_used_blocks())
             for c in sched.chunks:
-                seq = c.seq
+                seq = scheduled[c.seq_id]
                 in_prompt = max(0, min(c.end, seq.num_prompt_tokens) - c.start)
                 stats.prompt_tokens_computed += in_prompt
                 stats.decode_tokens_computed += c.num_tokens - in_prompt
@@ -333,24 +334,25 @@ class LLMEngine:
         seqs: list[Sequence] = []
         row_of: list[int] = []
         beam_requests: dict[str, RequestState] = {}
-        for r, c in enumerate(step.sample_chunks):
-            if self.beams.drives(c.seq.request_id):
-                self.beams.take_logits(c.seq, step.sample_logits[r])
-                beam_requests[c.seq.request_id] = self.requests[c.seq.request_id]
+        sampling = [self.scheduler.scheduled_seqs[c.seq_id] for c in step.sample_chunks]
+        for r, seq in enumerate(sampling):
+            if self.beams.drives(seq.request_id):
+                self.beams.take_logits(seq, step.sample_logits[r])
+                beam_requests[seq.request_id] = self.requests[seq.request_id]
                 continue
-            seqs.append(c.seq)
+            seqs.append(seq)
             row_of.append(r)
-            if c.seq.pending_forks:
+            if seq.pending_forks:
                 # The prompt is computed once; each fork draws its own first token from it.
-                for child in self._fork(c.seq):
+                for child in self._fork(seq):
                     seqs.append(child)
                     row_of.append(r)
         now = time.monotonic()
         # Time to first token, recorded here only: the first step that samples for a request. For
         # beam search that is also the step its beams first advance (it starts with a single beam,
         # so there is no sibling to wait for).
-        for c in step.sample_chunks:
-            m = self.requests[c.seq.request_id].metrics
+        for seq in sampling:
+            m = self.requests[seq.request_id].metrics
             if m.first_token_time is None:
                 m.first_token_time = now
                 m.time_to_first_token = now - m.arrival_time

@@ -28,7 +28,7 @@ class OutputProcessor:
     # ---- logprobs ------------------------------------------------------------------------
     def record_prompt_logprobs(self, step: StepLogits) -> None:
         for chunk, first, logits in step.prompt_logits:
-            seq = chunk.seq
+            seq = self.scheduler.scheduled_seqs[chunk.seq_id]
             k = seq.params.prompt_logprobs
             targets = seq.token_ids[first + 1:first + 1 + logits.shape[0]]
             for res in logprobs_of(logits, targets, k):

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvshare.kvcache.cache_key import CacheNamespace
 from kvshare.outputs import Logprob, RequestMetrics
 from kvshare.sampling_params import SamplingParams
 
@@ -45,6 +46,12 @@ class Sequence:
     text_delta: str = ""  # stream-safe text produced since the last output was taken
     # Constrained decoding: this sequence's own matcher (kvshare.engine.structured_output), or None.
     grammar: object | None = None
+    # The prefix cache's namespace: the request's cache_salt as the intake agreed it on params
+    # (the one place the wire's salt becomes the cache key), fixed for the sequence's life.
+    namespace: CacheNamespace = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.namespace = CacheNamespace(salt=self.params.cache_salt)
 
     @property
     def num_tokens(self) -> int:

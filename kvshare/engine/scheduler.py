@@ -36,6 +36,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order; the tail is preempted first
         self.num_preemptions = 0
+        # The last plan's sequences by id: the plan names them by id only (it is plain data),
+        # and step_done and the engine's sampling act on these records.
+        self.scheduled_seqs: dict[str, Sequence] = {}
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -64,7 +67,7 @@ class Scheduler:
                 if undone is not None:
                     budget += undone.num_tokens
                 self.preempt(victim)
-                out.preempted.append(victim)
+                out.preempted.append(victim.seq_id)
                 if victim is seq:
                     break
             else:
@@ -77,6 +80,7 @@ class Scheduler:
 
         out.block_copies = self.manager.take_pending_copies()
         out.rotations = self.manager.take_pending_rotations()
+        self.scheduled_seqs = {c.seq.seq_id: c.seq for c in scheduled.values()}
         plans = [self._plan(c) for c in scheduled.values()]
         # Decode rows by how many blocks they read (padded groups stay tight), then prefills.
         decode = sorted((p for p in plans if p.is_decode), key=lambda p: (len(p.read_blocks), p.start))
@@ -94,7 +98,7 @@ class Scheduler:
             if last > first:
                 prompt_logits = (first, last - first)
         return ChunkPlan(
-            seq=seq, start=c.start, token_ids=seq.token_ids[c.start:c.end],
+            seq_id=seq.seq_id, start=c.start, token_ids=seq.token_ids[c.start:c.end],
             rope_start=c.start - mgr.rope_offset(seq.seq_id),
             write_slots=write, read_blocks=read, read_index=index,
             samples=c.end == seq.num_tokens, prompt_logits=prompt_logits,
@@ -103,9 +107,10 @@ class Scheduler:
     def step_done(self, plan: StepPlan) -> None:
         """After the forward pass: the chunks' KV is written, so their full blocks are published."""
         for c in plan.chunks:
-            c.seq.num_computed_tokens = c.end
-            self.manager.publish_full_blocks(c.seq.seq_id, c.seq.token_ids, c.end)
-            self.manager.release_behind(c.seq.seq_id, c.end)
+            seq = self.scheduled_seqs[c.seq_id]
+            seq.num_computed_tokens = c.end
+            self.manager.publish_full_blocks(c.seq_id, seq.token_ids, c.end)
+            self.manager.release_behind(c.seq_id, c.end)
 
     def _chunk_size(self, seq: Sequence, start: int, budget: int) -> int:
         num_new = min(seq.num_tokens - start, budget)
@@ -144,7 +149,7 @@ class Scheduler:
             # prompt_logprobs need logits for every prompt position, so such requests compute
             # their whole prompt (they still publish their blocks for others).
             uses_cache = seq.prompt_logprobs is None or seq.prompt_logprobs_done()
-            plan = mgr.plan_admission(seq.seq_id, seq.token_ids, seq.params.cache_salt, budget,
+            plan = mgr.plan_admission(seq.seq_id, seq.token_ids, seq.namespace, budget,
                                       use_cache=uses_cache, inflight=inflight)
             if plan.refusal is not None or not self._room_to_peak(seq, plan.hits):
                 break  # FCFS: nobody overtakes the head of the queue

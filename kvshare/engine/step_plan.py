@@ -4,13 +4,14 @@ The scheduler (with the KV manager) decides everything about a step: which seque
 which positions, which blocks each reads and which slots it writes, the block copies and key
 re-rotations to perform first, and which rows' logits are needed. The runner turns this into
 tensors and runs the model; it knows nothing of block tables, the manager or the policy's
-bookkeeping. Plain data only: nothing here imports from `kvshare.kvcache`.
+bookkeeping. Plain data only (numbers, strings, lists, tuples): sequences are named by id, never
+by the engine's records, so a plan can be compared, logged and sent to tensor-parallel workers
+as it is (kvshare/engine/wire.py derives that form from the fields). Nothing here imports from
+`kvshare.kvcache` or the engine's request records.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-from kvshare.engine.request import Sequence
 
 
 @dataclass
@@ -27,7 +28,7 @@ class GroupAccess:
 class ChunkPlan:
     """One sequence's part of a step."""
 
-    seq: Sequence  # the engine's record of it (the runner reads only the fields below)
+    seq_id: str  # the sequence (the engine resolves it: Scheduler.scheduled_seqs)
     start: int  # first text position computed
     token_ids: list[int]  # the tokens computed: positions start .. start + len - 1
     rope_start: int  # RoPE position of the first (text position minus the sequence's rope offset)
@@ -70,10 +71,16 @@ class ChunkPlan:
 class StepPlan:
     # Decode rows first (by how many blocks they read, then position), then prefill chunks.
     chunks: list[ChunkPlan] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)  # ids of the sequences preempted planning it
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), before the forward
     # Sink sequences' kept keys to re-rotate after the copies: (seq id, block ids, position shift).
     rotations: list[tuple[str, list[int], int]] = field(default_factory=list)
+    # KV moving between the pool and a tier outside it (a host-memory tier, a later issue; empty
+    # until then), as (block id, tier key) pairs, the tier key being what the tier keeps that KV
+    # under (the block's hash). Loads fill pool blocks from the tier before the forward, so this
+    # step can read them; stores copy blocks' KV out to the tier after the forward wrote it.
+    block_loads: list[tuple[int, bytes]] = field(default_factory=list)
+    block_stores: list[tuple[int, bytes]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

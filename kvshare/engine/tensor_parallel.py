@@ -44,7 +44,8 @@ import torch
 import torch.distributed as dist
 
 from kvshare.config import EngineConfig
-from kvshare.engine.step_plan import ChunkPlan, GroupAccess, StepPlan
+from kvshare.engine.step_plan import StepPlan
+from kvshare.engine.wire import codec
 from kvshare.model import cpu_kernels
 from kvshare.model.tensor_parallel import TPCollectives, TPShard
 from kvshare.model.tp_transport import SEGMENT_PREFIX, GlooTransport, ShmSegment, ShmTransport, segment_dir
@@ -122,8 +123,8 @@ def config_from_json(data: bytes) -> EngineConfig:
 
 
 class PlanChannel:
-    """Step plans from rank 0 to every rank (msgpack: plain numbers and lists, never code, and
-    the engine's Sequence records stay on rank 0); an empty message tells the workers to stop."""
+    """Step plans from rank 0 to every rank (msgpack: plain numbers, strings and lists, never
+    code); an empty message tells the workers to stop."""
 
     def __init__(self, transport) -> None:
         self.transport = transport
@@ -136,19 +137,9 @@ class PlanChannel:
         return _decode(msgpack.unpackb(data)) if data else None
 
 
-def _encode(plan: StepPlan) -> list:
-    chunks = [[c.start, c.token_ids, c.rope_start, c.write_slots, c.read_blocks, c.read_index, c.samples,
-               c.prompt_logits, [[g.write_slots, g.read_blocks, g.read_index] for g in c.groups]] for c in plan.chunks]
-    return [chunks, plan.block_copies, plan.rotations]
-
-
-def _decode(data: list) -> StepPlan:
-    chunks, copies, rotations = data
-    return StepPlan(
-        chunks=[ChunkPlan(None, start, tokens, rope, slots, blocks, index, samples,
-                          tuple(prompt) if prompt is not None else None, tuple(GroupAccess(*g) for g in groups))
-                for start, tokens, rope, slots, blocks, index, samples, prompt, groups in chunks],
-        block_copies=[tuple(c) for c in copies], rotations=[tuple(r) for r in rotations])
+# A plan's wire form: derived from StepPlan's fields (kvshare/engine/wire.py), so a field added
+# to the plan reaches the workers with no edit here.
+_encode, _decode = codec(StepPlan)
 
 
 class TensorParallelLauncher:

@@ -15,10 +15,12 @@ Invariants:
                             sits in the free queue, still hashed.
   free_xor_referenced       a block is in the free queue iff its count is 0; no count below 0;
                             in use + free uncached + free cached = total.
-  salt_isolation            every holder of a block has the block's tenant salt.
-  cached_block_matches_hash a cached block's hash recomputes from (parent hash, salt, its token
-                            ids), and a sequence holding it has those tokens at that position;
-                            a prefix-cache hit is on a block published for reuse, under its salt.
+  salt_isolation            every holder of a block has the block's cache namespace (tenant
+                            salt, adapter: kvshare/kvcache/cache_key.py).
+  cached_block_matches_hash a cached block's hash recomputes from (parent hash, namespace, its
+                            token ids), and a sequence holding it has those tokens at that
+                            position; a prefix-cache hit is on a block published for reuse, under
+                            its namespace.
   cached_block_written      a block published for reuse has KV in every slot.
   write_outside_own_blocks  each slot written this step is the slot of that token's position
                             in the writer's own table.
@@ -38,6 +40,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Callable, Iterable
 
+from kvshare.kvcache.cache_key import DEFAULT_NAMESPACE
 from kvshare.kvcache.events import EventLog
 from kvshare.kvcache.hashing import BlockHasher
 from kvshare.kvcache.isolation import IsolationChecker, Violation
@@ -124,7 +127,7 @@ class KVAuditor:
                     if b is not None:
                         held[b.block_id] += 1
                         in_tables.setdefault(b.block_id, set()).add(seq_id)
-        salts = self.manager.salts
+        namespaces = self.manager.namespaces
         none: set[str] = set()
         for b in pool.blocks:  # by block id, so the lowest broken block is the one reported
             bid = b.block_id
@@ -144,26 +147,27 @@ class KVAuditor:
                                   f"reference count {b.ref_count}; the event log has it "
                                   f"{'out of' if bid in ck.busy else 'in'} the free queue", bid)
             if b.ref_count:
-                foreign = sorted(s for s in mine if salts.get(s) != b.salt)
-                if foreign or ck.block_salt.get(bid) != b.salt:
-                    raise self._error("salt_isolation", f"holder(s) {foreign} have salt "
-                                      f"{salts.get(foreign[0]) if foreign else None!r}, the block's data belongs to "
-                                      f"salt {b.salt!r} (the event log says {ck.block_salt.get(bid)!r})", bid, foreign)
+                foreign = sorted(s for s in mine if namespaces.get(s, DEFAULT_NAMESPACE) != b.namespace)
+                logged = ck.block_namespace.get(bid, DEFAULT_NAMESPACE)
+                if foreign or logged != b.namespace:
+                    raise self._error("salt_isolation", f"holder(s) {foreign} have "
+                                      f"{namespaces.get(foreign[0]) if foreign else None!r}, the block's data belongs "
+                                      f"to {b.namespace!r} (the event log says {logged!r})", bid, foreign)
         if pool.num_free != pool.num_blocks - len(ck.busy):
             raise self._error("free_xor_referenced", f"free queue holds {pool.num_free} of {pool.num_blocks} blocks, "
                                                      f"the event log says {pool.num_blocks - len(ck.busy)}", None)
 
     def _cross_check_cached(self) -> None:
-        """Each cached block's hash recomputes from its stored (parent hash, salt, token ids), and
+        """Each cached block's hash recomputes from its stored (parent hash, namespace, token ids), and
         the checker saw KV written into every slot of it."""
         extra = BlockHasher.extra_keys
         hasher = self.manager.hasher
         written = self.checker.written
         for h, bid in self.pool.cached.items():
             b = self.pool.blocks[bid]
-            if b.block_hash != h or hasher.hash_block(b.parent_hash, b.token_ids, extra(b.salt)) != h:
-                raise self._error("cached_block_matches_hash", "stored token ids / salt do not produce the block's "
-                                                               "hash", bid)
+            if b.block_hash != h or hasher.hash_block(b.parent_hash, b.token_ids, extra(b.namespace)) != h:
+                raise self._error("cached_block_matches_hash", "stored token ids / namespace do not produce the "
+                                                               "block's hash", bid)
             if written.get(bid, 0) != self.full_mask:
                 mask = bin(written.get(bid, 0))[2:].zfill(self.block_size)[::-1]
                 raise self._error("cached_block_written", f"published for reuse with written slots {mask}", bid)
@@ -191,7 +195,7 @@ class KVAuditor:
         for g, tables in enumerate(self.manager.group_tables):  # each KV cache group against its own tables
             group = "" if g == 0 else f" (KV cache group {g})"
             for c in plan.chunks:
-                seq_id = c.seq.seq_id
+                seq_id = c.seq_id
                 table = tables.get(seq_id, [])
                 a = c.access(g)
                 at = a.read_index if a.read_index is not None else range(len(a.read_blocks))
@@ -216,11 +220,11 @@ def record_step_io(events, auditor: KVAuditor | None, plan) -> None:
         events.record("rotate", seq=seq_id, blocks=block_ids, shift=shift)
     for c in plan.chunks:
         fields = {} if c.read_index is None else {"index": c.read_index}
-        events.record("access", seq=c.seq.seq_id, table=c.read_blocks, ctx=c.num_keys, write_pos=c.start,
+        events.record("access", seq=c.seq_id, table=c.read_blocks, ctx=c.num_keys, write_pos=c.start,
                       write_slots=c.write_slots, **fields)
         for g, a in enumerate(c.groups, 1):  # KV cache groups: one access per group's table
             fields = {"group": g} if a.read_index is None else {"group": g, "index": a.read_index}
-            events.record("access", seq=c.seq.seq_id, table=a.read_blocks, ctx=c.num_keys, write_pos=c.start,
+            events.record("access", seq=c.seq_id, table=a.read_blocks, ctx=c.num_keys, write_pos=c.start,
                           write_slots=a.write_slots, **fields)
     events.record("forward")
     if auditor is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from kvshare.kvcache.cache_key import DEFAULT_NAMESPACE, CacheNamespace
 from kvshare.kvcache.events import EventLog, Recorder
 from kvshare.kvcache.kv_events import KVEventQueue, NullKVEventQueue
 
@@ -26,7 +27,7 @@ class Block:
     token_ids: tuple[int, ...] | None = None
     parent_hash: bytes | None = None  # the chain link, kept so an audit can recompute the hash
     owners: set[str] = field(default_factory=set)  # sequence ids holding a reference
-    salt: str | None = None  # tenant of the data in it: the allocating sequence's cache_salt
+    namespace: CacheNamespace = DEFAULT_NAMESPACE  # whose data it holds: the allocating sequence's
     generation: int = 0  # bumped on every allocation: new data, old KV meaningless
 
 
@@ -58,7 +59,7 @@ class BlockPool:
     def is_free(self, block_id: int) -> bool:
         return block_id in self._free
 
-    def allocate(self, owner: str, salt: str | None = None) -> Block:
+    def allocate(self, owner: str, namespace: CacheNamespace = DEFAULT_NAMESPACE) -> Block:
         if not self._free:
             raise BlockPoolError("allocate() on an exhausted pool: the scheduler must check num_free first")
         block_id, _ = self._free.popitem(last=False)
@@ -67,7 +68,7 @@ class BlockPool:
             self._evict(block)
         block.ref_count = 1
         block.owners = {owner}
-        block.salt = salt
+        block.namespace = namespace
         block.generation += 1
         self.num_allocations += 1
         self.events.record("alloc", block=block_id, seq=owner)
@@ -121,8 +122,8 @@ class BlockPool:
         self.cached[block_hash] = block.block_id
         self.kv_events.stored(block_hash, parent_hash, token_ids)
         self.events.record("register", block=block.block_id, hash=block_hash.hex()[:16],
-                           parent=parent_hash.hex()[:16] if parent_hash else None, salt=block.salt,
-                           tokens=list(token_ids))
+                           parent=parent_hash.hex()[:16] if parent_hash else None,
+                           **block.namespace.event_fields(), tokens=list(token_ids))
 
     def lookup(self, block_hash: bytes, token_ids: tuple[int, ...]) -> Block | None:
         block_id = self.cached.get(block_hash)

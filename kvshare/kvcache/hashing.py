@@ -1,15 +1,19 @@
 """Chained block hashes for prefix caching.
 
-hash(block i) = SHA-256(hash(block i-1) | extra keys | token ids). The chain makes a block's
-identity depend on everything before it, so an edit anywhere in a history changes every hash
+hash(block i) = SHA-256(hash(block i-1) | extra keys | token ids), the extra keys being the
+request's CacheNamespace (kvshare/kvcache/cache_key.py). The chain makes a block's identity
+depend on everything before it, so an edit anywhere in a history changes every hash
 from the edited block on. The per-process random root means hashes are never comparable across
 processes (no cross-process timing oracle), and lookups still confirm token ids on a hit.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import struct
+
+from kvshare.kvcache.cache_key import DEFAULT_NAMESPACE, CacheNamespace
 
 
 class BlockHasher:
@@ -33,10 +37,10 @@ class BlockHasher:
             return cls(block_size)
         return cls(block_size, hashlib.sha256(b"kvshare-hash-seed:" + seed.encode("utf-8")).digest()[:16])
 
-    def prefix_hashes(self, token_ids, cache_salt: str | None = None) -> list[bytes]:
+    def prefix_hashes(self, token_ids, namespace: CacheNamespace = DEFAULT_NAMESPACE) -> list[bytes]:
         """The chain of hashes of every full block of ``token_ids``, as the manager computes them
         (group 0's chain in a hybrid model): what a router matches against a replica's events."""
-        extra = self.extra_keys(cache_salt)
+        extra = self.extra_keys(namespace)
         out: list[bytes] = []
         bs = self.block_size
         for i in range(len(token_ids) // bs):
@@ -44,5 +48,16 @@ class BlockHasher:
         return out
 
     @staticmethod
-    def extra_keys(cache_salt: str | None) -> bytes:
-        return b"" if cache_salt is None else b"salt:" + cache_salt.encode("utf-8")
+    def extra_keys(namespace: CacheNamespace) -> bytes:
+        """A namespace without an adapter keys as the bare salt always did (nothing, or
+        "salt:" + salt), so hashes, KV events and the caches routers learn stay what they were.
+        With an adapter the pair is JSON under its own prefix, which no salt-only key starts with
+        (and the hash takes the key's length first, so no key is a prefix of another)."""
+        if namespace.adapter is None:
+            return _salt_key(namespace.salt)
+        pair = json.dumps([namespace.salt, namespace.adapter], ensure_ascii=False, separators=(",", ":"))
+        return b"ns:" + pair.encode("utf-8")
+
+
+def _salt_key(salt: str | None) -> bytes:
+    return b"" if salt is None else b"salt:" + salt.encode("utf-8")

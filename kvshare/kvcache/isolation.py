@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+from kvshare.kvcache.cache_key import DEFAULT_NAMESPACE, CacheNamespace
+
 # The per-block structural rules, in the order they are reported for one block.
 STATE_ORDER = ("refcount_matches_tables", "free_xor_referenced", "salt_isolation", "cached_block_matches_hash",
                "cached_block_written")
@@ -42,8 +44,10 @@ class IsolationChecker:
         self.tables: dict[int, set[str]] = {}  # block -> sequences whose block table has it
         self.seq_blocks: dict[str, set[int]] = {}  # the same relation, by sequence (forks copy it)
         self.busy: set[int] = set()  # blocks out of the free queue
-        self.block_salt: dict[int, str | None] = {}
-        self.seq_salt: dict[str, str | None] = {}
+        # Whose data each block holds, and each admitted sequence's namespace; a block or a
+        # sequence the log has not named (yet, or any more) counts as the default namespace.
+        self.block_namespace: dict[int, CacheNamespace] = {}
+        self.seq_namespace: dict[str, CacheNamespace] = {}
         self.published: set[int] = set()
         self.written: dict[int, int] = {}  # block -> bitmask of slots holding KV for its current data
         # Masks of blocks re-handed-out since the last forward: a copy in the coming forward
@@ -108,12 +112,12 @@ class IsolationChecker:
         self.block_size = e["block_size"]
 
     def _admit(self, e: dict) -> None:
-        self.seq_salt[e["seq"]] = e.get("salt")
+        self.seq_namespace[e["seq"]] = CacheNamespace.from_event(e)
         self._idle.discard(e["seq"])
 
     def _fork(self, e: dict) -> None:
         child, parent = e["seq"], e["parent"]
-        self.seq_salt[child] = self.seq_salt.get(parent)
+        self.seq_namespace[child] = self.seq_namespace.get(parent, DEFAULT_NAMESPACE)
         for b in self.seq_blocks.get(parent, ()):  # the child's table is a copy of the parent's
             self._join(child, b)
             self._dirty.add(b)
@@ -130,7 +134,7 @@ class IsolationChecker:
         self.busy.add(b)
         self._before_reuse.setdefault(b, self.written.get(b, 0))
         self.written[b] = 0
-        self.block_salt[b] = self.seq_salt.get(seq)
+        self.block_namespace[b] = self.seq_namespace.get(seq, DEFAULT_NAMESPACE)
         self.published.discard(b)
         self._dirty.add(b)
 
@@ -147,9 +151,10 @@ class IsolationChecker:
         if b not in self.published:  # nothing vouches for its content: no register, or evicted since
             self._pending.append(("cached_block_matches_hash", b, f"{seq} hit a block not published for reuse",
                                   (seq,)))
-        if self.block_salt.get(b) != self.seq_salt.get(seq):
-            self._pending.append(("salt_isolation", b, f"{seq} (salt {self.seq_salt.get(seq)!r}) hit a block of "
-                                                       f"salt {self.block_salt.get(b)!r}", (seq,)))
+        mine = self.seq_namespace.get(seq, DEFAULT_NAMESPACE)
+        theirs = self.block_namespace.get(b, DEFAULT_NAMESPACE)
+        if theirs != mine:
+            self._pending.append(("salt_isolation", b, f"{seq} ({mine!r}) hit a block of {theirs!r}", (seq,)))
         self._join(seq, b)
         self._dirty.add(b)
 
@@ -177,9 +182,11 @@ class IsolationChecker:
 
     def _register(self, e: dict) -> None:
         b = e["block"]
-        if e.get("salt", self.block_salt.get(b)) != self.block_salt.get(b):
-            self._pending.append(("cached_block_matches_hash", b, f"published under salt {e.get('salt')!r}, the "
-                                  f"block's data belongs to salt {self.block_salt.get(b)!r}", ()))
+        if "salt" in e:
+            published, owner = CacheNamespace.from_event(e), self.block_namespace.get(b, DEFAULT_NAMESPACE)
+            if published != owner:
+                self._pending.append(("cached_block_matches_hash", b, f"published under {published!r}, the block's "
+                                      f"data belongs to {owner!r}", ()))
         self.published.add(b)
         self._new_published.append(b)
 
@@ -282,11 +289,12 @@ class IsolationChecker:
                 state = "out of" if b in self.busy else "in"
                 findings.append(("free_xor_referenced", b, f"{state} the free queue with {sum(held.values())} "
                                                            f"reference(s)", ()))
-            salt = self.block_salt.get(b)
-            foreign = sorted(s for s in tables | set(held) if self.seq_salt.get(s) != salt)
+            owner = self.block_namespace.get(b, DEFAULT_NAMESPACE)
+            foreign = sorted(s for s in tables | set(held) if self.seq_namespace.get(s, DEFAULT_NAMESPACE) != owner)
             if foreign:
-                findings.append(("salt_isolation", b, f"holder(s) {foreign} have salt "
-                                 f"{self.seq_salt.get(foreign[0])!r}, the block's data belongs to salt {salt!r}",
+                findings.append(("salt_isolation", b, f"holder(s) {foreign} have "
+                                 f"{self.seq_namespace.get(foreign[0], DEFAULT_NAMESPACE)!r}, the block's data "
+                                 f"belongs to {owner!r}",
                                  tuple(foreign)))
         # A published block's written slots only change when it is handed out again, which
         # unpublishes it, or by a copy into it (_copy queues it again): checking each
@@ -301,7 +309,7 @@ class IsolationChecker:
         for seq in self._idle:  # a sequence holding nothing is forgotten; it is admitted afresh
             if not self.seq_blocks.get(seq):
                 self.seq_blocks.pop(seq, None)
-                self.seq_salt.pop(seq, None)
+                self.seq_namespace.pop(seq, None)
         self._idle.clear()
         if findings:
             inv, b, detail, seqs = min(findings, key=lambda f: (f[1], STATE_ORDER.index(f[0])))

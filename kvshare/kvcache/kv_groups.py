@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from math import gcd
 
 from kvshare.kvcache.block_pool import Block, BlockPool, BlockPoolError
+from kvshare.kvcache.cache_key import CacheNamespace
 from kvshare.kvcache.events import EventLog, as_event_log
 from kvshare.kvcache.hashing import BlockHasher
 from kvshare.kvcache.kv_policy import FullAttention, SlidingWindow
@@ -149,8 +150,8 @@ class GroupedKVCacheManager:
         return [m.tables for m in self.groups]
 
     @property
-    def salts(self) -> dict[str, str | None]:
-        return self.groups[0].salts
+    def namespaces(self) -> dict[str, CacheNamespace]:
+        return self.groups[0].namespaces
 
     def num_free_blocks(self) -> int:
         return self.pool.num_free
@@ -209,14 +210,15 @@ class GroupedKVCacheManager:
                 f"free {self.pool.num_free} of {self.num_blocks}")
 
     # ---- prefix cache ---------------------------------------------------------------------------
-    def find_cached_prefix(self, seq_id: str, token_ids: list[int], cache_salt: str | None) -> list[list[Block | None]]:
+    def find_cached_prefix(self, seq_id: str, token_ids: list[int],
+                           namespace: CacheNamespace) -> list[list[Block | None]]:
         """Per group, the hits of the longest prefix every group can serve: the global groups'
         whole chain, the window groups' blocks inside the last window before it (None below)."""
         if not self.enable_prefix_caching:
             return [[] for _ in self.groups]
-        chains = [m.find_cached_prefix(seq_id, token_ids, cache_salt) for m in self._global_groups]
+        chains = [m.find_cached_prefix(seq_id, token_ids, namespace) for m in self._global_groups]
         for m in self.groups:
-            m._set_salt(m.record(seq_id), cache_salt)
+            m._set_namespace(m.record(seq_id), namespace)
         limit = min((len(c) for c in chains), default=(len(token_ids) - 1) // self.block_size)
         # Per window group: which of the first `limit` blocks are cached, and for each n the run
         # of cached blocks ending just before n.
@@ -252,11 +254,11 @@ class GroupedKVCacheManager:
             m.slide(seq_id, num_computed)
 
     # ---- admission ------------------------------------------------------------------------------
-    def plan_admission(self, seq_id: str, token_ids: list[int], cache_salt: str | None, max_new_tokens: int,
+    def plan_admission(self, seq_id: str, token_ids: list[int], namespace: CacheNamespace, max_new_tokens: int,
                        use_cache: bool = True, inflight: set[bytes] | frozenset = frozenset()) -> AdmissionPlan:
         for m in self.groups:
-            m._set_salt(m.record(seq_id), cache_salt)
-        group_hits = self.find_cached_prefix(seq_id, token_ids, cache_salt) if use_cache else [[] for _ in self.groups]
+            m._set_namespace(m.record(seq_id), namespace)
+        group_hits = self.find_cached_prefix(seq_id, token_ids, namespace) if use_cache else [[] for _ in self.groups]
         num_hit = len(group_hits[0])
         num_computed = num_hit * self.block_size
         num_new = min(len(token_ids) - num_computed, max_new_tokens)

@@ -10,6 +10,7 @@ full attention nothing is ever released."""
 from __future__ import annotations
 
 from kvshare.kvcache.block_pool import Block, BlockPool, BlockPoolError
+from kvshare.kvcache.cache_key import CacheNamespace
 from kvshare.kvcache.events import EventLog, Recorder
 from kvshare.kvcache.hashing import BlockHasher
 from kvshare.kvcache.kv_policy import FullAttention
@@ -56,8 +57,8 @@ class KVCacheManager:
         return {s: r.blocks for s, r in self.seqs.items() if r.admitted}
 
     @property
-    def salts(self) -> dict[str, str | None]:
-        return {s: r.salt for s, r in self.seqs.items() if r.admitted}
+    def namespaces(self) -> dict[str, CacheNamespace]:
+        return {s: r.namespace for s, r in self.seqs.items() if r.admitted}
 
     def record(self, seq_id: str) -> SeqKV:
         return self.seqs.setdefault(seq_id, SeqKV())
@@ -163,14 +164,14 @@ class KVCacheManager:
     def _block_hashes(self, rec: SeqKV, token_ids: list[int], upto_blocks: int) -> list[bytes]:
         hashes = rec.hashes
         bs = self.block_size
-        extra = self.hasher.extra_keys(rec.salt)
+        extra = self.hasher.extra_keys(rec.namespace)
         while len(hashes) < upto_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else self.chain_root
             hashes.append(self.hasher.hash_block(parent, token_ids[i * bs:(i + 1) * bs], extra))
         return hashes
 
-    def find_cached_prefix(self, seq_id: str, token_ids: list[int], cache_salt: str | None) -> list[Block]:
+    def find_cached_prefix(self, seq_id: str, token_ids: list[int], namespace: CacheNamespace) -> list[Block]:
         """Longest run of cached full blocks, stopping at len - 1 tokens so the last prompt
         token is always computed and its logits exist."""
         if not self.enable_prefix_caching:
@@ -179,7 +180,7 @@ class KVCacheManager:
         if self.publish_limit is not None:
             max_blocks = min(max_blocks, self.publish_limit)
         rec = self.record(seq_id)
-        self._set_salt(rec, cache_salt)
+        self._set_namespace(rec, namespace)
         hashes = self._block_hashes(rec, token_ids, max_blocks)
         hits: list[Block] = []
         bs = self.block_size
@@ -198,11 +199,12 @@ class KVCacheManager:
         return [self.pool.lookup(hashes[i], tuple(token_ids[i * bs:(i + 1) * bs])) for i in range(num_blocks)]
 
     @staticmethod
-    def _set_salt(rec: SeqKV, salt: str | None) -> None:
-        if rec.admitted and rec.salt != salt:
-            raise BlockPoolError(f"a sequence's cache_salt cannot change while it holds blocks ({rec.salt!r} -> {salt!r})")
-        if rec.salt != salt:  # hashes are salted: another tenant's are no use
-            rec.salt, rec.hashes = salt, []
+    def _set_namespace(rec: SeqKV, namespace: CacheNamespace) -> None:
+        if rec.admitted and rec.namespace != namespace:
+            raise BlockPoolError(f"a sequence's cache namespace cannot change while it holds blocks "
+                                 f"({rec.namespace!r} -> {namespace!r})")
+        if rec.namespace != namespace:  # hashes are keyed by it: another namespace's are no use
+            rec.namespace, rec.hashes = namespace, []
 
     def hashes_completed_by(self, seq_id: str, token_ids: list[int], start: int, end: int) -> list[bytes]:
         """Hashes of the full blocks that computing tokens [start, end) will complete."""
@@ -238,13 +240,13 @@ class KVCacheManager:
         rec.registered = full
 
     # ---- admission: plan, then commit -----------------------------------------------------
-    def plan_admission(self, seq_id: str, token_ids: list[int], cache_salt: str | None, max_new_tokens: int,
+    def plan_admission(self, seq_id: str, token_ids: list[int], namespace: CacheNamespace, max_new_tokens: int,
                        use_cache: bool = True, inflight: set[bytes] | frozenset = frozenset()) -> AdmissionPlan:
         """What admitting this sequence now would reuse and allocate, or why it must wait:
         a block it would compute first is being computed by another sequence this step (it
         waits one step and hits instead), or the pool cannot supply its blocks."""
-        self._set_salt(self.record(seq_id), cache_salt)
-        hits = self.find_cached_prefix(seq_id, token_ids, cache_salt) if use_cache else []
+        self._set_namespace(self.record(seq_id), namespace)
+        hits = self.find_cached_prefix(seq_id, token_ids, namespace) if use_cache else []
         num_computed = len(hits) * self.block_size
         # Hits no query from num_computed on reads become placeholders: neither revived nor
         # counted against the pool.
@@ -286,7 +288,7 @@ class KVCacheManager:
             raise BlockPoolError(f"sequence {plan.seq_id} admitted while it still holds blocks")
         self.stats.queries += plan.num_lookup_tokens
         self.stats.hits += plan.num_computed if plan.num_lookup_tokens else 0
-        self.events.record("admit", seq=plan.seq_id, salt=rec.salt)
+        self.events.record("admit", seq=plan.seq_id, **rec.namespace.event_fields())
         for block in plan.hits:
             if block is not None:
                 self.events.record("cache_hit", block=block.block_id, seq=plan.seq_id)
@@ -308,7 +310,7 @@ class KVCacheManager:
         if cow:
             self.copy_on_write(seq_id, num_computed // self.block_size)
         for _ in range(needed):
-            table.append(self.pool.allocate(seq_id, rec.salt))
+            table.append(self.pool.allocate(seq_id, rec.namespace))
         return True
 
     def slots_cost(self, seq_id: str, num_computed: int, num_new_tokens: int) -> tuple[int, bool]:
@@ -323,7 +325,7 @@ class KVCacheManager:
         """A shared block is about to be written: this sequence gets a private copy first."""
         rec = self.seqs[seq_id]
         shared = rec.blocks[index]
-        private = self.pool.allocate(seq_id, rec.salt)
+        private = self.pool.allocate(seq_id, rec.namespace)
         self.events.record("cow", seq=seq_id, src=shared.block_id, dst=private.block_id)
         self.pending_copies.append((shared.block_id, private.block_id))
         self.pool.decref(shared, seq_id)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvshare.kvcache.block_pool import Block
+from kvshare.kvcache.cache_key import DEFAULT_NAMESPACE, CacheNamespace
 
 
 @dataclass
@@ -22,7 +23,7 @@ class PrefixCacheStats:
 class SeqKV:
     """Everything the manager knows about one sequence's KV."""
 
-    salt: str | None = None  # the tenant: blocks it allocates carry it, hits must match it
+    namespace: CacheNamespace = DEFAULT_NAMESPACE  # blocks it allocates carry it, hits must match it
     blocks: list[Block | None] = field(default_factory=list)  # the table; None: released
     # Released entries always form one run [policy.keep_head, released): windows only move
     # forward. Kept so that per-step work does not grow with the sequence's length.
@@ -33,7 +34,7 @@ class SeqKV:
     admitted: bool = False
 
     def copy(self) -> "SeqKV":
-        return SeqKV(self.salt, list(self.blocks), self.released, list(self.hashes), self.registered,
+        return SeqKV(self.namespace, list(self.blocks), self.released, list(self.hashes), self.registered,
                      self.rope_offset, self.admitted)
 
 

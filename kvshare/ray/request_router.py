@@ -199,7 +199,7 @@ class KVSharePrefixRouter(RequestRouter):
         known = self._prompt_hashes.get(request_id)
         if known is not None and known[0] is token_ids:
             return known[1]
-        hashes = self._router.hasher.prefix_hashes(token_ids, route.get("cache_salt"))
+        hashes = self._router.prompt_hashes(token_ids, route.get("cache_salt"))
         while len(self._prompt_hashes) >= MAX_PENDING_DECISIONS:  # requests cancelled before they were sent
             self._prompt_hashes.pop(next(iter(self._prompt_hashes)))
         self._prompt_hashes[request_id] = (token_ids, hashes)

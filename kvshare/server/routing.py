@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvshare.kvcache.cache_key import CacheNamespace
 from kvshare.kvcache.hashing import BlockHasher
 from kvshare.kvcache.kv_events import apply_kv_events
 
@@ -111,6 +112,13 @@ class Router:
         limit = self.replica_limit
         return limit is None or replica.in_flight < limit
 
+    def prompt_hashes(self, token_ids: list[int], cache_salt: str | None) -> list[bytes]:
+        """The prompt's block hashes as a replica keys them: under the namespace its engine gives
+        the request (kvshare.engine.request.Sequence.namespace), from the request's cache_salt."""
+        if self.hasher is None:
+            return []
+        return self.hasher.prefix_hashes(token_ids, CacheNamespace(salt=cache_salt))
+
     def matched_blocks(self, replica: ReplicaState, hashes: list[bytes]) -> int:
         n = 0
         for h in hashes:
@@ -139,7 +147,7 @@ class Router:
         # Full replicas are passed over; when all are full the front end refuses (429) before asking.
         live = [r for r in live if self.has_room(r)] or live
         if hashes is None:
-            hashes = self.hasher.prefix_hashes(token_ids, cache_salt) if self.hasher is not None else []
+            hashes = self.prompt_hashes(token_ids, cache_salt)
 
         def decided(r: ReplicaState, reason: str) -> RoutingDecision:
             return RoutingDecision(r.index, self.matched_blocks(r, hashes), len(hashes), reason, tuple(hashes))

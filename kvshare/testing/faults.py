@@ -7,13 +7,15 @@ reachable from normal configuration, and planting patches the given engine objec
   no_copy_on_write       (b) a sequence appends into a block it shares (fork tail) in place
   abort_ignores_refcount (c) the abort path drops every reference to its blocks, others' too
   evict_held_block       (d) the allocator reuses a cached block that a running sequence holds
-  lookup_ignores_salt    (e) the prefix lookup hashes without the tenant's cache salt
+  lookup_ignores_salt    (e) the prefix lookup hashes without the request's cache namespace
   slot_off_by_one        (f) the first token of each block is written one slot too early
   hit_before_written     (g) blocks are published when their last token is sampled, before its
                              KV is computed: a request that finished on that token leaves a
                              cached block with an unwritten slot for the next turn to hit
 """
 from __future__ import annotations
+
+from kvshare.kvcache.cache_key import DEFAULT_NAMESPACE
 
 FAULTS = {
     "share_without_incref": "a", "no_copy_on_write": "b", "abort_ignores_refcount": "c",
@@ -87,17 +89,17 @@ def _evict_held_block(engine) -> None:
     pool = engine.manager.pool
     allocate = pool.allocate
 
-    def buggy_allocate(owner, salt=None):
+    def buggy_allocate(owner, namespace=DEFAULT_NAMESPACE):
         for bid in list(pool.cached.values()):
             block = pool.blocks[bid]
             if block.ref_count > 0 and owner not in block.owners:
                 _fired(engine, [bid])
                 pool._evict(block)
-                block.ref_count, block.owners, block.salt = 1, {owner}, salt
+                block.ref_count, block.owners, block.namespace = 1, {owner}, namespace
                 block.generation += 1
                 pool.events.record("alloc", block=bid, seq=owner)
                 return block
-        return allocate(owner, salt)
+        return allocate(owner, namespace)
 
     pool.allocate = buggy_allocate
 
@@ -106,11 +108,11 @@ def _lookup_ignores_salt(engine) -> None:
     mgr = engine.manager
     find = mgr.find_cached_prefix
 
-    def buggy_find(seq_id, token_ids, cache_salt):
+    def buggy_find(seq_id, token_ids, namespace):
         key = seq_id + "\0lookup"
-        hits = find(key, token_ids, None)
+        hits = find(key, token_ids, DEFAULT_NAMESPACE)
         mgr.seqs.pop(key, None)
-        foreign = [b.block_id for b in hits if b.salt != cache_salt]
+        foreign = [b.block_id for b in hits if b.namespace != namespace]
         if foreign:
             _fired(engine, foreign)
         return hits
