@@ -165,7 +165,7 @@ class EngineConfig:
     # Isolation audit after every step (KVSHARE_AUDIT=1 turns it on too); costs nothing when off.
     audit: bool = False
     kv_event_log: str | None = None  # JSONL file of block events (kvshare audit replay reads it)
-    # KV cache events for routers in vLLM's wire format (kvshare.engine.kv_event_publisher): a ZMQ
+    # KV cache events for routers in vLLM's wire format (kvshare.engine.prefix_update_publisher): a ZMQ
     # PUB endpoint such as "tcp://127.0.0.1:5557", an optional ROUTER endpoint replaying missed
     # batches by sequence number, and the topic frame.
     kv_events_endpoint: str | None = None

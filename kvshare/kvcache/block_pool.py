@@ -10,7 +10,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kvshare.kvcache.events import EventLog, Recorder
-from kvshare.kvcache.kv_events import KVEventQueue, NullKVEventQueue
+from kvshare.kvcache.prefix_updates import NullPrefixUpdateQueue, PrefixUpdateQueue
 
 
 class BlockPoolError(RuntimeError):
@@ -44,9 +44,9 @@ class BlockPool:
         self.num_evictions = 0
         self.num_allocations = 0
         self.events = events
-        # What routers see (BlockStored / BlockRemoved, kvshare.kvcache.kv_events): the engine
-        # installs a KVEventQueue when a publisher is configured.
-        self.kv_events: KVEventQueue | NullKVEventQueue = NullKVEventQueue()
+        # What routers see (BlockStored / BlockRemoved, kvshare.kvcache.prefix_updates): the engine
+        # installs a PrefixUpdateQueue when a publisher is configured.
+        self.prefix_updates: PrefixUpdateQueue | NullPrefixUpdateQueue = NullPrefixUpdateQueue()
 
     @property
     def num_free(self) -> int:
@@ -76,7 +76,7 @@ class BlockPool:
     def _evict(self, block: Block) -> None:
         if self.cached.get(block.block_hash) == block.block_id:
             del self.cached[block.block_hash]
-            self.kv_events.removed(block.block_hash)
+            self.prefix_updates.removed(block.block_hash)
         block.block_hash = None
         block.token_ids = None
         block.parent_hash = None
@@ -119,7 +119,7 @@ class BlockPool:
         block.token_ids = token_ids
         block.parent_hash = parent_hash
         self.cached[block_hash] = block.block_id
-        self.kv_events.stored(block_hash, parent_hash, token_ids)
+        self.prefix_updates.stored(block_hash, parent_hash, token_ids)
         self.events.record("register", block=block.block_id, hash=block_hash.hex()[:16],
                            parent=parent_hash.hex()[:16] if parent_hash else None, salt=block.salt,
                            tokens=list(token_ids))
@@ -140,4 +140,4 @@ class BlockPool:
             if block.ref_count == 0:
                 self._evict(block)
         if not self.cached:
-            self.kv_events.cleared()
+            self.prefix_updates.cleared()

@@ -4,7 +4,7 @@ a full `kvshare serve` child process on an internal loopback port, behind one Op
 The front end is an async reverse proxy. For /v1/completions and /v1/chat/completions it
 tokenizes the prompt exactly as a replica would (same tokenizer, same chat template, the
 request's cache_salt) and asks the router (kvshare.server.routing) for a replica: prefix-aware
-by default, from what each replica's KV events say it caches (kvshare.server.kv_subscriber),
+by default, from what each replica's KV events say it caches (kvshare.server.prefix_update_subscriber),
 balanced against the requests in flight on each and its KV usage. Replicas and front end share
 one prefix-caching hash seed, so the router's block hashes are the replicas' own.
 
@@ -55,8 +55,8 @@ from kvshare.server.dp_supervisor import (  # noqa: F401
     STARTUP_TIMEOUT_SECONDS, STUCK_POLLS, DrainingFrontend, FrontendState, _wait_started, exit_status,
     log_task_failure, monitor_replicas, poll_replica, poll_replicas, start_background, wait_replicas_ready)
 from kvshare.server.errors import APIError
-from kvshare.server.kv_subscriber import KVEventSubscriber
 from kvshare.server.middleware import GuardMiddleware
+from kvshare.server.prefix_update_subscriber import PrefixUpdateSubscriber
 from kvshare.server.replica import (  # noqa: F401
     ReplicaLaunch, ReplicaProcess, bind_loopback_socket, connect_endpoint, free_loopback_port, offset_endpoint,
     split_cpus)
@@ -91,7 +91,7 @@ class DataParallelOptions:
 
 
 
-def build_frontend_app(state: FrontendState, subscribers: list[KVEventSubscriber]) -> Starlette:
+def build_frontend_app(state: FrontendState, subscribers: list[PrefixUpdateSubscriber]) -> Starlette:
     proxy = Proxy(state)
     tasks: list[asyncio.Task] = []
 
@@ -261,7 +261,7 @@ def serve_data_parallel(config: ServerConfig, options: DataParallelOptions, repl
         state = FrontendState(config=config, options=options, metrics=RouterMetrics(name, options.size, options.policy),
                               router=router, replicas=replicas, tokenizer=tokenizer, model_name=name)
         for rep, view in zip(replicas, router.replicas):
-            subscribers.append(KVEventSubscriber(ctx, view, connect_endpoint(rep.launch.kv_events_endpoint),
+            subscribers.append(PrefixUpdateSubscriber(ctx, view, connect_endpoint(rep.launch.kv_events_endpoint),
                                                  connect_endpoint(rep.launch.kv_events_replay_endpoint),
                                                  options.kv_events_topic))
         app = build_frontend_app(state, subscribers)

@@ -18,7 +18,7 @@ import httpx2
 
 from kvshare.server.dp_metrics import RouterMetrics
 from kvshare.server.dp_proxy import _engine_dead_detail
-from kvshare.server.kv_subscriber import KVEventSubscriber
+from kvshare.server.prefix_update_subscriber import PrefixUpdateSubscriber
 from kvshare.server.replica import ReplicaProcess
 from kvshare.server.routing import Router
 from kvshare.server.runner import ABORT_GRACE_SECONDS, LoopKeepingServer
@@ -173,7 +173,7 @@ def log_task_failure(task: asyncio.Task) -> None:
 
 
 
-def start_background(state: FrontendState, subscribers: list[KVEventSubscriber]) -> list[asyncio.Task]:
+def start_background(state: FrontendState, subscribers: list[PrefixUpdateSubscriber]) -> list[asyncio.Task]:
     """The KV event subscribers, the process monitor and the poller, each logging how it failed."""
     named = [(s.run(), f"kv-events-engine-{s.replica.index}") for s in subscribers]
     named += [(monitor_replicas(state), "monitor-replicas"), (poll_replicas(state), "poll-replicas")]
