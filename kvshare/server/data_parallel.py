@@ -32,7 +32,6 @@ import os
 import secrets
 import shutil
 import tempfile
-from dataclasses import dataclass
 
 import httpx2
 import uvicorn
@@ -54,6 +53,7 @@ from kvshare.server.dp_supervisor import (  # noqa: F401
     DRAIN_MARGIN_SECONDS, MONITOR_SECONDS, POLL_SECONDS, POLL_TIMEOUT_SECONDS, RETIRE_GRACE_SECONDS,
     STARTUP_TIMEOUT_SECONDS, STUCK_POLLS, DrainingFrontend, FrontendState, _wait_started, exit_status,
     log_task_failure, monitor_replicas, poll_replica, poll_replicas, start_background, wait_replicas_ready)
+from kvshare.server.dp_state import DataParallelOptions
 from kvshare.server.errors import APIError
 from kvshare.server.middleware import GuardMiddleware
 from kvshare.server.prefix_update_subscriber import PrefixUpdateSubscriber
@@ -67,28 +67,6 @@ logger = logging.getLogger("kvshare.server")
 
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
-
-@dataclass
-class DataParallelOptions:
-    size: int
-    policy: str
-    block_size: int
-    hash_seed: str  # shared by the replicas and the router
-    kv_events_topic: str = ""
-    kv_events_endpoint: str | None = None  # the user's base endpoint (rank r publishes on port + r)
-    kv_events_replay_endpoint: str | None = None
-    max_num_seqs: int = 256
-    prefix_caching: bool = True  # the replicas' (--no-prefix-caching: False); prefix_aware then routes by load
-
-    def __post_init__(self) -> None:
-        if self.size < 1:
-            raise ValueError(f"--data-parallel-size {self.size} is invalid: must be >= 1")
-        if self.kv_events_endpoint:  # checked now, before any replica starts
-            offset_endpoint(self.kv_events_endpoint, 0, "--kv-events-endpoint")
-        if self.kv_events_replay_endpoint:
-            offset_endpoint(self.kv_events_replay_endpoint, 0, "--kv-events-replay-endpoint")
-
 
 
 def build_frontend_app(state: FrontendState, subscribers: list[PrefixUpdateSubscriber]) -> Starlette:
