@@ -92,7 +92,7 @@ def add_serve_parser(sub) -> None:
                         "is cached, balanced against load), round_robin, least_loaded (default: prefix_aware)")
     # Test-only: plant a known bug class (kvshare.testing.faults) so the dashboard's test can show
     # an audit violation on a real server (with --audit the engine stops at the violation). Hidden
-    # from --help, and refused without --audit (cmd_serve).
+    # from --help, and refused without KVSHARE_TESTING=1 or without --audit (cmd_serve).
     p.add_argument("--inject-fault", default=None, help=argparse.SUPPRESS)
     # Internal: a replica serves the socket its data-parallel front end bound for it (fd inherited).
     p.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)
@@ -155,13 +155,16 @@ def auth_options(args: argparse.Namespace, environ) -> dict:
 
 
 def check_inject_fault(args: argparse.Namespace) -> None:
-    """--inject-fault plants a bug that corrupts other requests' KV on purpose: it runs only with
-    the explicit --audit flag (KVSHARE_AUDIT is not enough: an environment variable is too easy to
+    """--inject-fault plants a bug that corrupts other requests' KV on purpose: it runs only in a
+    testing environment (KVSHARE_TESTING=1, kvshare.testing.environment) and with the explicit
+    --audit flag (KVSHARE_AUDIT is not enough: an environment variable is too easy to
     lose), so the engine stops at the first violation instead of serving wrong answers. Checked
     before the model loads, so a typo or a missing --audit fails at once rather than after the
     load (and once, not in each of N data-parallel replicas)."""
+    from kvshare.testing.environment import require_testing
     from kvshare.testing.faults import FAULTS
 
+    require_testing(f"--inject-fault {args.inject_fault}")
     if not args.audit:
         raise ValueError(f"--inject-fault {args.inject_fault} needs --audit: the planted bug corrupts the KV "
                          "cache, and only the audit stops the engine at it (a test-only option)")
