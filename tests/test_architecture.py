@@ -3,6 +3,7 @@ from the source with ast, so they cost nothing at test time."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "kvshare"
@@ -109,3 +110,36 @@ def test_the_package_has_no_import_cycle():
     graph = import_graph()
     assert "kvshare.server.data_parallel" in graph and graph["kvshare.server.dp_proxy"]  # the graph is real
     assert cycles(graph) == []
+
+
+def test_each_engine_option_is_declared_once(monkeypatch):
+    """EngineConfig's fields (kvshare/config.py) are the one declaration of the engine options:
+    each says whether it has a flag, and the argparse flags, their defaults, the keyword arguments
+    the CLI hands EngineConfig and Ray's engine options are all read from them."""
+    import argparse
+    import dataclasses
+
+    from kvshare.config import HASH_SEED_ENV, EngineConfig
+    from kvshare.engine_args import RETIRED_NO_TOKEN_IDS, add_engine_args, engine_options, flag_dest, flagged_options
+    from kvshare.ray.options import ENGINE_OPTIONS, REPLICA_SET
+
+    declared = dataclasses.fields(EngineConfig)
+    assert all("flag" in f.metadata for f in declared)  # every option decided: a flag, or None for none
+    monkeypatch.delenv(HASH_SEED_ENV, raising=False)
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    dests = [a.dest for a in parser._actions if a.option_strings and a.dest != "help"]
+    expected = [flag_dest(f, flag) for f, flag in flagged_options()]
+    expected.insert(expected.index("kv_events_token_ids") + 1, RETIRED_NO_TOKEN_IDS[2:].replace("-", "_"))
+    assert dests == expected
+    options = engine_options(parser.parse_args([]))
+    for f, flag in flagged_options():
+        assert options.get(f.name, f.default) == f.default, f.name  # each default written once, in EngineConfig
+    assert EngineConfig(**options) == EngineConfig()
+    assert set(ENGINE_OPTIONS) | REPLICA_SET == {f.name for f in declared} and not set(ENGINE_OPTIONS) & REPLICA_SET
+
+    # The CLI module spells no engine flag of its own (only the retired one, which sets no option).
+    source = (PACKAGE / "engine_args.py").read_text(encoding="utf-8")
+    flags = {n.value for n in ast.walk(ast.parse(source))
+             if isinstance(n, ast.Constant) and isinstance(n.value, str) and re.fullmatch(r"--[a-z][a-z0-9-]*", n.value)}
+    assert flags == {RETIRED_NO_TOKEN_IDS}
