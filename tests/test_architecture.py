@@ -50,7 +50,8 @@ def import_graph() -> dict[str, set[str]]:
                 continue
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
             targets.update(owner(f"{base}.{alias.name}") for alias in node.names)
         graph[name] = {t for t in targets if t is not None and t != name}
     return graph
@@ -141,5 +142,28 @@ def test_each_engine_option_is_declared_once(monkeypatch):
     # The CLI module spells no engine flag of its own (only the retired one, which sets no option).
     source = (PACKAGE / "engine_args.py").read_text(encoding="utf-8")
     flags = {n.value for n in ast.walk(ast.parse(source))
-             if isinstance(n, ast.Constant) and isinstance(n.value, str) and re.fullmatch(r"--[a-z][a-z0-9-]*", n.value)}
+             if isinstance(n, ast.Constant) and isinstance(n.value, str)
+             and re.fullmatch(r"--[a-z][a-z0-9-]*", n.value)}
     assert flags == {RETIRED_NO_TOKEN_IDS}
+
+
+def test_serve_flags_take_server_config_defaults():
+    """`kvshare serve`'s server flags default to ServerConfig's own defaults (read from it, not
+    written again): for every flag that names a ServerConfig field, the two agree."""
+    import dataclasses
+
+    from kvshare.cli import build_parser
+    from kvshare.config import parse_bytes
+    from kvshare.server.settings import ServerConfig
+
+    declared = {f.name: f.default for f in dataclasses.fields(ServerConfig) if f.default is not dataclasses.MISSING}
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    checked = 0
+    for action in serve._actions:
+        if action.dest in declared:
+            default = action.default
+            if action.dest.endswith("_bytes"):
+                default = parse_bytes(default, action.dest)
+            assert default == declared[action.dest], action.dest
+            checked += 1
+    assert checked >= 20
