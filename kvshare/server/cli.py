@@ -243,12 +243,12 @@ def serve_replicas(args: argparse.Namespace, parser: argparse.ArgumentParser, cf
     # replicas hold as much KV as one engine would; an explicit --kv-cache-memory is per replica.
     pool = {"kv_cache_memory": engine_cfg.kv_budget_bytes() // options.size} if args.kv_cache_memory is None else {}
 
-    def argv(rank: int, port: int, events: str, replay: str) -> list[str]:
+    def argv(rank: int, port: int, publish: str, replay: str) -> list[str]:
         # The front end writes the access log (one line per client request); a replica's would
         # also list the front end's /metrics polls. The hash seed goes through the environment
         # (ReplicaLaunch.hash_seed), not here, where `ps` shows it to every user.
         return replica_argv(parser, args, {"host": "127.0.0.1", "port": port, "data_parallel_rank": rank,
-                                           "kv_events_endpoint": events,
+                                           "kv_events_endpoint": publish,
                                            "kv_events_replay_endpoint": replay, **pool}) + ["--no-access-log"]
 
     return serve_data_parallel(cfg, options, argv, args.model)

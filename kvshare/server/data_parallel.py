@@ -198,7 +198,7 @@ def build_router(options: DataParallelOptions, max_waiting: int | None) -> Route
 
 
 def serve_data_parallel(config: ServerConfig, options: DataParallelOptions, replica_argv, model_arg: str | None) -> int:
-    """Run the front end until drained; `replica_argv(index, port, events, replay)` gives one
+    """Run the front end until drained; `replica_argv(index, port, publish, replay)` gives one
     replica's `kvshare serve` arguments. Returns the exit status."""
     from kvshare.model.loader import load_tokenizer
     from kvshare.server.state import default_model_name
@@ -221,18 +221,18 @@ def serve_data_parallel(config: ServerConfig, options: DataParallelOptions, repl
         replicas, subscribers = [], []
         for r in range(options.size):
             if options.kv_events_endpoint:
-                events = offset_endpoint(options.kv_events_endpoint, r, "--kv-events-endpoint")
+                publish = offset_endpoint(options.kv_events_endpoint, r, "--kv-events-endpoint")
                 replay = (offset_endpoint(options.kv_events_replay_endpoint, r, "--kv-events-replay-endpoint")
                           if options.kv_events_replay_endpoint else f"ipc://{socket_dir}/engine-{r}.replay")
             else:
-                events = f"ipc://{socket_dir}/engine-{r}.events"
+                publish = f"ipc://{socket_dir}/engine-{r}.events"
                 replay = f"ipc://{socket_dir}/engine-{r}.replay"
             sock = bind_loopback_socket()
             port = sock.getsockname()[1]
             threads, cpus = shares[r]
             launch = ReplicaLaunch(index=r, port=port,
-                                   argv=replica_argv(r, port, events, replay) + ["--listen-fd", str(sock.fileno())],
-                                   kv_events_endpoint=events, kv_events_replay_endpoint=replay,
+                                   argv=replica_argv(r, port, publish, replay) + ["--listen-fd", str(sock.fileno())],
+                                   kv_events_endpoint=publish, kv_events_replay_endpoint=replay,
                                    omp_threads=threads, cpus=cpus, auth=replica_auth(config), listen_fd=sock.fileno(),
                                    hash_seed=options.hash_seed)
             replicas.append(ReplicaProcess(launch, listen_socket=sock))
