@@ -167,3 +167,19 @@ def test_serve_flags_take_server_config_defaults():
             assert default == declared[action.dest], action.dest
             checked += 1
     assert checked >= 20
+
+
+def test_events_name_the_block_log_only():
+    """One word per meaning: "events" is the block log (kvshare/kvcache/events.py) and what relays
+    it to the live view; what routers are told of cached prefixes (vLLM's "KV cache events") is
+    called prefix updates. No other module or class says "event"."""
+    modules = {name for name in package_modules() if "event" in name.rpartition(".")[2]}
+    assert modules == {"kvshare.kvcache.events"}
+    classes = set()
+    for name, path in package_modules().items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef) and "event" in node.name.lower():
+                classes.add(f"{name}.{node.name}")
+    # The block log and its null form, and the view's fan-out of block events (redacted).
+    assert classes == {"kvshare.kvcache.events.EventLog", "kvshare.kvcache.events.NullEventLog",
+                       "kvshare.server.kv_stream.EventRedactor", "kvshare.server.kv_stream.KVEventHub"}
