@@ -4,7 +4,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -105,6 +105,34 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str, prefill_dtype: str, 
 
 
 QUANTIZATION_CHOICES = ("auto", "none")
+DTYPE_CHOICES = ("auto", "float32", "bfloat16")
+KV_POLICIES = ("sink",)
+TENSOR_PARALLEL_BACKENDS = ("auto", "gloo")
+# How a data-parallel front end hands its replicas the hash seed: not on their command lines.
+HASH_SEED_ENV = "KVSHARE_PREFIX_CACHING_HASH_SEED"
+KV_CACHE_MEMORY_FRACTION = 0.05
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How an engine option appears on the command line (kvshare.engine_args builds the argparse
+    flags from these; Ray's options and the memory planner read the same fields). The flag's name
+    is --field-name unless `name` says otherwise; a bool field is a store_true flag."""
+
+    help: str | None = None  # "{default}" and "{env}" are filled in with the field's default and `env`
+    name: str | None = None
+    aliases: tuple[str, ...] = ()
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+    negate: bool = False  # a store_true flag that sets the field False (--no-prefix-caching)
+    only_when_given: bool = False  # passed on only when given: the field has an environment fallback
+    env: str | None = None  # the flag's default is read from this environment variable first
+
+
+def option(default, flag: Flag | None = Flag()):
+    """An EngineConfig field: its default, and its command-line flag (None: no flag). Each engine
+    option is declared here once; the CLI, Ray's options and the memory planner derive from it."""
+    return field(default=default, metadata={"flag": flag})
 
 
 def available_memory_bytes() -> int:
@@ -120,85 +148,120 @@ def available_memory_bytes() -> int:
 
 @dataclass
 class EngineConfig:
-    model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
+    model: str | None = option(None, Flag(  # None: the bundled SmolLM2-135M-Instruct
+        "GGUF file, HF directory or gemma3-270m (packaged Gemma 3 270M) (default: bundled SmolLM2-135M-Instruct)"))
     # Activation dtype: "auto" is float32 (see resolve_dtype).
-    dtype: str = "auto"
+    dtype: str = option("auto", Flag("activations: auto = float32", choices=DTYPE_CHOICES))
     # The dtype of the dense GEMMs that prompt rows (prefill chunks) take on kept-quantized weights:
     # their inputs are rounded to it, the sums stay float32-accurate; decode rows always take the
     # packed kernels in `dtype` (kvshare.model.qlinear). "auto": bfloat16 where the CPU has
     # avx512_bf16, else `dtype` (resolve_prefill_dtype).
-    prefill_dtype: str = "auto"
+    prefill_dtype: str = option("auto", Flag(
+        "GEMMs over many rows (prefill) on kept-quantized weights: auto = bfloat16 where the CPU has avx512_bf16, "
+        "else --dtype", choices=DTYPE_CHOICES))
     # vLLM's option name. "auto": GGUF tensors stay in their quantized format, each on a kernel
     # that reads it (kvshare.model.qlinear); None (or "none"): everything dequantized to `dtype`,
     # the exact reference path (with dtype="float32", what the HF-parity tests run).
-    quantization: str | None = "auto"
-    block_size: int = 16
+    quantization: str | None = option("auto", Flag(
+        "auto: GGUF weights stay quantized (fast); none: dequantize (with --dtype float32: the exact reference mode)",
+        choices=QUANTIZATION_CHOICES))
+    block_size: int = option(16)
     # How K/V are stored: "auto" (the model dtype; bfloat16 in the default mode on avx512_bf16
     # CPUs: resolve_kv_cache_dtype), "float32", "bfloat16", "float16", or "int8" /
     # "fp8_e4m3" with one float32 scale per token per kv head (kvshare.model.kv_quant).
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str = option("auto", Flag(
+        "KV storage: auto (= --dtype; bfloat16 in the default mode on CPUs with avx512_bf16), float32, bfloat16, "
+        "float16, int8, fp8_e4m3"))
     # KV budget: an explicit byte count wins; otherwise a fraction of currently available memory.
-    kv_cache_memory: int | str | None = None
-    kv_cache_memory_fraction: float = 0.05
-    max_model_len: int | None = None  # None: the model's context length, capped by the pool
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
+    kv_cache_memory: int | str | None = option(None, Flag(
+        f"KV pool size, e.g. 512MiB (default: {KV_CACHE_MEMORY_FRACTION * 100:g}%% of free memory)"))
+    kv_cache_memory_fraction: float = option(KV_CACHE_MEMORY_FRACTION, None)
+    max_model_len: int | None = option(None)  # None: the model's context length, capped by the pool
+    max_num_seqs: int = option(128)
+    max_num_batched_tokens: int = option(2048)
+    enable_prefix_caching: bool = option(True, Flag("disable automatic prefix caching", name="--no-prefix-caching",
+                                                    negate=True))
     # Models mixing global and sliding-window layers keep one block table per group of layers of
     # one attention type (kvshare.kvcache.kv_groups), so window layers hold only their window.
     # False: every layer shares one table (vLLM's disable_hybrid_kv_cache_manager).
-    kv_cache_groups: bool = True
+    kv_cache_groups: bool = option(True, Flag(
+        "models mixing global and sliding-window layers: one block table for every layer instead of one per KV "
+        "cache group (vLLM's flag)", name="--disable-hybrid-kv-cache-manager", negate=True))
     # Opt-in KV eviction (kvshare.kvcache.kv_policy, docs/kv_policies.md): None keeps every key the
     # model attends to (its own sliding windows still apply); "sink" is StreamingLLM: the first
     # `sink_tokens` tokens plus the last `window_tokens` (rounded up to whole blocks), with
     # cache positions, so a request can generate past max_model_len in flat memory.
-    kv_policy: str | None = None
-    sink_tokens: int = 4
-    window_tokens: int | None = None
+    kv_policy: str | None = option(None, Flag(
+        "sink: keep --sink-tokens first tokens + --window-tokens recent ones (docs/kv_policies.md)",
+        choices=KV_POLICIES))
+    sink_tokens: int = option(4)
+    window_tokens: int | None = option(None)
     # Under "sink" a sequence is never stopped by max_model_len: the most tokens one request may
     # generate there (a larger max_tokens is refused), so no request decodes forever.
-    sink_max_tokens: int = 32768
+    sink_max_tokens: int = option(32768, Flag(
+        "with --kv-policy sink: the most tokens one request may generate (default: %(default)s)"))
     # The root of unseeded requests' sampling generators: a fixed seed repeats them run after run
     # (the offline default, 0); None draws one per engine from os.urandom (`kvshare serve`'s default).
-    seed: int | None = 0
-    num_threads: int | None = None
+    seed: int | None = option(0, Flag(
+        "root of unseeded requests' sampling; a request's own seed always reproduces "
+        "(default: {default}; serve: a random one per start)"))
+    num_threads: int | None = option(None, None)  # KVSHARE_NUM_THREADS
     # Isolation audit after every step (KVSHARE_AUDIT=1 turns it on too); costs nothing when off.
-    audit: bool = False
-    kv_event_log: str | None = None  # JSONL file of block events (kvshare audit replay reads it)
-    # KV cache events for routers in vLLM's wire format (kvshare.engine.kv_event_publisher): a ZMQ
+    # Only an explicit --audit overrides KVSHARE_AUDIT.
+    audit: bool = option(False, Flag("check KV isolation invariants after every step", only_when_given=True))
+    kv_event_log: str | None = option(None, Flag(  # JSONL file of block events (kvshare audit replay reads it)
+        "write block events as JSONL (see kvshare audit replay)"))
+    # KV cache events for routers in vLLM's wire format (kvshare.engine.prefix_update_publisher): a ZMQ
     # PUB endpoint such as "tcp://127.0.0.1:5557", an optional ROUTER endpoint replaying missed
     # batches by sequence number, and the topic frame.
-    kv_events_endpoint: str | None = None
-    kv_events_replay_endpoint: str | None = None
-    kv_events_topic: str = ""
+    kv_events_endpoint: str | None = option(None, Flag(
+        "publish KV cache events (BlockStored / BlockRemoved / AllBlocksCleared, vLLM's wire format: ZMQ PUB, "
+        "msgpack) on this endpoint, e.g. tcp://127.0.0.1:5557"))
+    kv_events_replay_endpoint: str | None = option(None, Flag(
+        "ZMQ ROUTER endpoint that resends buffered event batches from a sequence number"))
+    kv_events_topic: str = option("", Flag("topic frame of every published batch (default: empty)"))
     # vLLM's BlockStored events carry the block's token ids. They are the tenants' prompts (salted
     # ones too), and the event sockets have no authentication: by default the lists are empty (the
     # wire format stays valid; routers need only the hashes). True publishes them, for consumers
     # that need them (`--kv-events-token-ids`).
-    kv_events_token_ids: bool = False
+    kv_events_token_ids: bool = option(False, Flag(
+        "publish BlockStored with the block's token ids (the tenants' prompt text) for consumers that need them; "
+        "by default they are empty lists (routers need only the hashes)"))
     # A TCP endpoint that is not loopback (tcp://*:..., 0.0.0.0, a host name or another address)
     # lets anyone on the network follow every tenant's cache, and the replay socket hands out the
     # last 10,000 batches: refused unless this is True (`--kv-events-allow-remote`). ipc:// and
     # inproc:// stay on this machine. The Ray replicas set it (their routers are elsewhere).
-    kv_events_allow_remote: bool = False
+    kv_events_allow_remote: bool = option(False, Flag(
+        "allow a KV event or replay endpoint other machines can reach (tcp://*, 0.0.0.0, a host name, a "
+        "non-loopback address): the sockets have no authentication, and the replay socket resends the last "
+        "10,000 batches (default: loopback tcp://, ipc:// and inproc:// only)"))
     # Prefix-cache block hashes start from a random per-process root, so they are never comparable
     # across processes. A seed makes them stable (the root is derived from it: every replica with
     # the same seed hashes alike, and a router can compute them from token ids); a tenant's
     # cache_salt still keeps its blocks apart.
-    prefix_caching_hash_seed: str | None = None
+    prefix_caching_hash_seed: str | None = option(None, Flag(
+        "derive prefix-cache block hashes from this seed instead of a random per-process root, so replicas (and a "
+        "router) compute the same hashes from token ids (default: ${env}, which keeps it off the command line "
+        "other users can read)", env=HASH_SEED_ENV))
     # This engine's rank among data-parallel replicas (`kvshare serve --data-parallel-size` sets it):
     # its KV event batches carry it, as vLLM's do, so a consumer of several replicas' events can
     # tell them apart. None: a single engine, batches without it.
-    data_parallel_rank: int | None = None
+    data_parallel_rank: int | None = option(None, Flag(
+        "this engine's rank among data-parallel replicas, carried in its KV event batches (set by "
+        "--data-parallel-size for each replica; default: none)"))
     # vLLM's name: this many processes each hold a shard of every layer (their heads, their part
     # of the MLP and vocabulary) and run every step together (tensor_parallel_backend says how they
     # exchange activations); this process is rank 0 and schedules (kvshare.engine.tensor_parallel).
     # Threads are split between the ranks.
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = option(1, Flag(
+        "split every layer across N processes on this machine; threads are divided between them "
+        "(docs/tensor_parallel.md)", aliases=("-tp",), metavar="N"))
     # How the ranks exchange activations: "auto" is a shared memory segment where kvshare's C++
     # library is built (microseconds per all-reduce), else a gloo process group over loopback
     # (1-2 ms per all-reduce on a small VM: a sharded forward does two per layer); "gloo" always gloo.
-    tensor_parallel_backend: str = "auto"
+    tensor_parallel_backend: str = option("auto", Flag(
+        "how the ranks exchange activations: auto = shared memory (gloo where kvshare's C++ library is not "
+        "built), gloo = always gloo", choices=TENSOR_PARALLEL_BACKENDS))
 
     def __post_init__(self) -> None:
         if isinstance(self.dtype, torch.dtype):
@@ -229,7 +292,7 @@ class EngineConfig:
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size={tp!r} is invalid: must be an integer >= 1")
-        if self.tensor_parallel_backend not in ("auto", "gloo"):
+        if self.tensor_parallel_backend not in TENSOR_PARALLEL_BACKENDS:
             raise ValueError(f"tensor_parallel_backend={self.tensor_parallel_backend!r} is invalid: allowed are 'auto' "
                              "(shared memory where kvshare's C++ library is built, else gloo) and 'gloo'")
         if self.kv_cache_memory is not None:
@@ -272,7 +335,7 @@ class EngineConfig:
     def _check_kv_policy(self) -> None:
         if isinstance(self.sink_max_tokens, bool) or not isinstance(self.sink_max_tokens, int) or self.sink_max_tokens < 1:
             raise ValueError(f"sink_max_tokens={self.sink_max_tokens!r} is invalid: must be an integer >= 1")
-        if self.kv_policy not in (None, "sink"):
+        if self.kv_policy is not None and self.kv_policy not in KV_POLICIES:
             raise ValueError(f"kv_policy={self.kv_policy!r} is invalid: allowed are None (keep all keys) and 'sink' "
                              "(attention sinks + recent window); see docs/kv_policies.md (no 'h2o': why is there)")
         if self.kv_policy is None:

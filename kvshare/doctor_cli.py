@@ -17,7 +17,8 @@ def add_doctor_parsers(sub) -> None:
     d.add_argument("--repro-out", default="doctor-repro.jsonl", help="where the minimal repro is written")
     d.add_argument("--logprob-tol", type=float, default=2e-3, help="largest logprob difference still called equal")
     d.add_argument("--json", action="store_true")
-    # Test-only: plant a known bug class (kvshare.testing.faults) to prove the doctor finds it.
+    # Test-only: plant a known bug class (kvshare.testing.faults) to prove the doctor finds it;
+    # refused without KVSHARE_TESTING=1 (kvshare.testing.environment).
     d.add_argument("--inject-fault", action="append", default=[], help=argparse.SUPPRESS)
     add_engine_args(d)
     d.set_defaults(func=cmd_doctor)
@@ -33,9 +34,15 @@ def add_doctor_parsers(sub) -> None:
 def cmd_doctor(args: argparse.Namespace) -> int:
     from kvshare.config import EngineConfig
     from kvshare.doctor import Doctor, DoctorUsageError, builtin_workload, format_report, load_workload
+    from kvshare.testing.environment import require_testing
     from kvshare.testing.faults import FAULTS
 
     for f in args.inject_fault:
+        try:
+            require_testing(f"--inject-fault {f}")
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         if f not in FAULTS:
             print(f"error: --inject-fault {f!r} is unknown; known: {sorted(FAULTS)}", file=sys.stderr)
             return 2

@@ -7,6 +7,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 # Two cores: keep torch from oversubscribing when the suite runs beside other work.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+# The suite is a testing environment: planted faults (kvshare.testing.faults, --inject-fault) run
+# here, in this process and in the servers it starts; tests/test_fault_gate.py checks the refusal without it.
+os.environ["KVSHARE_TESTING"] = "1"
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -14,6 +14,7 @@ import time
 import openai
 import pytest
 
+from kvshare.kvcache.pool_view import block_state
 from kvshare.testing.browser import CHROMIUM, CHROMIUM_ARGS, can_install_chromium, chromium_missing
 from server_proc import MODEL, ServerProcess
 
@@ -538,6 +539,8 @@ def test_aggregated_cells_fill_in_proportion_to_their_blocks(server, browser):
     rows = [{"id": i, "ref_count": int(i % 4 == 0), "owners": ["req-a"] if i % 4 == 0 else [],
              "hash": f"{i:012x}" if i % 4 == 1 else None, "parent": None, "position": None, "last_event": None}
             for i in range(n)]
+    for row in rows:  # as the server sends them: each row with its state (the page derives none)
+        row["state"] = block_state(row["ref_count"], row["hash"] is not None)
     snap = json.dumps({"step": 0, "num_blocks": n, "block_size": 16, "blocks": rows, "requests": []})
     hello = sse("hello", {"step": 0, "num_blocks": n, "block_size": 16, "queue": 64})
     ctx = browser.new_context(viewport={"width": 400, "height": 900},

@@ -17,7 +17,7 @@ import pytest
 from kvshare import LLM, SamplingParams
 from kvshare.bench.workloads import ENGLISH_TEXT, token_prompts
 from kvshare.kvcache.hashing import BlockHasher
-from kvshare.server.kv_subscriber import KVEventSubscriber
+from kvshare.server.prefix_update_subscriber import PrefixUpdateSubscriber
 from kvshare.server.routing import Router
 from server_proc import MODEL, ServerProcess
 
@@ -71,7 +71,7 @@ def test_subscriber_rebuilds_a_real_engines_cache_and_the_router_matches_it():
               kv_events_replay_endpoint="tcp://127.0.0.1:0", prefix_caching_hash_seed="dp-test",
               data_parallel_rank=0)
     try:
-        pub = llm.engine.kv_event_publisher
+        pub = llm.engine.prefix_update_publisher
         pool = llm.engine.manager.pool
         tok = llm.get_tokenizer()
         shared = token_prompts(tok.encode, [300], offset_step=11)[0]
@@ -86,7 +86,7 @@ def test_subscriber_rebuilds_a_real_engines_cache_and_the_router_matches_it():
             import zmq.asyncio
 
             ctx = zmq.asyncio.Context()
-            sub = KVEventSubscriber(ctx, router.replicas[0], pub.endpoint, pub.replay_endpoint)
+            sub = PrefixUpdateSubscriber(ctx, router.replicas[0], pub.endpoint, pub.replay_endpoint)
             task = asyncio.ensure_future(sub.run())
             await asyncio.sleep(0.3)  # the subscription reaches the publisher
             for p in late:
@@ -545,8 +545,8 @@ def test_batches_of_another_rank_are_ignored():
     another rank's events (a misconfigured endpoint) does not believe them."""
     import zmq.asyncio
 
-    from kvshare.engine.kv_event_publisher import encode_batch
-    from kvshare.kvcache.kv_events import BlockStored
+    from kvshare.engine.prefix_update_publisher import encode_batch
+    from kvshare.kvcache.prefix_updates import BlockStored
 
     def batch(rank: int, h: bytes) -> bytes:
         return encode_batch([BlockStored((h,), None, tuple(range(BLOCK)), BLOCK)], 0.0, rank)
@@ -554,7 +554,7 @@ def test_batches_of_another_rank_are_ignored():
     async def main():
         ctx = zmq.asyncio.Context()
         router = Router(2, block_size=BLOCK, hash_seed="s")
-        sub = KVEventSubscriber(ctx, router.replicas[1], "tcp://127.0.0.1:1")  # nothing publishes there
+        sub = PrefixUpdateSubscriber(ctx, router.replicas[1], "tcp://127.0.0.1:1")  # nothing publishes there
         await sub._accept(0, batch(0, b"a" * 32))
         await sub._accept(1, batch(1, b"b" * 32))
         ctx.destroy(linger=0)
@@ -774,8 +774,8 @@ def test_malformed_kv_event_batches_are_skipped_and_a_failed_subscription_clears
     import zmq
     import zmq.asyncio
 
-    from kvshare.engine.kv_event_publisher import encode_batch
-    from kvshare.kvcache.kv_events import BlockStored
+    from kvshare.engine.prefix_update_publisher import encode_batch
+    from kvshare.kvcache.prefix_updates import BlockStored
 
     def good(h: bytes) -> bytes:
         return encode_batch([BlockStored((h,), None, tuple(range(BLOCK)), BLOCK)], 0.0, 0)
@@ -788,7 +788,7 @@ def test_malformed_kv_event_batches_are_skipped_and_a_failed_subscription_clears
         pub.setsockopt(zmq.LINGER, 0)
         port = pub.bind_to_random_port("tcp://127.0.0.1")
         router = Router(1, block_size=BLOCK, hash_seed="s")
-        sub = KVEventSubscriber(ctx, router.replicas[0], f"tcp://127.0.0.1:{port}")
+        sub = PrefixUpdateSubscriber(ctx, router.replicas[0], f"tcp://127.0.0.1:{port}")
         task = asyncio.ensure_future(sub.run())
         bad = [b"\xc1 not msgpack", msgpack.packb(7), msgpack.packb([0.0, [["NoSuchEvent", 1]], 0])]
         seq = 0
@@ -816,7 +816,7 @@ def test_malformed_kv_event_batches_are_skipped_and_a_failed_subscription_clears
 
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        broken = KVEventSubscriber(ctx, router.replicas[0], f"tcp://127.0.0.1:{port}")
+        broken = PrefixUpdateSubscriber(ctx, router.replicas[0], f"tcp://127.0.0.1:{port}")
         broken._sub.close(0)
         broken._sub = BrokenSocket()
         with pytest.raises(zmq.ZMQError):

@@ -13,7 +13,7 @@ from kvshare import LLM, SamplingParams
 from kvshare.bench.workloads import token_prompts
 from kvshare.config import EngineConfig
 from kvshare.kvcache.hashing import BlockHasher
-from kvshare.kvcache.kv_events import cached_hashes_from_events
+from kvshare.kvcache.prefix_updates import cached_hashes_from_updates
 from kvshare.server.routing import Router
 
 BLOCK = 16
@@ -49,7 +49,7 @@ def published():
     llm = LLM(kv_cache_memory=46080 * BLOCK * 60, kv_cache_dtype="float32", kv_events_endpoint="tcp://127.0.0.1:0",
               kv_events_replay_endpoint="tcp://127.0.0.1:0", kv_events_topic="kv", prefix_caching_hash_seed="s1",
               kv_events_token_ids=True)
-    pub = llm.engine.kv_event_publisher
+    pub = llm.engine.prefix_update_publisher
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -88,14 +88,14 @@ def test_subscriber_rebuilds_the_cached_hash_set_exactly(published):
     seqs = [seq_of(f[1]) for f in live]
     assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # consecutive: nothing lost after joining
     # The replay socket has every batch from 0; together with what was seen live, the full history.
-    history = replay(llm.engine.kv_event_publisher.replay_endpoint, 0)
+    history = replay(llm.engine.prefix_update_publisher.replay_endpoint, 0)
     assert [s for s, _ in history] == list(range(len(history)))
     assert {s: p for s, p in history if s >= seqs[0]} == {seq_of(f[1]): f[2] for f in live}
     events = [e for _, p in history for e in decode(p)]
     tags = {e[0] for e in events}
     assert {"BlockStored", "BlockRemoved"} <= tags, tags  # the pool was small enough to evict
     assert pool.num_evictions > 0
-    assert cached_hashes_from_events(events) == set(pool.cached)
+    assert cached_hashes_from_updates(events) == set(pool.cached)
     for e in events:
         if e[0] == "BlockStored":
             _, hashes, parent, token_ids, block_size, lora_id, medium = e
@@ -106,7 +106,7 @@ def test_subscriber_rebuilds_the_cached_hash_set_exactly(published):
 
 def test_seeded_hashes_are_what_a_router_computes(published):
     llm, prompts, _ = published
-    history = replay(llm.engine.kv_event_publisher.replay_endpoint, 0)
+    history = replay(llm.engine.prefix_update_publisher.replay_endpoint, 0)
     stored = {e[1][0]: (e[2], e[3]) for _, p in history for e in decode(p) if e[0] == "BlockStored"}
     router = BlockHasher.seeded(BLOCK, "s1")
     parent = None
@@ -125,10 +125,10 @@ def test_seeded_hashes_are_what_a_router_computes(published):
 
 def test_replay_from_a_later_sequence_number(published):
     llm, _, _ = published
-    full = replay(llm.engine.kv_event_publisher.replay_endpoint, 0)
-    later = replay(llm.engine.kv_event_publisher.replay_endpoint, len(full) - 2)
+    full = replay(llm.engine.prefix_update_publisher.replay_endpoint, 0)
+    later = replay(llm.engine.prefix_update_publisher.replay_endpoint, len(full) - 2)
     assert later == full[-2:]
-    assert replay(llm.engine.kv_event_publisher.replay_endpoint, len(full) + 5) == []
+    assert replay(llm.engine.prefix_update_publisher.replay_endpoint, len(full) + 5) == []
 
 
 def test_reset_prefix_cache_publishes_all_blocks_cleared():
@@ -139,10 +139,10 @@ def test_reset_prefix_cache_publishes_all_blocks_cleared():
         llm.generate([{"prompt_token_ids": token_prompts(tok.encode, [100])[0]}],
                      SamplingParams(max_tokens=2), use_tqdm=False)
         llm.engine.manager.pool.reset_prefix_cache()
-        llm.engine.publish_kv_events()
-        events = [e for _, p in replay(llm.engine.kv_event_publisher.replay_endpoint, 0) for e in decode(p)]
+        llm.engine.publish_prefix_updates()
+        events = [e for _, p in replay(llm.engine.prefix_update_publisher.replay_endpoint, 0) for e in decode(p)]
         assert events[-1] == ["AllBlocksCleared"]
-        assert cached_hashes_from_events(events) == set() == set(llm.engine.manager.pool.cached)
+        assert cached_hashes_from_updates(events) == set() == set(llm.engine.manager.pool.cached)
     finally:
         llm.engine.close()
 
@@ -157,23 +157,23 @@ def test_events_carry_no_token_ids_by_default_and_still_route_by_hash():
     try:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.connect(llm.engine.kv_event_publisher.endpoint)
+        sub.connect(llm.engine.prefix_update_publisher.endpoint)
         time.sleep(0.3)  # ZMQ's slow joiner
         tok = llm.get_tokenizer()
         prompt = token_prompts(tok.encode, [100])[0]
         llm.generate([{"prompt_token_ids": prompt, "cache_salt": "tenant-a"}], SamplingParams(max_tokens=2),
                      use_tqdm=False)
         llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=2), use_tqdm=False)
-        llm.engine.publish_kv_events()
+        llm.engine.publish_prefix_updates()
         live = []
         while sub.poll(1000):
             live += [e for e in decode(sub.recv_multipart()[2]) if e[0] == "BlockStored"]
         assert len(live) >= 2 * (100 // BLOCK) and all(e[3] == [] for e in live), live[0]
-        events = [e for _, p in replay(llm.engine.kv_event_publisher.replay_endpoint, 0) for e in decode(p)]
+        events = [e for _, p in replay(llm.engine.prefix_update_publisher.replay_endpoint, 0) for e in decode(p)]
         stored = [e for e in events if e[0] == "BlockStored"]
         assert len(stored) >= 100 // BLOCK
         assert all(len(e) == 7 and e[3] == [] and e[4] == BLOCK for e in stored), stored[0]
-        assert cached_hashes_from_events(events) == set(llm.engine.manager.pool.cached)
+        assert cached_hashes_from_updates(events) == set(llm.engine.manager.pool.cached)
         router = Router(2, block_size=BLOCK, hash_seed="s1")
         router.replicas[1].apply(events)  # replica 1 published these; replica 0 holds nothing
         decision = router.route(prompt + [7, 8, 9])

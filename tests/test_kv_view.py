@@ -423,3 +423,32 @@ def test_open_event_stream_does_not_hold_up_shutdown(server):
         assert not reader.thread.is_alive()  # the server ended the stream
     finally:
         reader.close()
+
+
+def test_block_states_are_decided_once_and_travel_on_each_block_event():
+    """The one state rule (pool_view.block_state) and the events that carry its verdict to the
+    dashboard: the page shows the `state` each block event brings (it derives none), so every
+    event naming a block must carry the block's state right after it."""
+    from kvshare.kvcache.block_pool import BlockPool
+    from kvshare.kvcache.events import EventLog
+    from kvshare.kvcache.pool_view import STATES, block_state
+
+    assert [block_state(0, False), block_state(0, True), block_state(1, False), block_state(1, True),
+            block_state(2, False), block_state(5, True)] == ["free", "cached", "in_use", "in_use", "shared", "shared"]
+    assert set(STATES) == {"free", "cached", "in_use", "shared"}
+
+    pool = BlockPool(1)
+    log = EventLog()
+    tap = ViewTap(log, pool=pool)
+    pool.events = tap
+    block = pool.allocate("a")
+    pool.publish(block, b"h" * 32, (1, 2))
+    pool.incref(block, "b")
+    pool.decref(block, "b")
+    pool.decref(block, "a")  # decref to 0, then free: the hash stays, the block is cached
+    pool.allocate("c")  # the one block again: its hash goes (evict), then it is handed out
+    assert [(e["ev"], e["state"]) for e in tap.take()] == [
+        ("alloc", "in_use"), ("register", "in_use"), ("incref", "shared"), ("decref", "in_use"),
+        ("decref", "cached"), ("free", "cached"), ("evict", "free"), ("alloc", "in_use")]
+    # The engine's own block log is unchanged: the state is the view's, not the log's.
+    assert len(log.recent) == 8 and not any("state" in e for e in log.recent)

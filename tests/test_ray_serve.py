@@ -250,7 +250,7 @@ def test_prefix_aware_routing_keeps_each_tenant_on_its_replica(ray_app):
 
 
 def replayed_events(endpoint: str) -> list:
-    """Every event a replica still buffers, from its replay socket (kvshare.engine.kv_event_publisher)."""
+    """Every event a replica still buffers, from its replay socket (kvshare.engine.prefix_update_publisher)."""
     import msgpack
     import zmq
 
@@ -389,7 +389,7 @@ def test_a_failed_event_subscription_is_logged_and_made_again(monkeypatch, caplo
                 raise OSError("socket gone")
             await asyncio.Event().wait()
 
-    monkeypatch.setattr(rr, "KVEventSubscriber", Subscriber)
+    monkeypatch.setattr(rr, "PrefixUpdateSubscriber", Subscriber)
     monkeypatch.setattr(rr, "RESUBSCRIBE_DELAY_S", 0.0)
     router, a, _, _ = fake_router()
     followed = router._followed[a]

@@ -49,7 +49,7 @@ def select_blocks(snapshot: dict, blocks: str) -> dict:
 def start_view(engine) -> ViewTap:
     """The view's recorder, installed in front of the engine's own event log (one at most)."""
     if engine.view_tap is None:
-        engine.set_view_tap(ViewTap())
+        engine.set_view_tap(ViewTap(pool=engine.manager.pool))
     return engine.view_tap
 
 

@@ -28,7 +28,7 @@ from kvshare.errors import InvalidRequestError
 from kvshare.kvcache.audit import KVAuditor, record_step_io
 from kvshare.kvcache.events import EventLog, as_event_log
 from kvshare.kvcache.hashing import BlockHasher
-from kvshare.kvcache.kv_events import KVEventQueue
+from kvshare.kvcache.prefix_updates import PrefixUpdateQueue
 from kvshare.kvcache.kv_groups import GroupedKVCacheManager, blocks_per_seq
 from kvshare.kvcache.manager import KVCacheManager
 from kvshare.kvcache.view_tap import ViewTap
@@ -133,18 +133,17 @@ class LLMEngine:
         self.step_count = 0
         self.stats = EngineStats()
         self.set_audit(config.audit, config.kv_event_log)
-        self.kv_event_publisher = None
+        self.prefix_update_publisher = None
         if config.kv_events_endpoint:
-            from kvshare.engine.kv_event_publisher import ZmqKVEventPublisher  # pyzmq only when asked for
+            from kvshare.engine.prefix_update_publisher import ZmqPrefixUpdatePublisher  # pyzmq only when asked for
 
-            self.manager.pool.kv_events = KVEventQueue(config.block_size, "CPU")
-            self.kv_event_publisher = ZmqKVEventPublisher(config.kv_events_endpoint, config.kv_events_replay_endpoint,
-                                                          config.kv_events_topic,
-                                                          data_parallel_rank=config.data_parallel_rank,
-                                                          include_token_ids=config.kv_events_token_ids)
-            logger.info("KV events: publishing on %s%s", self.kv_event_publisher.endpoint,
-                        f", replay on {self.kv_event_publisher.replay_endpoint}"
-                        if self.kv_event_publisher.replay_endpoint else "")
+            self.manager.pool.prefix_updates = PrefixUpdateQueue(config.block_size, "CPU")
+            self.prefix_update_publisher = ZmqPrefixUpdatePublisher(
+                config.kv_events_endpoint, config.kv_events_replay_endpoint, config.kv_events_topic,
+                data_parallel_rank=config.data_parallel_rank, include_token_ids=config.kv_events_token_ids)
+            logger.info("KV events: publishing on %s%s", self.prefix_update_publisher.endpoint,
+                        f", replay on {self.prefix_update_publisher.replay_endpoint}"
+                        if self.prefix_update_publisher.replay_endpoint else "")
 
     def close(self) -> None:
         """Release what outlives a step: the KV event sockets, the event log file and the
@@ -152,15 +151,15 @@ class LLMEngine:
         close_runner = getattr(self.runner, "close", None)
         if close_runner is not None:
             close_runner()
-        if self.kv_event_publisher is not None:
-            self.publish_kv_events()
-            self.kv_event_publisher.close()
-            self.kv_event_publisher = None
+        if self.prefix_update_publisher is not None:
+            self.publish_prefix_updates()
+            self.prefix_update_publisher.close()
+            self.prefix_update_publisher = None
         self.manager.events.close()
 
-    def publish_kv_events(self) -> None:
-        if self.kv_event_publisher is not None:
-            self.kv_event_publisher.publish(self.manager.pool.kv_events.drain())
+    def publish_prefix_updates(self) -> None:
+        if self.prefix_update_publisher is not None:
+            self.prefix_update_publisher.publish(self.manager.pool.prefix_updates.drain())
 
     def _seq_blocks(self, num_tokens: int) -> int | None:
         """Most blocks one sequence of `num_tokens` holds across the KV cache groups (None: one
@@ -315,7 +314,7 @@ class LLMEngine:
         if self.auditor is not None:
             self.auditor.check_state()
         events.flush()
-        self.publish_kv_events()
+        self.publish_prefix_updates()
         # Requests finished outside a step (aborts) still owe their final output.
         for st in self.requests.values():
             if st.finished and not st.reported_final:

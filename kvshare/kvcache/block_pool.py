@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from kvshare.kvcache.cache_key import DEFAULT_NAMESPACE, CacheNamespace
 from kvshare.kvcache.events import EventLog, Recorder
-from kvshare.kvcache.kv_events import KVEventQueue, NullKVEventQueue
+from kvshare.kvcache.prefix_updates import NullPrefixUpdateQueue, PrefixUpdateQueue
 
 
 class BlockPoolError(RuntimeError):
@@ -45,9 +45,9 @@ class BlockPool:
         self.num_evictions = 0
         self.num_allocations = 0
         self.events = events
-        # What routers see (BlockStored / BlockRemoved, kvshare.kvcache.kv_events): the engine
-        # installs a KVEventQueue when a publisher is configured.
-        self.kv_events: KVEventQueue | NullKVEventQueue = NullKVEventQueue()
+        # What routers see (BlockStored / BlockRemoved, kvshare.kvcache.prefix_updates): the engine
+        # installs a PrefixUpdateQueue when a publisher is configured.
+        self.prefix_updates: PrefixUpdateQueue | NullPrefixUpdateQueue = NullPrefixUpdateQueue()
 
     @property
     def num_free(self) -> int:
@@ -77,7 +77,7 @@ class BlockPool:
     def _evict(self, block: Block) -> None:
         if self.cached.get(block.block_hash) == block.block_id:
             del self.cached[block.block_hash]
-            self.kv_events.removed(block.block_hash)
+            self.prefix_updates.removed(block.block_hash)
         block.block_hash = None
         block.token_ids = None
         block.parent_hash = None
@@ -120,7 +120,7 @@ class BlockPool:
         block.token_ids = token_ids
         block.parent_hash = parent_hash
         self.cached[block_hash] = block.block_id
-        self.kv_events.stored(block_hash, parent_hash, token_ids)
+        self.prefix_updates.stored(block_hash, parent_hash, token_ids)
         self.events.record("register", block=block.block_id, hash=block_hash.hex()[:16],
                            parent=parent_hash.hex()[:16] if parent_hash else None,
                            **block.namespace.event_fields(), tokens=list(token_ids))
@@ -141,4 +141,4 @@ class BlockPool:
             if block.ref_count == 0:
                 self._evict(block)
         if not self.cached:
-            self.kv_events.cleared()
+            self.prefix_updates.cleared()

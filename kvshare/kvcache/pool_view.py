@@ -1,6 +1,8 @@
 """A read of the block pool for the live KV view: each block's state, holders, place in a chain.
 
-States (every block is in exactly one, so the counts add up to the pool size):
+States (every block is in exactly one, so the counts add up to the pool size). This is the one
+place the rule is written: the view's snapshot rows and its block events (kvshare.kvcache.view_tap)
+carry the state, and the dashboard shows what it receives.
   free     in the free queue without a prefix hash: the next allocation takes it as is
   cached   in the free queue with a prefix hash: a later request can revive it (evictable)
   in_use   held by one sequence (reference count 1)
@@ -25,6 +27,11 @@ def block_state(ref_count: int, has_hash: bool) -> str:
     return "cached" if has_hash else "free"
 
 
+def state_of(block) -> str:
+    """A pool block's state now (a kvshare.kvcache.block_pool.Block)."""
+    return block_state(block.ref_count, block.block_hash is not None)
+
+
 def _placements(manager) -> dict[int, tuple[int, int]]:
     """Block id -> (KV cache group, table index) for every block some table holds. A shared block
     sits at the same index in each holder's table (a prefix hit or a fork), so one is enough."""
@@ -47,7 +54,7 @@ def read_pool(manager, request_of: Callable[[str], str],
     counts = dict.fromkeys(STATES, 0)
     rows = []
     for b in manager.pool.blocks:
-        state = block_state(b.ref_count, b.block_hash is not None)
+        state = state_of(b)
         counts[state] += 1
         group, position = placed.get(b.block_id, (None, None))
         last = last_event.get(b.block_id)

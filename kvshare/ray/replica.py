@@ -76,7 +76,7 @@ class EngineReplica:
             metrics=metrics, model_name=name, model_source=str(engine.model_source), tokenizer=engine.tokenizer,
             max_model_len=engine.layout.max_model_len, max_num_seqs=engine.config.max_num_seqs)
         self.app = build_app(self.state)
-        publisher = engine.kv_event_publisher
+        publisher = engine.prefix_update_publisher
         self.kv_events_endpoint = publisher.endpoint
         self.kv_events_replay_endpoint = publisher.replay_endpoint
         # The app's lifespan starts the engine thread on this (the replica's user-code) event

@@ -4,7 +4,7 @@ routing policy (kvshare.server.routing.Router: prefix-aware, balanced against lo
 Serve builds one router per deployment handle, in the process holding the handle (here: each
 ingress replica), and asks it for a replica for every request. This router:
 - follows every replica's KV events (a ZMQ SUB on the TCP endpoints the replica reported in its
-  replica metadata, kvshare.server.kv_subscriber, with the replay socket filling gaps), so it
+  replica metadata, kvshare.server.prefix_update_subscriber, with the replay socket filling gaps), so it
   knows which block hashes each replica caches, whichever machine the replica runs on;
 - hashes the request's prompt with the replicas' shared seed (the ingress tokenized it and passes
   the token ids and cache_salt as the `route` keyword argument) and lets Router.route choose;
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import zmq.asyncio
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from kvshare.server.kv_subscriber import KVEventSubscriber
+from kvshare.server.prefix_update_subscriber import PrefixUpdateSubscriber
 from kvshare.server.routing import ReplicaState, Router, RoutingDecision
 
 logger = logging.getLogger("kvshare.ray")
@@ -49,7 +49,7 @@ class _Followed:
     replica_id: str
     kv_events_endpoint: str | None = None  # from the replica's metadata
     kv_events_replay_endpoint: str | None = None
-    subscriber: KVEventSubscriber | None = None
+    subscriber: PrefixUpdateSubscriber | None = None
     task: asyncio.Task | None = None
     resubscribe_at: float = 0.0  # loop time before which a failed subscription is not remade
     routed: int = 0  # requests this router sent it
@@ -117,7 +117,7 @@ class KVSharePrefixRouter(RequestRouter):
         for followed in self._followed.values():
             if followed.subscriber is not None or not followed.kv_events_endpoint or now < followed.resubscribe_at:
                 continue
-            followed.subscriber = KVEventSubscriber(self._zmq, followed.state, followed.kv_events_endpoint,
+            followed.subscriber = PrefixUpdateSubscriber(self._zmq, followed.state, followed.kv_events_endpoint,
                                                     followed.kv_events_replay_endpoint, self._topic)
             followed.task = asyncio.ensure_future(followed.subscriber.run())
             followed.task.add_done_callback(functools.partial(self._subscription_ended, followed))

@@ -11,15 +11,15 @@ import os
 from kvshare.engine_args import add_engine_args, engine_options
 from kvshare.server.routing import ROUTING_POLICIES
 from kvshare.server.settings import (DEFAULT_LIMIT_CONCURRENCY, DEFAULT_MAX_BODY_BYTES,
-                                     DEFAULT_MAX_CHAT_TEMPLATE_KWARGS_BYTES, DEFAULT_MAX_TOOLS_BYTES)
+                                     DEFAULT_MAX_CHAT_TEMPLATE_KWARGS_BYTES, DEFAULT_MAX_TOOLS_BYTES, server_default)
 from kvshare.server.tool_parsers import TOOL_PARSERS
 
 
 def add_serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)")
     g = p.add_argument_group("server options")
-    g.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--host", default=server_default("host"), help="bind address (default: loopback only)")
+    g.add_argument("--port", type=int, default=server_default("port"))
     g.add_argument("--served-model-name", default=None,
                    help="model id clients send and /v1/models lists (default: from the model file)")
     g.add_argument("--api-key", action="append", default=None, metavar="KEY",
@@ -39,30 +39,32 @@ def add_serve_parser(sub) -> None:
                    help="answer 429 when this many requests already wait to be scheduled (default: unbounded)")
     g.add_argument("--request-timeout", type=float, default=None,
                    help="abort a request this many seconds after arrival (finish_reason 'abort')")
-    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+    g.add_argument("--shutdown-timeout", type=float, default=server_default("shutdown_timeout"),
                    help="on SIGTERM, seconds in-flight requests get to finish before they are aborted")
     g.add_argument("--max-body-bytes", default=str(DEFAULT_MAX_BODY_BYTES),
                    help="largest request body accepted, e.g. 4MiB (413 beyond)")
-    g.add_argument("--request-body-timeout", type=float, default=30.0, metavar="SECONDS",
+    g.add_argument("--request-body-timeout", type=float, default=server_default("request_body_timeout"),
+                   metavar="SECONDS",
                    help="answer 408 and close the connection when a request body has not fully arrived this many "
-                        "seconds after its headers (default: 30)")
+                        f"seconds after its headers (default: {server_default('request_body_timeout'):g})")
     g.add_argument("--limit-concurrency", type=int, default=DEFAULT_LIMIT_CONCURRENCY, metavar="N",
                    help=f"uvicorn's: answer 503 beyond N open connections or tasks (default: "
                         f"{DEFAULT_LIMIT_CONCURRENCY})")
-    g.add_argument("--timeout-keep-alive", type=float, default=5.0, metavar="SECONDS",
-                   help="uvicorn's: close an idle keep-alive connection after this long (default: 5)")
+    g.add_argument("--timeout-keep-alive", type=float, default=server_default("timeout_keep_alive"), metavar="SECONDS",
+                   help="uvicorn's: close an idle keep-alive connection after this long "
+                        f"(default: {server_default('timeout_keep_alive'):g})")
     g.add_argument("--log-prompts", action="store_true", help="log prompt text and parameters of every request")
     g.add_argument("--no-access-log", action="store_true", help="no per-request access log lines")
-    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    g.add_argument("--log-level", default=server_default("log_level"),
+                   choices=["critical", "error", "warning", "info", "debug"])
     lim = p.add_argument_group("per-request limits (400 beyond)")
-    lim.add_argument("--max-sequences-per-request", type=int, default=256, metavar="N",
-                     help="most sequences one request may ask for: its prompts x n (default: 256)")
-    lim.add_argument("--max-stop-strings", type=int, default=64, metavar="N",
-                     help="most strings in a request's stop list (default: 64)")
-    lim.add_argument("--max-stop-string-length", type=int, default=256, metavar="CHARS",
-                     help="longest stop string, in characters (default: 256)")
-    lim.add_argument("--max-stop-token-ids", type=int, default=1024, metavar="N",
-                     help="most token ids in a request's stop_token_ids (default: 1024)")
+    for name, metavar, text in (
+            ("max_sequences_per_request", "N", "most sequences one request may ask for: its prompts x n"),
+            ("max_stop_strings", "N", "most strings in a request's stop list"),
+            ("max_stop_string_length", "CHARS", "longest stop string, in characters"),
+            ("max_stop_token_ids", "N", "most token ids in a request's stop_token_ids")):
+        lim.add_argument("--" + name.replace("_", "-"), type=int, default=server_default(name), metavar=metavar,
+                         help=f"{text} (default: {server_default(name)})")
     t = p.add_argument_group("chat template and tool calling")
     t.add_argument("--chat-template", default=None, metavar="FILE",
                    help="Jinja chat template to render chat requests with instead of the model's")
@@ -71,18 +73,23 @@ def add_serve_parser(sub) -> None:
     t.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="how calls are written in the model's replies: hermes (Hermes, Qwen2.5/Qwen3 "
                         "<tool_call> JSON), llama3_json, pythonic")
-    t.add_argument("--grammar-compile-timeout", type=float, default=10.0, metavar="SECONDS",
+    t.add_argument("--grammar-compile-timeout", type=float, default=server_default("grammar_compile_timeout"),
+                   metavar="SECONDS",
                    help="refuse (400) a structured-output grammar that takes longer than this to compile; one "
                         "whose compile used more CPU time than this stays refused")
-    t.add_argument("--max-concurrent-grammar-compiles", type=int, default=2, metavar="N",
+    t.add_argument("--max-concurrent-grammar-compiles", type=int,
+                   default=server_default("max_concurrent_grammar_compiles"), metavar="N",
                    help="grammars compiled at once; a request waits for a free slot within "
-                        "--grammar-compile-timeout, then gets 429 (default: 2)")
+                        "--grammar-compile-timeout, then gets 429 "
+                        f"(default: {server_default('max_concurrent_grammar_compiles')})")
     t.add_argument("--max-tools-bytes", default=str(DEFAULT_MAX_TOOLS_BYTES),
                    help="largest 'tools' (as JSON) a chat request may give the template, e.g. 1MiB (400 beyond)")
     t.add_argument("--max-chat-template-kwargs-bytes", default=str(DEFAULT_MAX_CHAT_TEMPLATE_KWARGS_BYTES),
                    help="largest 'chat_template_kwargs' (as JSON) a request may give, e.g. 64KiB (400 beyond)")
-    t.add_argument("--chat-template-timeout", type=float, default=10.0, metavar="SECONDS",
-                   help="stop (400) rendering a chat template after this long (default: 10)")
+    t.add_argument("--chat-template-timeout", type=float, default=server_default("chat_template_timeout"),
+                   metavar="SECONDS",
+                   help=f"stop (400) rendering a chat template after this long "
+                        f"(default: {server_default('chat_template_timeout'):g})")
     d = p.add_argument_group("data parallel (docs/data_parallel.md)")
     d.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
                    help="run N engine replicas (each its own process, with its share of the CPU threads) behind "
@@ -92,7 +99,7 @@ def add_serve_parser(sub) -> None:
                         "is cached, balanced against load), round_robin, least_loaded (default: prefix_aware)")
     # Test-only: plant a known bug class (kvshare.testing.faults) so the dashboard's test can show
     # an audit violation on a real server (with --audit the engine stops at the violation). Hidden
-    # from --help, and refused without --audit (cmd_serve).
+    # from --help, and refused without KVSHARE_TESTING=1 or without --audit (cmd_serve).
     p.add_argument("--inject-fault", default=None, help=argparse.SUPPRESS)
     # Internal: a replica serves the socket its data-parallel front end bound for it (fd inherited).
     p.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)
@@ -155,13 +162,16 @@ def auth_options(args: argparse.Namespace, environ) -> dict:
 
 
 def check_inject_fault(args: argparse.Namespace) -> None:
-    """--inject-fault plants a bug that corrupts other requests' KV on purpose: it runs only with
-    the explicit --audit flag (KVSHARE_AUDIT is not enough: an environment variable is too easy to
+    """--inject-fault plants a bug that corrupts other requests' KV on purpose: it runs only in a
+    testing environment (KVSHARE_TESTING=1, kvshare.testing.environment) and with the explicit
+    --audit flag (KVSHARE_AUDIT is not enough: an environment variable is too easy to
     lose), so the engine stops at the first violation instead of serving wrong answers. Checked
     before the model loads, so a typo or a missing --audit fails at once rather than after the
     load (and once, not in each of N data-parallel replicas)."""
+    from kvshare.testing.environment import require_testing
     from kvshare.testing.faults import FAULTS
 
+    require_testing(f"--inject-fault {args.inject_fault}")
     if not args.audit:
         raise ValueError(f"--inject-fault {args.inject_fault} needs --audit: the planted bug corrupts the KV "
                          "cache, and only the audit stops the engine at it (a test-only option)")
@@ -233,12 +243,12 @@ def serve_replicas(args: argparse.Namespace, parser: argparse.ArgumentParser, cf
     # replicas hold as much KV as one engine would; an explicit --kv-cache-memory is per replica.
     pool = {"kv_cache_memory": engine_cfg.kv_budget_bytes() // options.size} if args.kv_cache_memory is None else {}
 
-    def argv(rank: int, port: int, events: str, replay: str) -> list[str]:
+    def argv(rank: int, port: int, publish: str, replay: str) -> list[str]:
         # The front end writes the access log (one line per client request); a replica's would
         # also list the front end's /metrics polls. The hash seed goes through the environment
         # (ReplicaLaunch.hash_seed), not here, where `ps` shows it to every user.
         return replica_argv(parser, args, {"host": "127.0.0.1", "port": port, "data_parallel_rank": rank,
-                                           "kv_events_endpoint": events,
+                                           "kv_events_endpoint": publish,
                                            "kv_events_replay_endpoint": replay, **pool}) + ["--no-access-log"]
 
     return serve_data_parallel(cfg, options, argv, args.model)

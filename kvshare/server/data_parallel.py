@@ -4,7 +4,7 @@ a full `kvshare serve` child process on an internal loopback port, behind one Op
 The front end is an async reverse proxy. For /v1/completions and /v1/chat/completions it
 tokenizes the prompt exactly as a replica would (same tokenizer, same chat template, the
 request's cache_salt) and asks the router (kvshare.server.routing) for a replica: prefix-aware
-by default, from what each replica's KV events say it caches (kvshare.server.kv_subscriber),
+by default, from what each replica's KV events say it caches (kvshare.server.prefix_update_subscriber),
 balanced against the requests in flight on each and its KV usage. Replicas and front end share
 one prefix-caching hash seed, so the router's block hashes are the replicas' own.
 
@@ -32,7 +32,6 @@ import os
 import secrets
 import shutil
 import tempfile
-from dataclasses import dataclass
 
 import httpx2
 import uvicorn
@@ -54,9 +53,10 @@ from kvshare.server.dp_supervisor import (  # noqa: F401
     DRAIN_MARGIN_SECONDS, MONITOR_SECONDS, POLL_SECONDS, POLL_TIMEOUT_SECONDS, RETIRE_GRACE_SECONDS,
     STARTUP_TIMEOUT_SECONDS, STUCK_POLLS, DrainingFrontend, FrontendState, _wait_started, exit_status,
     log_task_failure, monitor_replicas, poll_replica, poll_replicas, start_background, wait_replicas_ready)
+from kvshare.server.dp_state import DataParallelOptions
 from kvshare.server.errors import APIError
-from kvshare.server.kv_subscriber import KVEventSubscriber
 from kvshare.server.middleware import GuardMiddleware
+from kvshare.server.prefix_update_subscriber import PrefixUpdateSubscriber
 from kvshare.server.replica import (  # noqa: F401
     ReplicaLaunch, ReplicaProcess, bind_loopback_socket, connect_endpoint, free_loopback_port, offset_endpoint,
     split_cpus)
@@ -69,29 +69,7 @@ logger = logging.getLogger("kvshare.server")
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-@dataclass
-class DataParallelOptions:
-    size: int
-    policy: str
-    block_size: int
-    hash_seed: str  # shared by the replicas and the router
-    kv_events_topic: str = ""
-    kv_events_endpoint: str | None = None  # the user's base endpoint (rank r publishes on port + r)
-    kv_events_replay_endpoint: str | None = None
-    max_num_seqs: int = 256
-    prefix_caching: bool = True  # the replicas' (--no-prefix-caching: False); prefix_aware then routes by load
-
-    def __post_init__(self) -> None:
-        if self.size < 1:
-            raise ValueError(f"--data-parallel-size {self.size} is invalid: must be >= 1")
-        if self.kv_events_endpoint:  # checked now, before any replica starts
-            offset_endpoint(self.kv_events_endpoint, 0, "--kv-events-endpoint")
-        if self.kv_events_replay_endpoint:
-            offset_endpoint(self.kv_events_replay_endpoint, 0, "--kv-events-replay-endpoint")
-
-
-
-def build_frontend_app(state: FrontendState, subscribers: list[KVEventSubscriber]) -> Starlette:
+def build_frontend_app(state: FrontendState, subscribers: list[PrefixUpdateSubscriber]) -> Starlette:
     proxy = Proxy(state)
     tasks: list[asyncio.Task] = []
 
@@ -220,7 +198,7 @@ def build_router(options: DataParallelOptions, max_waiting: int | None) -> Route
 
 
 def serve_data_parallel(config: ServerConfig, options: DataParallelOptions, replica_argv, model_arg: str | None) -> int:
-    """Run the front end until drained; `replica_argv(index, port, events, replay)` gives one
+    """Run the front end until drained; `replica_argv(index, port, publish, replay)` gives one
     replica's `kvshare serve` arguments. Returns the exit status."""
     from kvshare.model.loader import load_tokenizer
     from kvshare.server.state import default_model_name
@@ -243,25 +221,25 @@ def serve_data_parallel(config: ServerConfig, options: DataParallelOptions, repl
         replicas, subscribers = [], []
         for r in range(options.size):
             if options.kv_events_endpoint:
-                events = offset_endpoint(options.kv_events_endpoint, r, "--kv-events-endpoint")
+                publish = offset_endpoint(options.kv_events_endpoint, r, "--kv-events-endpoint")
                 replay = (offset_endpoint(options.kv_events_replay_endpoint, r, "--kv-events-replay-endpoint")
                           if options.kv_events_replay_endpoint else f"ipc://{socket_dir}/engine-{r}.replay")
             else:
-                events = f"ipc://{socket_dir}/engine-{r}.events"
+                publish = f"ipc://{socket_dir}/engine-{r}.events"
                 replay = f"ipc://{socket_dir}/engine-{r}.replay"
             sock = bind_loopback_socket()
             port = sock.getsockname()[1]
             threads, cpus = shares[r]
             launch = ReplicaLaunch(index=r, port=port,
-                                   argv=replica_argv(r, port, events, replay) + ["--listen-fd", str(sock.fileno())],
-                                   kv_events_endpoint=events, kv_events_replay_endpoint=replay,
+                                   argv=replica_argv(r, port, publish, replay) + ["--listen-fd", str(sock.fileno())],
+                                   kv_events_endpoint=publish, kv_events_replay_endpoint=replay,
                                    omp_threads=threads, cpus=cpus, auth=replica_auth(config), listen_fd=sock.fileno(),
                                    hash_seed=options.hash_seed)
             replicas.append(ReplicaProcess(launch, listen_socket=sock))
         state = FrontendState(config=config, options=options, metrics=RouterMetrics(name, options.size, options.policy),
                               router=router, replicas=replicas, tokenizer=tokenizer, model_name=name)
         for rep, view in zip(replicas, router.replicas):
-            subscribers.append(KVEventSubscriber(ctx, view, connect_endpoint(rep.launch.kv_events_endpoint),
+            subscribers.append(PrefixUpdateSubscriber(ctx, view, connect_endpoint(rep.launch.kv_events_endpoint),
                                                  connect_endpoint(rep.launch.kv_events_replay_endpoint),
                                                  options.kv_events_topic))
         app = build_frontend_app(state, subscribers)

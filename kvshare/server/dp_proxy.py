@@ -14,7 +14,6 @@ import json
 import logging
 import time
 import urllib.parse
-from typing import TYPE_CHECKING
 
 import httpx2
 from starlette.requests import Request
@@ -22,14 +21,12 @@ from starlette.responses import Response, StreamingResponse
 
 from kvshare.errors import InvalidRequestError
 from kvshare.server.chat import render_chat_prompt
+from kvshare.server.dp_state import FrontendState
 from kvshare.server.errors import APIError
 from kvshare.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from kvshare.server.replica import ReplicaProcess
 from kvshare.server.routing import RoutingDecision
 from kvshare.server.tenants import effective_cache_salt
-
-if TYPE_CHECKING:
-    from kvshare.server.dp_supervisor import FrontendState
 
 logger = logging.getLogger("kvshare.server")
 

@@ -1,7 +1,7 @@
 """Supervising the data-parallel replicas (kvshare.server.data_parallel): waiting for them to be
 ready, noticing one that exits, stops its engine thread or gets stuck, retiring it (SIGTERM, then
-SIGKILL, reaped), and draining them all on SIGTERM. FrontendState is what the front end's routes,
-middleware, supervision and shutdown share.
+SIGKILL, reaped), and draining them all on SIGTERM. FrontendState (kvshare.server.dp_state) is what
+the front end's routes, middleware, supervision and shutdown share.
 """
 from __future__ import annotations
 
@@ -11,21 +11,16 @@ import logging
 import re
 import signal
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import httpx2
 
-from kvshare.server.dp_metrics import RouterMetrics
 from kvshare.server.dp_proxy import _engine_dead_detail
-from kvshare.server.kv_subscriber import KVEventSubscriber
+# The shared state lives in its own module; its names stay importable from here.
+from kvshare.server.dp_state import (  # noqa: F401
+    POLL_SECONDS, POLL_TIMEOUT_SECONDS, RETIRE_GRACE_SECONDS, STUCK_POLLS, FrontendState, log_task_failure)
+from kvshare.server.prefix_update_subscriber import PrefixUpdateSubscriber
 from kvshare.server.replica import ReplicaProcess
-from kvshare.server.routing import Router
 from kvshare.server.runner import ABORT_GRACE_SECONDS, LoopKeepingServer
-from kvshare.server.settings import ServerConfig
-
-if TYPE_CHECKING:
-    from kvshare.server.data_parallel import DataParallelOptions
 
 logger = logging.getLogger("kvshare.server")
 
@@ -33,98 +28,9 @@ STARTUP_TIMEOUT_SECONDS = 600.0
 
 MONITOR_SECONDS = 0.1  # how often replica processes are checked for an exit
 
-POLL_SECONDS = 1.0  # how often each replica's /health and KV usage (from its /metrics) are read
-
-# A replica that answers neither /health nor /metrics within POLL_TIMEOUT_SECONDS, STUCK_POLLS
-# times in a row, is stuck (stopped, deadlocked, swapping): it is SIGKILLed, which fails its
-# requests in flight at once (the upstream client has no read timeout: a generation may be long).
-POLL_TIMEOUT_SECONDS = 5.0
-
-STUCK_POLLS = 3
-
-# A replica retired while its process lives (its engine thread stopped) gets SIGTERM, then SIGKILL
-# after this long: it has nothing left to drain.
-RETIRE_GRACE_SECONDS = 10.0
-
 DRAIN_MARGIN_SECONDS = 20.0  # beyond a replica's own drain (--shutdown-timeout + its abort grace)
 
 _KV_USAGE = re.compile(rb"^vllm:kv_cache_usage_perc(?:\{[^}]*\})?\s+(\S+)$", re.M)
-
-
-@dataclass
-class FrontendState:
-    """What the front end's routes, middleware and shutdown path share. `config`, `metrics`,
-    `draining` and `inflight` are what GuardMiddleware reads and updates."""
-
-    config: ServerConfig
-    options: DataParallelOptions
-    metrics: RouterMetrics
-    router: Router
-    replicas: list[ReplicaProcess]
-    tokenizer: object | None
-    model_name: str
-    draining: bool = False
-    inflight: int = 0  # API requests inside the app
-    started: bool = False  # every replica answered /ready
-    dead_detail: dict[int, str] = field(default_factory=dict)  # replica index -> why it is dead
-    client: httpx2.AsyncClient | None = None
-    poll_seconds: float = POLL_SECONDS
-    poll_timeout: float = POLL_TIMEOUT_SECONDS
-    stuck_polls: int = STUCK_POLLS
-    retire_grace: float = RETIRE_GRACE_SECONDS
-    poll_timeouts: dict[int, int] = field(default_factory=dict)  # replica index -> consecutive poll timeouts
-    died: int = 0  # replicas that died while serving (not drained): all of them -> the exit status is 1
-    killed_after_drain: list[int] = field(default_factory=list)  # replicas SIGKILLed at the drain timeout
-    background: set = field(default_factory=set)  # tasks to keep referenced until done (retirements)
-
-    def live(self) -> list[int]:
-        return [r.index for r in self.router.replicas if r.alive]
-
-    def mark_dead(self, index: int, detail: str) -> None:
-        rep = self.router.replicas[index]
-        if not rep.alive:
-            return
-        rep.alive = False
-        rep.cached.clear()  # nothing is cached on a dead replica; never route by it again
-        rep.pending.clear()
-        self.dead_detail[index] = detail
-        if self.draining:
-            logger.info("engine %d stopped: %s", index, detail)
-        else:
-            self.died += 1
-            logger.error("engine %d is dead (%s): its requests fail, new ones go to engine(s) %s", index, detail,
-                         ", ".join(map(str, self.live())) or "none")
-
-    def retire(self, index: int, sig: int = signal.SIGTERM) -> None:
-        """Stop a replica marked dead whose process lives on: `sig` (SIGTERM, or SIGKILL for one
-        that is stuck), then SIGKILL after `retire_grace`, and reap it either way (no zombie, no
-        process serving nothing)."""
-        rep = self.replicas[index]
-        if rep.proc is None or rep.exit_code() is not None:
-            return
-        rep.signal(sig)
-        task = asyncio.ensure_future(self._reap(rep))
-        self.background.add(task)
-        task.add_done_callback(self.background.discard)
-        task.add_done_callback(log_task_failure)
-
-    async def _reap(self, rep: ReplicaProcess) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.retire_grace
-        while rep.exit_code() is None and loop.time() < deadline:  # exit_code() reaps it once it exits
-            await asyncio.sleep(0.1)
-        if rep.exit_code() is None:
-            logger.warning("engine %d did not exit %.0fs after SIGTERM; killing it", rep.index, self.retire_grace)
-            rep.signal(signal.SIGKILL)
-            await asyncio.to_thread(rep.kill_and_wait)
-
-    def capacity(self) -> int | None:
-        """Requests the live replicas take at once (running + waiting), with --max-waiting; else None."""
-        mw = self.config.max_waiting
-        if mw is None:
-            return None
-        return len(self.live()) * (self.options.max_num_seqs + mw)
-
 
 
 async def wait_replicas_ready(state: FrontendState, timeout: float = STARTUP_TIMEOUT_SECONDS) -> None:
@@ -161,19 +67,7 @@ async def _wait_started(state: FrontendState) -> None:
 
 
 
-def log_task_failure(task: asyncio.Task) -> None:
-    """Done-callback of the front end's background tasks: one that ends with an exception says so
-    (asyncio would only mention it when the task is garbage-collected, if ever)."""
-    if task.cancelled():
-        return
-    exc = task.exception()
-    if exc is not None:
-        logger.error("data-parallel background task %s failed: %s", task.get_name(), exc,
-                     exc_info=(type(exc), exc, exc.__traceback__))
-
-
-
-def start_background(state: FrontendState, subscribers: list[KVEventSubscriber]) -> list[asyncio.Task]:
+def start_background(state: FrontendState, subscribers: list[PrefixUpdateSubscriber]) -> list[asyncio.Task]:
     """The KV event subscribers, the process monitor and the poller, each logging how it failed."""
     named = [(s.run(), f"kv-events-engine-{s.replica.index}") for s in subscribers]
     named += [(monitor_replicas(state), "monitor-replicas"), (poll_replicas(state), "poll-replicas")]

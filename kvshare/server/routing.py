@@ -2,7 +2,7 @@
 or round-robin / least-loaded.
 
 Prefix-aware routing learns what each replica caches from that replica's KV events (BlockStored
-/ BlockRemoved, kvshare.kvcache.kv_events), never by guessing: with a shared hash seed the router
+/ BlockRemoved, kvshare.kvcache.prefix_updates), never by guessing: with a shared hash seed the router
 hashes a request's full blocks as the replicas do (BlockHasher.prefix_hashes) and counts how
 many leading blocks each replica holds. The blocks of requests in flight on a replica count as
 held there too (ReplicaState.hold / release): they are in its cache as soon as it prefills them,
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from kvshare.kvcache.cache_key import CacheNamespace
 from kvshare.kvcache.hashing import BlockHasher
-from kvshare.kvcache.kv_events import apply_kv_events
+from kvshare.kvcache.prefix_updates import apply_prefix_updates
 
 ROUTING_POLICIES = ("prefix_aware", "round_robin", "least_loaded")
 
@@ -41,7 +41,7 @@ class ReplicaState:
 
     def apply(self, events) -> None:
         """Decoded wire events ([tag, fields...]) of one batch, in order."""
-        apply_kv_events(self.cached, events)
+        apply_prefix_updates(self.cached, events)
 
     def holds(self, block_hash: bytes) -> bool:
         return block_hash in self.cached or block_hash in self.pending

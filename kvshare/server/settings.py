@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from kvshare.config import parse_bytes
 from kvshare.model.tokenizer import check_chat_template
@@ -14,6 +14,15 @@ DEFAULT_LIMIT_CONCURRENCY = 1024
 DEFAULT_MAX_TOOLS_BYTES = 2**20
 DEFAULT_MAX_CHAT_TEMPLATE_KWARGS_BYTES = 64 * 2**10
 ADMIN = "admin"
+
+
+def server_default(name: str):
+    """ServerConfig's declared default for the field `name`: `kvshare serve`'s flags take their
+    defaults from here, so each is written once, in ServerConfig."""
+    for f in fields(ServerConfig):
+        if f.name == name:
+            return f.default
+    raise KeyError(f"ServerConfig has no field {name!r}")
 
 
 def flag_key_tenant(n: int) -> str:

@@ -1,7 +1,7 @@
 """Fault injection: plant, into one engine instance, a bug class that has really shipped in
 inference engines, so tests (and the hidden `--inject-fault` of `kvshare doctor` and `kvshare
-serve`) can prove the audit, the doctor and the dashboard catch it. Test-only: nothing here is
-reachable from normal configuration, and planting patches the given engine object alone.
+serve`) can prove the audit, the doctor and the dashboard catch it. Test-only: planting is refused
+unless KVSHARE_TESTING=1 (kvshare.testing.environment), and patches the given engine object alone.
 
   share_without_incref   (a) a prefix hit puts cached blocks in the table without counting them
   no_copy_on_write       (b) a sequence appends into a block it shares (fork tail) in place
@@ -16,6 +16,7 @@ reachable from normal configuration, and planting patches the given engine objec
 from __future__ import annotations
 
 from kvshare.kvcache.cache_key import DEFAULT_NAMESPACE
+from kvshare.testing.environment import require_testing
 
 FAULTS = {
     "share_without_incref": "a", "no_copy_on_write": "b", "abort_ignores_refcount": "c",
@@ -25,6 +26,7 @@ FAULTS = {
 
 def plant(engine, fault: str) -> None:
     """After planting, `engine.fault_fired` lists (step, block ids) each time the bug did harm."""
+    require_testing(f"planting the fault {fault!r}")
     if fault not in FAULTS:
         raise ValueError(f"unknown fault {fault!r}; known: {sorted(FAULTS)}")
     engine.fault_fired = []

@@ -7,8 +7,11 @@
 "use strict";
 
 (() => {
+  // A block's state comes from the server (kvshare.kvcache.pool_view.block_state), in the snapshot's
+  // rows and on each block event: this page shows states, it never derives them.
   const STATES = ["free", "cached", "in_use", "shared"];
   const FREE = 0, CACHED = 1, IN_USE = 2, SHARED = 3;
+  const STATE_CODE = Object.fromEntries(STATES.map((s, code) => [s, code]));
   const PALETTE = { free: "#e5e7eb", cached: "#93c5fd", in_use: "#f59e0b", shared: "#7c3aed", violation: "#dc2626" };
   const STATE_COLOUR = STATES.map((s) => PALETTE[s]);
   const MIN_CELL_PX = 4;           // below this a cell stands for several blocks
@@ -85,7 +88,7 @@
         this.owners[id] = row.owners.length ? new Set(row.owners) : null;
         this.last[id] = row.last_event;
         this.position[id] = row.position;
-        this.settle(id);
+        this.settle(id, row.state);
       }
       this.recount();
       for (const r of snap.requests) {
@@ -110,17 +113,11 @@
       this.counts = counts;
     }
 
-    stateCode(id) {
-      const ref = this.ref[id];
-      if (ref >= 2) return SHARED;
-      if (ref === 1) return IN_USE;
-      return this.hash[id] !== null ? CACHED : FREE;
-    }
-
-    // After a change to block `id`: its state, the counts and the set of held blocks follow.
-    settle(id) {
+    // After a change to block `id`: its state (as received), the counts and the set of held
+    // blocks follow.
+    settle(id, state) {
       const before = this.code[id];
-      const after = this.stateCode(id);
+      const after = STATE_CODE[state] ?? before;
       if (before !== after) {
         this.counts[STATES[before]] -= 1;
         this.counts[STATES[after]] += 1;
@@ -237,7 +234,7 @@
           return;
       }
       this.last[b] = { ev: e.ev, step: e.step };
-      this.settle(b);
+      this.settle(b, e.state);
     }
 
     violate(e, log) {
@@ -920,7 +917,7 @@
         for (const rid of m.ownerRequests(id)) {
           const h = held.get(rid) ?? { blocks: 0, shared: 0 };
           h.blocks += 1;
-          if (m.ref[id] >= 2) h.shared += 1;
+          if (m.code[id] === SHARED) h.shared += 1;
           held.set(rid, h);
         }
       }

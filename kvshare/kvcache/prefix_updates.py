@@ -1,9 +1,10 @@
-"""KV cache events for routers, in vLLM's shape: a block published for prefix reuse
-(BlockStored), a cached block losing its hash (BlockRemoved), the whole cache dropped
-(AllBlocksCleared).
+"""Prefix updates for routers: which block hashes this pool holds for reuse, as changes in vLLM's
+shape (vLLM calls them "KV cache events"; "events" here means only the block log,
+kvshare.kvcache.events): a block published for prefix reuse (BlockStored), a cached block losing
+its hash (BlockRemoved), the whole cache dropped (AllBlocksCleared).
 
 The pool records them as they happen (no tensors, no sockets here); the engine drains them once
-per step and hands them to a publisher (kvshare.engine.kv_event_publisher). Hashes are the
+per step and hands them to a publisher (kvshare.engine.prefix_update_publisher). Hashes are the
 pool's own block hashes (32-byte SHA-256 digests): with a configured hash seed
 (`EngineConfig.prefix_caching_hash_seed`) a router computes the same ones from token ids
 (kvshare.kvcache.hashing), so it knows which replica holds which prefix.
@@ -45,35 +46,35 @@ class AllBlocksCleared:
         return ["AllBlocksCleared"]
 
 
-KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
+PrefixUpdate = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-class KVEventQueue:
-    """Events since the last drain, in the order they happened."""
+class PrefixUpdateQueue:
+    """Updates since the last drain, in the order they happened."""
 
     enabled = True
 
     def __init__(self, block_size: int, medium: str = "CPU") -> None:
         self.block_size = block_size
         self.medium = medium
-        self._events: list[KVCacheEvent] = []
+        self._updates: list[PrefixUpdate] = []
 
     def stored(self, block_hash: bytes, parent_hash: bytes | None, token_ids: tuple[int, ...]) -> None:
-        self._events.append(BlockStored((block_hash,), parent_hash, tuple(token_ids), self.block_size,
+        self._updates.append(BlockStored((block_hash,), parent_hash, tuple(token_ids), self.block_size,
                                         None, self.medium))
 
     def removed(self, block_hash: bytes) -> None:
-        self._events.append(BlockRemoved((block_hash,), self.medium))
+        self._updates.append(BlockRemoved((block_hash,), self.medium))
 
     def cleared(self) -> None:
-        self._events.append(AllBlocksCleared())
+        self._updates.append(AllBlocksCleared())
 
-    def drain(self) -> list[KVCacheEvent]:
-        out, self._events = self._events, []
+    def drain(self) -> list[PrefixUpdate]:
+        out, self._updates = self._updates, []
         return out
 
 
-class NullKVEventQueue:
+class NullPrefixUpdateQueue:
     """No publisher configured: the pool calls these unconditionally; they do nothing."""
 
     enabled = False
@@ -91,9 +92,9 @@ class NullKVEventQueue:
         return []
 
 
-def apply_kv_events(held: set[bytes], events) -> None:
-    """Update a subscriber's set of cached block hashes with decoded wire events, in order."""
-    for ev in events:
+def apply_prefix_updates(held: set[bytes], updates) -> None:
+    """Update a subscriber's set of cached block hashes with decoded wire updates, in order."""
+    for ev in updates:
         tag = ev[0]
         if tag == "BlockStored":
             held.update(ev[1])
@@ -105,8 +106,8 @@ def apply_kv_events(held: set[bytes], events) -> None:
             raise ValueError(f"unknown KV event tag {tag!r}: allowed are BlockStored, BlockRemoved, AllBlocksCleared")
 
 
-def cached_hashes_from_events(events) -> set[bytes]:
-    """The set of cached block hashes a subscriber rebuilds from decoded wire events."""
+def cached_hashes_from_updates(updates) -> set[bytes]:
+    """The set of cached block hashes a subscriber rebuilds from decoded wire updates."""
     held: set[bytes] = set()
-    apply_kv_events(held, events)
+    apply_prefix_updates(held, updates)
     return held

@@ -1,4 +1,5 @@
-"""Publishes the engine's KV cache events over ZMQ in vLLM's wire format, so routers built for
+"""Publishes the engine's prefix updates (kvshare.kvcache.prefix_updates; vLLM's "KV cache events",
+hence the `--kv-events-*` flags) over ZMQ in vLLM's wire format, so routers built for
 vLLM (llm-d, Dynamo, our own data-parallel front end) can follow which blocks a replica holds.
 
 Wire format (what vLLM's ZmqEventPublisher sends, msgpack of msgspec array-like structs):
@@ -32,7 +33,7 @@ def encode_batch(events, ts: float, data_parallel_rank: int | None = None, inclu
     return msgpack.packb(batch, use_bin_type=True)
 
 
-class ZmqKVEventPublisher:
+class ZmqPrefixUpdatePublisher:
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
                  buffer_batches: int = 10_000, data_parallel_rank: int | None = None,
                  include_token_ids: bool = False) -> None:

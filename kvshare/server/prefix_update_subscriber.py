@@ -1,4 +1,4 @@
-"""Following one replica's KV cache events (vLLM's wire format, kvshare.engine.kv_event_publisher)
+"""Following one replica's prefix updates (vLLM's KV-events wire format, kvshare.engine.prefix_update_publisher)
 from the data-parallel front end: a ZMQ SUB socket on the replica's publisher, read by an asyncio
 task on the front end's event loop, so the router's view of that replica (ReplicaState.cached)
 is only ever touched on the loop that routes.
@@ -21,7 +21,7 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from kvshare.engine.kv_event_publisher import END_OF_REPLAY
+from kvshare.engine.prefix_update_publisher import END_OF_REPLAY
 from kvshare.server.routing import ReplicaState
 
 logger = logging.getLogger("kvshare.server")
@@ -39,7 +39,7 @@ def seq_number(frame: bytes) -> int:
     return int.from_bytes(frame, "big", signed=True)
 
 
-class KVEventSubscriber:
+class PrefixUpdateSubscriber:
     def __init__(self, ctx: zmq.asyncio.Context, replica: ReplicaState, endpoint: str,
                  replay_endpoint: str | None = None, topic: str = "") -> None:
         self.ctx = ctx
