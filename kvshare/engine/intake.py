@@ -112,6 +112,11 @@ class RequestIntake:
             f"prompt must be a string or a list of token ids, got {type(prompt).__name__}", "prompt"
         )
 
+    def sink_cap(self) -> int:
+        """sink_max_tokens, read only when length_unbounded: the engine always passes it then."""
+        assert self.sink_max_tokens is not None, "a length-unbounded intake needs sink_max_tokens"
+        return self.sink_max_tokens
+
     def check_lengths(self, token_ids: list[int], params: SamplingParams) -> int:
         n = len(token_ids)
         limit = self.layout.max_model_len
@@ -127,8 +132,8 @@ class RequestIntake:
                 raise InvalidRequestError(
                     f"prompt is {n} tokens, at least max_model_len={limit}: with kv_policy='sink' give max_tokens "
                     f"explicitly (there is no default length past max_model_len)", "max_tokens")
-            max_tokens = limit - n if not unbounded else min(limit - n, self.sink_max_tokens)
-        if unbounded and max_tokens > self.sink_max_tokens:
+            max_tokens = limit - n if not unbounded else min(limit - n, self.sink_cap())
+        if unbounded and max_tokens > self.sink_cap():
             raise InvalidRequestError(
                 f"max_tokens={max_tokens} is more than one request may generate under kv_policy='sink': at most "
                 f"{self.sink_max_tokens} (sink_max_tokens, --sink-max-tokens)", "max_tokens")

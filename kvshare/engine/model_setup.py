@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from kvshare.config import EngineConfig
 from kvshare.engine.model_runner import ModelRunner
+from kvshare.engine.startup import ReportedModel
 from kvshare.kvcache.kv_groups import KVCacheGroup, layer_slots, plan_kv_groups
 from kvshare.kvcache.kv_policy import build_kv_policy
 from kvshare.model.attention import PagedKVStorage, TorchPagedAttention
@@ -39,7 +40,7 @@ def plan_kv(config: EngineConfig, mc: ModelArchConfig) -> KVPlan:
 
 
 def build_rank(config: EngineConfig, mc: ModelArchConfig, weights: dict, kv: KVPlan, num_blocks: int,
-               tp: TPCollectives | None = None) -> tuple[object, PagedKVStorage, ModelRunner]:
+               tp: TPCollectives | None = None) -> tuple[ReportedModel, PagedKVStorage, ModelRunner]:
     """(model, KV storage, runner) of this process: the whole model, or with `tp` this rank's
     shard of it (its heads' KV in the storage, the same block ids as every other rank)."""
     if tp is not None:

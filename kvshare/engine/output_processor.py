@@ -30,6 +30,8 @@ class OutputProcessor:
         for chunk, first, logits in step.prompt_logits:
             seq = self.scheduler.scheduled_seqs[chunk.seq_id]
             k = seq.params.prompt_logprobs
+            # The scheduler asks for prompt logits only for a sequence that collects prompt logprobs.
+            assert k is not None and seq.prompt_logprobs is not None
             targets = seq.token_ids[first + 1:first + 1 + logits.shape[0]]
             for res in logprobs_of(logits, targets, k):
                 seq.prompt_logprobs.append(self.logprob_dict(res, k))
@@ -79,6 +81,7 @@ class OutputProcessor:
                     reason, stop_reason = "stop", hit
         if reason is None and grammar_done:
             reason = "stop"
+        assert params.max_tokens is not None  # RequestIntake.prepare fills it in before scheduling
         if reason is None and n_out >= params.max_tokens:
             reason = "length"
         if reason is None and seq.num_tokens >= self.max_model_len and not self.length_unbounded:
@@ -123,9 +126,13 @@ class OutputProcessor:
         m.num_cached_tokens = max((s.num_cached_tokens for s in st.seqs), default=0)
         m.num_preemptions = sum(s.num_preemptions for s in st.seqs)
         owner = st.prompt_logprobs_owner
+        prompt_logprobs = None
+        if owner is not None:
+            assert owner.prompt_logprobs is not None  # set together in LLMEngine.add_request
+            prompt_logprobs = list(owner.prompt_logprobs)
         return RequestOutput(
             request_id=st.request_id, prompt=st.prompt, prompt_token_ids=st.prompt_token_ids,
-            prompt_logprobs=list(owner.prompt_logprobs) if owner is not None else None,
+            prompt_logprobs=prompt_logprobs,
             outputs=outs, finished=st.finished, metrics=m, num_cached_tokens=m.num_cached_tokens,
         )
 

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvshare.engine.detokenizer import IncrementalDetokenizer
+from kvshare.engine.structured_output import GrammarMatcher
 from kvshare.kvcache.cache_key import CacheNamespace
 from kvshare.outputs import Logprob, RequestMetrics
 from kvshare.sampling_params import SamplingParams
@@ -33,7 +35,7 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache on first admission
     generator: torch.Generator | None = None
-    detokenizer: object | None = None
+    detokenizer: IncrementalDetokenizer | None = None
     output_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
@@ -45,7 +47,7 @@ class Sequence:
     pending_forks: int = 0
     text_delta: str = ""  # stream-safe text produced since the last output was taken
     # Constrained decoding: this sequence's own matcher (kvshare.engine.structured_output), or None.
-    grammar: object | None = None
+    grammar: GrammarMatcher | None = None
     # The prefix cache's namespace: the request's cache_salt as the intake agreed it on params
     # (the one place the wire's salt becomes the cache key), fixed for the sequence's life.
     namespace: CacheNamespace = field(init=False)

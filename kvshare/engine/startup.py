@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from typing import Iterable, Protocol
 
 from kvshare.config import EngineConfig
 from kvshare.model import cpu_kernels
@@ -47,13 +48,35 @@ class KVLayout:
         )
 
 
+class ReportedLinear(Protocol):
+    """What the start-up block reads of one weight matrix, whatever its storage."""
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+class ReportedModel(Protocol):
+    """What the start-up block reads of a model, whatever its family."""
+
+    @property
+    def backend(self) -> object: ...
+
+    @property
+    def weight_bytes(self) -> int: ...
+
+    def linears(self) -> Iterable[ReportedLinear]: ...
+
+
 @dataclass
 class StartupReport:
     """The start-up block: what was loaded, how it is stored and run, and how long it took."""
 
     source: str
     tensor_types: dict[str, str]
-    model: object
+    model: ReportedModel
     config: EngineConfig
     layout: KVLayout
     load_seconds: float

@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 import torch
 
 from kvshare.errors import InvalidRequestError
 from kvshare.model.sampler import TokenBitmask
 from kvshare.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:  # imported on the first grammar, not at engine start
+    import llguidance
 
 CACHE_SIZE = 256  # compiled grammars kept, least recently used dropped first
 
@@ -94,7 +98,7 @@ class StructuredOutputs:
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self._lltok = None
-        self._executor = None
+        self._executor: llguidance.LLExecutor | None = None
         self.stats = {"compiled": 0, "cache_hits": 0}
 
     def _llg(self):
@@ -170,6 +174,7 @@ class StructuredOutputs:
         import llguidance.torch as llt
 
         self._llg()
+        assert self._executor is not None  # _llg() builds it with the tokenizer view
         bits = torch.full(((len(matchers)), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
         if len(matchers) == 1:  # the executor's thread hand-off costs more than one mask
             llt.fill_next_token_bitmask(matchers[0].raw, bits, 0)

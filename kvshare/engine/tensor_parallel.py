@@ -71,10 +71,13 @@ def threads_per_rank(config: EngineConfig) -> int:
 def gloo_group(store: dist.Store, rank: int, size: int) -> dist.ProcessGroup:
     # The device on loopback: by default gloo binds (and keeps a listener on, for the group's
     # life) the address the host name resolves to, which other machines may reach.
-    opts = dist.ProcessGroupGloo._Options()
+    # torch's stub names it Options (a Backend.Options without _devices); the binding is _Options.
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
     opts._timeout = COLLECTIVE_TIMEOUT
-    return dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, opts)
+    # The Gloo backend serves as the group: it has ProcessGroup's collectives (allreduce, gather,
+    # broadcast), which torch's stub leaves off its Backend base class.
+    return dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, opts)  # type: ignore[return-value]
 
 
 def open_store(path: str, size: int) -> dist.FileStore:
@@ -98,7 +101,8 @@ class SignedStore:
 
     def set(self, key: str, value: str) -> None:
         data = value.encode()
-        self.store.set(key, self._mac(key, data) + data)
+        # The binding takes bytes (pybind's std::string caster); torch's stub says str.
+        self.store.set(key, self._mac(key, data) + data)  # type: ignore[arg-type]
 
     def get(self, key: str) -> bytes:
         """Waits for `key` (up to the store's timeout), then returns its value if signed."""
@@ -179,8 +183,12 @@ class TensorParallelLauncher:
         use_shm = segment is not None and all(self.store.get(f"shm/{r}") == b"1" for r in range(1, self.size))
         self.transport_name = "shared memory" if use_shm else "gloo"
         self.store.set("transport", "shm" if use_shm else "gloo")
-        transport = (ShmTransport(segment, 0, self._check_worker) if use_shm
-                     else GlooTransport(gloo_group(self.store.store, 0, self.size), 0, self.size))
+        transport: ShmTransport | GlooTransport
+        if use_shm:
+            assert segment is not None  # use_shm is decided on it
+            transport = ShmTransport(segment, 0, self._check_worker)
+        else:
+            transport = GlooTransport(gloo_group(self.store.store, 0, self.size), 0, self.size)
         self._wait_for("connected")
         shutil.rmtree(self.store_dir)  # every rank is done with the store: nothing of it outlives start-up
         return TPCollectives(transport, shard)
@@ -259,7 +267,7 @@ class TensorParallelRunner:
 
     def __init__(self, runner, launcher: TensorParallelLauncher, tp: TPCollectives) -> None:
         self.runner = runner
-        self.launcher = launcher
+        self.launcher: TensorParallelLauncher | None = launcher  # None once closed
         self.channel = PlanChannel(tp.transport)
         self.broken: str | None = None  # why the ranks can no longer step together
 

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import traceback
+from typing import MutableMapping
 
 import torch
 
@@ -83,7 +84,7 @@ def check_num_blocks(num_blocks: int, config: EngineConfig, mc: ModelArchConfig,
     return num_blocks
 
 
-def launch_token(environ: dict) -> str:
+def launch_token(environ: MutableMapping[str, str]) -> str:
     """The launch's token, taken out of `environ` so that no process this worker starts inherits it."""
     token = environ.pop(TOKEN_ENV, "")
     if not token:
@@ -122,7 +123,9 @@ def worker_main(argv: list[str] | None = None) -> int:
                           ShmSegment.slot_bytes_for(config.max_num_batched_tokens, loaded.config.hidden_size))
     store.set(f"shm/{args.rank}", "1" if segment is not None else "0")
     store.set(f"ready/{args.rank}", "1")
+    transport: ShmTransport | GlooTransport
     if store.get("transport") == b"shm":
+        assert segment is not None  # rank 0 picks shm only when every rank mapped the segment
         transport = ShmTransport(segment, args.rank, lambda rank: None)  # rank 0 gone: the watchdog exits
     else:
         transport = GlooTransport(gloo_group(store.store, args.rank, args.size), args.rank, args.size)

@@ -38,7 +38,7 @@ belongs to one group's tables, and every table and every group's access is check
 from __future__ import annotations
 
 from collections import Counter
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 from kvshare.kvcache.cache_key import DEFAULT_NAMESPACE
 from kvshare.kvcache.events import EventLog
@@ -131,7 +131,7 @@ class KVAuditor:
         none: set[str] = set()
         for b in pool.blocks:  # by block id, so the lowest broken block is the one reported
             bid = b.block_id
-            model = ck.holders.get(bid) or {}
+            model: Mapping[str, int] = ck.holders.get(bid) or {}
             mine = in_tables.get(bid, none)
             if b.ref_count < 0:
                 raise self._error("free_xor_referenced", f"reference count {b.ref_count} is below zero", bid)

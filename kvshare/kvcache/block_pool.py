@@ -75,6 +75,7 @@ class BlockPool:
         return block
 
     def _evict(self, block: Block) -> None:
+        assert block.block_hash is not None  # only a cached block is evicted
         if self.cached.get(block.block_hash) == block.block_id:
             del self.cached[block.block_hash]
             self.prefix_updates.removed(block.block_hash)

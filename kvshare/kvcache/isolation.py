@@ -19,6 +19,7 @@ block (then the first rule in STATE_ORDER), as a walk over the pool by block id 
 from __future__ import annotations
 
 from collections import Counter
+from typing import Mapping
 
 from kvshare.kvcache.cache_key import DEFAULT_NAMESPACE, CacheNamespace
 
@@ -40,7 +41,7 @@ class IsolationChecker:
         self.block_size = block_size
         self.step = 0
         self.num_checkpoints = 0
-        self.holders: dict[int, Counter] = {}  # block -> seq -> references it holds
+        self.holders: dict[int, Counter[str]] = {}  # block -> seq -> references it holds
         self.tables: dict[int, set[str]] = {}  # block -> sequences whose block table has it
         self.seq_blocks: dict[str, set[int]] = {}  # the same relation, by sequence (forks copy it)
         self.busy: set[int] = set()  # blocks out of the free queue
@@ -280,7 +281,7 @@ class IsolationChecker:
         self.num_checkpoints += 1
         findings = self._pending
         for b in self._dirty:
-            held = self.holders.get(b) or {}
+            held: Mapping[str, int] = self.holders.get(b) or {}
             tables = self.tables.get(b, set())
             if set(held) != tables or any(n != 1 for n in held.values()):
                 findings.append(("refcount_matches_tables", b, f"references {dict(held)} but held by the table(s) "
