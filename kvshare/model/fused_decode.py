@@ -9,10 +9,12 @@ It applies when every piece has a C++ counterpart, and says why not otherwise (`
 float32 or bfloat16 activations (with bfloat16 the C++ step rounds each intermediate to bfloat16
 where the step-by-step path rounds it, so both give a row nearly the same numbers), every layer's linears on kvshare's group kernels (int8 or int4 codes),
 a float32 or bfloat16 KV cache, the C++ attention kernel in use, RoPE over whole heads and no
-per-head q/k norm (Qwen3), and a step whose rows are all decode rows with plain causal attention
-(no row's window hides an earlier key) over one block table per row (with KV cache groups each
-layer group has its own: it declines). Anything else takes the step-by-step path, which stays
-the reference: tests/test_fused_decode.py checks the two agree.
+per-head q/k norm (Qwen3), a family whose layer is the plain Llama layer (Model.fused_layers),
+and decode rows with plain causal attention (no row's window hides an earlier key) over one block
+table per row (with KV cache groups each layer group has its own: it declines). It runs a step's
+decode rows, whatever prompt rows share the step (kvshare.model.ops.Model.forward sends those
+layer by layer). Anything else takes the step-by-step path, which stays the reference:
+tests/test_fused_decode.py checks the two agree.
 """
 from __future__ import annotations
 
