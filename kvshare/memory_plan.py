@@ -371,7 +371,8 @@ def load_arch_config(model: str | os.PathLike[str] | None) -> tuple[ModelArchCon
 
 
 def _arch_from_config_json(path: str) -> ModelArchConfig:
-    from kvshare.model.hf_loader import SUPPORTED_MODEL_TYPES, config_from_hf
+    from kvshare.model.families import REGISTRY
+    from kvshare.model.hf_loader import config_from_hf
     from kvshare.model.loader import ModelLoadError
 
     try:
@@ -382,7 +383,7 @@ def _arch_from_config_json(path: str) -> ModelArchConfig:
     if not isinstance(cfg, dict):
         raise ModelLoadError(f"model={path!r} is JSON but not a config object.")
     directory = os.path.dirname(os.path.abspath(path))
-    if cfg.get("model_type") in SUPPORTED_MODEL_TYPES:
+    if REGISTRY.by_hf_model_type(cfg.get("model_type")) is not None:
         return config_from_hf(cfg, directory)
     # Planning needs only the shape: other decoder families are read from the common HF keys,
     # and their weights counted with the Llama layout (an approximation for them).

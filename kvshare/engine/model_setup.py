@@ -13,7 +13,7 @@ from kvshare.kvcache.kv_groups import KVCacheGroup, layer_slots, plan_kv_groups
 from kvshare.kvcache.kv_policy import build_kv_policy
 from kvshare.model.attention import PagedKVStorage, TorchPagedAttention
 from kvshare.model.config import ModelArchConfig
-from kvshare.model.llama import build_model
+from kvshare.model.families import build_model
 from kvshare.model.tensor_parallel import TPCollectives, shard_weights
 
 

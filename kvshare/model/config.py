@@ -14,7 +14,7 @@ class ModelArchConfig:
     load into the same modules and can be compared tensor by tensor.
     """
 
-    architecture: str  # "llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2", "gemma3"
+    architecture: str  # a registered family's name (kvshare.model.families)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -40,7 +40,7 @@ class ModelArchConfig:
     # Per layer: its window, or None for global attention; None (the field) means every layer
     # uses `sliding_window`. Set when a config mixes local and global layers (Qwen2 layer_types).
     layer_windows: list[int | None] | None = None
-    # Gemma 2 / 3 (kvshare.model.gemma); the defaults mean "as Llama".
+    # Gemma 2 / 3 (kvshare.model.families.gemma); the defaults mean "as Llama".
     # Attention softmax scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5).
     attn_scale: float | None = None
     # Scores, then logits, become cap * tanh(x / cap) (Gemma 2); None: no capping.
@@ -61,3 +61,10 @@ class ModelArchConfig:
         if self.layer_windows is not None:
             return list(self.layer_windows)
         return [self.sliding_window] * self.num_layers
+
+
+def windows_every_layer(cfg: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """The window of a config.json whose sliding_window, when set, masks every layer (Mistral,
+    Phi-3), as ModelArchConfig fields."""
+    window = cfg.get("sliding_window", defaults["sliding_window"])
+    return {"sliding_window": int(window) if window else None, "layer_windows": None}

@@ -9,10 +9,12 @@ It applies when every piece has a C++ counterpart, and says why not otherwise (`
 float32 or bfloat16 activations (with bfloat16 the C++ step rounds each intermediate to bfloat16
 where the step-by-step path rounds it, so both give a row nearly the same numbers), every layer's linears on kvshare's group kernels (int8 or int4 codes),
 a float32 or bfloat16 KV cache, the C++ attention kernel in use, RoPE over whole heads and no
-per-head q/k norm (Qwen3), and a step whose rows are all decode rows with plain causal attention
-(no row's window hides an earlier key) over one block table per row (with KV cache groups each
-layer group has its own: it declines). Anything else takes the step-by-step path, which stays
-the reference: tests/test_fused_decode.py checks the two agree.
+per-head q/k norm (Qwen3), a family whose layer is the plain Llama layer (Model.fused_layers),
+and decode rows with plain causal attention (no row's window hides an earlier key) over one block
+table per row (with KV cache groups each layer group has its own: it declines). It runs a step's
+decode rows, whatever prompt rows share the step (kvshare.model.ops.Model.forward sends those
+layer by layer). Anything else takes the step-by-step path, which stays the reference:
+tests/test_fused_decode.py checks the two agree.
 """
 from __future__ import annotations
 
@@ -64,10 +66,13 @@ def _linear(lin, bias: torch.Tensor | None) -> _Linear | None:
 class FusedDecode:
     """Built once per model (weights' pointers), bound once per KV cache (cache pointers)."""
 
-    def __init__(self, model, unsupported: str | None = None) -> None:
-        """unsupported: why this model family's layers have no C++ counterpart (None: they are
-        the Llama layers decode_step.cpp runs)."""
+    def __init__(self, model, layers: list | str) -> None:
+        """layers: the model's layers as decode_step.cpp reads them (in_norm, post_norm, qkv,
+        qkv_b, o, gate_up, down: the plain Llama layer), or why its family's layers have no C++
+        counterpart (kvshare.model.ops.Model.fused_layers)."""
         self.model = model
+        unsupported = layers if isinstance(layers, str) else None
+        self.model_layers = [] if unsupported else layers
         self.enabled = True  # tests switch it off to run the step-by-step reference
         self._layers = None
         # Weights put in VNNI blocks before the kernel library loaded are confirmed (or moved back
@@ -112,7 +117,7 @@ class FusedDecode:
             return self._float_copies[-1]
 
         views = []
-        for layer in model.layers:
+        for layer in self.model_layers:
             parts = [_linear(layer.qkv, f32(layer.qkv_b)), _linear(layer.o, None),
                      _linear(layer.gate_up, None), _linear(layer.down, None)]
             if any(p is None for p in parts):
@@ -141,7 +146,7 @@ class FusedDecode:
         if not self._blocks_settled:
             if not cpu_kernels.QMATMUL.available():
                 return "C++ kernels not available"
-            for layer in self.model.layers:
+            for layer in self.model_layers:
                 for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
                     lin.check_blocks()
             # Views anew: a weight may have moved here or in an earlier prompt step's call.
@@ -159,7 +164,7 @@ class FusedDecode:
             k, v = kv_cache.layer(i)
             layers[i].k_cache, layers[i].v_cache = k.data_ptr(), v.data_ptr()
         view = _Model(c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
-                      m.layers[0].down.in_features, kv_cache.num_blocks * kv_cache.block_size,
+                      self.model_layers[0].down.in_features, kv_cache.num_blocks * kv_cache.block_size,
                       kv_cache.block_size, _CACHE_KINDS[kv_cache.data.dtype], int(m.dtype == torch.bfloat16),
                       c.rms_norm_eps, m.scale, layers)
         tp = getattr(m, "tp", None)

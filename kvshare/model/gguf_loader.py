@@ -1,7 +1,6 @@
 """GGUF (llama.cpp) files -> ModelArchConfig + dequantized weights under HF Llama names."""
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import re
@@ -12,15 +11,13 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from kvshare.model import gemma
 from kvshare.model.config import ModelArchConfig
+from kvshare.model.families import REGISTRY
 from kvshare.model.gguf_header import open_gguf_file, read_gguf_header
 from kvshare.model.gguf_quants import GROUP_AFFINE_TYPES, GroupAffine, to_group_affine
 from kvshare.model.hf_loader import split_fused_weights
 from kvshare.model.load_error import ModelLoadError
 from kvshare.model.tokenizer import Tokenizer
-
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2", "gemma3")
 
 Q = GGMLQuantizationType
 SUPPORTED_TENSOR_TYPES = frozenset(
@@ -58,13 +55,15 @@ _IGNORED_TENSORS = re.compile(
 _LAYER_NAME = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
-def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str | None:
-    """HF name for a GGUF tensor name; None for tensors that are not weights."""
+def hf_tensor_name(gguf_name: str, architecture: str | None = None) -> str | None:
+    """HF name for a GGUF tensor name (the family's own names first, then the common Llama
+    ones); None for tensors that are not weights."""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     m = _LAYER_NAME.match(gguf_name)
-    if m and architecture in gemma.GEMMA_ARCHITECTURES and m.group(2) in gemma.GGUF_LAYER_TENSORS:
-        return f"model.layers.{m.group(1)}.{gemma.GGUF_LAYER_TENSORS[m.group(2)]}"
+    family = REGISTRY.get(architecture) if architecture is not None else None
+    if m and family is not None and m.group(2) in family.gguf_layer_tensors:
+        return f"model.layers.{m.group(1)}.{family.gguf_layer_tensors[m.group(2)]}"
     if m and m.group(2) in _LAYER_TENSORS:
         return f"model.layers.{m.group(1)}.{_LAYER_TENSORS[m.group(2)]}"
     if _IGNORED_TENSORS.match(gguf_name):
@@ -237,9 +236,10 @@ def _longrope_from_factors(tensors: dict, meta: dict[str, Any], arch: str, conte
 
 def config_from_gguf(meta: dict[str, Any], reader: GGUFReader, path: str) -> ModelArchConfig:
     arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    family = REGISTRY.get(arch) if isinstance(arch, str) else None
+    if family is None:
         raise ModelLoadError(
-            f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})."
+            f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(REGISTRY.architectures())})."
         )
 
     def key(name: str, default: Any = ...) -> Any:
@@ -260,12 +260,12 @@ def config_from_gguf(meta: dict[str, Any], reader: GGUFReader, path: str) -> Mod
         if len(set(num_kv_heads)) != 1:
             raise ModelLoadError(f"{path}: per-layer head_count_kv {num_kv_heads} is not supported.")
         num_kv_heads = num_kv_heads[0]
-    # Phi-3's rope.dimension_count may be a part of the head (partial rotary), never its size.
-    rope_dims_as_head = 0 if arch == "phi3" else int(key("rope.dimension_count", 0))
+    # With partial rotary (Phi-3) rope.dimension_count may be a part of the head, never its size.
+    rope_dims_as_head = 0 if family.partial_rotary else int(key("rope.dimension_count", 0))
     head_dim = int(key("attention.key_length", 0)) or rope_dims_as_head or hidden // num_heads
     rope_dims = int(key("rope.dimension_count", head_dim))
     # Phi-3 configs may rotate only part of each head (Phi-4-mini: 3/4); no other family here does.
-    if rope_dims != head_dim and not (arch == "phi3" and 0 < rope_dims < head_dim and rope_dims % 2 == 0):
+    if rope_dims != head_dim and not (family.partial_rotary and 0 < rope_dims < head_dim and rope_dims % 2 == 0):
         raise ModelLoadError(f"{path}: partial rotary embedding ({rope_dims} of {head_dim} dims) is not supported.")
     value_len = int(key("attention.value_length", head_dim))
     if value_len != head_dim:
@@ -300,7 +300,7 @@ def config_from_gguf(meta: dict[str, Any], reader: GGUFReader, path: str) -> Mod
     sliding = key("attention.sliding_window", None)
     embd_rows = int(tensors["token_embd.weight"].shape[-1])
 
-    config = ModelArchConfig(
+    fields: dict[str, Any] = dict(
         architecture=arch,
         vocab_size=int(key("vocab_size", embd_rows)),
         hidden_size=hidden,
@@ -322,10 +322,9 @@ def config_from_gguf(meta: dict[str, Any], reader: GGUFReader, path: str) -> Mod
         eos_token_ids=eos_ids,
         name=str(meta.get("general.name", "")),
     )
-    if arch in gemma.GEMMA_ARCHITECTURES:
-        config = dataclasses.replace(config, **gemma.gguf_config_fields(
-            key, arch, config.num_layers, hidden, num_heads, head_dim, rope_theta))
-    return config
+    if family.gguf_config is not None:
+        fields.update(family.gguf_config(key, fields, path))
+    return ModelArchConfig(**fields)
 
 
 def load_gguf(
@@ -340,9 +339,9 @@ def load_gguf(
     gguf = open_gguf_file(path)
     meta = gguf.metadata
     config = config_from_gguf(meta, gguf, path)
+    family = REGISTRY.get(config.architecture)
     # llama.cpp's llama-family converter interleaves Q/K rows; qwen2's does not (NEOX rope).
-    permuted = config.architecture in ("llama", "mistral")
-    gemma_norms = config.architecture in gemma.GEMMA_ARCHITECTURES
+    permuted = family.gguf_permuted_qk
 
     weights: dict[str, torch.Tensor | GroupAffine] = {}
     types: dict[str, str] = {}
@@ -370,11 +369,11 @@ def load_gguf(
         w = dequantize_tensor(t)
         if heads is not None:
             w = _unpermute_rows(w, heads)
-        if gemma_norms and name.endswith("norm.weight"):
-            w = w - 1.0  # llama.cpp's converter stores Gemma's 1 + w; kvshare keeps HF's w
+        if family.gguf_norm_offset and name.endswith("norm.weight"):
+            w = w - family.gguf_norm_offset  # e.g. Gemma's converter stores 1 + w; kvshare keeps HF's w
         weights[name] = w.to(dtype)
     # Phi-3: attn_qkv holds q, k and v; ffn_up (with no ffn_gate beside it) holds gate and up.
-    if config.architecture == "phi3":
+    if family.gguf_fused_gate_up:
         for i in range(config.num_layers):
             up = f"model.layers.{i}.mlp.up_proj.weight"
             if f"model.layers.{i}.mlp.gate_proj.weight" not in weights and up in weights:

@@ -5,9 +5,7 @@ little-endian data) so the ``safetensors`` package stays a test-only dependency.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
 import os
 import re
 import struct
@@ -16,13 +14,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvshare.model import gemma
 from kvshare.model.config import ModelArchConfig
+from kvshare.model.families import REGISTRY
 from kvshare.model.gguf_quants import GroupAffine
 from kvshare.model.load_error import ModelLoadError
 from kvshare.model.tokenizer import Tokenizer
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2", "gemma3_text")
 
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64,
@@ -37,62 +34,20 @@ _SAFETENSORS_DTYPES = {
     "BOOL": torch.bool,
 }
 
-# What transformers assumes when config.json leaves a field out (its config classes' defaults).
-_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2},
-    "mistral": {
-        "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 4096 * 32,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "num_key_value_heads": 8,
-        "sliding_window": 4096,
-    },
-    "qwen2": {
-        "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 32768,
-        "bos_token_id": None,
-        "eos_token_id": None,
-        "num_key_value_heads": 32,
-        "sliding_window": 4096,
-        "max_window_layers": 28,
-    },
-    "gemma2": {"rms_norm_eps": 1e-6, "max_position_embeddings": 8192, "bos_token_id": 2, "eos_token_id": 1,
-               "num_key_value_heads": 4},
-    "gemma3_text": {"rms_norm_eps": 1e-6, "max_position_embeddings": 131072, "bos_token_id": 2, "eos_token_id": 1,
-                    "num_key_value_heads": 4},
-    "qwen3": {
-        "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 32768,
-        "bos_token_id": None,
-        "eos_token_id": None,
-        "num_key_value_heads": 32,
-        "head_dim": 128,  # Qwen3Config's own default, not hidden_size // num_attention_heads
-        "sliding_window": 4096,
-        "max_window_layers": 28,
-    },
-    "phi3": {
-        "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 4096,
-        "bos_token_id": 1,
-        "eos_token_id": 32000,
-        "sliding_window": None,
-        "original_max_position_embeddings": 4096,
-    },
-}
-
 _LAYER_WEIGHT = re.compile(
     r"^model\.layers\.\d+\.(input_layernorm\.weight|post_attention_layernorm\.weight"
     r"|self_attn\.[qkvo]_proj\.(weight|bias)|mlp\.(gate|up|down)_proj\.weight"
     r"|self_attn\.[qk]_norm\.weight|self_attn\.qkv_proj\.weight|mlp\.gate_up_proj\.weight)$"
 )
-# Gemma's extra norms (kvshare.model.gemma): after attention, around the MLP, per q/k head.
-_GEMMA_LAYER_WEIGHT = re.compile(
-    r"^model\.layers\.\d+\.((pre|post)_feedforward_layernorm\.weight|self_attn\.[qk]_norm\.weight)$"
-)
 _GLOBAL_WEIGHTS = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
 # Buffers some older checkpoints saved; recomputed by the model, never loaded.
 _IGNORED = re.compile(r"\.rotary_emb\.inv_freq$")
+
+
+def _family_weights(config: ModelArchConfig) -> set[str]:
+    """The tensors the config's family adds to the Llama layout."""
+    family = REGISTRY.get(config.architecture)
+    return set() if family is None or family.extra_weights is None else set(family.extra_weights(config))
 
 
 def read_safetensors(path: str, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -182,73 +137,6 @@ def _rope_from_config(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None
     return float(theta), {"rope_type": rope_type, **rest}
 
 
-def _sliding_windows(cfg: dict[str, Any], model_type: str, num_layers: int, defaults: dict[str, Any]
-                     ) -> tuple[int | None, list[int | None] | None]:
-    """(window, per-layer windows or None when every layer shares it), as transformers 5 reads
-    the config: Mistral and Phi-3 window every layer; Qwen2 and Qwen3 only with use_sliding_window, on the layers
-    `layer_types` marks "sliding_attention" (by default those from max_window_layers on)."""
-    if model_type in ("mistral", "phi3"):  # Phi3Model masks every layer by sliding_window when set
-        window = cfg.get("sliding_window", defaults["sliding_window"])
-        return (int(window) if window else None), None
-    if model_type not in ("qwen2", "qwen3"):
-        return None, None
-    window = cfg.get("sliding_window", defaults["sliding_window"])
-    if not cfg.get("use_sliding_window", False) or not window:
-        return None, None
-    layer_types = cfg.get("layer_types") or [
-        "sliding_attention" if i >= cfg.get("max_window_layers", defaults["max_window_layers"]) else "full_attention"
-        for i in range(num_layers)
-    ]
-    unknown = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
-    if unknown or len(layer_types) != num_layers:
-        raise ModelLoadError(f"Qwen2 layer_types must list 'sliding_attention' or 'full_attention' for each of the "
-                             f"{num_layers} layers; got {len(layer_types)} entries (unknown kinds: {unknown}).")
-    windows = [int(window) if t == "sliding_attention" else None for t in layer_types]
-    if all(w is None for w in windows):
-        return None, None
-    if all(w is not None for w in windows):
-        return int(window), None
-    return int(window), windows
-
-
-def _phi3_rope(cfg: dict[str, Any], scaling: dict[str, Any] | None, head_dim: int, directory: str,
-               defaults: dict[str, Any]) -> tuple[dict[str, Any] | None, int | None]:
-    """(rope_scaling, rotary_dim) of a Phi-3 config, every longrope value resolved as transformers'
-    Phi3Config and _compute_longrope_parameters resolve it."""
-    params = cfg.get("rope_parameters") or {}
-    partial = float(params.get("partial_rotary_factor", (cfg.get("rope_scaling") or {}).get(
-        "partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))))
-    rotary_dim = int(head_dim * partial)
-    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
-        raise ModelLoadError(f"{directory}: partial_rotary_factor {partial} gives {rotary_dim} rotary dims of "
-                             f"{head_dim}; need an even number between 2 and head_dim.")
-    if scaling is None:
-        return None, (rotary_dim if rotary_dim != head_dim else None)
-    kind = scaling["rope_type"]
-    if kind in ("su", "yarn"):  # Phi3Config renames both to longrope
-        kind = "longrope"
-    if kind != "longrope":
-        raise ModelLoadError(f"{directory}: Phi-3 rope type {kind!r} is not supported (supported: default, longrope).")
-    max_pos = int(cfg.get("max_position_embeddings", defaults["max_position_embeddings"]))
-    # Phi3Config always has a top-level original_max_position_embeddings (default 4096), and
-    # transformers lets it win over the rope dict's.
-    original = int(cfg.get("original_max_position_embeddings", defaults["original_max_position_embeddings"]))
-    factor = scaling.get("factor")
-    factor = float(factor) if factor is not None else max_pos / original
-    attention_factor = scaling.get("attention_factor")
-    if attention_factor is None:
-        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-    factors = {}
-    for name in ("short_factor", "long_factor"):
-        values = scaling.get(name)
-        if not isinstance(values, list) or len(values) != rotary_dim // 2:
-            raise ModelLoadError(f"{directory}: longrope {name} must list {rotary_dim // 2} numbers "
-                                 f"(one per rotary frequency); got {values!r:.80}.")
-        factors[name] = [float(v) for v in values]
-    return ({"rope_type": "longrope", **factors, "original_max_position_embeddings": original,
-             "attention_factor": float(attention_factor)}, (rotary_dim if rotary_dim != head_dim else None))
-
-
 def split_fused_weights(weights: dict, config: ModelArchConfig, types: dict[str, str] | None = None) -> None:
     """Phi-3's qkv_proj and gate_up_proj (dense or GroupAffine), split in place into the Llama names
     every other part of kvshare uses (the model fuses them again: one matmul each); `types`, a
@@ -282,11 +170,11 @@ def _row_slice(w, start: int, end: int):
 
 def config_from_hf(cfg: dict[str, Any], directory: str, generation_config: dict[str, Any] | None = None) -> ModelArchConfig:
     model_type = cfg.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelLoadError(
-            f"{directory}: model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})."
-        )
-    defaults = _DEFAULTS[model_type]
+    family = REGISTRY.by_hf_model_type(model_type)
+    if family is None:
+        raise ModelLoadError(f"{directory}: model_type {model_type!r} is not supported "
+                             f"(supported: {', '.join(REGISTRY.hf_model_types())}).")
+    defaults = family.hf_defaults
     try:
         hidden = int(cfg["hidden_size"])
         num_heads = int(cfg["num_attention_heads"])
@@ -298,14 +186,6 @@ def config_from_hf(cfg: dict[str, Any], directory: str, generation_config: dict[
     kv = cfg.get("num_key_value_heads", defaults.get("num_key_value_heads"))
     head_dim = cfg.get("head_dim") or defaults.get("head_dim") or hidden // num_heads
     rope_theta, rope_scaling = _rope_from_config(cfg)
-    rotary_dim = None
-    if model_type == "phi3":
-        rope_scaling, rotary_dim = _phi3_rope(cfg, rope_scaling, int(head_dim), directory, defaults)
-    if model_type == "qwen3" and cfg.get("attention_bias"):
-        raise ModelLoadError(f"{directory}: Qwen3 with attention_bias=true (q/k/v/o biases) is not supported.")
-    windows = _sliding_windows(cfg, model_type, num_layers, defaults)
-    if model_type == "llama" and cfg.get("mlp_bias"):
-        raise ModelLoadError(f"{directory}: Llama with mlp_bias=true is not supported.")
 
     eos: list[int] = []
     for source in (cfg, generation_config or {}):
@@ -315,8 +195,8 @@ def config_from_hf(cfg: dict[str, Any], directory: str, generation_config: dict[
                 eos.append(int(i))
     bos = cfg.get("bos_token_id", defaults["bos_token_id"])
 
-    config = ModelArchConfig(
-        architecture=model_type,
+    fields: dict[str, Any] = dict(
+        architecture=family.architecture,
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=intermediate,
@@ -329,19 +209,15 @@ def config_from_hf(cfg: dict[str, Any], directory: str, generation_config: dict[
         rope_scaling=rope_scaling,
         max_position_embeddings=int(cfg.get("max_position_embeddings", defaults["max_position_embeddings"])),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        # Qwen2 always has q/k/v bias; Llama has it (and o_proj bias) only with attention_bias.
-        attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-        qk_norm=model_type == "qwen3",
-        rotary_dim=rotary_dim,
-        sliding_window=windows[0],
-        layer_windows=windows[1],
+        # Llama has q/k/v bias (and o_proj bias) only with attention_bias; a family may say otherwise.
+        attention_bias=bool(cfg.get("attention_bias", False)),
         bos_token_id=int(bos) if bos is not None else None,
         eos_token_ids=eos,
         name=str(cfg.get("_name_or_path") or os.path.basename(os.path.normpath(directory))),
     )
-    if model_type in gemma.HF_MODEL_TYPES:
-        config = dataclasses.replace(config, **gemma.hf_config_fields(cfg, num_layers, directory))
-    return config
+    if family.hf_config is not None:
+        fields.update(family.hf_config(cfg, fields, directory))
+    return ModelArchConfig(**fields)
 
 
 def _read_json(path: str) -> dict[str, Any] | None:
@@ -363,12 +239,12 @@ def load_hf_dir(
     config = config_from_hf(cfg, directory, _read_json(os.path.join(directory, "generation_config.json")))
 
     weights: dict[str, torch.Tensor] = {}
+    extra = _family_weights(config)
     for path in _weight_files(directory):
         for name, t in read_safetensors(path, dtype=dtype).items():
             if _IGNORED.search(name):
                 continue
-            gemma_norm = config.architecture in gemma.GEMMA_ARCHITECTURES and _GEMMA_LAYER_WEIGHT.match(name)
-            if name not in _GLOBAL_WEIGHTS and not _LAYER_WEIGHT.match(name) and not gemma_norm:
+            if name not in _GLOBAL_WEIGHTS and not _LAYER_WEIGHT.match(name) and name not in extra:
                 raise ModelLoadError(f"{path}: unexpected tensor {name!r} for a {config.architecture} model.")
             weights[name] = t
     split_fused_weights(weights, config)

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvshare.model import gemma, gguf_loader, hf_loader
+from kvshare.model import gguf_loader, hf_loader
 from kvshare.model.config import ModelArchConfig
+from kvshare.model.families import REGISTRY
 from kvshare.model.gguf_quants import GroupAffine
 from kvshare.model.load_error import ModelLoadError
 from kvshare.model.tokenizer import Tokenizer
@@ -251,8 +252,9 @@ def expected_weight_shapes(config: ModelArchConfig) -> dict[str, tuple[int, ...]
             shapes[p + "self_attn.q_proj.bias"] = (q_out,)
             shapes[p + "self_attn.k_proj.bias"] = (kv_out,)
             shapes[p + "self_attn.v_proj.bias"] = (kv_out,)
-    if config.architecture in gemma.GEMMA_ARCHITECTURES:
-        shapes.update(gemma.extra_weight_shapes(config))
+    family = REGISTRY.get(config.architecture)
+    if family is not None and family.extra_weights is not None:
+        shapes.update(family.extra_weights(config))
     return shapes
 
 

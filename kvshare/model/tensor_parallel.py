@@ -30,7 +30,6 @@ from kvshare.model.gguf_quants import GroupAffine
 # The MLP is split in whole units of this many columns so down_proj's column slices fall on the
 # quantization groups (16 or 32 weights) of every kept-quantized format.
 _MLP_UNIT = 32
-TP_ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "phi3")
 
 
 def even_split(n: int, size: int, rank: int) -> tuple[int, int]:
@@ -86,9 +85,12 @@ class TPShard:
 
 def check_tensor_parallel(config: ModelArchConfig, size: int) -> None:
     """A clear error when `config` cannot be split over `size` ranks."""
-    if config.architecture not in TP_ARCHITECTURES:
+    from kvshare.model.families import REGISTRY  # here: the families' model code imports this module
+
+    supported = REGISTRY.tensor_parallel_architectures()
+    if config.architecture not in supported:
         raise ValueError(f"tensor_parallel_size={size} is not supported for architecture {config.architecture!r} "
-                         f"(supported: {', '.join(TP_ARCHITECTURES)})")
+                         f"(supported: {', '.join(supported)})")
     if config.num_kv_heads < size:
         raise ValueError(f"tensor_parallel_size={size} is invalid for this model: it has {config.num_kv_heads} KV "
                          f"head(s), and each rank needs at least one (use tensor_parallel_size <= "
@@ -117,7 +119,8 @@ def _cols(w, lo: int, hi: int):
 
 
 def shard_weights(weights: dict, shard: TPShard) -> dict:
-    """This rank's slices of a Llama-family checkpoint (HF names), in place of the full tensors."""
+    """This rank's slices of a checkpoint under the HF Llama names every family uses, in place of the
+    full tensors; what no rule names (norms) every rank holds whole."""
     c = shard.config
     d = c.head_dim
     (q0, q1), (k0, k1), (m0, m1), (v0, v1) = shard.q_heads, shard.kv_heads, shard.mlp, shard.vocab

@@ -88,9 +88,6 @@ def _byte_alphabet() -> dict[int, str]:
     return table
 
 
-_GEMMA_SPM_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
-
-
 def _unk_token(metadata: Mapping[str, Any], tokens: Sequence[str]) -> str | None:
     unk = metadata.get("tokenizer.ggml.unknown_token_id")
     return tokens[int(unk)] if unk is not None and 0 <= int(unk) < len(tokens) else None
@@ -311,11 +308,14 @@ class Tokenizer:
         - Control tokens (<bos>, <start_of_turn>, <unusedN>, ...) and user-defined ones ('\n', HTML
           tags, ...) match whole in the text, before the space normalization.
         """
+        from kvshare.model.families import REGISTRY  # here: the tokenizer alone needs no model code
+
         arch = metadata.get("general.architecture")
-        if arch not in _GEMMA_SPM_ARCHITECTURES:
+        spm = REGISTRY.spm_tokenizer_architectures()
+        if arch not in spm:
             raise NotImplementedError(
                 f"GGUF tokenizer.ggml.model='llama' (SentencePiece) is supported for Gemma files "
-                f"({', '.join(_GEMMA_SPM_ARCHITECTURES)}), not for architecture {arch!r}: other "
+                f"({', '.join(spm)}), not for architecture {arch!r}: other "
                 f"SentencePiece vocabularies need a dummy-prefix rule kvshare does not test."
             )
         if metadata.get("tokenizer.ggml.add_space_prefix", False):

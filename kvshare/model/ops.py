@@ -1,0 +1,219 @@
+"""The ops a family's layer math is written over, and the model every family builds.
+
+A family (kvshare.model.families) says what its layer computes; `Ops` decides how: which kernel a
+row takes by its kind (decode rows on the packed kernels, prompt rows on the dequantized GEMM,
+kvshare.model.qlinear), how weights are stored, what tensor parallelism adds (a vocabulary-split
+embedding, an all-reduce after each row-parallel linear, gathered logits), which attention backend
+serves the capabilities the family asks for (soft-capping: the PyTorch attention, the C++ kernel
+has none), and whether a step's decode rows go through the fused C++ decode stack.
+
+`Model.forward` dispatches by row kind: decode rows through the fused stack when the model and
+the rows allow it, every other row layer by layer, whatever else shares the step (rows never see
+each other: each attends over its own sequence's blocks only).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from kvshare.model.attention import AttentionBackend, AttentionMetadata, PagedKVStorage, TorchPagedAttention
+from kvshare.model.config import ModelArchConfig
+from kvshare.model.fused_decode import FusedDecode
+from kvshare.model.gguf_quants import GroupAffine
+from kvshare.model.layers import RotaryEmbedding, head_rms_norm, rms_norm
+from kvshare.model.qlinear import DequantScratch, make_linear
+from kvshare.model.tensor_parallel import TPCollectives
+
+# Norms and RoPE are plain functions of their inputs: the same op for every row kind.
+norm = rms_norm
+head_norm = head_rms_norm
+rope = RotaryEmbedding.rotate
+
+
+def norm_f32(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * scale computed in float32, cast back to x's dtype (Gemma's
+    RMSNorm, `scale` being float32 1 + weight: HF casts only at the end)."""
+    return F.rms_norm(x.float(), (x.shape[-1],), scale, eps).to(x.dtype)
+
+
+def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    return torch.tanh(x / cap) * cap
+
+
+class Ops:
+    """Built once per model: its activation dtype, weight storage, attention backend and TP."""
+
+    def __init__(self, dtype: torch.dtype, backend: AttentionBackend, max_positions: int,
+                 prefill_dtype: torch.dtype | None = None, tp: TPCollectives | None = None,
+                 attention_softcap: bool = False) -> None:
+        if attention_softcap and isinstance(backend, TorchPagedAttention) and backend.use_cpp_kernel:
+            # The C++ attention kernel cannot cap scores: this model's every step takes PyTorch's.
+            backend = TorchPagedAttention(backend.block_size, use_cpp_kernel=False)
+        self.dtype = dtype
+        self.backend = backend
+        self.max_positions = max_positions
+        self.tp = tp
+        self.scratch = DequantScratch(prefill_dtype or dtype)
+
+    # ---- at build: weights onto their storage ----
+    def linear(self, w):
+        """A weight matrix on the kernel that suits its storage (qlinear.make_linear)."""
+        return make_linear(w, self.dtype, self.scratch)
+
+    def dense(self, w) -> torch.Tensor:
+        return (w.dequantize() if isinstance(w, GroupAffine) else w).to(self.dtype).contiguous()
+
+    @staticmethod
+    def float32(w) -> torch.Tensor:
+        return (w.dequantize() if isinstance(w, GroupAffine) else w).float()
+
+    @staticmethod
+    def fuse(parts: list) -> torch.Tensor | GroupAffine:
+        """Row-wise concatenation of weights (q/k/v, gate/up: fewer, larger GEMMs), kept packed
+        when every part is packed alike."""
+        if all(isinstance(p, GroupAffine) for p in parts):
+            try:
+                return GroupAffine.cat(parts)
+            except ValueError:
+                pass  # mixed formats (e.g. Q4_K q/k with a Q6_K v): fuse densely
+        return torch.cat([p.dequantize() if isinstance(p, GroupAffine) else p.float() for p in parts])
+
+    def rotary(self, config: ModelArchConfig) -> RotaryEmbedding:
+        return RotaryEmbedding(config, self.max_positions, self.dtype)
+
+    # ---- in a forward ----
+    def embed(self, table, ids: torch.Tensor) -> torch.Tensor:
+        return table.rows(ids) if self.tp is None else self.tp.embed(table, ids)
+
+    def logits(self, lm_head, x: torch.Tensor) -> torch.Tensor:
+        logits = lm_head(x).float()
+        return logits if self.tp is None else self.tp.gather_logits(logits)
+
+    def step(self, meta: AttentionMetadata, kv_cache: PagedKVStorage) -> "StepOps":
+        return StepOps(self, meta, kv_cache)
+
+
+class StepOps:
+    """The ops of one forward over one set of rows: rows [0, num_decode) are decode rows."""
+
+    def __init__(self, ops: Ops, meta: AttentionMetadata, kv_cache: PagedKVStorage) -> None:
+        self.ops, self.meta, self.kv_cache = ops, meta, kv_cache
+        self.num_decode = meta.num_decode
+
+    def linear(self, lin, x: torch.Tensor, row_parallel: bool = False) -> torch.Tensor:
+        """x @ lin.T, each row on its kind's kernel. row_parallel: under TP the weight holds this
+        rank's input columns, and the result is the sum over ranks."""
+        y = lin(x, self.num_decode)
+        tp = self.ops.tp
+        return y if tp is None or not row_parallel else tp.all_reduce(y)
+
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  softcap: float | None = None) -> torch.Tensor:
+        """Writes k, v to layer `layer`'s cache and attends each row over its own sequence."""
+        k_cache, v_cache = self.kv_cache.layer(layer)
+        return self.ops.backend.forward(q, k, v, k_cache, v_cache, self.meta.for_layer(layer), scale,
+                                        softcap=softcap)
+
+
+class Model:
+    """What the engine runs: a family's recipe (`build`, `layers_forward`, `final_norm`) over Ops.
+
+    A family whose layer is the plain Llama layer (pre-norm attention with fused q/k/v and an
+    optional q/k/v bias, pre-norm SiLU-gated MLP) says so in `fused_layers` and gets the fused
+    C++ decode step; tensor parallelism comes with Ops for any family whose weights shard."""
+
+    def __init__(self, config: ModelArchConfig, weights: dict, ops: Ops) -> None:
+        self.config = config
+        self.ops = ops
+        self.dtype, self.backend, self.tp = ops.dtype, ops.backend, ops.tp
+        self.build(weights)
+        self.fused_decode = FusedDecode(self, self.fused_layers())
+
+    # ---- a family's recipe ----
+    def build(self, weights: dict) -> None:
+        raise NotImplementedError
+
+    def fused_layers(self) -> list | str:
+        """The layers as the fused stack reads them (in_norm, post_norm, qkv, qkv_b, o, gate_up,
+        down), or why this family's layers are not the fused stack's."""
+        return f"{self.config.architecture} layers are not in the C++ decode step"
+
+    def embed_rows(self, ops: Ops, ids: torch.Tensor) -> torch.Tensor:
+        return ops.embed(self.embed, ids)
+
+    def rope_tables(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(cos, sin) per rotary embedding the layers use; the fused stack takes the first."""
+        raise NotImplementedError
+
+    def layers_forward(self, ops: StepOps, h: torch.Tensor, tables: list) -> torch.Tensor:
+        raise NotImplementedError
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    # ---- shared by every family ----
+    def linears(self) -> list:
+        """Every weight matrix once (the tied embedding is the lm_head)."""
+        out = [self.lm_head] + ([self.embed] if self.embed is not self.lm_head else [])
+        for layer in self.layers:
+            out += [layer.qkv, layer.o, layer.gate_up, layer.down]
+        return out
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.small_weight_bytes() + sum(lin.nbytes for lin in self.linears())
+
+    def small_weight_bytes(self) -> int:
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: PagedKVStorage) -> torch.Tensor:
+        h = self.embed_rows(self.ops, input_ids)
+        tables = self.rope_tables(positions)
+        nd = meta.num_decode
+        if nd == 0 or self.fused_decode.reason(decode_rows(meta), nd, kv_cache) is not None:
+            return self.layers_forward(self.ops.step(meta, kv_cache), h, tables)
+        # The decode rows through the fused stack, the prompt rows (if any) layer by layer: a
+        # decode row's arithmetic is the same whether or not a prompt shares its step.
+        cos, sin = tables[0]
+        out = self.fused_decode.run(h[:nd], cos[:nd], sin[:nd], decode_rows(meta), kv_cache)
+        if nd == input_ids.shape[0]:
+            return out
+        rest = [(c[nd:], s[nd:]) for c, s in tables]
+        return torch.cat([out, self.layers_forward(self.ops.step(prompt_rows(meta), kv_cache), h[nd:], rest)])
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # Only the rows that sample or report logprobs come here: the vocab matmul is the
+        # single most expensive op at small batch.
+        return self.ops.logits(self.lm_head, self.final_norm(hidden))
+
+
+def build_model(model_class: type[Model], config: ModelArchConfig, weights: dict, dtype: torch.dtype,
+                backend: AttentionBackend, max_positions: int, prefill_dtype: torch.dtype | None = None,
+                tp: TPCollectives | None = None) -> Model:
+    """A family's model over its ops. prefill_dtype: the dtype of many-row GEMMs on kept-quantized
+    weights (None: dtype). tp: this rank's collectives under tensor parallelism; `config` and
+    `weights` are then its shard (kvshare.model.tensor_parallel)."""
+    ops = Ops(dtype, backend, max_positions, prefill_dtype, tp, attention_softcap=config.attn_logit_softcap is not None)
+    return model_class(config, weights, ops)
+
+
+def decode_rows(meta: AttentionMetadata) -> AttentionMetadata:
+    """The metadata of a step's decode rows alone (its first num_decode rows)."""
+    if not meta.prefills:
+        return meta
+    nd = meta.num_decode
+    layers = None if meta.layer_metadata is None else [decode_rows(m) for m in meta.layer_metadata]
+    return dataclasses.replace(meta, slot_mapping=meta.slot_mapping[:nd], prefills=[], layer_metadata=layers)
+
+
+def prompt_rows(meta: AttentionMetadata) -> AttentionMetadata:
+    """The metadata of a step's prompt rows alone (those after its decode rows)."""
+    nd = meta.num_decode
+    layers = None if meta.layer_metadata is None else [prompt_rows(m) for m in meta.layer_metadata]
+    chunks = [dataclasses.replace(c, query_start=c.query_start - nd) for c in meta.prefills]
+    return AttentionMetadata(slot_mapping=meta.slot_mapping[nd:], prefills=chunks, layer_metadata=layers)
