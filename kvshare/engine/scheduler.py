@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from kvshare.config import EngineConfig
 from kvshare.engine.request import Sequence, SeqStatus
 from kvshare.engine.step_plan import ChunkPlan, GroupAccess, StepPlan
-from kvshare.kvcache.manager import KVCacheManager
+from kvshare.kvcache.interface import KVCore
 
 
 @dataclass
@@ -30,7 +30,7 @@ class _Chunk:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, manager: KVCacheManager) -> None:
+    def __init__(self, config: EngineConfig, manager: KVCore) -> None:
         self.config = config
         self.manager = manager
         self.waiting: deque[Sequence] = deque()
