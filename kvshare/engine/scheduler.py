@@ -126,7 +126,7 @@ class Scheduler:
         if peak is None:
             return True
         mgr = self.manager
-        reserve = sum(max(0, self._peak_blocks(s) - mgr.num_held_blocks(s.seq_id)) for s in self.running)
+        reserve = sum(max(0, (self._peak_blocks(s) or 0) - mgr.num_held_blocks(s.seq_id)) for s in self.running)
         shared = sum(1 for b in cached if b is not None and b.ref_count > 0)  # held already: no new block
         return peak - shared <= mgr.num_free_blocks() - reserve
 

@@ -144,14 +144,14 @@ class KVCacheCoordinator:
     def peak_blocks(self, decoding: bool, chunk_tokens: int, total_tokens: int) -> int | None:
         """Most blocks a sequence of up to `total_tokens` can hold from now on, over all groups,
         under bounded-KV policies (None: unbounded)."""
-        peaks = []
+        total = 0
         for m in self.groups:
             policy = m.policy
-            if policy.max_blocks_per_seq(1) is None:
-                return None
             bound = policy.decode_blocks if decoding else policy.max_blocks_per_seq(chunk_tokens)
-            peaks.append(min(bound, self.blocks_needed(total_tokens)))
-        return sum(peaks)
+            if bound is None:
+                return None
+            total += min(bound, self.blocks_needed(total_tokens))
+        return total
 
     def stats_dict(self) -> dict:
         s = self.stats
@@ -196,14 +196,14 @@ class KVCacheCoordinator:
         n = limit
         while n > 0 and any(run[n] < n - m.policy.released_blocks(n * self.block_size) for m, _, run in windows):
             n -= 1
-        hits_by_manager = {}
+        hits_by_manager: dict[int, list[Block | None]] = {}
         for m, chain in zip(self._chain_groups, chains):
             # Hits no query from n on reads become placeholders: neither revived nor counted.
             head, end = m.policy.keep_head, min(m.policy.released_blocks(n * self.block_size), n)
             hits_by_manager[id(m)] = [None if head <= i < end else b for i, b in enumerate(chain[:n])]
         for m, cached, _ in windows:
             first = m.policy.released_blocks(n * self.block_size)
-            hits_by_manager[id(m)] = [None] * first + cached[first:n]
+            hits_by_manager[id(m)] = [None if i < first else b for i, b in enumerate(cached[:n])]
         return [hits_by_manager[id(m)] for m in self.groups]
 
     def hashes_completed_by(self, seq_id: str, token_ids: list[int], start: int, end: int) -> list[bytes]:
@@ -267,7 +267,7 @@ class KVCacheCoordinator:
         self._hits += plan.num_computed if plan.num_lookup_tokens else 0
         # Every group's hits are revived before any group allocates: an allocation evicts from
         # the head of the free queue, where another group's cached hit may be waiting.
-        for m, hits in zip(self.groups, plan.group_hits):
+        for m, hits in zip(self.groups, plan.group_hits or [plan.hits]):
             m.adopt_hits(AdmissionPlan(plan.seq_id, hits, plan.num_computed, plan.num_new, plan.num_lookup_tokens))
         if not self.allocate_slots(plan.seq_id, plan.num_computed, plan.num_new):
             raise BlockPoolError(f"admission of {plan.seq_id}: the pool changed between plan and commit")
