@@ -44,6 +44,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_info(args: argparse.Namespace) -> int:
     from kvshare.config import EngineConfig
     from kvshare.engine.llm_engine import LLMEngine
+    from kvshare.kvcache.kv_groups import layers_per_block
 
     engine = LLMEngine(EngineConfig.from_kwargs(**engine_options(args)))
     mc, lay = engine.model_config, engine.layout
@@ -62,16 +63,16 @@ def cmd_info(args: argparse.Namespace) -> int:
         "kv_cache_dtype": lay.dtype,
         "kv_bytes_per_token": lay.bytes_per_token,
         "kv_bytes_formula": engine.config.kv_format.formula(
-            engine.kv_groups[0].size if engine.kv_groups else mc.num_layers, mc.num_kv_heads, mc.head_dim),
+            layers_per_block(engine.kv_groups), mc.num_kv_heads, mc.head_dim),
         "block_size": lay.block_size, "num_blocks": lay.num_blocks, "token_slots": lay.num_slots,
         "kv_pool_bytes": lay.pool_bytes, "max_model_len": lay.max_model_len,
         "max_len_sequences_that_fit": round(lay.max_len_seqs, 2),
     }
-    if engine.kv_groups:
+    if lay.num_kv_groups > 1:  # several tables share the blocks: say how
         from kvshare.memory_plan import group_summary
 
         info["kv_cache_groups"] = len(engine.kv_groups)
-        info["kv_bytes_formula"] += f" per block slot ({engine.kv_groups[0].size} layers of one group)"
+        info["kv_bytes_formula"] += f" per block slot ({layers_per_block(engine.kv_groups)} layers of one group)"
         for g in group_summary(engine.kv_groups, lay.block_size, lay.bytes_per_token, lay.max_model_len,
                                engine.config.max_num_batched_tokens):
             kind = "global" if g["window"] is None else f"window_{g['window']}"

@@ -30,7 +30,8 @@ import os
 from dataclasses import dataclass, field
 
 from kvshare.config import available_memory_bytes, engine_default, parse_bytes
-from kvshare.kvcache.kv_groups import KVCacheGroup, plan_kv_groups
+from kvshare.kvcache.kv_groups import KVCacheGroup, layers_per_block, one_group, plan_kv_groups
+from kvshare.kvcache.kv_policy import FullAttention
 from kvshare.model.config import ModelArchConfig
 from kvshare.model.kv_quant import KVFormat, check_kv_cache_dtype, resolve_kv_format
 
@@ -272,16 +273,20 @@ def _plan_shape(arch: ModelArchConfig, cfg: PlanConfig, label: str, max_model_le
     weights = int(count_parameters(arch) * bytes_per_param)
     act = activation_bytes(arch, cfg.dtype, cfg.max_num_batched_tokens, cfg.max_num_seqs, max_model_len)
     bs = cfg.block_size
-    groups = plan_kv_groups(arch.attention_windows(), bs) if cfg.kv_cache_groups else None
-    layers = groups[0].size if groups else arch.num_layers
+    groups = (plan_kv_groups(arch.attention_windows(), bs) if cfg.kv_cache_groups
+              else one_group(FullAttention(bs, arch.num_layers)))
+    layers = layers_per_block(groups)
     bpt = fmt.bytes_per_token(layers, arch.num_kv_heads, arch.head_dim)
     formula = f"{fmt.formula(layers, arch.num_kv_heads, arch.head_dim)} = {bpt:,} bytes"
-    if groups:
+    # Sized per group where several tables share the blocks; one table counts every block of its
+    # sequence (the plan has always sized a single table that way, window or not).
+    split = groups if len(groups) > 1 else None
+    if split:
         formula += f" per block slot ({len(groups)} KV cache groups of {layers} layers share the blocks)"
-    sp = ShapePlan(label, arch.num_kv_heads, weights, act, usable - weights - act, bpt, formula)
+    sp = ShapePlan(label, arch.num_kv_heads, weights, act, usable - weights - act, bpt, formula,
+                   num_kv_groups=len(groups))
     chunk = cfg.max_num_batched_tokens
-    if groups:
-        sp.num_kv_groups = len(groups)
+    if split:
         sp.kv_groups = group_summary(groups, bs, bpt, max_model_len, chunk)
     if sp.kv_budget_bytes <= 0:
         sp.error = (f"memory={cfg.memory} bytes x utilization {cfg.utilization} = {usable:,} bytes does not hold "
@@ -294,10 +299,10 @@ def _plan_shape(arch: ModelArchConfig, cfg: PlanConfig, label: str, max_model_le
         return sp
     sp.token_slots = sp.num_blocks * bs
     sp.kv_pool_bytes = sp.token_slots * bpt
-    sp.max_seqs_at_max_len = sp.num_blocks // blocks_per_request(max_model_len, 0, bs, 1, groups, chunk)
+    sp.max_seqs_at_max_len = sp.num_blocks // blocks_per_request(max_model_len, 0, bs, 1, split, chunk)
     sp.max_requests_at_max_len = sp.num_blocks // blocks_per_request(prompt, max_model_len - prompt, bs, cfg.width,
-                                                                     groups, chunk)
-    sp.max_requests_at_avg = sp.num_blocks // blocks_per_request(prompt, output, bs, cfg.width, groups, chunk)
+                                                                     split, chunk)
+    sp.max_requests_at_avg = sp.num_blocks // blocks_per_request(prompt, output, bs, cfg.width, split, chunk)
     sp.max_seqs_at_avg = sp.max_requests_at_avg * cfg.width
     return sp
 

@@ -21,8 +21,9 @@ from kvshare.engine.scheduler import Scheduler
 from kvshare.engine.step_plan import StepPlan
 from kvshare.kvcache.block_pool import BlockPoolError
 from kvshare.kvcache.events import EventLog
-from kvshare.kvcache.kv_policy import SinkWindow, SlidingWindow
-from kvshare.kvcache.manager import KVCacheManager
+from kvshare.kvcache.coordinator import KVCacheCoordinator
+from kvshare.kvcache.kv_groups import one_group
+from kvshare.kvcache.kv_policy import FullAttention, SinkWindow, SlidingWindow
 from kvshare.sampling_params import SamplingParams
 
 BS = 4  # tokens per block: small, so a handful of tokens spans several blocks
@@ -47,7 +48,7 @@ def make_scheduler(num_blocks: int, budget: int = 64, max_seqs: int = 8, policy=
     # scheduler reads just the token budget and the seat count from it.
     config = EngineConfig(block_size=BS, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
                           dtype="float32", enable_prefix_caching=prefix_caching)
-    manager = KVCacheManager(num_blocks, BS, prefix_caching, events=events, policy=policy)
+    manager = KVCacheCoordinator(num_blocks, BS, one_group(policy or FullAttention(BS)), prefix_caching, events=events)
     return Scheduler(config, manager), manager
 
 
@@ -92,7 +93,7 @@ def fork(sched: Scheduler, parent: Sequence, child_id: str) -> Sequence:
     return child
 
 
-def table_of(manager: KVCacheManager, seq_id: str) -> list[int | None] | None:
+def table_of(manager: KVCacheCoordinator, seq_id: str) -> list[int | None] | None:
     """Block ids of a sequence's table (None entries: released by a window), or None when the
     sequence holds no table at all."""
     if seq_id not in manager.tables:
@@ -107,11 +108,11 @@ def released_by(events: EventLog, seq_id: str) -> list[int]:
 
 # ---- small readers of the pool --------------------------------------------------------------
 
-def ref(manager: KVCacheManager, block_id: int) -> int:
+def ref(manager: KVCacheCoordinator, block_id: int) -> int:
     return manager.pool.blocks[block_id].ref_count
 
 
-def published(manager: KVCacheManager, block_id: int) -> bool:
+def published(manager: KVCacheCoordinator, block_id: int) -> bool:
     return manager.pool.blocks[block_id].block_hash is not None
 
 

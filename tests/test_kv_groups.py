@@ -20,7 +20,8 @@ from kvshare.engine.scheduler import Scheduler
 from kvshare.kvcache.audit import record_step_io
 from kvshare.kvcache.events import EventLog
 from kvshare.kvcache.isolation import IsolationChecker
-from kvshare.kvcache.kv_groups import GroupedKVCacheManager, blocks_per_seq, plan_kv_groups
+from kvshare.kvcache.coordinator import KVCacheCoordinator
+from kvshare.kvcache.kv_groups import blocks_per_seq, plan_kv_groups
 from kvshare.sampling_params import SamplingParams
 
 BS = 4
@@ -43,7 +44,7 @@ class Harness:
         self.log = EventLog()
         self.checker = IsolationChecker(BS)
         self.log.listener = self.checker.feed
-        self.mgr = GroupedKVCacheManager(num_blocks, BS, self.groups, events=self.log)
+        self.mgr = KVCacheCoordinator(num_blocks, BS, self.groups, events=self.log)
         self.mgr.pool.events = self.log
         self.sched = Scheduler(config, self.mgr)
 
@@ -82,7 +83,8 @@ def test_layers_group_by_attention_type_into_equal_groups_global_first():
     assert groups[0].window is None and groups[0].layers == (5, 11, 17)
     assert [g.window for g in groups[1:]] == [512] * 5
     assert sorted(layer for g in groups for layer in g.layers) == list(range(18))
-    assert plan_kv_groups([None] * 4, 16) is None and plan_kv_groups([16] * 4, 16) is None  # one type
+    assert [(g.layers, g.window) for g in plan_kv_groups([None] * 4, 16)] == [((0, 1, 2, 3), None)]  # one type
+    assert [(g.layers, g.window) for g in plan_kv_groups([16] * 4, 16)] == [((0, 1, 2, 3), 16)]
     assert [g.layers for g in plan_kv_groups([None, 16], 4)] == [(0,), (1,)]
     # A sequence's blocks: the global group all of them, each local group its window + 1.
     assert blocks_per_seq(groups, 16, 32768) == 2048 + 5 * (512 // 16 + 1)
@@ -188,7 +190,7 @@ def test_a_missing_block_inside_a_local_window_shortens_the_hit():
     pool = h.mgr.pool
     assert pool.blocks[window_block].block_hash is not None
     # Evict exactly that block: what a pool under pressure does to the least recently freed.
-    pool._evict(pool.blocks[window_block])
+    pool.evict(pool.blocks[window_block])
     b = make_seq("B", prompt, max_tokens=3)
     h.sched.add(b)
     h.step()

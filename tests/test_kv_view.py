@@ -17,8 +17,8 @@ import pytest
 
 from kvshare.kvcache.audit import AuditError
 from kvshare.kvcache.cache_key import CacheNamespace
-from kvshare.kvcache.kv_groups import GroupedKVCacheManager, plan_kv_groups
-from kvshare.kvcache.manager import KVCacheManager
+from kvshare.kvcache.coordinator import KVCacheCoordinator
+from kvshare.kvcache.kv_groups import plan_kv_groups
 from kvshare.kvcache.pool_view import manager_counts, read_pool
 from kvshare.kvcache.view_tap import ViewTap
 from kvshare.server.async_engine import AsyncEngine
@@ -41,7 +41,7 @@ def _admit(mgr, seq_id: str, token_ids: list[int], salt: str | None = None) -> N
 
 
 def test_pool_read_states_owners_positions_and_counts():
-    mgr = KVCacheManager(8, 4)
+    mgr = KVCacheCoordinator(8, 4, plan_kv_groups([None], 4))
     tap = ViewTap()
     mgr.events = mgr.pool.events = tap
     a = list(range(13))  # 3 full blocks + 1 token
@@ -73,7 +73,7 @@ def test_pool_read_states_owners_positions_and_counts():
 
 def test_pool_read_names_the_kv_group():
     groups = plan_kv_groups([None, 8], 4)  # one global group, one window group
-    mgr = GroupedKVCacheManager(16, 4, groups)
+    mgr = KVCacheCoordinator(16, 4, groups)
     _admit(mgr, "a", list(range(10)))  # 3 blocks in each group
     rows, counts = read_pool(mgr, str)
     held = [r for r in rows if r["ref_count"]]

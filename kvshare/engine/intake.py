@@ -152,7 +152,7 @@ class RequestIntake:
                     f"{self.layout.num_kv_groups} KV cache groups, but the whole KV pool holds "
                     f"{self.layout.num_blocks}: raise kv_cache_memory or lower max_tokens", "max_tokens")
             return max_tokens
-        bound = self.kv_policy.max_blocks_per_seq(self.max_num_batched_tokens) if self.kv_policy else None
+        bound = self.kv_policy.max_blocks_per_seq(self.max_num_batched_tokens)
         if bound is not None and bound * self.layout.block_size < needed:
             # Windowed: blocks out of every window go back as the sequence grows.
             needed = bound * self.layout.block_size

@@ -28,9 +28,9 @@ from kvshare.errors import InvalidRequestError
 from kvshare.kvcache.audit import KVAuditor, record_step_io
 from kvshare.kvcache.events import EventLog, as_event_log
 from kvshare.kvcache.hashing import BlockHasher
+from kvshare.kvcache.coordinator import KVCacheCoordinator
+from kvshare.kvcache.kv_groups import grouped_blocks_per_seq
 from kvshare.kvcache.prefix_updates import PrefixUpdateQueue
-from kvshare.kvcache.kv_groups import GroupedKVCacheManager, blocks_per_seq
-from kvshare.kvcache.manager import KVCacheManager
 from kvshare.kvcache.view_tap import ViewTap
 from kvshare.memory_plan import kv_pool_blocks
 from kvshare.model import cpu_kernels
@@ -84,19 +84,12 @@ class LLMEngine:
         num_blocks = kv_pool_blocks(config.kv_budget_bytes(), bytes_per_token, config.block_size)
         max_model_len = kv.max_model_len
         # Sink sequences keep cache positions below max_model_len whatever their length.
-        length_unbounded = self.kv_policy is not None and self.kv_policy.generates_past_max_model_len
+        length_unbounded = self.kv_policy.generates_past_max_model_len
         hasher = BlockHasher.seeded(config.block_size, config.prefix_caching_hash_seed)
-        if self.kv_groups:
-            self.layout = KVLayout(bytes_per_token, config.block_size, num_blocks, max_model_len,
-                                   self.kv_format.name, len(self.kv_groups),
-                                   blocks_per_seq(self.kv_groups, config.block_size, max_model_len,
-                                                  config.max_num_batched_tokens))
-            self.manager = GroupedKVCacheManager(num_blocks, config.block_size, self.kv_groups,
-                                                 config.enable_prefix_caching, hasher=hasher)
-        else:
-            self.layout = KVLayout(bytes_per_token, config.block_size, num_blocks, max_model_len, self.kv_format.name)
-            self.manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                          policy=self.kv_policy, hasher=hasher)
+        self.layout = KVLayout(bytes_per_token, config.block_size, num_blocks, max_model_len, self.kv_format.name,
+                               len(self.kv_groups), self._seq_blocks(max_model_len) or 0)
+        self.manager = KVCacheCoordinator(num_blocks, config.block_size, self.kv_groups,
+                                          config.enable_prefix_caching, hasher=hasher)
         # With tensor parallelism this rank holds its shard; the pool's bytes (the layout) are all ranks'.
         tp = launcher.connect(TPShard(0, launcher.size, mc), num_blocks) if launcher is not None else None
         self.model, self.kv_cache, self.runner = build_rank(config, mc, loaded.weights, kv, num_blocks, tp)
@@ -162,11 +155,10 @@ class LLMEngine:
             self.prefix_update_publisher.publish(self.manager.pool.prefix_updates.drain())
 
     def _seq_blocks(self, num_tokens: int) -> int | None:
-        """Most blocks one sequence of `num_tokens` holds across the KV cache groups (None: one
+        """Most blocks one sequence of `num_tokens` holds across several KV cache groups (None: one
         group, the intake's own slot count applies)."""
-        if not self.kv_groups:
-            return None
-        return blocks_per_seq(self.kv_groups, self.config.block_size, num_tokens, self.config.max_num_batched_tokens)
+        return grouped_blocks_per_seq(self.kv_groups, self.config.block_size, num_tokens,
+                                      self.config.max_num_batched_tokens)
 
     def set_audit(self, audit: bool, event_log: str | None = None) -> None:
         """Attach (or detach) the event log and the auditor; only while idle, so the audit's

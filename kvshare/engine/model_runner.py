@@ -1,9 +1,10 @@
 """Turns a step plan into tensors, runs the model, and returns only the logits needed.
 
 The runner consumes the plan alone (kvshare/engine/step_plan.py): block ids, table indices,
-write slots and RoPE positions all come from it, so it knows nothing of the KV manager. The
-attention policy it is given only says what each query may see (`visible`, `variants`,
-`plain_until`); which blocks a sequence still holds is already in the plan."""
+write slots and RoPE positions all come from it, so it knows nothing of the KV manager. Each KV
+cache group's attention policy only says what each query may see (its `variants`, plain mask
+specs the model side turns into masks, and `plain_until`); which blocks a sequence still holds is
+already in the plan."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,6 +14,7 @@ import torch
 
 from kvshare.engine.step_plan import ChunkPlan, GroupAccess, StepPlan
 from kvshare.model.attention import AttentionMetadata, DecodeGroup, PagedKVStorage, PrefillChunk
+from kvshare.model.attention_masks import visible
 from kvshare.model.layers import rope_inv_freq
 from kvshare.model.rerotate import rerotate_keys
 
@@ -61,16 +63,15 @@ def group_by_length(ctx_lens: list[int], block_size: int) -> list[tuple[int, int
 
 
 class ModelRunner:
-    def __init__(self, model, kv_cache: PagedKVStorage, policy, group_policies: list | None = None,
-                 layer_groups: list[int] | None = None) -> None:
-        """With KV cache groups (hybrid models), group g's layers attend over the plan's group g
-        accesses with `group_policies[g]`, and layer i is in group `layer_groups[i]`; without,
-        every layer reads the one table, each with its own mask from `policy`."""
+    def __init__(self, model, kv_cache: PagedKVStorage, group_policies: list, layer_groups: list[int],
+                 layer_slots: list[int]) -> None:
+        """Group g's layers attend over the plan's group g accesses with `group_policies[g]`; layer
+        i is slot `layer_slots[i]` of group `layer_groups[i]` (one group: every layer, in order)."""
         self.model = model
         self.kv_cache = kv_cache
-        self.policy = policy
         self.group_policies = group_policies
         self.layer_groups = layer_groups
+        self.layer_slots = layer_slots
         self.block_size = kv_cache.block_size
         self._inv_freq = rope_inv_freq(model.config)
 
@@ -86,11 +87,11 @@ class ModelRunner:
         for c in plan.chunks:
             ids.extend(c.token_ids)
             positions.extend(range(c.rope_start, c.rope_start + c.num_tokens))
-        if self.group_policies is None:
-            meta = self._metadata(plan, decode, prefill, 0, self.policy)
-        else:
-            metas = [self._metadata(plan, decode, prefill, g, p) for g, p in enumerate(self.group_policies)]
-            meta = dataclasses.replace(metas[0], layer_metadata=[metas[g] for g in self.layer_groups])
+        metas = [self._metadata(plan, decode, prefill, g, p) for g, p in enumerate(self.group_policies)]
+        layers = [metas[g].for_layer(j) for g, j in zip(self.layer_groups, self.layer_slots)]
+        meta = metas[0]
+        if any(m is not meta for m in layers):  # layers attend differently: each gets its own
+            meta = dataclasses.replace(meta, layer_metadata=layers)
         return torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta
 
     def _metadata(self, plan: StepPlan, decode: list[ChunkPlan], prefill: list[ChunkPlan], group: int,
@@ -116,7 +117,7 @@ class ModelRunner:
             k_pos = _key_positions(_table_index(a), bs).unsqueeze(0)
             table_t = torch.tensor(a.read_blocks, dtype=torch.long)
             for v in variants:
-                mask = policy.visible(q_pos, k_pos, v)
+                mask = visible(v, q_pos, k_pos)
                 prefills[v].append(PrefillChunk(row, c.num_tokens, table_t, mask, _plain_causal(c.start, mask)))
             row += c.num_tokens
         meta.decode_groups, meta.prefills = groups[variants[0]], prefills[variants[0]]
@@ -152,7 +153,7 @@ class ModelRunner:
             return {v: (None, None) for v in variants}  # plain causal attention for every row
         out = {}
         for v in variants:
-            pairs = [policy.decode_range(c.start, v) for c in decode]
+            pairs = [v.decode_range(c.start) for c in decode]
             out[v] = (torch.tensor([p[0] for p in pairs], dtype=torch.long),
                       torch.tensor([p[1] for p in pairs], dtype=torch.long))
         return out
@@ -173,7 +174,7 @@ class ModelRunner:
             q_pos = torch.tensor([c.start for c in decode[r0:r1]]).unsqueeze(1)
             for v in groups:
                 bias = torch.zeros(n, width * bs)
-                bias.masked_fill_(~(policy.visible(q_pos, k_pos, v) & (k_pos >= 0)), _NEG_INF)
+                bias.masked_fill_(~(visible(v, q_pos, k_pos) & (k_pos >= 0)), _NEG_INF)
                 groups[v].append(DecodeGroup(r0, n, table, bias.view(1, n, 1, width * bs)))
 
     def execute(self, plan: StepPlan) -> StepLogits:

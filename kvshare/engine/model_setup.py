@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from kvshare.config import EngineConfig
 from kvshare.engine.model_runner import ModelRunner
 from kvshare.engine.startup import ReportedModel
-from kvshare.kvcache.kv_groups import KVCacheGroup, layer_slots, plan_kv_groups
-from kvshare.kvcache.kv_policy import build_kv_policy
+from kvshare.kvcache.kv_groups import KVCacheGroup, layer_slots, layers_per_block, one_group, plan_kv_groups
+from kvshare.kvcache.kv_policy import SinkWindow, build_kv_policy
 from kvshare.model.attention import PagedKVStorage, TorchPagedAttention
 from kvshare.model.config import ModelArchConfig
 from kvshare.model.families import build_model
@@ -20,23 +20,25 @@ from kvshare.model.tensor_parallel import TPCollectives, shard_weights
 @dataclass
 class KVPlan:
     max_model_len: int
-    # Hybrid models (global and window layers): one block table per group of layers of one
-    # attention type; a block then holds KV of one group's layers, not all of them. None: one table.
-    groups: list[KVCacheGroup] | None
-    # The model's own sliding windows, or the opt-in sink policy: what bounds KV per sequence.
+    # One block table per group of layers (one group when every layer attends alike; hybrid models:
+    # one per attention type and layer slice, a block then holding one group's layers' KV).
+    groups: list[KVCacheGroup]
+    # The model's own sliding windows, or the opt-in sink policy, over every layer: what bounds
+    # one sequence's length and KV as a whole.
     policy: object
-    group_of: list[int] | None  # each layer's group (None without groups)
-    slot_of: list[int] | None  # each layer's storage slot in a block (None without groups)
+    group_of: list[int]  # each layer's group
+    slot_of: list[int]  # each layer's storage slot in a block
     layers_per_block: int  # how many layers' KV one block holds
 
 
 def plan_kv(config: EngineConfig, mc: ModelArchConfig) -> KVPlan:
     max_model_len = config.max_model_len or mc.max_position_embeddings
-    groups = (plan_kv_groups(mc.attention_windows(), config.block_size)
-              if config.kv_cache_groups and config.kv_policy is None else None)
-    group_of, slot_of = layer_slots(groups, mc.num_layers) if groups else (None, None)
-    return KVPlan(max_model_len, groups, build_kv_policy(config, mc, max_model_len), group_of, slot_of,
-                  groups[0].size if groups else mc.num_layers)
+    policy = build_kv_policy(config, mc, max_model_len)
+    # Sinks are one policy over every layer: never split into groups.
+    split = config.kv_cache_groups and not isinstance(policy, SinkWindow)
+    groups = plan_kv_groups(mc.attention_windows(), config.block_size) if split else one_group(policy)
+    group_of, slot_of = layer_slots(groups, mc.num_layers)
+    return KVPlan(max_model_len, groups, policy, group_of, slot_of, layers_per_block(groups))
 
 
 def build_rank(config: EngineConfig, mc: ModelArchConfig, weights: dict, kv: KVPlan, num_blocks: int,
@@ -50,6 +52,5 @@ def build_rank(config: EngineConfig, mc: ModelArchConfig, weights: dict, kv: KVP
                               config.kv_format.storage, layer_slots=kv.slot_of)
     model = build_model(mc, weights, config.torch_dtype, TorchPagedAttention(config.block_size), kv.max_model_len,
                         prefill_dtype=config.prefill_torch_dtype, tp=tp)
-    runner = ModelRunner(model, kv_cache, kv.policy, [g.policy for g in kv.groups] if kv.groups else None,
-                         kv.group_of)
+    runner = ModelRunner(model, kv_cache, [g.policy for g in kv.groups], kv.group_of, kv.slot_of)
     return model, kv_cache, runner

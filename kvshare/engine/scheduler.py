@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from kvshare.config import EngineConfig
 from kvshare.engine.request import Sequence, SeqStatus
 from kvshare.engine.step_plan import ChunkPlan, GroupAccess, StepPlan
-from kvshare.kvcache.manager import KVCacheManager
+from kvshare.kvcache.interface import KVCore
 
 
 @dataclass
@@ -30,7 +30,7 @@ class _Chunk:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, manager: KVCacheManager) -> None:
+    def __init__(self, config: EngineConfig, manager: KVCore) -> None:
         self.config = config
         self.manager = manager
         self.waiting: deque[Sequence] = deque()
@@ -131,7 +131,7 @@ class Scheduler:
         if peak is None:
             return True
         mgr = self.manager
-        reserve = sum(max(0, self._peak_blocks(s) - mgr.num_held_blocks(s.seq_id)) for s in self.running)
+        reserve = sum(max(0, (self._peak_blocks(s) or 0) - mgr.num_held_blocks(s.seq_id)) for s in self.running)
         shared = sum(1 for b in cached if b is not None and b.ref_count > 0)  # held already: no new block
         return peak - shared <= mgr.num_free_blocks() - reserve
 

@@ -192,8 +192,9 @@ class KVAuditor:
         """After the checker passed the step's reads and writes: the block tables the step plan
         reads are the sequences' real tables, index by index (the checker verified the writes
         against these tables and that each block is one the reader holds)."""
-        for g, tables in enumerate(self.manager.group_tables):  # each KV cache group against its own tables
-            group = "" if g == 0 else f" (KV cache group {g})"
+        group_tables = self.manager.group_tables
+        for g, tables in enumerate(group_tables):  # each KV cache group against its own tables
+            group = f" (KV cache group {g})" if len(group_tables) > 1 else ""
             for c in plan.chunks:
                 seq_id = c.seq_id
                 table = tables.get(seq_id, [])

@@ -2,12 +2,15 @@
 
 Free blocks sit in an LRU-ordered queue. A freed block that holds a cached prefix keeps its
 hash while it waits there, so a later request can revive it; it only loses the hash when the
-pool hands it out for new data (eviction). Blocks without a hash are handed out first.
+pool hands it out for new data or the prefix cache is reset (`evict`, the one eviction path).
+Blocks without a hash are handed out first. `on_evict` hooks hear of every eviction while the
+block still holds its data (e.g. a host-RAM tier copying it out before it is overwritten).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Callable
 
 from kvshare.kvcache.cache_key import DEFAULT_NAMESPACE, CacheNamespace
 from kvshare.kvcache.events import EventLog, Recorder
@@ -31,10 +34,13 @@ class Block:
     generation: int = 0  # bumped on every allocation: new data, old KV meaningless
 
 
+EvictHook = Callable[[int, bytes], None]  # (block id, its hash), called before the hash is dropped
+
+
 class BlockPool:
     events = Recorder()  # the block event log, or a NullEventLog
 
-    def __init__(self, num_blocks: int, events: EventLog | None = None) -> None:
+    def __init__(self, num_blocks: int, events: EventLog | None = None, on_evict: EvictHook | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks} is invalid: the KV pool needs at least one block")
         self.num_blocks = num_blocks
@@ -48,6 +54,7 @@ class BlockPool:
         # What routers see (BlockStored / BlockRemoved, kvshare.kvcache.prefix_updates): the engine
         # installs a PrefixUpdateQueue when a publisher is configured.
         self.prefix_updates: PrefixUpdateQueue | NullPrefixUpdateQueue = NullPrefixUpdateQueue()
+        self.on_evict: list[EvictHook] = [on_evict] if on_evict is not None else []
 
     @property
     def num_free(self) -> int:
@@ -65,7 +72,7 @@ class BlockPool:
         block_id, _ = self._free.popitem(last=False)
         block = self.blocks[block_id]
         if block.block_hash is not None:
-            self._evict(block)
+            self.evict(block)
         block.ref_count = 1
         block.owners = {owner}
         block.namespace = namespace
@@ -74,8 +81,11 @@ class BlockPool:
         self.events.record("alloc", block=block_id, seq=owner)
         return block
 
-    def _evict(self, block: Block) -> None:
+    def evict(self, block: Block) -> None:
+        """Drop a block's prefix-cache entry: its KV is about to be overwritten (or the cache is reset)."""
         assert block.block_hash is not None  # only a cached block is evicted
+        for hook in self.on_evict:
+            hook(block.block_id, block.block_hash)
         if self.cached.get(block.block_hash) == block.block_id:
             del self.cached[block.block_hash]
             self.prefix_updates.removed(block.block_hash)
@@ -140,6 +150,6 @@ class BlockPool:
         for block_hash, block_id in list(self.cached.items()):
             block = self.blocks[block_id]
             if block.ref_count == 0:
-                self._evict(block)
+                self.evict(block)
         if not self.cached:
             self.prefix_updates.cleared()

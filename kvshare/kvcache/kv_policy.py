@@ -1,5 +1,8 @@
 """Bounded KV per sequence: which keys each query sees, and which blocks a sequence can let go of.
 
+Plain integers only: what a query sees is a `MaskSpec` per attention variant, and the model side
+turns it into mask tensors (kvshare/model/attention_masks.py); the bookkeeping knows no tensors.
+
 Everything here is in text positions (the token's index in the sequence), which are also the
 block-table indices: a released block leaves a `None` placeholder in its table, so block i
 always holds positions [i * block_size, (i + 1) * block_size).
@@ -21,9 +24,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 
-SINK = "sink"  # the one attention variant of SinkWindow
+@dataclass(frozen=True)
+class MaskSpec:
+    """What a query at text position t sees, as plain ints: keys k <= t, within the last `window`
+    positions (None: no window), and under attention sinks (`sink_window` set) the first
+    `sink_tokens` keys plus the blocks of `block_size` reaching into the last `sink_window`
+    positions (blocks are dropped whole)."""
+
+    window: int | None = None
+    sink_tokens: int = 0
+    sink_window: int | None = None
+    block_size: int = 1
+
+    def decode_range(self, t: int) -> tuple[int, int]:
+        """(sink_end, window_start): a query at t sees [0, sink_end) and [window_start, t]."""
+        if self.sink_window is not None:
+            return self.sink_tokens, max(0, (t + 1 - self.sink_window) // self.block_size) * self.block_size
+        return self.sink_tokens, 0 if self.window is None else max(0, t - self.window + 1)
+
+
+CAUSAL = MaskSpec()
 
 
 @dataclass(frozen=True)
@@ -36,12 +57,12 @@ class FullAttention:
     generates_past_max_model_len = False
 
     @property
-    def layer_variants(self) -> tuple[None, ...]:
-        return (None,) * self.num_layers
+    def layer_variants(self) -> tuple[MaskSpec, ...]:
+        return (CAUSAL,) * self.num_layers
 
     @property
-    def variants(self) -> list[None]:
-        return [None]
+    def variants(self) -> list[MaskSpec]:
+        return [CAUSAL]
 
     @property
     def plain_until(self) -> float:
@@ -50,13 +71,6 @@ class FullAttention:
     @property
     def keep_head(self) -> int:
         return 0
-
-    def visible(self, q: torch.Tensor, k: torch.Tensor, variant: None = None) -> torch.Tensor:
-        return k <= q
-
-    def decode_range(self, t: int, variant: None = None) -> tuple[int, int]:
-        """(sink_end, window_start): a query at t sees [0, sink_end) and [window_start, t]."""
-        return 0, 0
 
     def released_blocks(self, start: int) -> int:
         return 0
@@ -86,12 +100,12 @@ class SlidingWindow:
     generates_past_max_model_len = False
 
     @property
-    def layer_variants(self) -> tuple[int | None, ...]:
-        return self.windows
+    def layer_variants(self) -> tuple[MaskSpec, ...]:
+        return tuple(MaskSpec(window=w) for w in self.windows)
 
     @property
-    def variants(self) -> list[int | None]:
-        return sorted(set(self.windows), key=lambda w: (w is None, w or 0))
+    def variants(self) -> list[MaskSpec]:
+        return [MaskSpec(window=w) for w in sorted(set(self.windows), key=lambda w: (w is None, w or 0))]
 
     @property
     def plain_until(self) -> int:
@@ -105,13 +119,6 @@ class SlidingWindow:
     @property
     def release_window(self) -> int | None:
         return None if any(w is None for w in self.windows) else max(self.windows)
-
-    def visible(self, q: torch.Tensor, k: torch.Tensor, variant: int | None) -> torch.Tensor:
-        causal = k <= q
-        return causal if variant is None else causal & (q - k < variant)
-
-    def decode_range(self, t: int, variant: int | None) -> tuple[int, int]:
-        return 0, 0 if variant is None else max(0, t - variant + 1)
 
     def released_blocks(self, start: int) -> int:
         """Blocks [0, n) hold no key any query at `start` or later sees, in any layer."""
@@ -151,12 +158,16 @@ class SinkWindow:
     generates_past_max_model_len = True
 
     @property
-    def layer_variants(self) -> tuple[str, ...]:
-        return (SINK,) * self.num_layers
+    def mask(self) -> MaskSpec:
+        return MaskSpec(sink_tokens=self.sink_tokens, sink_window=self.window_tokens, block_size=self.block_size)
 
     @property
-    def variants(self) -> list[str]:
-        return [SINK]
+    def layer_variants(self) -> tuple[MaskSpec, ...]:
+        return (self.mask,) * self.num_layers
+
+    @property
+    def variants(self) -> list[MaskSpec]:
+        return [self.mask]
 
     @property
     def plain_until(self) -> int:
@@ -167,17 +178,9 @@ class SinkWindow:
     def keep_head(self) -> int:
         return 1  # block 0 holds the sinks
 
-    def evicted(self, t):
+    def evicted(self, t: int) -> int:
         """Leading blocks whose every position is older than the recent window of a query at t."""
-        if isinstance(t, torch.Tensor):
-            return torch.clamp((t + 1 - self.window_tokens) // self.block_size, min=0)
         return max(0, (t + 1 - self.window_tokens) // self.block_size)
-
-    def visible(self, q: torch.Tensor, k: torch.Tensor, variant: str = SINK) -> torch.Tensor:
-        return (k <= q) & ((k < self.sink_tokens) | (k // self.block_size >= self.evicted(q)))
-
-    def decode_range(self, t: int, variant: str = SINK) -> tuple[int, int]:
-        return self.sink_tokens, self.evicted(t) * self.block_size
 
     def released_blocks(self, start: int) -> int:
         return self.evicted(start)  # [keep_head, n): block 0 stays for its sinks

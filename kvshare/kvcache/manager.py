@@ -1,6 +1,7 @@
-"""A sequence's KV state in one record, and the life of its blocks: admission (prefix-cache
-hits + new blocks), growth, copy-on-write, fork, sliding release, and the one release path that
-finish, abort and preemption all go through.
+"""One KV cache group's block tables: a sequence's KV state in one record, and the life of its
+blocks: prefix-cache hits, growth, copy-on-write, fork, sliding release, and the one release path
+that finish, abort and preemption all go through. The coordinator (kvcache/coordinator.py) runs
+one per group over a shared pool and decides what spans groups (admission, room in the pool).
 
 The attention policy (kv_policy: full attention, model sliding windows, attention sinks) says
 which blocks a sequence can let go of (`slide`): they go back through the pool (still hashed,
@@ -26,31 +27,25 @@ class KVCacheManager:
                  events: EventLog | None = None, policy=None, pool: BlockPool | None = None,
                  hasher: BlockHasher | None = None, chain_root: bytes | None = None) -> None:
         self.block_size = block_size
-        self.policy = policy if policy is not None else FullAttention(block_size)
+        self.policy = policy or FullAttention(block_size)
         # Blocks a sequence may publish to the prefix cache (None: all); fixed by the policy.
         self.publish_limit = self.policy.publishable_blocks()
         self.events = events
-        # One KV cache group of a hybrid model (kv_groups.py) shares the pool and the hasher
-        # with the other groups; its hash chain starts from its own root, so the same tokens
-        # hash differently in each group (one pool-wide hash index, no cross-group hits).
+        # Groups share the pool and the hasher; each group's hash chain starts from its own root,
+        # so the same tokens hash differently in each group (one pool-wide index, no cross-group hits).
         self.pool = pool if pool is not None else BlockPool(num_blocks, events)
         self.enable_prefix_caching = enable_prefix_caching
         self.hasher = hasher if hasher is not None else BlockHasher(block_size)
         self.chain_root = chain_root  # parent hash of block 0 (None: the hasher's own root)
         self.seqs: dict[str, SeqKV] = {}  # every sequence looked up or admitted, until freed
-        self.stats = PrefixCacheStats()
+        self.stats = PrefixCacheStats()  # this group's copies (the coordinator counts the rest)
         # Copies the model runner must perform before the next forward pass: (src, dst) block ids.
         self.pending_copies: list[tuple[int, int]] = []
         # Sink sequences' kept keys to re-rotate (after the copies) before the next forward:
         # seq -> (block ids, shift).
         self.pending_rotations: dict[str, tuple[list[int], int]] = {}
 
-
     # ---- queries -------------------------------------------------------------------------
-    @property
-    def num_blocks(self) -> int:
-        return self.pool.num_blocks
-
     @property
     def tables(self) -> dict[str, list[Block | None]]:
         """Block table of every admitted sequence (a snapshot mapping; the lists are live)."""
@@ -62,9 +57,6 @@ class KVCacheManager:
 
     def record(self, seq_id: str) -> SeqKV:
         return self.seqs.setdefault(seq_id, SeqKV())
-
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free
 
     def block_ids(self, seq_id: str) -> list[int | None]:
         rec = self.seqs.get(seq_id)
@@ -93,69 +85,17 @@ class KVCacheManager:
         index = self.held_indices(seq_id, upto)
         return [rec.blocks[i].block_id for i in index], index
 
-    def access_by_group(self, seq_id: str, start: int, end: int) -> list[tuple[list[int], list[int], list[int] | None]]:
-        """What computing positions [start, end) writes and reads, per KV cache group (here one):
-        (write slots, block ids read, their table indices or None)."""
+    def access(self, seq_id: str, start: int, end: int) -> tuple[list[int], list[int], list[int] | None]:
+        """What computing positions [start, end) writes and reads in this group: (write slots,
+        block ids read, their table indices or None)."""
         bs = self.block_size
         read, index = self.blocks_read(seq_id, -(-end // bs))
         table = self.seqs[seq_id].blocks
-        return [([table[p // bs].block_id * bs + p % bs for p in range(start, end)], read, index)]
-
-    @property
-    def num_groups(self) -> int:
-        return 1
-
-    @property
-    def group_tables(self) -> list[dict[str, list[Block | None]]]:
-        """Per KV cache group, every admitted sequence's table (one group here)."""
-        return [self.tables]
-
-    def chunk_limit(self, start: int) -> int | None:
-        """Tokens a chunk from `start` may hold (None: any), e.g. sinks: RoPE positions left."""
-        return self.policy.chunk_limit(start)
-
-    def peak_blocks(self, decoding: bool, chunk_tokens: int, total_tokens: int) -> int | None:
-        """Most blocks a sequence of up to `total_tokens` can hold from now on under a
-        bounded-KV policy (None: unbounded)."""
-        policy = self.policy
-        if policy.max_blocks_per_seq(1) is None:
-            return None
-        bound = policy.decode_blocks if decoding else policy.max_blocks_per_seq(chunk_tokens)
-        return min(bound, self.blocks_needed(total_tokens))
-
-    def release_behind(self, seq_id: str, num_computed: int) -> None:
-        """After a step: nothing here. With one group a sequence's out-of-window blocks go back at
-        its next `slide` (so the counts stay what they always were); KV groups release them
-        right after the step (GroupedKVCacheManager.release_behind)."""
+        return [table[p // bs].block_id * bs + p % bs for p in range(start, end)], read, index
 
     def rope_offset(self, seq_id: str) -> int:
         rec = self.seqs.get(seq_id)
         return 0 if rec is None else rec.rope_offset
-
-    def num_used_blocks(self) -> int:
-        return self.pool.num_blocks - self.pool.num_free
-
-    def num_shared_blocks(self) -> int:
-        return sum(1 for b in self.pool.blocks if b.ref_count > 1)
-
-    def stats_dict(self) -> dict:
-        s = self.stats
-        return {
-            "prefix_cache_queries": s.queries, "prefix_cache_hits": s.hits, "prefix_cache_hit_rate": s.hit_rate,
-            "blocks_shared": self.num_shared_blocks(), "cow_copies": s.cow_copies, "forks": s.forks,
-            "evictions": self.pool.num_evictions, "allocations": self.pool.num_allocations,
-            "blocks_in_use": self.num_used_blocks(), "blocks_cached_free": self.pool.num_cached_free(),
-            "blocks_total": self.num_blocks,
-        }
-
-    def assert_idle_whole(self) -> None:
-        """When nothing runs: no block referenced, every block free (cached or not)."""
-        held = [b.block_id for b in self.pool.blocks if b.ref_count != 0]
-        if held or self.tables or self.pool.num_free != self.num_blocks:
-            raise BlockPoolError(
-                f"pool not whole when idle: referenced blocks {held[:10]}, tables {list(self.tables)[:10]}, "
-                f"free {self.pool.num_free} of {self.num_blocks}"
-            )
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -179,17 +119,9 @@ class KVCacheManager:
         max_blocks = (len(token_ids) - 1) // self.block_size
         if self.publish_limit is not None:
             max_blocks = min(max_blocks, self.publish_limit)
-        rec = self.record(seq_id)
-        self._set_namespace(rec, namespace)
-        hashes = self._block_hashes(rec, token_ids, max_blocks)
-        hits: list[Block] = []
-        bs = self.block_size
-        for i in range(max_blocks):
-            block = self.pool.lookup(hashes[i], tuple(token_ids[i * bs:(i + 1) * bs]))
-            if block is None:
-                break
-            hits.append(block)
-        return hits
+        self._set_namespace(self.record(seq_id), namespace)
+        cached = self.cached_blocks(seq_id, token_ids, max_blocks)
+        return cached[:next((i for i, b in enumerate(cached) if b is None), max_blocks)]
 
     def cached_blocks(self, seq_id: str, token_ids: list[int], num_blocks: int) -> list[Block | None]:
         """The cached block for each of the first `num_blocks` full blocks of `token_ids`, None
@@ -239,45 +171,7 @@ class KVCacheManager:
                                   hashes[i - 1] if i else self.chain_root)
         rec.registered = full
 
-    # ---- admission: plan, then commit -----------------------------------------------------
-    def plan_admission(self, seq_id: str, token_ids: list[int], namespace: CacheNamespace, max_new_tokens: int,
-                       use_cache: bool = True, inflight: set[bytes] | frozenset = frozenset()) -> AdmissionPlan:
-        """What admitting this sequence now would reuse and allocate, or why it must wait:
-        a block it would compute first is being computed by another sequence this step (it
-        waits one step and hits instead), or the pool cannot supply its blocks."""
-        self._set_namespace(self.record(seq_id), namespace)
-        hits = self.find_cached_prefix(seq_id, token_ids, namespace) if use_cache else []
-        num_computed = len(hits) * self.block_size
-        # Hits no query from num_computed on reads become placeholders: neither revived nor
-        # counted against the pool.
-        head, end = self.policy.keep_head, min(self.policy.released_blocks(num_computed), len(hits))
-        hits = [None if head <= i < end else b for i, b in enumerate(hits)]
-        num_new = min(len(token_ids) - num_computed, max_new_tokens)
-        limit = self.policy.chunk_limit(num_computed)
-        if limit is not None:
-            num_new = min(num_new, limit)
-        lookup = len(token_ids) if use_cache and self.enable_prefix_caching else 0
-        plan = AdmissionPlan(seq_id, hits, num_computed, num_new, lookup)
-        if use_cache and inflight and self._first_missing_hash(seq_id, token_ids, len(hits)) in inflight:
-            plan.refusal = "waits a step for a prefix block another sequence is computing"
-            return plan
-        needed = self.blocks_needed(num_computed + num_new) - len(hits)
-        revived = sum(1 for b in hits if b is not None and b.ref_count == 0)
-        if needed > self.pool.num_free - revived:
-            plan.refusal = f"needs {needed} new blocks + {revived} revived, {self.pool.num_free} free"
-        return plan
-
-    def _first_missing_hash(self, seq_id: str, token_ids: list[int], num_cached_blocks: int) -> bytes | None:
-        """Hash of the block an admission would compute first, if that block is full."""
-        if not self.enable_prefix_caching or (num_cached_blocks + 1) * self.block_size > len(token_ids) - 1:
-            return None
-        return self._block_hashes(self.record(seq_id), token_ids, num_cached_blocks + 1)[num_cached_blocks]
-
-    def commit_admission(self, plan: AdmissionPlan) -> None:
-        self.adopt_hits(plan)
-        if not self.allocate_slots(plan.seq_id, plan.num_computed, plan.num_new):
-            raise BlockPoolError(f"admission of {plan.seq_id}: the pool changed between plan and commit")
-
+    # ---- admission (planned by the coordinator) ------------------------------------------------
     def adopt_hits(self, plan: AdmissionPlan) -> None:
         """The first half of a commit: the sequence's table starts as its prefix hits (revived
         from the free queue first, so no allocation can hand one of them out meanwhile)."""
@@ -286,8 +180,6 @@ class KVCacheManager:
         rec = self.record(plan.seq_id)
         if rec.admitted:
             raise BlockPoolError(f"sequence {plan.seq_id} admitted while it still holds blocks")
-        self.stats.queries += plan.num_lookup_tokens
-        self.stats.hits += plan.num_computed if plan.num_lookup_tokens else 0
         self.events.record("admit", seq=plan.seq_id, **rec.namespace.event_fields())
         for block in plan.hits:
             if block is not None:

@@ -2,6 +2,8 @@
 inference engines, so tests (and the hidden `--inject-fault` of `kvshare doctor` and `kvshare
 serve`) can prove the audit, the doctor and the dashboard catch it. Test-only: planting is refused
 unless KVSHARE_TESTING=1 (kvshare.testing.environment), and patches the given engine object alone.
+Every fault is planted in each KV cache group's manager (the KV core runs one per group), so it
+does harm on a hybrid engine (Gemma 3) as on a single-group one.
 
   share_without_incref   (a) a prefix hit puts cached blocks in the table without counting them
   no_copy_on_write       (b) a sequence appends into a block it shares (fork tail) in place
@@ -57,12 +59,11 @@ def _share_without_incref(engine) -> None:
 
 
 def _no_copy_on_write(engine) -> None:
-    mgr = engine.manager
+    for group in engine.manager.groups:
+        def buggy_cow(seq_id, index, group=group):
+            _fired(engine, [group.seqs[seq_id].blocks[index].block_id])  # and writes into the shared block in place
 
-    def buggy_cow(seq_id, index):
-        _fired(engine, [mgr.seqs[seq_id].blocks[index].block_id])  # and writes into the shared block in place
-
-    mgr.copy_on_write = buggy_cow
+        group.copy_on_write = buggy_cow
 
 
 def _abort_ignores_refcount(engine) -> None:
@@ -73,8 +74,9 @@ def _abort_ignores_refcount(engine) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         for rid in ids:
             st = engine.requests.get(rid)
-            for seq in (st.seqs if st is not None and not st.finished else []):
-                rec = mgr.seqs.pop(seq.seq_id, None)
+            for seq, group in [(s, g) for s in (st.seqs if st is not None and not st.finished else [])
+                               for g in mgr.groups]:
+                rec = group.seqs.pop(seq.seq_id, None)
                 for block in (rec.blocks if rec is not None else []):
                     if block is None:
                         continue
@@ -96,7 +98,7 @@ def _evict_held_block(engine) -> None:
             block = pool.blocks[bid]
             if block.ref_count > 0 and owner not in block.owners:
                 _fired(engine, [bid])
-                pool._evict(block)
+                pool.evict(block)
                 block.ref_count, block.owners, block.namespace = 1, {owner}, namespace
                 block.generation += 1
                 pool.events.record("alloc", block=bid, seq=owner)
@@ -107,19 +109,26 @@ def _evict_held_block(engine) -> None:
 
 
 def _lookup_ignores_salt(engine) -> None:
-    mgr = engine.manager
-    find = mgr.find_cached_prefix
+    for group in engine.manager.groups:
+        _unsalted_lookups(engine, group)
 
-    def buggy_find(seq_id, token_ids, namespace):
-        key = seq_id + "\0lookup"
-        hits = find(key, token_ids, DEFAULT_NAMESPACE)
-        mgr.seqs.pop(key, None)
-        foreign = [b.block_id for b in hits if b.namespace != namespace]
+
+def _unsalted_lookups(engine, group) -> None:
+    find, cached = group.find_cached_prefix, group.cached_blocks
+
+    def unsalted(seq_id, lookup, namespace):
+        key = seq_id + "\0lookup"  # a fresh record: hashes in the default namespace
+        hits = lookup(key)
+        group.seqs.pop(key, None)
+        foreign = [b.block_id for b in hits if b is not None and b.namespace != namespace]
         if foreign:
             _fired(engine, foreign)
         return hits
 
-    mgr.find_cached_prefix = buggy_find
+    group.find_cached_prefix = lambda seq_id, token_ids, namespace: unsalted(
+        seq_id, lambda key: find(key, token_ids, DEFAULT_NAMESPACE), namespace)
+    group.cached_blocks = lambda seq_id, token_ids, num_blocks: unsalted(
+        seq_id, lambda key: cached(key, token_ids, num_blocks), group.record(seq_id).namespace)
 
 
 def _slot_off_by_one(engine) -> None:
@@ -129,12 +138,12 @@ def _slot_off_by_one(engine) -> None:
     def buggy_schedule():
         plan = schedule()
         hit = []
-        for c in plan.chunks:
+        for a, c in [(c.access(g), c) for c in plan.chunks for g in range(engine.manager.num_groups)]:
             for k, pos in enumerate(range(c.start, c.end)):
-                slot = c.write_slots[k]
+                slot = a.write_slots[k]
                 if pos % bs == 0 and pos > 0 and slot > 0:
                     hit.append((slot - 1) // bs)
-                    c.write_slots[k] = slot - 1
+                    a.write_slots[k] = slot - 1
         if hit:
             _fired(engine, hit)
         return plan
