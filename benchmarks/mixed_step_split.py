@@ -55,7 +55,8 @@ def main(argv=None) -> int:
     def run_step(plan):
         t0 = time.perf_counter()
         out = execute(plan)
-        prompt_tokens = sum(c.num_tokens for c in plan.chunks if c.start < c.seq.num_prompt_tokens)
+        seqs = eng.scheduler.scheduled_seqs
+        prompt_tokens = sum(c.num_tokens for c in plan.chunks if c.start < seqs[c.seq_id].num_prompt_tokens)
         steps.append((time.perf_counter() - t0, prompt_tokens))
         return out
     eng.runner.execute = run_step
