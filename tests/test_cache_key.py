@@ -11,7 +11,8 @@ import pytest
 from kvshare.kvcache.cache_key import DEFAULT_NAMESPACE, CacheNamespace
 from kvshare.kvcache.hashing import BlockHasher
 from kvshare.kvcache.isolation import IsolationChecker, Violation
-from kvshare.kvcache.manager import KVCacheManager
+from kvshare.kvcache.coordinator import KVCacheCoordinator
+from kvshare.kvcache.kv_groups import plan_kv_groups
 
 BS = 4
 TOKENS = list(range(100, 100 + 3 * BS))
@@ -66,14 +67,14 @@ def test_event_fields_round_trip_and_say_nothing_new_without_an_adapter():
         assert CacheNamespace.from_event({"ev": "admit", "seq": "x", **ns.event_fields()}) == ns
 
 
-def _admit(mgr: KVCacheManager, seq_id: str, ns: CacheNamespace) -> int:
+def _admit(mgr: KVCacheCoordinator, seq_id: str, ns: CacheNamespace) -> int:
     plan = mgr.plan_admission(seq_id, TOKENS + [7], ns, max_new_tokens=len(TOKENS) + 1)
     mgr.commit_admission(plan)
     return plan.num_computed
 
 
 def test_only_the_same_namespace_hits_and_blocks_carry_it():
-    mgr = KVCacheManager(32, BS)
+    mgr = KVCacheCoordinator(32, BS, plan_kv_groups([None], BS))
     owner = CacheNamespace("t", "a1")
     assert _admit(mgr, "first", owner) == 0
     mgr.publish_full_blocks("first", TOKENS + [7], len(TOKENS) + 1)

@@ -3,6 +3,7 @@ of every evicted block while it still holds its data, and one coordinator serves
 several alike."""
 from __future__ import annotations
 
+from kvshare.kvcache.cache_key import DEFAULT_NAMESPACE
 from kvshare.kvcache.coordinator import KVCacheCoordinator
 from kvshare.kvcache.kv_groups import plan_kv_groups
 
@@ -10,7 +11,7 @@ BS = 4
 
 
 def admit(core: KVCacheCoordinator, seq_id: str, tokens: list[int]) -> None:
-    plan = core.plan_admission(seq_id, tokens, None, max_new_tokens=len(tokens))
+    plan = core.plan_admission(seq_id, tokens, DEFAULT_NAMESPACE, max_new_tokens=len(tokens))
     assert plan.refusal is None, plan.refusal
     core.commit_admission(plan)
     core.publish_full_blocks(seq_id, tokens, len(tokens))
