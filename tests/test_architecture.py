@@ -22,3 +22,10 @@ def test_no_step_asks_whether_a_kernel_build_has_finished():
              for n, line in enumerate(text.splitlines(), 1) if polls.search(line)]
     assert found == []
 
+
+def test_one_gguf_reader():
+    """GGUF files are read by kvshare.model.gguf_header alone (not also by the gguf package's
+    GGUFReader), so every check on a corrupt file is made once."""
+    uses = re.compile(r"^\s*(from gguf(\.\w+)* )?import [^\n]*\bGGUFReader\b|\bgguf\.GGUFReader\b", re.M)
+    found = [str(path.relative_to(PACKAGE)) for path, text in _sources() if uses.search(text)]
+    assert found == []
