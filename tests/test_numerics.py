@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from helpers import EXACT
-from kvshare.model.gguf_quants import GroupAffine
 from kvshare.model import kernels
+from kvshare.model.gguf_quants import GroupAffine
 from kvshare.model.kernels import build, decode_step, paged_attention, qmatmul
 from kvshare.model.numerics import MissingKernelError, needed_libraries, resolve_numerics
 
