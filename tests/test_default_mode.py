@@ -20,14 +20,14 @@ import pytest
 
 from helpers import EXACT, default_mode_logprob_tolerance, english_token_prompts, greedy_agreement
 from kvshare import LLM, SamplingParams
-from kvshare.model import cpu_kernels
+from kvshare.model.kernels import qmatmul
 
 STEPS = 32
 
 
 @pytest.fixture(scope="module")
 def engines():
-    cpu_kernels.QMATMUL.wait_until_built()  # what `make setup` does; else the first steps run dense
+    qmatmul.QMATMUL.wait_until_built()  # what `make setup` does; else the first steps run dense
     default = LLM(kv_cache_memory="64MiB", enable_prefix_caching=False)
     exact = LLM(**EXACT, kv_cache_memory="64MiB", enable_prefix_caching=False)
     return default, exact

@@ -291,8 +291,8 @@ def test_phi3_kept_quantized_fused_decode_across_the_switch(tmp_path):
     """Q8_0 matrices kept packed: attn_qkv and ffn_up split row-wise in group form (equal to the
     dequantized split), and the fused C++ decode step -- which takes longrope's per-position tables
     as given -- equals the step-by-step path while decoding crosses original_max_position_embeddings."""
-    from kvshare.model import cpu_kernels
     from kvshare.model.gguf_quants import GroupAffine
+    from kvshare.model.kernels import decode_step, qmatmul
     from test_fused_decode import LOGPROB_TOL, _compare
 
     model = longrope_phi3(tmp_path / "hf", partial_rotary_factor=1.0)
@@ -304,8 +304,8 @@ def test_phi3_kept_quantized_fused_decode_across_the_switch(tmp_path):
         w = packed[f"model.layers.1.{name}.weight"]
         assert isinstance(w, GroupAffine) and torch.equal(w.dequantize(), dense[f"model.layers.1.{name}.weight"])
 
-    assert cpu_kernels.DECODE.wait_until_built(), cpu_kernels.DECODE.unavailable_reason()
-    cpu_kernels.QMATMUL.wait_until_built()
+    assert decode_step.DECODE.wait_until_built(), decode_step.DECODE.unavailable_reason()
+    qmatmul.QMATMUL.wait_until_built()
     llm = LLM(path, kv_cache_memory="4MiB", block_size=16, enable_prefix_caching=False, dtype="float32",
               kv_cache_dtype="float32")  # the float32 bound below is for a float32 cache
     assert llm.engine.model.fused_decode.model_reason is None

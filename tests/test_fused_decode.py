@@ -22,8 +22,8 @@ import torch
 
 from helpers import english_token_prompts, greedy_agreement
 from kvshare import LLM, SamplingParams
-from kvshare.model import cpu_kernels
 from kvshare.model.attention import AttentionMetadata
+from kvshare.model.kernels import decode_step, qmatmul
 
 LOGPROB_TOL = 1e-4
 BF16_LOGPROB_TOL = 0.15
@@ -34,8 +34,8 @@ STEPS = 32
 
 @pytest.fixture(scope="module", autouse=True)
 def built():
-    assert cpu_kernels.DECODE.wait_until_built(), cpu_kernels.DECODE.unavailable_reason()
-    cpu_kernels.QMATMUL.wait_until_built()
+    assert decode_step.DECODE.wait_until_built(), decode_step.DECODE.unavailable_reason()
+    qmatmul.QMATMUL.wait_until_built()
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def bundled():
     # the last-bit differences of K/V away or flip them (test_default_kv_cache_... below). Weights
     # in rows: VNNI blocks' int16 rounding of x would do the same (tested on its own below).
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cpu_kernels, "vnni_blocks_fit", lambda *a: False)
+        mp.setattr(qmatmul, "vnni_blocks_fit", lambda *a: False)
         return LLM(kv_cache_memory="64MiB", enable_prefix_caching=False, kv_cache_dtype="float32")
 
 
@@ -136,10 +136,10 @@ def test_weights_go_back_to_rows_when_the_library_cannot_run_vnni_blocks(monkeyp
     prompts = [{"prompt_token_ids": p} for p in english_token_prompts(llm.get_tokenizer().encode, [5, 47])]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
     with monkeypatch.context() as mp:
-        mp.setattr(cpu_kernels, "vnni_blocks_fit", lambda *a: False)
+        mp.setattr(qmatmul, "vnni_blocks_fit", lambda *a: False)
         rows = LLM(kv_cache_memory="64MiB", enable_prefix_caching=False, kv_cache_dtype="float32")
     want = rows.generate(prompts, params, use_tqdm=False)
-    monkeypatch.setattr(cpu_kernels.QMATMUL.lib(), "kvs_qmm_vnni_blocks_fit", lambda *a: 0)
+    monkeypatch.setattr(qmatmul.QMATMUL.lib(), "kvs_qmm_vnni_blocks_fit", lambda *a: 0)
     calls = _count_fused_calls(llm.engine.model.fused_decode)
     try:
         got = llm.generate(prompts, params, use_tqdm=False)

@@ -267,9 +267,9 @@ def test_config_from_metadata(gguf_path, header):
 def engines(gguf_path):
     from helpers import EXACT
     from kvshare import LLM
-    from kvshare.model import cpu_kernels
+    from kvshare.model.kernels import qmatmul
 
-    cpu_kernels.QMATMUL.wait_until_built()
+    qmatmul.QMATMUL.wait_until_built()
     default = LLM(model=NAME, kv_cache_memory="64MiB", enable_prefix_caching=False)
     exact = LLM(model=NAME, **EXACT, kv_cache_memory="64MiB", enable_prefix_caching=False)
     return default, exact

@@ -19,7 +19,8 @@ from kvshare.bench import agreement as agreement_metrics
 from kvshare.bench.workloads import token_prompts
 from kvshare.config import EngineConfig
 from kvshare.memory_plan import kv_pool_blocks
-from kvshare.model import cpu_kernels, kv_quant
+from kvshare.model import kv_quant
+from kvshare.model.kernels import paged_attention
 from kvshare.model.kv_quant import QuantizedKV
 from helpers import EXACT
 
@@ -111,14 +112,14 @@ def test_a_model_with_nothing_kept_quantized_keeps_a_float32_cache(tmp_path):
 
 
 # ---- the C++ decode kernel on quantized and float16 caches --------------------------------------
-@pytest.mark.skipif(not cpu_kernels.wait_until_built(), reason="C++ CPU kernels unavailable")
+@pytest.mark.skipif(not paged_attention.wait_until_built(), reason="C++ CPU kernels unavailable")
 @pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn, torch.float16],
                          ids=["int8", "fp8", "fp16"])
 @pytest.mark.parametrize("head_dim", [64, 80, 128, 160])
 def test_kernel_on_quantized_caches(cache_dtype, head_dim):
     from test_cpu_kernels import make_problem, reference
 
-    for path in cpu_kernels.cpu_paths():
+    for path in paged_attention.cpu_paths():
         q, kc, vc, tables, ctx = make_problem(7 + head_dim, 10, 9, 3, head_dim, 16, torch.float32)
         kc[..., :3] *= 10  # loud channels, as real keys have
         if kv_quant.is_quantized_dtype(cache_dtype):
@@ -131,19 +132,19 @@ def test_kernel_on_quantized_caches(cache_dtype, head_dim):
             kd, vd, extra = kq.double(), vq.double(), {}
         scale = head_dim ** -0.5
         ref = reference(q.double(), kd, vd, tables, ctx, 16, scale)  # exact math on the stored values
-        out = cpu_kernels.paged_decode_attention(q, kq, vq, tables, ctx, 16, scale, impl=path, **extra)
+        out = paged_attention.paged_decode_attention(q, kq, vq, tables, ctx, 16, scale, impl=path, **extra)
         err = (out.double() - ref).abs()
         assert (err <= 1e-5 + 1e-5 * ref.abs()).all(), f"{path}: max error {err.max().item():.3g}"
         for qb in (torch.bfloat16,):  # bf16 queries: output rounded to bf16
-            out = cpu_kernels.paged_decode_attention(q.to(qb), kq, vq, tables, ctx, 16, scale, impl=path, **extra)
+            out = paged_attention.paged_decode_attention(q.to(qb), kq, vq, tables, ctx, 16, scale, impl=path, **extra)
             ref_b = reference(q.to(qb).double(), kd, vd, tables, ctx, 16, scale)
             assert ((out.double() - ref_b).abs() <= 1e-5 + 2.0 ** -8 * ref_b.abs()).all()
     if extra:
         with pytest.raises(ValueError, match="k_scale"):
-            cpu_kernels.paged_decode_attention(q, kq, vq, tables, ctx, 16, scale)
+            paged_attention.paged_decode_attention(q, kq, vq, tables, ctx, 16, scale)
 
 
-@pytest.mark.skipif(not cpu_kernels.wait_until_built(), reason="C++ CPU kernels unavailable")
+@pytest.mark.skipif(not paged_attention.wait_until_built(), reason="C++ CPU kernels unavailable")
 @pytest.mark.parametrize("name", QUANTIZED)
 def test_backend_kernel_and_pure_pytorch_paths_agree(name):
     """Decode rows (kernel vs padded torch groups) and a prefill chunk over one quantized cache:

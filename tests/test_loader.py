@@ -664,7 +664,7 @@ def test_a_gguf_alignment_that_is_not_a_power_of_two_is_a_load_error_naming_it(t
     with pytest.raises(ModelLoadError, match=message):
         load_model(str(path))
     with pytest.raises(ModelLoadError, match=message):
-        gguf_loader.read_tensors(str(path))  # the gguf package's reader, behind our check
+        gguf_loader.read_tensors(str(path))  # every GGUF caller reads through the same checks
 
 
 def test_deeply_nested_gguf_arrays_are_a_load_error_naming_the_key(tmp_path):

@@ -182,10 +182,11 @@ def test_cli_text_and_errors(tmp_path, capsys):
 def test_gguf_header_reader_matches_the_full_reader(tmp_path):
     from helpers import bundled_path
     from kvshare.model import gguf_loader
+    from kvshare.model.gguf_header import open_gguf_file
     from kvshare.model.loader import ModelLoadError
 
-    reader = gguf_loader.open_gguf(bundled_path())
-    full = gguf_loader.config_from_gguf(gguf_loader.read_metadata(reader), reader, bundled_path())
+    whole = open_gguf_file(bundled_path())
+    full = gguf_loader.config_from_gguf(whole.metadata, whole, bundled_path())
     assert load_arch_config(bundled_path())[0] == full
     cut = tmp_path / "cut.gguf"
     with open(bundled_path(), "rb") as f:

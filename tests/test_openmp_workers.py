@@ -1,5 +1,5 @@
 """The server's event-loop thread hands the CPU to the engine thread: it ends its own OpenMP
-workers first (cpu_kernels.release_openmp_workers), or libgomp, seeing more workers than CPUs,
+workers first (openmp.release_openmp_workers), or libgomp, seeing more workers than CPUs,
 puts the engine thread's workers to sleep between parallel regions (the bundled model's decode
 then took 12.6 instead of 8.6 ms/token here). Speed is a benchmark's business
 (docs/benchmarks.md, "Fifth pass"); these tests check the mechanism: the workers really end, and
@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvshare.model import cpu_kernels
+from kvshare.model.kernels import openmp
 from kvshare.server import async_engine
 from kvshare.server.metrics import ServerMetrics
 
@@ -26,13 +26,13 @@ def test_release_ends_the_calling_threads_openmp_workers():
     # release must still be torch's size, not the environment's.
     code = textwrap.dedent("""
         import os, time, torch
-        from kvshare.model import cpu_kernels
+        from kvshare.model.kernels import openmp
         torch.set_num_threads(2)  # a team of 2, so one worker thread, whatever the CPU count
         threads = lambda: len(os.listdir("/proc/self/task"))
         before = threads()
         torch.sin(torch.randn(4_000_000))  # a parallel region: this thread's team is made
         with_team = threads()
-        released = cpu_kernels.release_openmp_workers()
+        released = openmp.release_openmp_workers()
         deadline = time.monotonic() + 10
         while threads() >= with_team and time.monotonic() < deadline:  # workers exit as they wake
             time.sleep(0.01)
@@ -53,7 +53,7 @@ def test_release_ends_the_calling_threads_openmp_workers():
 def test_the_server_releases_its_workers_before_the_engine_thread_starts(monkeypatch):
     monkeypatch.setattr(async_engine, "IDLE_WAIT_SECONDS", 60.0)  # the stub engine never wakes to step
     calls = []
-    monkeypatch.setattr(cpu_kernels, "release_openmp_workers",
+    monkeypatch.setattr(openmp, "release_openmp_workers",
                         lambda: calls.append(ae._thread) or True)
     engine = SimpleNamespace(manager=SimpleNamespace(num_blocks=8), has_unfinished_requests=lambda: False,
                              close=lambda: None)

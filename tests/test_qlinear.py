@@ -17,8 +17,9 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from kvshare.model import cpu_kernels, qlinear
+from kvshare.model import qlinear
 from kvshare.model.gguf_quants import GROUP_AFFINE_TYPES, to_group_affine
+from kvshare.model.kernels import qmatmul
 from kvshare.model.qlinear import DequantScratch, GroupInt4Linear, make_linear
 from test_loader import random_blocks
 
@@ -69,8 +70,8 @@ def _tolerance(x: torch.Tensor, mags: torch.Tensor, dtype: torch.dtype) -> torch
 @pytest.mark.parametrize("qtype", _QUANTIZABLE + _HAND_LAID, ids=lambda q: q.name)
 @pytest.mark.parametrize("rows", [1, 5, qlinear.PACKED_MAX_ROWS, qlinear.PACKED_MAX_ROWS + 7])
 def test_kept_quantized_matmul_equals_dequantized_reference(qtype, dtype, rows):
-    if not cpu_kernels.QMATMUL.wait_until_built():
-        pytest.skip(f"kvshare's C++ kernel cannot be built: {cpu_kernels.QMATMUL.unavailable_reason()}")
+    if not qmatmul.QMATMUL.wait_until_built():
+        pytest.skip(f"kvshare's C++ kernel cannot be built: {qmatmul.QMATMUL.unavailable_reason()}")
     raw = _raw(qtype, seed=rows)
     ref_w = _reference(raw, qtype)
     affine = to_group_affine(raw, qtype, (N, K))
@@ -100,7 +101,7 @@ def test_packed_and_scratch_paths_agree(qtype):
     group's sum |w|, as in tests/test_qmatmul.py)."""
     raw = _raw(qtype)
     scratch = DequantScratch()
-    cpu_kernels.QMATMUL.wait_until_built()
+    qmatmul.QMATMUL.wait_until_built()
     lin = make_linear(to_group_affine(raw, qtype, (N, K)), torch.float32, scratch)
     x = torch.randn(qlinear.PACKED_MAX_ROWS + 8, K)
     big = lin(x)
@@ -135,9 +136,9 @@ def test_rows_not_a_multiple_of_32_take_kvshares_group_kernel():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q4_0, QT.Q8_0, QT.Q6_K, QT.Q5_K], ids=lambda q: q.name)
 def test_cpp_dequantization_into_the_scratch_equals_the_files_weights(qtype, dtype):
-    """The prefill scratch is filled by one C++ pass (cpu_kernels.group_dequantize): the file's
+    """The prefill scratch is filled by one C++ pass (qmatmul.group_dequantize): the file's
     weights, rounded once to the activation dtype (float32: q * s + z may round once more)."""
-    assert cpu_kernels.QMATMUL.wait_until_built(), cpu_kernels.QMATMUL.unavailable_reason()
+    assert qmatmul.QMATMUL.wait_until_built(), qmatmul.QMATMUL.unavailable_reason()
     raw = _raw(qtype)
     affine = to_group_affine(raw, qtype, (N, K))
     lin = make_linear(affine, dtype, DequantScratch())
@@ -155,7 +156,7 @@ def test_a_rows_numbers_depend_on_its_kind_not_on_its_batch(gemm_dtype):
     in the scratch's dtype however few. So a row alone gets what it gets in any batch: bit for bit
     for decode rows (the kernel's per-output order depends on K only) and for bfloat16 GEMMs;
     float32 GEMM libraries pick other kernels for a few rows (float32 rounding apart)."""
-    assert cpu_kernels.QMATMUL.wait_until_built(), cpu_kernels.QMATMUL.unavailable_reason()
+    assert qmatmul.QMATMUL.wait_until_built(), qmatmul.QMATMUL.unavailable_reason()
     lin = make_linear(to_group_affine(_raw(QT.Q4_1), QT.Q4_1, (N, K)), torch.float32, DequantScratch(gemm_dtype))
     x = torch.randn(qlinear.PACKED_MAX_ROWS + 44, K, generator=torch.Generator().manual_seed(3))
     decode = 20

@@ -1,4 +1,4 @@
-"""The C++ group-quantized matmuls (`cpu_kernels.int8_group_matmul`, and `int4_group_matmul` over
+"""The C++ group-quantized matmuls (`qmatmul.int8_group_matmul`, and `int4_group_matmul` over
 4-bit codes packed by `pack_int4_rows`) against a float64 reference, on every code path this CPU
 runs (the scalar one included), plus the packing layout and argument checks.
 
@@ -15,10 +15,11 @@ import time
 import pytest
 import torch
 
-from kvshare.model import cpu_kernels
-from kvshare.model.cpu_kernels import QMATMUL, int4_group_matmul, int8_group_matmul, pack_int4_rows, unpack_int4_rows
+from kvshare.model.kernels import build, qmatmul
+from kvshare.model.kernels.qmatmul import (QMATMUL, int4_group_matmul, int8_group_matmul, pack_int4_rows,
+                                           unpack_int4_rows)
 
-if cpu_kernels.find_compiler() is None:
+if build.find_compiler() is None:
     pytest.skip("no C++ compiler ($CXX, c++ or g++) to build the qmatmul kernel", allow_module_level=True)
 # A compiler exists, so the build must work: a failure here is a real error, not a skip.
 assert QMATMUL.wait_until_built(), QMATMUL.unavailable_reason()
@@ -26,7 +27,7 @@ assert QMATMUL.wait_until_built(), QMATMUL.unavailable_reason()
 # The paths for weights kept in rows, slowest first ("scalar" is always there); "avx512-vnni"
 # reads weights in VNNI blocks only, tested at the end of this file.
 VNNI = "avx512-vnni"
-PATHS = [p for p in cpu_kernels.qmatmul_paths() if p != VNNI]
+PATHS = [p for p in qmatmul.qmatmul_paths() if p != VNNI]
 
 # float32: the kernel rounds each dequantized weight once (q * scale + zero, an fma) and sums
 # K products in float32 (16 or 8 lane-wise partial sums of K / 16 or K / 8 terms each, then a 4-
@@ -413,21 +414,21 @@ def test_cold_build_in_background_and_concurrent_builds(tmp_path):
     barrier.mkdir()
     code = (
         "import os, sys, time\n"
-        "from kvshare.model import cpu_kernels\n"
+        "from kvshare.model.kernels import qmatmul\n"
         "open(os.path.join(sys.argv[1], str(os.getpid())), 'w').close()\n"
         "while len(os.listdir(sys.argv[1])) < 2: time.sleep(0.01)  # both imported: start together\n"
-        "t = time.perf_counter(); first = cpu_kernels.QMATMUL.available(); dt = time.perf_counter() - t\n"
+        "t = time.perf_counter(); first = qmatmul.QMATMUL.available(); dt = time.perf_counter() - t\n"
         "assert first is False and dt < 1.0, (first, dt)\n"
-        "assert 'still building' in cpu_kernels.QMATMUL.unavailable_reason()\n"
-        "assert cpu_kernels.QMATMUL.wait_until_built(), cpu_kernels.QMATMUL.unavailable_reason()\n"
-        "assert cpu_kernels.QMATMUL.available() and cpu_kernels.QMATMUL.from_cache() is False\n"
+        "assert 'still building' in qmatmul.QMATMUL.unavailable_reason()\n"
+        "assert qmatmul.QMATMUL.wait_until_built(), qmatmul.QMATMUL.unavailable_reason()\n"
+        "assert qmatmul.QMATMUL.available() and qmatmul.QMATMUL.from_cache() is False\n"
         "import torch\n"
         "x = torch.randn(2, 32); q = torch.ones(3, 32, dtype=torch.int8); s = torch.ones(3, 1)\n"
-        "assert torch.allclose(cpu_kernels.int8_group_matmul(x, q, s, None, 32), x.sum(1, keepdim=True).expand(2, 3))\n"
+        "assert torch.allclose(qmatmul.int8_group_matmul(x, q, s, None, 32), x.sum(1, keepdim=True).expand(2, 3))\n"
         "print('OK')\n"
     )
     env = dict(os.environ, KVSHARE_CACHE_DIR=str(tmp_path / "kernels"))
-    env.pop(cpu_kernels.DISABLE_ENV, None)
+    env.pop(build.DISABLE_ENV, None)
     procs = [subprocess.Popen([sys.executable, "-c", code, str(barrier)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for _ in range(2)]
     for p in procs:
@@ -494,7 +495,7 @@ def test_vector_paths_this_cpu_lacks_under_simde(tmp_path):
     runs."""
     if {"avx512", "avx2"} <= set(PATHS):
         pytest.skip("this CPU runs every vector path natively")
-    cxx = cpu_kernels._compiler_cmd()
+    cxx = build._compiler_cmd()
     inc = tmp_path / "inc"
     inc.mkdir()
     (inc / "immintrin.h").write_text(_SIMDE_IMMINTRIN)
@@ -504,11 +505,11 @@ def test_vector_paths_this_cpu_lacks_under_simde(tmp_path):
         pytest.skip("SIMDe headers not installed (apt install libsimde-dev)")
     so = tmp_path / "qmm_simde.so"
     res = subprocess.run([*cxx, "-O2", "-fopenmp", "-shared", "-fPIC", "-DQMM_ASSUME_CPU", "-DSIMDE_NO_NATIVE",
-                          "-I", str(inc), os.path.join(cpu_kernels.CSRC_DIR, "qmatmul.cpp"), "-o", str(so)],
+                          "-I", str(inc), os.path.join(build.CSRC_DIR, "qmatmul.cpp"), "-o", str(so)],
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     lib = ctypes.CDLL(str(so))
-    cpu_kernels._setup_qmatmul(lib)
+    qmatmul._setup_qmatmul(lib)
     assert lib.kvs_qmm_cpu_paths() == 7
 
     def run(x, q, scales, zeros, group, impl, fn=lib.kvs_int8_group_matmul):
@@ -565,16 +566,16 @@ def test_vector_paths_this_cpu_lacks_under_simde(tmp_path):
 
 
 # ---- VNNI blocks: the avx512-vnni path ----------------------------------------------------------
-needs_vnni = pytest.mark.skipif(VNNI not in cpu_kernels.qmatmul_paths(), reason="this CPU has no AVX-512 VNNI")
+needs_vnni = pytest.mark.skipif(VNNI not in qmatmul.qmatmul_paths(), reason="this CPU has no AVX-512 VNNI")
 
 
 def _blocks(fmt, seed, m, k, n, group, with_zeros, dtype):
     """A problem (x, codes [N, K], scales, zeros) and its weight in VNNI blocks."""
     if fmt == "int4":
         x, codes, packed, scales, zeros = make_problem4(seed, m, k, n, group, with_zeros, dtype)
-        return (x, codes, scales, zeros), cpu_kernels.to_vnni_blocks(packed, scales, zeros, group, True)
+        return (x, codes, scales, zeros), qmatmul.to_vnni_blocks(packed, scales, zeros, group, True)
     x, q, scales, zeros = make_problem(seed, m, k, n, group, with_zeros, dtype)
-    return (x, q, scales, zeros), cpu_kernels.to_vnni_blocks(q, scales, zeros, group, False)
+    return (x, q, scales, zeros), qmatmul.to_vnni_blocks(q, scales, zeros, group, False)
 
 
 @needs_vnni
@@ -665,7 +666,7 @@ def test_vnni_blocks_layout_rows_and_dequantize(fmt):
     q_rows, s_rows, z_rows = blocks.rows(idx)
     assert torch.equal(q_rows, stored[idx]) and torch.equal(s_rows, scales[idx]) and torch.equal(z_rows, zeros[idx])
     for dtype in (torch.float32, torch.bfloat16):
-        want = cpu_kernels.group_dequantize(stored, scales, zeros, 32, torch.empty(48, 576, dtype=dtype),
+        want = qmatmul.group_dequantize(stored, scales, zeros, 32, torch.empty(48, 576, dtype=dtype),
                                             fmt == "int4")
         assert torch.equal(blocks.dequantize(torch.empty(48, 576, dtype=dtype)), want)
     x = torch.arange(1.0, 33.0).view(1, 32)
@@ -673,7 +674,7 @@ def test_vnni_blocks_layout_rows_and_dequantize(fmt):
         one = torch.zeros(16, 32, dtype=torch.uint8 if fmt == "int4" else torch.int8)
         one[torch.arange(16), (k + torch.arange(16)) % 32] = 3  # row r: code 3 at (k + r) % 32
         stored = pack_int4_rows(one) if fmt == "int4" else one
-        y = cpu_kernels.to_vnni_blocks(stored, torch.ones(16, 1), None, 32, fmt == "int4").matmul(x)
+        y = qmatmul.to_vnni_blocks(stored, torch.ones(16, 1), None, 32, fmt == "int4").matmul(x)
         want = 3 * ((k + torch.arange(16)) % 32 + 1).float()
         # within half an int16 step of x's group (32 / 32767) times the code 3; a code read from
         # a neighbouring position would be off by 3
@@ -684,14 +685,14 @@ def test_vnni_blocks_layout_rows_and_dequantize(fmt):
 def test_vnni_blocks_reject_what_they_cannot_run():
     x, q, scales, zeros = make_problem(1, 2, 64, 32, 16, True, torch.float32)
     with pytest.raises(ValueError, match="N % 16"):
-        cpu_kernels.to_vnni_blocks(q[:20], scales[:20], zeros[:20], 16, False)
+        qmatmul.to_vnni_blocks(q[:20], scales[:20], zeros[:20], 16, False)
     with pytest.raises(ValueError, match="reads weights in VNNI blocks only"):
         int8_group_matmul(x, q, scales, zeros, 16, impl=VNNI)
-    blocks = cpu_kernels.to_vnni_blocks(q, scales, zeros, 16, False)
+    blocks = qmatmul.to_vnni_blocks(q, scales, zeros, 16, False)
     with pytest.raises(ValueError, match="does not fit"):
         blocks.matmul(torch.randn(2, 48))
-    assert cpu_kernels.vnni_blocks_fit(32, 64, 16) and not cpu_kernels.vnni_blocks_fit(20, 64, 16)
-    assert not cpu_kernels.vnni_blocks_fit(32, 64, 4) and not cpu_kernels.vnni_blocks_fit(32, 1024, 512)
+    assert qmatmul.vnni_blocks_fit(32, 64, 16) and not qmatmul.vnni_blocks_fit(20, 64, 16)
+    assert not qmatmul.vnni_blocks_fit(32, 64, 4) and not qmatmul.vnni_blocks_fit(32, 1024, 512)
 
 
 def _timing(cold_bytes: float = 96e6) -> None:

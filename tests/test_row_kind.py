@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from helpers import english_token_prompts
 from kvshare import LLM, SamplingParams
-from kvshare.model import cpu_kernels
 
 STEPS = 12
 
@@ -30,7 +29,6 @@ def _decode_logprobs(llm: LLM, first: list[int], second: list[int] | None, join_
 
 
 def test_a_decode_rows_logprobs_do_not_depend_on_a_prompt_sharing_its_step():
-    cpu_kernels.QMATMUL.wait_until_built()  # what `make setup` does; else the first steps run dense
     llm = LLM(kv_cache_memory="64MiB", enable_prefix_caching=False, max_num_batched_tokens=24)
     assert llm.engine.model.fused_decode.model_reason is None  # the default mode's fused decode stack
     first, second = english_token_prompts(llm.get_tokenizer().encode, [9, 90])

@@ -27,9 +27,9 @@ import torch
 
 from helpers import english_token_prompts, greedy_agreement
 from kvshare import LLM, SamplingParams
-from kvshare.model import cpu_kernels
 from kvshare.model.config import ModelArchConfig
 from kvshare.model.gguf_quants import GroupAffine
+from kvshare.model.kernels import decode_step, qmatmul, shm
 from kvshare.model.tensor_parallel import TPShard, check_tensor_parallel, even_split, shard_weights
 from kvshare.model.tp_transport import SEGMENT_PREFIX, SegmentRefused, ShmSegment, ShmTransport, segment_dir
 from server_proc import MODEL, ServerProcess
@@ -164,7 +164,7 @@ def _ranks(size: int, slot_bytes: int, work) -> list:
 
 @pytest.mark.parametrize("size", [2, 3])
 def test_shared_memory_collectives_sum_gather_and_broadcast_like_the_reference(size):
-    assert cpu_kernels.SHM.wait_until_built(timeout=600), cpu_kernels.SHM.unavailable_reason()
+    assert shm.SHM.wait_until_built(timeout=600), shm.SHM.unavailable_reason()
     slot = 4096  # small slots: every operation below also runs in several pieces
     g = torch.Generator().manual_seed(1)
     xs = [torch.randn(40, 33, generator=g) for _ in range(size)]  # 5280 bytes: two pieces
@@ -206,7 +206,7 @@ MODES = {"exact": EXACT, "quantized": dict(EXACT, quantization="auto", prefill_d
 @pytest.fixture(scope="module")
 def engines():
     # Built, not still building: `auto` would take gloo and the step-by-step path otherwise.
-    for lib in (cpu_kernels.SHM, cpu_kernels.DECODE, cpu_kernels.QMATMUL):
+    for lib in (shm.SHM, decode_step.DECODE, qmatmul.QMATMUL):
         assert lib.wait_until_built(timeout=900), lib.unavailable_reason()
     made = {"exact": LLM(**EXACT), "quantized": LLM(**MODES["quantized"]),
             ("exact", "shared memory"): LLM(tensor_parallel_size=2, **EXACT),
@@ -445,7 +445,7 @@ def test_a_worker_maps_only_a_segment_its_engine_could_have_made(tmp_path):
     stays untouched)."""
     from kvshare.engine.tp_worker import map_segment
 
-    assert cpu_kernels.SHM.wait_until_built(timeout=600), cpu_kernels.SHM.unavailable_reason()
+    assert shm.SHM.wait_until_built(timeout=600), shm.SHM.unavailable_reason()
     base, slot = segment_dir(), ShmSegment.slot_bytes_for(48, 576)
     nbytes = 4096 + 2 * 2 * slot
     name = f"{SEGMENT_PREFIX}test-{os.getpid()}-{time.monotonic_ns()}"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import hf_tokenizer
-from kvshare.model import gguf_loader
+from kvshare.model.gguf_header import open_gguf_file
 from kvshare.model.loader import bundled_model_path, load_model
 from kvshare.model.tokenizer import Tokenizer
 
@@ -56,7 +56,7 @@ CONVERSATIONS = [
 
 @pytest.fixture(scope="module")
 def gguf_metadata():
-    return gguf_loader.read_metadata(gguf_loader.open_gguf(bundled_model_path()))
+    return open_gguf_file(bundled_model_path()).metadata
 
 
 @pytest.fixture(scope="module")

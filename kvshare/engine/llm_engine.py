@@ -33,8 +33,9 @@ from kvshare.kvcache.kv_groups import grouped_blocks_per_seq
 from kvshare.kvcache.prefix_updates import PrefixUpdateQueue
 from kvshare.kvcache.view_tap import ViewTap
 from kvshare.memory_plan import kv_pool_blocks
-from kvshare.model import cpu_kernels
+from kvshare.model import kernels
 from kvshare.model.loader import load_model
+from kvshare.model.numerics import numerics_for
 from kvshare.model.sampler import Sampler, SamplingRow, apply_token_bitmask
 from kvshare.model.tensor_parallel import TPShard
 from kvshare.outputs import RequestMetrics, RequestOutput
@@ -68,10 +69,13 @@ class LLMEngine:
         elif config.num_threads:
             torch.set_num_threads(config.num_threads)
         t_start = time.perf_counter()
-        cpu_kernels.start_background_builds()  # a missing kernel build overlaps the load, never blocks it
+        kernels.start_background_builds()  # a missing kernel build overlaps the load, never blocks it
         dtype = config.torch_dtype
         loaded = load_model(config.model, dtype=dtype, quantization=config.quantization)
         config.settle_for_weights(loaded.kept_quantized)
+        # Every kernel the mode needs is loaded now, before the first step, or the start is refused
+        # naming it: which kernel a row takes never changes while the engine runs.
+        self.numerics = numerics_for(config.exact, loaded.kept_quantized)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_source = loaded.source
@@ -92,13 +96,14 @@ class LLMEngine:
                                           config.enable_prefix_caching, hasher=hasher)
         # With tensor parallelism this rank holds its shard; the pool's bytes (the layout) are all ranks'.
         tp = launcher.connect(TPShard(0, launcher.size, mc), num_blocks) if launcher is not None else None
-        self.model, self.kv_cache, self.runner = build_rank(config, mc, loaded.weights, kv, num_blocks, tp)
+        self.model, self.kv_cache, self.runner = build_rank(config, mc, loaded.weights, kv, num_blocks, self.numerics,
+                                                            tp)
         if tp is not None:
             self.runner = TensorParallelRunner(self.runner, launcher, tp)
         release_freed_heap()  # the load's temporaries: back to the OS, not kept as RSS
         self.startup = StartupReport(loaded.source, loaded.tensor_types, self.model, config,
                                      self.layout, loaded.load_seconds, time.perf_counter() - t_start,
-                                     launcher.transport_name if launcher is not None else "")
+                                     launcher.transport_name if launcher is not None else "", self.numerics)
         del loaded
         for line in self.startup.lines():
             logger.info(line)

@@ -14,6 +14,7 @@ from kvshare.kvcache.kv_policy import SinkWindow, build_kv_policy
 from kvshare.model.attention import PagedKVStorage, TorchPagedAttention
 from kvshare.model.config import ModelArchConfig
 from kvshare.model.families import build_model
+from kvshare.model.numerics import NumericsPolicy
 from kvshare.model.tensor_parallel import TPCollectives, shard_weights
 
 
@@ -42,15 +43,18 @@ def plan_kv(config: EngineConfig, mc: ModelArchConfig) -> KVPlan:
 
 
 def build_rank(config: EngineConfig, mc: ModelArchConfig, weights: dict, kv: KVPlan, num_blocks: int,
-               tp: TPCollectives | None = None) -> tuple[ReportedModel, PagedKVStorage, ModelRunner]:
+               numerics: NumericsPolicy, tp: TPCollectives | None = None
+               ) -> tuple[ReportedModel, PagedKVStorage, ModelRunner]:
     """(model, KV storage, runner) of this process: the whole model, or with `tp` this rank's
-    shard of it (its heads' KV in the storage, the same block ids as every other rank)."""
+    shard of it (its heads' KV in the storage, the same block ids as every other rank), on the
+    kernels `numerics` chose (its libraries already loaded)."""
     if tp is not None:
         weights = shard_weights(weights, tp.shard)
         mc = tp.shard.local_config()
     kv_cache = PagedKVStorage(kv.layers_per_block, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
                               config.kv_format.storage, layer_slots=kv.slot_of)
-    model = build_model(mc, weights, config.torch_dtype, TorchPagedAttention(config.block_size), kv.max_model_len,
+    backend = TorchPagedAttention(config.block_size, use_cpp_kernel=numerics.uses("paged_attention"))
+    model = build_model(mc, weights, config.torch_dtype, backend, kv.max_model_len,
                         prefill_dtype=config.prefill_torch_dtype, tp=tp)
     runner = ModelRunner(model, kv_cache, [g.policy for g in kv.groups], kv.group_of, kv.slot_of)
     return model, kv_cache, runner

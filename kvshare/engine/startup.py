@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Iterable, Protocol
 
 from kvshare.config import EngineConfig
-from kvshare.model import cpu_kernels
+from kvshare.model.numerics import NumericsPolicy
 
 
 @dataclass
@@ -82,6 +82,7 @@ class StartupReport:
     load_seconds: float
     ready_seconds: float
     tp_transport: str = ""  # how tensor-parallel ranks exchange data ("" without tensor parallelism)
+    numerics: NumericsPolicy | None = None  # the kernel each kind of row takes, fixed at build
 
     def format_mix(self) -> dict[str, int]:
         mix: dict[str, int] = {}
@@ -109,10 +110,10 @@ class StartupReport:
         out = [f"{names.get(k, k)} x{n}" for k, n in counts.items()]
         backend = self.model.backend
         out.append("decode attention: " + ("kvshare C++ paged kernel" if getattr(backend, "use_cpp_kernel", False)
-                                           else "PyTorch (C++ kernel not built yet or unavailable)"))
+                                           else "PyTorch (C++ kernel unavailable or not wanted)"))
         fused = getattr(self.model, "fused_decode", None)
         if fused is not None:
-            why = fused.model_reason or (None if cpu_kernels.DECODE.available() else "C++ library not built yet")
+            why = fused.model_reason or fused.library_reason
             out.append("decode steps: " + ("one C++ call per step (kvshare fused decode)" if why is None
                                            else f"layer by layer ({why})"))
         return out
@@ -133,6 +134,7 @@ class StartupReport:
             f"  tensor formats: {mix}",
             f"  resident weights: {self.model.weight_bytes / 2**20:.1f} MiB ({by_kind})",
             f"  kernels: {'; '.join(self.kernels())}",
+            *([f"  numerics: {self.numerics.describe()}"] if self.numerics is not None else []),
             f"  {self.layout.describe()}",
             f"  weights loaded in {self.load_seconds:.2f} s; engine ready in {self.ready_seconds:.2f} s",
         ]

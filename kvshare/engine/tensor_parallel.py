@@ -46,7 +46,7 @@ import torch.distributed as dist
 from kvshare.config import EngineConfig
 from kvshare.engine.step_plan import StepPlan
 from kvshare.engine.wire import codec
-from kvshare.model import cpu_kernels
+from kvshare.model.kernels import shm
 from kvshare.model.tensor_parallel import TPCollectives, TPShard
 from kvshare.model.tp_transport import SEGMENT_PREFIX, GlooTransport, ShmSegment, ShmTransport, segment_dir
 
@@ -196,10 +196,10 @@ class TensorParallelLauncher:
     def _segment(self, shard: TPShard) -> ShmSegment | None:
         if self.config.tensor_parallel_backend == "gloo":
             return None
-        if not cpu_kernels.SHM.available():
+        if shm.SHM.settle() is not None:
             logger.warning("tensor parallel: kvshare's shared memory collectives are not available (%s): the ranks "
                            "use gloo, several times slower per step (`make setup` builds them)",
-                           cpu_kernels.SHM.unavailable_reason())
+                           shm.SHM.unavailable_reason())
             return None
         base = segment_dir()
         path = os.path.join(base, f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(6)}")

@@ -27,9 +27,10 @@ from kvshare.engine.model_setup import KVPlan, build_rank, plan_kv
 from kvshare.engine.tensor_parallel import (TOKEN_ENV, PlanChannel, SignedStore, config_from_json, gloo_group,
                                             open_store)
 from kvshare.memory_plan import kv_pool_blocks
-from kvshare.model import cpu_kernels
 from kvshare.model.config import ModelArchConfig
+from kvshare.model.kernels import shm
 from kvshare.model.loader import load_model
+from kvshare.model.numerics import numerics_for
 from kvshare.model.tensor_parallel import TPCollectives, TPShard
 from kvshare.model.tp_transport import GlooTransport, ShmSegment, ShmTransport, check_segment_path
 
@@ -58,7 +59,7 @@ def map_segment(spec: bytes, size: int, slot_bytes: int) -> ShmSegment | None:
     if info["slot_bytes"] != slot_bytes:
         raise ValueError(f"shared memory segment {path}: slot_bytes {info['slot_bytes']} is not the {slot_bytes} "
                          "this rank computes from the config")
-    if not cpu_kernels.SHM.available():
+    if shm.SHM.settle() is not None:
         return None
     try:
         return ShmSegment(path, size, slot_bytes, create=False)
@@ -116,6 +117,8 @@ def worker_main(argv: list[str] | None = None) -> int:
     config = config_from_json(store.get("config"))
     loaded = load_model(config.model, dtype=config.torch_dtype, quantization=config.quantization)
     config.settle_for_weights(loaded.kept_quantized)
+    # Before this rank says it is ready: a kernel it cannot load stops the start, not a step.
+    numerics = numerics_for(config.exact, loaded.kept_quantized)
     shard = TPShard(args.rank, args.size, loaded.config)
     kv = plan_kv(config, loaded.config)
     num_blocks = check_num_blocks(int(store.get("num_blocks")), config, loaded.config, kv)
@@ -130,7 +133,8 @@ def worker_main(argv: list[str] | None = None) -> int:
     else:
         transport = GlooTransport(gloo_group(store.store, args.rank, args.size), args.rank, args.size)
     store.set(f"connected/{args.rank}", "1")  # rank 0 removes the store once every rank says this
-    _, _, runner = build_rank(config, loaded.config, loaded.weights, kv, num_blocks, TPCollectives(transport, shard))
+    _, _, runner = build_rank(config, loaded.config, loaded.weights, kv, num_blocks, numerics,
+                              TPCollectives(transport, shard))
     del loaded
     channel = PlanChannel(transport)
     try:

@@ -13,8 +13,10 @@ storage format itself.
 
 `AttentionBackend` is the seam a CUDA backend will plug into; `TorchPagedAttention` is the
 CPU implementation: pure PyTorch, except that decode rows go to the C++ kernel in
-`cpu_kernels` (one pass over each row's own blocks) when it builds and is not disabled, and so
-do float32 prompt chunks from position 0 (causal over their own keys, skipping the hidden ones).
+`kernels.paged_attention` (one pass over each row's own blocks) when it loads and is not
+disabled, and so do float32 prompt chunks from position 0 (causal over their own keys, skipping
+the hidden ones).
+Which of the two a backend runs is decided when it is built, once (kvshare.model.numerics).
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kvshare.model import cpu_kernels, kv_quant
+from kvshare.model import kv_quant
+from kvshare.model.kernels import paged_attention
 from kvshare.model.kv_quant import QuantizedKV
 
 
@@ -143,16 +146,9 @@ class AttentionBackend:
 class TorchPagedAttention(AttentionBackend):
     def __init__(self, block_size: int, use_cpp_kernel: bool = True) -> None:
         self.block_size = block_size
-        self._want_cpp = use_cpp_kernel
-        if use_cpp_kernel:
-            cpu_kernels.ATTENTION.available()  # loads a cached build, or starts building it in the background
-
-    @property
-    def use_cpp_kernel(self) -> bool:
-        # Asked per step, never waiting: until a background build finishes, steps take the
-        # PyTorch path. It only ever turns True, so a step whose decode groups were built
-        # before the flip still has the full decode tables the kernel reads.
-        return self._want_cpp and cpu_kernels.ATTENTION.available()
+        # Decided here, once (loading the library, or compiling it if no cached build exists):
+        # a step never asks whether a build has finished, so its rows' kernel cannot change mid-run.
+        self.use_cpp_kernel = use_cpp_kernel and paged_attention.ATTENTION.settle() is None
 
     @property
     def wants_decode_groups(self) -> bool:
@@ -174,15 +170,15 @@ class TorchPagedAttention(AttentionBackend):
             if meta.num_decode:
                 nd = meta.num_decode
                 if isinstance(k_cache, QuantizedKV):
-                    cpu_kernels.paged_decode_attention(
+                    paged_attention.paged_decode_attention(
                         q[:nd], k_cache.data, v_cache.data, meta.decode_block_tables, meta.decode_context_lens,
                         bs, scale, out=out[:nd], k_scale=k_cache.scale, v_scale=v_cache.scale,
                         sink_end=meta.decode_sink_end, window_start=meta.decode_window_start)
                 else:
-                    cpu_kernels.paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
-                                                       meta.decode_context_lens, bs, scale, out=out[:nd],
-                                                       sink_end=meta.decode_sink_end,
-                                                       window_start=meta.decode_window_start)
+                    paged_attention.paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                                                           meta.decode_context_lens, bs, scale, out=out[:nd],
+                                                           sink_end=meta.decode_sink_end,
+                                                           window_start=meta.decode_window_start)
             decode_groups = []
         else:
             decode_groups = meta.decode_groups
@@ -208,9 +204,9 @@ class TorchPagedAttention(AttentionBackend):
                 # The chunk sees only its own keys, just written to the cache: read them from k / v
                 # (as the cache holds them) rather than gather its whole block table back.
                 fk, fv = fresh
-                if self.use_cpp_kernel and cpu_kernels.causal_prefill_fits(q, fk):
+                if self.use_cpp_kernel and paged_attention.causal_prefill_fits(q, fk):
                     # kvshare's kernel skips the hidden keys, which torch's SDPA computes below 512.
-                    cpu_kernels.causal_prefill_attention(q[s:s + n], fk, fv, scale, out=out[s:s + n])
+                    paged_attention.causal_prefill_attention(q[s:s + n], fk, fv, scale, out=out[s:s + n])
                     continue
                 o = F.scaled_dot_product_attention(
                     qc.unsqueeze(0), fk.transpose(0, 1).unsqueeze(0),

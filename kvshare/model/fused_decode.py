@@ -22,8 +22,8 @@ import ctypes
 
 import torch
 
-from kvshare.model import cpu_kernels
 from kvshare.model.attention import AttentionMetadata, PagedKVStorage, TorchPagedAttention
+from kvshare.model.kernels import decode_step, qmatmul
 from kvshare.model.qlinear import GroupInt4Linear, GroupInt8Linear
 from kvshare.model.tp_transport import ShmComm, ShmTransport
 
@@ -86,6 +86,9 @@ class FusedDecode:
             self._layers = self._layer_views(model)
             if self._layers is None:
                 self.model_reason = "a layer's linear is not on an int8/int4-group kernel"
+        # Whether the C++ libraries are there, decided here, once (the engine loads them before it
+        # builds the model): no step asks whether a build has finished since.
+        self.library_reason = None if self.model_reason is not None else self._check_libraries(model)
 
     @staticmethod
     def _check_model(model) -> str | None:
@@ -103,6 +106,16 @@ class FusedDecode:
         if model.config.rope_dims() != model.config.head_dim:
             return (f"partial rotary embedding ({model.config.rope_dims()} of {model.config.head_dim} dims) "
                     f"is not in the C++ decode step")
+        return None
+
+    @staticmethod
+    def _check_libraries(model) -> str | None:
+        if not model.backend.use_cpp_kernel:
+            return "C++ kernels not available (the attention backend runs on PyTorch)"
+        for library in (decode_step.DECODE, qmatmul.QMATMUL):
+            why = library.settle()
+            if why is not None:
+                return f"C++ kernels not available ({library.name}: {why.splitlines()[0]})"
         return None
 
     def _layer_views(self, model) -> list[_Layer] | None:
@@ -141,11 +154,11 @@ class FusedDecode:
             return "rows whose window hides earlier keys"
         if kv_cache.scales is not None or kv_cache.data.dtype not in _CACHE_KINDS:
             return f"KV cache dtype {kv_cache.data.dtype} is not float32 or bfloat16"
-        if not self.model.backend.use_cpp_kernel or not cpu_kernels.DECODE.available():
+        if self.library_reason is not None:
+            return self.library_reason
+        if not self.model.backend.use_cpp_kernel:
             return "C++ kernels not available"
         if not self._blocks_settled:
-            if not cpu_kernels.QMATMUL.available():
-                return "C++ kernels not available"
             for layer in self.model_layers:
                 for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
                     lin.check_blocks()
@@ -187,7 +200,7 @@ class FusedDecode:
         tables = meta.decode_block_tables.contiguous()
         ctx = meta.decode_context_lens.contiguous()
         err = ctypes.create_string_buffer(256)
-        rc = cpu_kernels.DECODE.lib().kvs_decode_layers(
+        rc = decode_step.DECODE.lib().kvs_decode_layers(
             ctypes.byref(view), h.data_ptr(), h.shape[0], cos.data_ptr(), signed_sin.data_ptr(),
             slots.data_ptr(), tables.data_ptr(), tables.shape[1], ctx.data_ptr(),
             torch.get_num_threads(), err, len(err))

@@ -7,7 +7,9 @@ numeric arrays with one numpy call each, and hands out tensor data as zero-copy 
 map, so nothing is read from disk until a tensor is used.
 
 `read_gguf_header(path)` (for planning, `kvshare memory`) skips arrays longer than `MAX_ARRAY`
-without decoding them.
+without decoding them; `open_gguf_file(path)` reads the whole header and maps the tensors. Every
+caller reads GGUF files through these two (the loader, the tokenizer's metadata, the memory
+planner), so each check on a corrupt file (alignment, nesting, extents) is made in one place.
 """
 from __future__ import annotations
 

@@ -2,18 +2,17 @@
 from __future__ import annotations
 
 import math
-import os
 import re
 from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from kvshare.model.config import ModelArchConfig
 from kvshare.model.families import REGISTRY
-from kvshare.model.gguf_header import open_gguf_file, read_gguf_header
+from kvshare.model.gguf_header import GGUFHeader, open_gguf_file
 from kvshare.model.gguf_quants import GROUP_AFFINE_TYPES, GroupAffine, to_group_affine
 from kvshare.model.hf_loader import split_fused_weights
 from kvshare.model.load_error import ModelLoadError
@@ -71,57 +70,6 @@ def hf_tensor_name(gguf_name: str, architecture: str | None = None) -> str | Non
     raise KeyError(gguf_name)
 
 
-def open_gguf(path: str) -> GGUFReader:
-    """GGUFReader over ``path``, with truncated or corrupt files reported as ModelLoadError."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
-        raise ModelLoadError(f"{path} is not a GGUF file (starts with {magic!r}, expected b'GGUF').")
-    # Our walk first: it names the field a corrupt header gets wrong (an alignment of 0, arrays
-    # nested past the stack), where GGUFReader fails with ZeroDivisionError or RecursionError.
-    read_gguf_header(path)
-    try:
-        reader = GGUFReader(path, "r")
-    except Exception as exc:  # noqa: BLE001 - a short/corrupt header surfaces as many error types
-        raise ModelLoadError(
-            f"{path} is truncated or corrupt: the GGUF header cannot be parsed "
-            f"({type(exc).__name__}: {exc}). File size is {size} bytes."
-        ) from exc
-    split_count = reader.fields.get("split.count")
-    if split_count is not None and int(split_count.contents()) > 1:
-        raise ModelLoadError(
-            f"{path} is one part of a {int(split_count.contents())}-file split GGUF; kvshare needs a single "
-            f"file (merge the parts with llama.cpp's `llama-gguf-split --merge`)."
-        )
-    if reader.byte_order != "I":
-        raise ModelLoadError(f"{path} is a big-endian GGUF file, which kvshare cannot read.")
-    # GGUFReader memory-maps the file and slices tensors lazily: a file cut inside the tensor data
-    # can parse and then yield short arrays, so check every extent against the real size.
-    for t in reader.tensors:
-        end = int(t.data_offset) + int(t.n_bytes)
-        if end > size:
-            raise ModelLoadError(
-                f"{path} is truncated or corrupt: tensor {t.name!r} needs bytes up to {end} but the file "
-                f"has {size} bytes."
-            )
-    return reader
-
-
-def read_metadata(reader: GGUFReader) -> dict[str, Any]:
-    """All key/value metadata as Python values (strings, numbers, lists)."""
-    meta: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        try:
-            value = field.contents()
-        except Exception as exc:  # noqa: BLE001
-            raise ModelLoadError(f"GGUF metadata {key!r} cannot be decoded ({exc}); the file is corrupt.") from exc
-        meta[key] = value
-    return meta
-
-
 def dequantize_tensor(tensor: Any) -> torch.Tensor:
     """float32 torch tensor in row-major HF orientation (GGUF lists dims innermost first)."""
     if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES:
@@ -144,8 +92,7 @@ def dequantize_tensor(tensor: Any) -> torch.Tensor:
 
 def read_tensors(path: str, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Every tensor of a GGUF file under its GGUF name, dequantized, no renaming or permutation."""
-    reader = open_gguf(path)
-    return {t.name: dequantize_tensor(t).to(dtype) for t in reader.tensors}
+    return {t.name: dequantize_tensor(t).to(dtype) for t in open_gguf_file(path).tensors}
 
 
 def _unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -234,7 +181,7 @@ def _longrope_from_factors(tensors: dict, meta: dict[str, Any], arch: str, conte
             "attention_factor": float(attn)}
 
 
-def config_from_gguf(meta: dict[str, Any], reader: GGUFReader, path: str) -> ModelArchConfig:
+def config_from_gguf(meta: dict[str, Any], reader: GGUFHeader, path: str) -> ModelArchConfig:
     arch = meta.get("general.architecture")
     family = REGISTRY.get(arch) if isinstance(arch, str) else None
     if family is None:

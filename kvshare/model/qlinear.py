@@ -9,10 +9,10 @@ row takes its kernel by what it is, never by how many rows share its step: so a 
 does not depend on its batch.
 
 - `GroupInt8Linear`: Q5_0 / Q5_1 / Q5_K / Q6_K / Q8_0: int8 codes with a float32 scale (and
-  offset) per 16 or 32 weights, through kvshare's C++ kernel (`cpu_kernels.int8_group_matmul`),
+  offset) per 16 or 32 weights, through kvshare's C++ kernel (`qmatmul.int8_group_matmul`),
   exact up to float32 accumulation. `GroupInt4Linear`: the Q4 formats (Q4_0 / Q4_1 / Q4_K) the
-  same way with their codes packed two per byte (`cpu_kernels.int4_group_matmul`).
-  On AVX-512 VNNI CPUs both keep their codes in VNNI blocks instead (`cpu_kernels.VnniBlocks`:
+  same way with their codes packed two per byte (`qmatmul.int4_group_matmul`).
+  On AVX-512 VNNI CPUs both keep their codes in VNNI blocks instead (`qmatmul.VnniBlocks`:
   the same bytes, 16 rows interleaved 4 bytes at a time) for the avx512-vnni path, which rounds
   each decode row's x to int16 per group of the weight (step max|x| / 32767) and sums each group
   exactly in int32: 1.3-1.8x the float32 path at 1-64 rows on the bundled model's layers, with
@@ -31,8 +31,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from kvshare.model import cpu_kernels
 from kvshare.model.gguf_quants import GroupAffine
+from kvshare.model.kernels import qmatmul
 
 logger = logging.getLogger("kvshare")
 
@@ -106,16 +106,19 @@ class GroupInt8Linear:
         self.out_features, self.in_features = w.q.shape
         self.dtype = dtype
         self.scratch = scratch
+        # Decided here, once (the engine loads the library before it builds a layer): no step asks
+        # whether a build has finished, so a row's kernel never changes mid-run.
+        self._kernel_ready = qmatmul.QMATMUL.settle() is None
         self.group = w.group
         self.q = self._pack(w.q)
         self.scale = w.scale.float().contiguous()
         self.zero = None if w.zero is None else w.zero.float().contiguous()
         # On AVX-512 VNNI CPUs the weight is kept in VNNI blocks instead of rows (the same bytes,
         # reordered), for the avx512-vnni path: decode rows rounded to int16 per group, exact
-        # integer group sums (cpu_kernels.VnniBlocks). q / scale / zero then hold the blocks.
-        self.blocks: cpu_kernels.VnniBlocks | None = None
-        if cpu_kernels.vnni_blocks_fit(self.out_features, self.in_features, self.group):
-            self.blocks = cpu_kernels.to_vnni_blocks(self.q, self.scale, self.zero, self.group, self.packed_int4)
+        # integer group sums (qmatmul.VnniBlocks). q / scale / zero then hold the blocks.
+        self.blocks: qmatmul.VnniBlocks | None = None
+        if qmatmul.vnni_blocks_fit(self.out_features, self.in_features, self.group):
+            self.blocks = qmatmul.to_vnni_blocks(self.q, self.scale, self.zero, self.group, self.packed_int4)
             self.q, self.scale, self.zero = self.blocks.q, self.blocks.scales, self.blocks.zeros
         self._blocks_checked = False
         self._fallback: torch.Tensor | None = None
@@ -148,26 +151,18 @@ class GroupInt8Linear:
             for i in range(0, m, PACKED_MAX_ROWS):
                 self._packed(x[i:i + PACKED_MAX_ROWS], y[i:i + PACKED_MAX_ROWS])
             return y
-        if _qmatmul_ready():
+        if self._kernel_ready:
             self.check_blocks()
             return self._kernel(x.contiguous(), out)
-        if cpu_kernels.disabled_by_env() or cpu_kernels.QMATMUL.is_done():
-            # The kernel cannot be built here (no compiler, or disabled): keep a dense copy
-            # rather than dequantizing on every call. Correct, but not kept quantized.
-            logger.warning("kvshare's int8-group kernel is unavailable (%s): weights of %d x %d fall back "
-                           "to dense %s", cpu_kernels.QMATMUL.unavailable_reason(), self.out_features,
-                           self.in_features, self.dtype)
-            self._fallback = self.dense()
-            return _into(F.linear(x, self._fallback), out)
-        return _into(self._dense(x), out)  # the kernel is still being built: never wait for it
+        # The kernel cannot be loaded here (no compiler, or disabled): keep a dense copy rather
+        # than dequantizing on every call. Correct, but not kept quantized.
+        logger.warning("kvshare's int8-group kernel is unavailable (%s): weights of %d x %d fall back "
+                       "to dense %s", qmatmul.QMATMUL.unavailable_reason(), self.out_features,
+                       self.in_features, self.dtype)
+        self._fallback = self.dense()
+        return _into(F.linear(x, self._fallback), out)
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
-        if self.out_features * self.in_features > SCRATCH_MAX_ELEMENTS:
-            # No scratch for a weight this large (only reached while the kernel is not built):
-            # dequantize in slices of output rows.
-            step = max(1, SCRATCH_MAX_ELEMENTS // (4 * self.in_features))
-            return torch.cat([F.linear(x, self._affine(slice(i, i + step))) for i in range(0, self.out_features, step)],
-                             dim=-1)
         return self.scratch.matmul(x, self)
 
     def check_blocks(self) -> bool:
@@ -178,7 +173,7 @@ class GroupInt8Linear:
         if self.blocks is None or self._blocks_checked:
             return False
         self._blocks_checked = True
-        if cpu_kernels.QMATMUL.lib().kvs_qmm_vnni_blocks_fit(self.in_features, self.group):
+        if qmatmul.QMATMUL.lib().kvs_qmm_vnni_blocks_fit(self.in_features, self.group):
             return False
         logger.warning("kvshare's avx512-vnni kernel cannot run here: weights of %d x %d go back to rows",
                        self.out_features, self.in_features)
@@ -195,7 +190,7 @@ class GroupInt8Linear:
         return self._rows_kernel(x, out)
 
     def _rows_kernel(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        return cpu_kernels.int8_group_matmul(x, self.q, self.scale, self.zero, self.group, out)
+        return qmatmul.int8_group_matmul(x, self.q, self.scale, self.zero, self.group, out)
 
     def _codes(self, packed_rows: torch.Tensor) -> torch.Tensor:
         return packed_rows
@@ -229,11 +224,11 @@ class GroupInt8Linear:
     def dense(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """The weights [N, K] as the kernels form them (into `out` when given: the prefill
         scratch, filled by one C++ pass when the kernel library is built)."""
-        if out is not None and out.is_contiguous() and _qmatmul_ready():
+        if out is not None and out.is_contiguous() and self._kernel_ready:
             self.check_blocks()
             if self.blocks is not None:
                 return self.blocks.dequantize(out)
-            return cpu_kernels.group_dequantize(self.q, self.scale, self.zero, self.group, out, self.packed_int4)
+            return qmatmul.group_dequantize(self.q, self.scale, self.zero, self.group, out, self.packed_int4)
         return self._affine(slice(None), out)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -253,22 +248,17 @@ class GroupInt4Linear(GroupInt8Linear):
     packed_int4 = True
 
     def _pack(self, q: torch.Tensor) -> torch.Tensor:
-        return cpu_kernels.pack_int4_rows(q)  # [N, K / 2]
+        return qmatmul.pack_int4_rows(q)  # [N, K / 2]
 
     def _rows_kernel(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        return cpu_kernels.int4_group_matmul(x, self.q, self.scale, self.zero, self.group, out)
+        return qmatmul.int4_group_matmul(x, self.q, self.scale, self.zero, self.group, out)
 
     def _codes(self, packed_rows: torch.Tensor) -> torch.Tensor:
-        return cpu_kernels.unpack_int4_rows(packed_rows)
+        return qmatmul.unpack_int4_rows(packed_rows)
 
 
 def _into(y: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     return y if out is None else out.copy_(y)
-
-
-def _qmatmul_ready() -> bool:
-    # Never waits: False while the kernel is still being built (then the dense fallback runs).
-    return cpu_kernels.QMATMUL.available()
 
 
 def make_linear(weight: torch.Tensor | GroupAffine, dtype: torch.dtype, scratch: DequantScratch):

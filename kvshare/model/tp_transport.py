@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from kvshare.model import cpu_kernels
+from kvshare.model.kernels import shm
 
 _FLAG_BYTES = 64  # one cache line per rank's flag word
 _HEADER = 4096
@@ -160,7 +160,7 @@ class ShmTransport:
         when that rank is gone (the engine knows its worker processes, a worker its parent)."""
         self.seg, self.rank, self.size = segment, rank, segment.size
         self.on_wait = on_wait
-        self._lib = cpu_kernels.SHM.lib()
+        self._lib = shm.SHM.lib()
         self._late_error: BaseException | None = None
         self._on_late = _ON_LATE(self._late)  # kept alive as long as the struct points at it
         self.comm = ShmComm(segment.flags_ptr, segment.banks_ptr, segment.slot_bytes, rank, self.size, 0,

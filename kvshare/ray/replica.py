@@ -66,7 +66,7 @@ class EngineReplica:
         config = EngineConfig.from_kwargs(**options)
         # Loading takes seconds: off the replica's event loop, in a worker thread that then ends
         # the OpenMP workers its load made (the engine thread steps from here on; see
-        # cpu_kernels.release_openmp_workers).
+        # openmp.release_openmp_workers).
         engine = await asyncio.to_thread(_build_engine, config)
         server = ServerConfig(**{**server_options, "access_log": False})
         name = server.served_model_name or default_model_name(config.model)
@@ -171,8 +171,8 @@ class _Lifespan:
 def _build_engine(config):
     """An LLMEngine for config, built in the calling thread, which then ends its OpenMP workers."""
     from kvshare.engine.llm_engine import LLMEngine  # (imported late, as the rest of this module's engine code)
-    from kvshare.model import cpu_kernels
+    from kvshare.model.kernels import openmp
 
     engine = LLMEngine(config)
-    cpu_kernels.release_openmp_workers()
+    openmp.release_openmp_workers()
     return engine

@@ -22,7 +22,7 @@ from typing import Callable
 from kvshare.engine.kv_view import start_view, stop_view
 from kvshare.errors import InvalidRequestError
 from kvshare.kvcache.audit import AuditError
-from kvshare.model import cpu_kernels
+from kvshare.model.kernels import openmp
 from kvshare.outputs import RequestOutput
 from kvshare.sampling_params import SamplingParams
 from kvshare.server.errors import EngineDeadError, QueueFullError
@@ -142,8 +142,8 @@ class AsyncEngine:
         # Under `kvshare serve` this thread built the engine (and ran its kernels while loading);
         # from here on it only serves the event loop. Its idle OpenMP workers would make libgomp
         # put the engine thread's workers to sleep between parallel regions
-        # (cpu_kernels.release_openmp_workers; a Ray replica releases where it built the engine).
-        cpu_kernels.release_openmp_workers()
+        # (openmp.release_openmp_workers; a Ray replica releases where it built the engine).
+        openmp.release_openmp_workers()
         self._thread = threading.Thread(target=self._run, name="kvshare-engine", daemon=True)
         self._thread.start()
 

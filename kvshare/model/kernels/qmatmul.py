@@ -1,0 +1,303 @@
+"""The `QMATMUL` library (csrc/qmatmul.cpp) and its Python bindings.
+
+`int8_group_matmul` / `int4_group_matmul`: x [M, K] times a group-quantized weight [N, K] of int8
+codes, or of 4-bit codes packed two per byte (`pack_int4_rows`), with one float32 scale, and
+optionally a zero, per group of K; for small M. On AVX-512 VNNI CPUs weights can be kept in VNNI
+blocks (`to_vnni_blocks`, `VnniBlocks.matmul`): x rounded to int16 per group, exact int32 group
+sums. `group_dequantize` fills a dense copy (the prefill scratch) in one pass.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from kvshare.model.kernels.build import KernelLibrary, disabled_by_env
+from kvshare.model.kernels.build import describe as _desc
+
+_i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+
+
+def _setup_qmatmul(lib: ctypes.CDLL) -> None:
+    lib.kvs_qmm_cpu_paths.restype = _int
+    lib.kvs_qmm_cpu_paths.argtypes = []
+    for f in (lib.kvs_int8_group_matmul, lib.kvs_int4_group_matmul):
+        f.restype = _int
+        f.argtypes = [_ptr, _i64, _int,  # x, its row stride, bf16?
+                      _ptr, _ptr, _ptr,  # q (int8, or packed 4-bit), scales, zeros (null: none)
+                      _ptr, _i64,  # y, its row stride
+                      _i64, _i64, _i64, _i64,  # M, N, K, group_size
+                      _int, _int, ctypes.c_char_p, _i64,  # impl, threads, error buffer
+                      _int]  # weights in VNNI blocks?
+    f = lib.kvs_group_dequantize
+    f.restype = _int
+    f.argtypes = [_ptr, _int, _ptr, _ptr, _ptr, _int,  # q, 4-bit?, scales, zeros, out, out bf16?
+                  _i64, _i64, _i64, _int, _int]  # N, K, group_size, threads, VNNI blocks?
+    lib.kvs_qmm_vnni_blocks_fit.restype = _int
+    lib.kvs_qmm_vnni_blocks_fit.argtypes = [_i64, _i64]
+
+
+QMATMUL = KernelLibrary("qmatmul", "qmatmul.cpp", _setup_qmatmul)
+
+
+_QMM_IMPLS = {"auto": 0, "scalar": 1, "avx512": 2, "avx2": 3, "avx512-vnni": 4}
+
+
+def qmatmul_paths() -> list[str]:
+    """Code paths `int8_group_matmul` and `int4_group_matmul` can run on this CPU, slowest first
+    ("auto" uses the last one for rows that fits the group size): "scalar" always (any group size);
+    "avx2" (AVX2 + FMA; group_size % 8 == 0 for int8, % 16 for int4); "avx512" (AVX-512
+    F/BW/VL/DQ; group_size % 16 == 0 for int8, % 32 for int4); "avx512-vnni" (AVX-512 VNNI),
+    which reads weights in VNNI blocks only (`VnniBlocks.matmul`), never weights in rows."""
+    mask = QMATMUL.lib().kvs_qmm_cpu_paths()
+    return [name for name, bit in (("scalar", 1), ("avx2", 4), ("avx512", 2), ("avx512-vnni", 8)) if mask & bit]
+
+
+def int8_group_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                      group_size: int, out: torch.Tensor | None = None, *, impl: str = "auto") -> torch.Tensor:
+    """y = x @ w.T for a group-quantized weight w[n, k] = q[n, k] * scales[n, k // g]
+    (+ zeros[n, k // g]), g = group_size, with float32 accumulation.
+
+    x [M, K] float32 or bfloat16 (unit last stride, any row stride); q int8 [N, K], scales and
+    zeros float32 [N, K // g], contiguous; K % g == 0. Returns [M, N] in x's dtype (written into
+    `out` when given: [M, N], x's dtype, unit last stride). Made for small M (decode batches).
+    The AVX-512 path takes g % 16 == 0 (16, 32, 64, ...), AVX2 g % 8 == 0, the scalar path any
+    g; `impl` forces one of `qmatmul_paths()` but "avx512-vnni", which reads VNNI blocks only
+    (for tests; a vector path that does not fit g falls back to the next one that does). Blocks until the library is built if it is not yet
+    (check `QMATMUL.available()` first on a serving path). Raises ValueError on bad arguments.
+    """
+    _check_x(x)
+    if not isinstance(q, torch.Tensor) or q.dim() != 2 or q.dtype != torch.int8:
+        raise ValueError(f"q must be an int8 tensor [N, K]; got {_desc(q)}")
+    if q.shape[1] != x.shape[1]:
+        raise ValueError(f"q {tuple(q.shape)} does not fit x {tuple(x.shape)}: want q [N, {x.shape[1]}]")
+    return _group_matmul("kvs_int8_group_matmul", x, "q", q, scales, zeros, group_size, out, impl)
+
+
+def int4_group_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                      group_size: int, out: torch.Tensor | None = None, *, impl: str = "auto") -> torch.Tensor:
+    """y = x @ w.T for a group-quantized 4-bit weight w[n, k] = q[n, k] * scales[n, k // g]
+    (+ zeros[n, k // g]), g = group_size, unsigned codes q in 0..15, float32 accumulation.
+
+    Layout of `packed`: uint8 [N, K // 2], contiguous (K even), two codes per byte, in order
+    along the row: byte j of row n holds q[n, 2j] in its low nibble (bits 0..3) and q[n, 2j + 1]
+    in its high nibble (bits 4..7), i.e. packed[n, j] = q[n, 2j] | q[n, 2j + 1] << 4
+    (`pack_int4_rows(q)` builds it, `unpack_int4_rows` inverts it). Read as a little-endian
+    stream of 4-bit fields, code k is field k of the row. This is not GGUF's Q4_0 / Q4_1 block
+    order (there a 32-code block's 16 bytes hold codes 0..15 in the low nibbles and 16..31 in
+    the high ones): repack GGUF codes with `pack_int4_rows(unpacked codes)`. (The vector paths
+    widen one byte per int32 lane and multiply the low and high nibbles by x's even and odd
+    columns, from a copy of x reordered once per call, so this layout costs them nothing.)
+
+    Everything else as `int8_group_matmul`: x [M, K] float32 or bfloat16 (unit last stride, any
+    row stride), scales and zeros float32 [N, K // g] contiguous, K % g == 0; returns [M, N] in
+    x's dtype (or writes `out`); float32 accumulation; a row's result does not depend on the
+    other rows, the thread count or N. The AVX-512 path takes g % 32 == 0, AVX2 g % 16 == 0
+    (every GGUF 4-bit format's g = 32 runs on both), the scalar path any g dividing K; `impl`
+    forces one of `qmatmul_paths()` but "avx512-vnni" (a vector path that does not fit g falls
+    back to the next one that does). Zeros are folded into each dequantized weight (one fma), as in the int8
+    kernel. Blocks until the library is built. Raises ValueError on bad arguments, naming the
+    argument.
+    """
+    _check_x(x)
+    k = x.shape[1]
+    if not isinstance(packed, torch.Tensor) or packed.dim() != 2 or packed.dtype != torch.uint8:
+        raise ValueError(f"packed must be a uint8 tensor [N, K // 2]; got {_desc(packed)}")
+    if k % 2:
+        raise ValueError(f"x has K={k} columns: packed 4-bit rows need an even K")
+    if packed.shape[1] * 2 != k:
+        raise ValueError(f"packed {tuple(packed.shape)} does not fit x {tuple(x.shape)}: want packed [N, {k // 2}]")
+    return _group_matmul("kvs_int4_group_matmul", x, "packed", packed, scales, zeros, group_size, out, impl)
+
+
+def group_dequantize(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int,
+                     out: torch.Tensor, int4: bool) -> torch.Tensor:
+    """The dense weights of int8 codes q [N, K] (int4=False) or packed 4-bit codes [N, K // 2]
+    (int4=True), written into `out` [N, K] (float32 or bfloat16, contiguous): q * scale + zero
+    per group in float32, rounded once to out's dtype. Returns out."""
+    if out.dtype not in (torch.float32, torch.bfloat16) or not out.is_contiguous() or out.dim() != 2:
+        raise ValueError(f"out must be a contiguous float32 or bfloat16 [N, K] tensor; got {_desc(out)}")
+    n, k = out.shape
+    want = (n, k // 2) if int4 else (n, k)
+    if tuple(q.shape) != want or q.dtype != (torch.uint8 if int4 else torch.int8) or not q.is_contiguous():
+        raise ValueError(f"q must be contiguous {'uint8' if int4 else 'int8'} {list(want)}; got {_desc(q)}")
+    if k % group_size or tuple(scales.shape) != (n, k // group_size) or scales.dtype != torch.float32 \
+            or not scales.is_contiguous():
+        raise ValueError(f"scales must be contiguous float32 [{n}, {k // group_size}]; got {_desc(scales)}")
+    if zeros is not None and (zeros.shape != scales.shape or zeros.dtype != torch.float32 or not zeros.is_contiguous()):
+        raise ValueError(f"zeros must be None or like scales; got {_desc(zeros)}")
+    QMATMUL.lib().kvs_group_dequantize(q.data_ptr(), int(int4), scales.data_ptr(),
+                                       zeros.data_ptr() if zeros is not None else None, out.data_ptr(),
+                                       int(out.dtype == torch.bfloat16), n, k, group_size, torch.get_num_threads(), 0)
+    return out
+
+
+# ---- weights in VNNI blocks (the avx512-vnni path) ----------------------------------------------
+_VNNI_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "fma"})
+
+
+def vnni_blocks_fit(n: int, k: int, group_size: int) -> bool:
+    """Whether a group-quantized weight [N, K] can be kept in VNNI blocks here: N a multiple of 16,
+    a group size in 8..256 that is a multiple of 8 and divides K, and a kernel library that runs
+    the avx512-vnni path (asked when it is loaded; before that, /proc/cpuinfo's flags answer, so
+    loading never waits for a build, and GroupInt8Linear.check_blocks settles it once the library
+    is there). Off where the C++ kernels are disabled."""
+    from kvshare.config import cpu_flags
+
+    if disabled_by_env() or n <= 0 or n % 16 or not 8 <= group_size <= 256 or group_size % 8 or k % group_size:
+        return False
+    if QMATMUL.available():
+        return bool(QMATMUL.lib().kvs_qmm_vnni_blocks_fit(k, group_size))
+    return _VNNI_CPU_FLAGS <= cpu_flags()
+
+
+@dataclass(frozen=True, eq=False)
+class VnniBlocks:
+    """A group-quantized weight [N, K] (int8 codes, or 4-bit codes packed two per byte) in the
+    layout the avx512-vnni path reads (qmatmul.cpp, "VNNI blocks"): rows in blocks of 16, each
+    block as 64-byte lines of 4 bytes from each of its rows: q [N / 16, row_bytes / 4, 16, 4];
+    scales and zeros [N / 16, K / g, 16]. Built by `to_vnni_blocks`; `rows` reads rows back."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    n: int
+    k: int
+    group: int
+    int4: bool
+
+    def rows(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The codes (int8 [R, K] or packed uint8 [R, K / 2]), scales and zeros [R, K / g] of rows
+        idx (a long tensor), in row layout."""
+        b, r = idx // 16, idx % 16
+        q = self.q[b, :, r, :].reshape(len(idx), -1)
+        return q, self.scales[b, :, r], None if self.zeros is None else self.zeros[b, :, r]
+
+    def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """y = x @ w.T on the avx512-vnni path (x rounded to int16 per row and group, exact int32
+        group sums): x [M, K] float32 or bfloat16, unit last stride; y [M, N] in x's dtype."""
+        _check_x(x)
+        if x.shape[1] != self.k:
+            raise ValueError(f"x {tuple(x.shape)} does not fit a weight of K={self.k}")
+        if x.stride(1) != 1 and self.k > 1:
+            raise ValueError(f"x must have contiguous rows (unit last stride); got strides {x.stride()}")
+        fn = "kvs_int4_group_matmul" if self.int4 else "kvs_int8_group_matmul"
+        return _call_group_matmul(fn, x, self.q, self.scales, self.zeros, self.n, self.group, out, "auto",
+                                  vnni_blocks=True)
+
+    def dequantize(self, out: torch.Tensor) -> torch.Tensor:
+        """The dense weights into out [N, K] (float32 or bfloat16, contiguous), the values
+        `group_dequantize` gives for the same weight in rows."""
+        if out.dtype not in (torch.float32, torch.bfloat16) or not out.is_contiguous() \
+                or tuple(out.shape) != (self.n, self.k):
+            raise ValueError(f"out must be a contiguous float32 or bfloat16 [{self.n}, {self.k}] tensor; "
+                             f"got {_desc(out)}")
+        QMATMUL.lib().kvs_group_dequantize(
+            self.q.data_ptr(), int(self.int4), self.scales.data_ptr(),
+            self.zeros.data_ptr() if self.zeros is not None else None, out.data_ptr(),
+            int(out.dtype == torch.bfloat16), self.n, self.k, self.group, torch.get_num_threads(), 1)
+        return out
+
+
+def to_vnni_blocks(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int,
+                   int4: bool) -> VnniBlocks:
+    """A weight in rows (q int8 [N, K], or packed 4-bit uint8 [N, K / 2] with int4; scales and
+    zeros float32 [N, K / g]) copied into VNNI blocks. N % 16 == 0 and the row's bytes % 4 == 0."""
+    n, row_bytes = q.shape
+    k = row_bytes * (2 if int4 else 1)
+    if n % 16 or row_bytes % 4:
+        raise ValueError(f"VNNI blocks need N % 16 == 0 and a multiple of 4 bytes per row; got q {tuple(q.shape)}")
+    if not 8 <= group_size <= 256 or group_size % 8 or k % group_size:
+        raise ValueError(f"VNNI blocks need a group size in 8..256, a multiple of 8 dividing K={k}; got {group_size}")
+    for name, t in (("scales", scales), ("zeros", zeros)):
+        if t is not None and tuple(t.shape) != (n, k // group_size):
+            raise ValueError(f"{name} must be [{n}, {k // group_size}] (N, K // group_size); got {_desc(t)}")
+
+    def blocked(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [N / 16, G, 16]
+        return t.reshape(n // 16, 16, -1).transpose(1, 2).contiguous()
+
+    qb = q.reshape(n // 16, 16, row_bytes // 4, 4).permute(0, 2, 1, 3).contiguous()
+    return VnniBlocks(qb, blocked(scales.float()), None if zeros is None else blocked(zeros.float()), n, k,
+                      group_size, int4)
+
+
+def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
+    """Pack 4-bit codes (an integer tensor [..., K] of values 0..15, K even) two per byte into
+    uint8 [..., K // 2], the layout `int4_group_matmul` reads: out[..., j] = q[..., 2j] |
+    q[..., 2j + 1] << 4. Raises ValueError on a non-integer tensor, odd K or codes outside 0..15."""
+    if not isinstance(q, torch.Tensor) or q.dim() < 1 or q.dtype.is_floating_point or q.dtype.is_complex \
+            or q.dtype == torch.bool:
+        raise ValueError(f"q must be an integer tensor [..., K]; got {_desc(q)}")
+    if q.shape[-1] % 2:
+        raise ValueError(f"q must have an even number of columns K; got shape {tuple(q.shape)}")
+    if q.numel() and (q.min().item() < 0 or q.max().item() > 15):
+        raise ValueError(f"q must hold 4-bit codes 0..15; got values in [{q.min().item()}, {q.max().item()}]")
+    q = q.to(torch.uint8)
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).contiguous()
+
+
+def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of `pack_int4_rows`: uint8 [..., K // 2] -> uint8 codes [..., K] (0..15)."""
+    if not isinstance(packed, torch.Tensor) or packed.dim() < 1 or packed.dtype != torch.uint8:
+        raise ValueError(f"packed must be a uint8 tensor [..., K // 2]; got {_desc(packed)}")
+    return torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)
+
+
+def _check_x(x: object) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"x must be a 2-D tensor [M, K]; got {_desc(x)}")
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"x must be float32 or bfloat16; got {x.dtype}")
+
+
+def _group_matmul(fn: str, x: torch.Tensor, q_name: str, q: torch.Tensor, scales: torch.Tensor,
+                  zeros: torch.Tensor | None, group_size: int, out: torch.Tensor | None, impl: str) -> torch.Tensor:
+    """The checks both formats share (x and the codes' shape checked by the caller), and the call."""
+    m, k = x.shape
+    n = q.shape[0]
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1 or k % group_size:
+        raise ValueError(f"group_size={group_size!r} must be a positive int dividing K={k}")
+    groups = k // group_size
+    if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32 or tuple(scales.shape) != (n, groups):
+        raise ValueError(f"scales must be float32 [{n}, {groups}] (N, K // group_size); got {_desc(scales)}")
+    if zeros is not None and (not isinstance(zeros, torch.Tensor) or zeros.dtype != torch.float32
+                              or tuple(zeros.shape) != (n, groups)):
+        raise ValueError(f"zeros must be None or float32 [{n}, {groups}] (N, K // group_size); got {_desc(zeros)}")
+    named = [("x", x), (q_name, q), ("scales", scales)] + ([("zeros", zeros)] if zeros is not None else [])
+    for name, t in named:
+        if t.device.type != "cpu":
+            raise ValueError(f"{name} must be a CPU tensor; got device {t.device}")
+    if x.stride(1) != 1 and k > 1:
+        raise ValueError(f"x must have contiguous rows (unit last stride); got strides {x.stride()}")
+    for name, t in named[1:]:
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    if impl not in _QMM_IMPLS:
+        raise ValueError(f"impl={impl!r} must be one of {sorted(_QMM_IMPLS)}")
+    return _call_group_matmul(fn, x, q, scales, zeros, n, group_size, out, impl, vnni_blocks=False)
+
+
+def _call_group_matmul(fn: str, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                       n: int, group_size: int, out: torch.Tensor | None, impl: str, vnni_blocks: bool) -> torch.Tensor:
+    """`out` checked (or made) and the C call, for weights in rows and in VNNI blocks alike (x and
+    the weight checked by the caller)."""
+    m, k = x.shape
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype)
+    elif (not isinstance(out, torch.Tensor) or tuple(out.shape) != (m, n) or out.dtype != x.dtype
+          or out.device.type != "cpu" or (out.stride(1) != 1 and n > 1)):
+        raise ValueError(f"out must be a CPU tensor [{m}, {n}] of x's dtype {x.dtype} with unit last stride; "
+                         f"got {_desc(out)}")
+    lib = QMATMUL.lib()
+    if m == 0 or n == 0:
+        return out
+    err = ctypes.create_string_buffer(256)
+    rc = getattr(lib, fn)(
+        x.data_ptr(), x.stride(0), x.dtype == torch.bfloat16,
+        q.data_ptr(), scales.data_ptr(), zeros.data_ptr() if zeros is not None else None,
+        out.data_ptr(), out.stride(0), m, n, k, group_size,
+        _QMM_IMPLS[impl], torch.get_num_threads(), err, len(err), int(vnni_blocks))
+    if rc:
+        raise ValueError(err.value.decode(errors="replace"))
+    return out
