@@ -47,7 +47,7 @@ class ChunkPlan:
 
     def access(self, group: int) -> "ChunkPlan | GroupAccess":
         """The writes and reads of KV cache group `group` (both kinds have the same three fields)."""
-        return (self, *self.groups)[group]
+        return self if group == 0 else self.groups[group - 1]
 
     @property
     def num_tokens(self) -> int:

@@ -118,7 +118,8 @@ class SlidingWindow:
 
     @property
     def release_window(self) -> int | None:
-        return None if any(w is None for w in self.windows) else max(self.windows)
+        bounded = [w for w in self.windows if w is not None]
+        return None if len(bounded) < len(self.windows) else max(bounded)
 
     def released_blocks(self, start: int) -> int:
         """Blocks [0, n) hold no key any query at `start` or later sees, in any layer."""

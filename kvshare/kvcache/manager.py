@@ -10,6 +10,8 @@ table, so table index i still means positions [i * block_size, (i + 1) * block_s
 full attention nothing is ever released."""
 from __future__ import annotations
 
+from itertools import takewhile
+
 from kvshare.kvcache.block_pool import Block, BlockPool, BlockPoolError
 from kvshare.kvcache.cache_key import CacheNamespace
 from kvshare.kvcache.events import EventLog, Recorder
@@ -81,17 +83,17 @@ class KVCacheManager:
         their table indices when some were released (None: they are 0 .. upto - 1)."""
         rec = self.seqs[seq_id]
         if self._num_released(rec) == 0:
-            return [b.block_id for b in rec.blocks[:upto]], None
+            return [rec.held(i).block_id for i in range(len(rec.blocks[:upto]))], None
         index = self.held_indices(seq_id, upto)
-        return [rec.blocks[i].block_id for i in index], index
+        return [rec.held(i).block_id for i in index], index
 
     def access(self, seq_id: str, start: int, end: int) -> tuple[list[int], list[int], list[int] | None]:
         """What computing positions [start, end) writes and reads in this group: (write slots,
         block ids read, their table indices or None)."""
         bs = self.block_size
         read, index = self.blocks_read(seq_id, -(-end // bs))
-        table = self.seqs[seq_id].blocks
-        return [table[p // bs].block_id * bs + p % bs for p in range(start, end)], read, index
+        rec = self.seqs[seq_id]
+        return [rec.held(p // bs).block_id * bs + p % bs for p in range(start, end)], read, index
 
     def rope_offset(self, seq_id: str) -> int:
         rec = self.seqs.get(seq_id)
@@ -121,7 +123,7 @@ class KVCacheManager:
             max_blocks = min(max_blocks, self.publish_limit)
         self._set_namespace(self.record(seq_id), namespace)
         cached = self.cached_blocks(seq_id, token_ids, max_blocks)
-        return cached[:next((i for i, b in enumerate(cached) if b is None), max_blocks)]
+        return [b for b in takewhile(lambda b: b is not None, cached) if b is not None]  # (narrowed for mypy)
 
     def cached_blocks(self, seq_id: str, token_ids: list[int], num_blocks: int) -> list[Block | None]:
         """The cached block for each of the first `num_blocks` full blocks of `token_ids`, None
@@ -208,15 +210,15 @@ class KVCacheManager:
     def slots_cost(self, seq_id: str, num_computed: int, num_new_tokens: int) -> tuple[int, bool]:
         """(new blocks, whether the first written block needs a private copy) that
         `allocate_slots` would take from the pool."""
-        table = self.record(seq_id).blocks
+        rec = self.record(seq_id)
         first = num_computed // self.block_size
-        cow = first < len(table) and table[first].ref_count > 1
-        return max(0, self.blocks_needed(num_computed + num_new_tokens) - len(table)), cow
+        cow = first < len(rec.blocks) and rec.held(first).ref_count > 1
+        return max(0, self.blocks_needed(num_computed + num_new_tokens) - len(rec.blocks)), cow
 
     def copy_on_write(self, seq_id: str, index: int) -> None:
         """A shared block is about to be written: this sequence gets a private copy first."""
         rec = self.seqs[seq_id]
-        shared = rec.blocks[index]
+        shared = rec.held(index)
         private = self.pool.allocate(seq_id, rec.namespace)
         self.events.record("cow", seq=seq_id, src=shared.block_id, dst=private.block_id)
         self.pending_copies.append((shared.block_id, private.block_id))
@@ -262,12 +264,12 @@ class KVCacheManager:
                 if table[i] is not None]
         # Shared or published blocks are never changed in place: the rotation goes into a
         # private copy, and the original stays for its other holders or in the prefix cache.
-        frozen = [i for i in kept if table[i].ref_count > 1 or table[i].block_hash is not None]
+        frozen = [i for i in kept if rec.held(i).ref_count > 1 or rec.held(i).block_hash is not None]
         if len(frozen) > self.pool.num_free:
             return False
         for i in frozen:
             self.copy_on_write(seq_id, i)
-        self.pending_rotations[seq_id] = ([table[i].block_id for i in kept], old - offset)
+        self.pending_rotations[seq_id] = ([rec.held(i).block_id for i in kept], old - offset)
         rec.rope_offset = offset
         return True
 

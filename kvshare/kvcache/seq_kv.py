@@ -33,6 +33,12 @@ class SeqKV:
     rope_offset: int = 0  # text position minus cache position of new tokens (sinks)
     admitted: bool = False
 
+    def held(self, index: int) -> Block:
+        """Table entry `index`, which the caller knows is held (not released)."""
+        block = self.blocks[index]
+        assert block is not None, f"table entry {index} was released"
+        return block
+
     def copy(self) -> "SeqKV":
         return SeqKV(self.namespace, list(self.blocks), self.released, list(self.hashes), self.registered,
                      self.rope_offset, self.admitted)
