@@ -8,8 +8,12 @@ from dataclasses import dataclass
 
 from kvshare.config import EngineConfig
 from kvshare.engine.model_runner import ModelRunner
-from kvshare.kvcache.kv_groups import KVCacheGroup, layer_slots, plan_kv_groups
+from kvshare.engine.startup import KVLayout
+from kvshare.kvcache.hashing import BlockHasher
+from kvshare.kvcache.kv_groups import GroupedKVCacheManager, KVCacheGroup, blocks_per_seq, layer_slots, plan_kv_groups
 from kvshare.kvcache.kv_policy import build_kv_policy
+from kvshare.kvcache.manager import KVCacheManager
+from kvshare.memory_plan import kv_pool_blocks
 from kvshare.model.attention import PagedKVStorage, TorchPagedAttention
 from kvshare.model.config import ModelArchConfig
 from kvshare.model.llama import build_model
@@ -36,6 +40,27 @@ def plan_kv(config: EngineConfig, mc: ModelArchConfig) -> KVPlan:
     group_of, slot_of = layer_slots(groups, mc.num_layers) if groups else (None, None)
     return KVPlan(max_model_len, groups, build_kv_policy(config, mc, max_model_len), group_of, slot_of,
                   groups[0].size if groups else mc.num_layers)
+
+
+def build_kv_core(config: EngineConfig, mc: ModelArchConfig, kv: KVPlan) -> tuple[KVLayout, KVCacheManager]:
+    """The KV pool's layout and the block bookkeeping over it (the engine's rank only: worker
+    ranks hold KV storage, never the bookkeeping). Sized by the same code as `kvshare memory`
+    plans with (scale bytes included when quantized)."""
+    kv_format = config.kv_format
+    bytes_per_token = kv_format.bytes_per_token(kv.layers_per_block, mc.num_kv_heads, mc.head_dim)
+    num_blocks = kv_pool_blocks(config.kv_budget_bytes(), bytes_per_token, config.block_size)
+    max_model_len = kv.max_model_len
+    hasher = BlockHasher.seeded(config.block_size, config.prefix_caching_hash_seed)
+    if kv.groups:
+        layout = KVLayout(bytes_per_token, config.block_size, num_blocks, max_model_len,
+                          kv_format.name, len(kv.groups),
+                          blocks_per_seq(kv.groups, config.block_size, max_model_len,
+                                         config.max_num_batched_tokens))
+        return layout, GroupedKVCacheManager(num_blocks, config.block_size, kv.groups,
+                                             config.enable_prefix_caching, hasher=hasher)
+    layout = KVLayout(bytes_per_token, config.block_size, num_blocks, max_model_len, kv_format.name)
+    return layout, KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                  policy=kv.policy, hasher=hasher)
 
 
 def build_rank(config: EngineConfig, mc: ModelArchConfig, weights: dict, kv: KVPlan, num_blocks: int,
