@@ -11,17 +11,25 @@ A request whose tokens or logprobs in (b) differ from (c) was changed by other r
 without any sharing: scheduling logic (batching, slot mapping, preemption). One that differs
 only in (a): sharing logic (prefix cache, forks, copy-on-write, eviction). Then the blamed
 setting is rerun with the audit on, to name the broken invariant and block, and shrunk to the
-smallest set of requests (one, else a pair) that still diverges, written as JSONL.
+smallest set of requests (one, else a pair) that still diverges, written as JSONL to the path the
+user names or else to a new temporary file (never into the current directory).
+
+The doctor drives a Target (kvshare.doctor_target): today the engine in this process.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import tempfile
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from kvshare.config import EngineConfig
 from kvshare.errors import InvalidRequestError
 from kvshare.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvshare.doctor_target import Target
 
 _PARAM_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n", "ignore_eos", "cache_salt",
                  "min_tokens", "stop_token_ids")
@@ -100,11 +108,11 @@ def load_workload(path: str) -> list[DoctorRequest]:
     return reqs
 
 
-def builtin_workload(engine) -> list[DoctorRequest]:
+def builtin_workload(target: Target) -> list[DoctorRequest]:
     """Shared system prompt, forks, a second tenant, a late follow-up turn, one abort."""
     from kvshare.bench.workloads import ENGLISH_TEXT
 
-    ids = engine.tokenize(ENGLISH_TEXT) if engine.tokenizer is not None else list(range(1, 400))
+    ids = target.tokenize(ENGLISH_TEXT) or list(range(1, 400))
     system = ids[:40]
     rows = []
     for i in range(8):
@@ -128,7 +136,7 @@ class RunResult:
     audit: dict | None = None
 
 
-def _drive(engine, reqs: list[DoctorRequest], one_at_a_time: bool, split_forks: bool) -> RunResult:
+def _drive(target: Target, reqs: list[DoctorRequest], one_at_a_time: bool, split_forks: bool) -> RunResult:
     from kvshare.kvcache.audit import AuditError
 
     res = RunResult()
@@ -138,7 +146,7 @@ def _drive(engine, reqs: list[DoctorRequest], one_at_a_time: bool, split_forks: 
     groups = [[u] for u in units] if one_at_a_time else [units]
     try:
         for group in groups:
-            _run_group(engine, group, res, one_at_a_time)
+            _run_group(target, group, res, one_at_a_time)
     except AuditError as e:
         res.audit = e.to_dict()
         res.error = f"audit: {e.invariant} on block {e.block} (owners {e.owners}) at step {e.step}"
@@ -147,33 +155,30 @@ def _drive(engine, reqs: list[DoctorRequest], one_at_a_time: bool, split_forks: 
     return res
 
 
-def _run_group(engine, group, res: RunResult, ignore_delays: bool) -> None:
+def _run_group(target: Target, group, res: RunResult, ignore_delays: bool) -> None:
+    """Delays and aborts count the target's ticks (engine steps in process)."""
     pending = sorted(group, key=lambda u: 0 if ignore_delays else u[1].delay_steps)
     started: dict[str, int] = {}
     origin = {}
     steps = 0
-    while pending or engine.has_unfinished_requests():
+    while pending or target.busy():
         while pending and (ignore_delays or pending[0][1].delay_steps <= steps):
             key, r = pending.pop(0)
-            engine.add_request(r.id, {"prompt_token_ids": r.prompt} if isinstance(r.prompt, list) else r.prompt,
-                               r.params)
+            target.submit(r.id, r.prompt, r.params)
             started[r.id] = steps
             origin[r.id] = (key, r)
         for rid, t0 in list(started.items()):
             r = origin[rid][1]
-            if r.abort_after_steps is not None and steps - t0 >= r.abort_after_steps and rid in engine.requests:
-                engine.abort_request(rid)
+            if r.abort_after_steps is not None and steps - t0 >= r.abort_after_steps and target.has_request(rid):
+                target.abort(rid)
                 key = origin[rid][0]
                 res.aborted.add(key[0] if key is not None else rid)
                 del started[rid]
-        for out in engine.step():
-            if not out.finished:
-                continue
+        for out in target.advance():
             key, r = origin[out.request_id]
-            for c in out.outputs:
+            for c in out.choices:
                 k = key if key is not None else (r.id, c.index)
-                lps = [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)] if c.logprobs else []
-                res.outputs[k] = (list(c.token_ids), lps)
+                res.outputs[k] = (c.token_ids, c.logprobs)
             started.pop(out.request_id, None)
         steps += 1
 
@@ -203,41 +208,17 @@ def compare(run: RunResult, ref: RunResult, tol: float) -> dict[str, str]:
 
 
 class Doctor:
-    def __init__(self, config: EngineConfig, faults: list[str] | None = None, tol: float = 2e-3) -> None:
-        if config.tensor_parallel_size != 1:
-            # It resets each engine's KV cache between runs in this process: worker ranks' shards
-            # would keep theirs.
-            raise DoctorUsageError(f"--tensor-parallel-size {config.tensor_parallel_size} is not supported by "
-                                   "kvshare doctor: it runs its engines in one process (use 1)")
-        self.config = config
-        self.faults = faults or []
+    def __init__(self, target: Target, tol: float = 2e-3) -> None:
+        self.target = target
         self.tol = tol
-        self._engines: dict[bool, object] = {}  # by prefix caching on/off
-
-    def engine(self, prefix_caching: bool, audit: bool = False):
-        from kvshare.engine.llm_engine import LLMEngine
-        from kvshare.testing.faults import plant
-
-        eng = self._engines.get(prefix_caching)
-        if eng is not None and (eng.has_unfinished_requests() or eng.manager.tables):
-            eng = None  # a run that crashed leaves a broken pool behind: start over
-        if eng is None:
-            cfg = dataclasses.replace(self.config, enable_prefix_caching=prefix_caching, audit=False, kv_event_log=None)
-            eng = LLMEngine(cfg)
-            for f in self.faults:
-                plant(eng, f)
-            self._engines[prefix_caching] = eng
-        # Every run starts from the same state: nothing cached, every slot zero.
-        eng.set_audit(audit)
-        eng.manager.pool.reset_prefix_cache()
-        eng.kv_cache.data.zero_()
-        return eng
 
     def run(self, reqs: list[DoctorRequest], setting: str, audit: bool = False) -> RunResult:
-        caching = self.config.enable_prefix_caching if setting == "configured" else False
-        return _drive(self.engine(caching, audit), reqs, setting == "one_at_a_time", setting != "configured")
+        self.target.reset(sharing=setting == "configured", audit=audit)
+        return _drive(self.target, reqs, setting == "one_at_a_time", setting != "configured")
 
     def diagnose(self, reqs: list[DoctorRequest], repro_path: str | None = None) -> dict:
+        """The three settings compared, the layer blamed, and a minimal repro written to
+        `repro_path` (None: a new temporary file, named in the report)."""
         ref = self.run(reqs, "one_at_a_time")
         if ref.error:
             raise RuntimeError(f"the one-at-a-time reference run failed: {ref.error}")
@@ -266,11 +247,7 @@ class Doctor:
             first = next(iter(s["diverged"]), None) or _audit_request(s["audit"], reqs)
             if first is not None:
                 repro = self._shrink(reqs, first, blamed, ref)
-                report["repro"] = {"requests": [r.id for r in repro], "path": repro_path}
-                if repro_path:
-                    with open(repro_path, "w", encoding="utf-8") as f:
-                        for r in repro:
-                            f.write(json.dumps(r.raw) + "\n")
+                report["repro"] = {"requests": [r.id for r in repro], "path": _write_repro(repro, repro_path)}
         return report
 
     def _shrink(self, reqs, rid: str, setting: str, ref: RunResult) -> list[DoctorRequest]:
@@ -298,6 +275,16 @@ class Doctor:
         sub_ref = RunResult({k: v for k, v in ref.outputs.items() if k[0] in ids}, ref.aborted)
         res = self.run(subset, setting)
         return bool(res.error or compare(res, sub_ref, self.tol))
+
+
+def _write_repro(repro: list[DoctorRequest], path: str | None) -> str:
+    if path is None:
+        fd, path = tempfile.mkstemp(prefix="kvshare-doctor-repro-", suffix=".jsonl")
+        os.close(fd)
+    with open(path, "w", encoding="utf-8") as f:
+        for r in repro:
+            f.write(json.dumps(r.raw) + "\n")
+    return path
 
 
 def _audit_request(audit: dict | None, reqs: list[DoctorRequest]) -> str | None:

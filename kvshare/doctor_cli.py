@@ -14,7 +14,8 @@ def add_doctor_parsers(sub) -> None:
     d.add_argument("--workload", default=None,
                    help="JSONL, one request per line: prompt or prompt_token_ids, max_tokens, n, temperature, seed, "
                         "cache_salt, delay_steps, abort_after_steps (default: a built-in shared-prefix workload)")
-    d.add_argument("--repro-out", default="doctor-repro.jsonl", help="where the minimal repro is written")
+    d.add_argument("--repro-out", default=None, metavar="PATH",
+                   help="where the minimal repro is written (default: a new temporary file, its path printed)")
     d.add_argument("--logprob-tol", type=float, default=2e-3, help="largest logprob difference still called equal")
     d.add_argument("--json", action="store_true")
     # Test-only: plant a known bug class (kvshare.testing.faults) to prove the doctor finds it;
@@ -34,6 +35,7 @@ def add_doctor_parsers(sub) -> None:
 def cmd_doctor(args: argparse.Namespace) -> int:
     from kvshare.config import EngineConfig
     from kvshare.doctor import Doctor, DoctorUsageError, builtin_workload, format_report, load_workload
+    from kvshare.doctor_target import InProcessTarget
     from kvshare.testing.environment import require_testing
     from kvshare.testing.faults import FAULTS
 
@@ -48,8 +50,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             return 2
     try:
         config = EngineConfig.from_kwargs(**engine_options(args))
-        doctor = Doctor(config, args.inject_fault, args.logprob_tol)
-        reqs = load_workload(args.workload) if args.workload else builtin_workload(doctor.engine(False))
+        doctor = Doctor(InProcessTarget(config, args.inject_fault), args.logprob_tol)
+        reqs = load_workload(args.workload) if args.workload else builtin_workload(doctor.target)
         report = doctor.diagnose(reqs, args.repro_out)
     except DoctorUsageError as e:
         print(f"error: {e}", file=sys.stderr)

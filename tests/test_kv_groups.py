@@ -14,9 +14,9 @@ import random
 
 import pytest
 
+import fake_engine
 from kvshare.config import EngineConfig
 from kvshare.engine.request import Sequence, SeqStatus
-from kvshare.engine.scheduler import Scheduler
 from kvshare.kvcache.audit import record_step_io
 from kvshare.kvcache.events import EventLog
 from kvshare.kvcache.isolation import IsolationChecker
@@ -36,7 +36,8 @@ def make_seq(seq_id: str, prompt: list[int], max_tokens: int = 8, salt: str | No
 
 
 class Harness:
-    """A grouped manager + scheduler whose every event goes through the isolation checker."""
+    """A grouped manager + scheduler (a model-free EngineCore) whose every event goes through the
+    isolation checker."""
 
     def __init__(self, num_blocks: int, budget: int = 8, max_seqs: int = 8, windows=WINDOWS) -> None:
         config = EngineConfig(block_size=BS, max_num_batched_tokens=budget, max_num_seqs=max_seqs, dtype="float32")
@@ -46,22 +47,13 @@ class Harness:
         self.log.listener = self.checker.feed
         self.mgr = KVCacheCoordinator(num_blocks, BS, self.groups, events=self.log)
         self.mgr.pool.events = self.log
-        self.sched = Scheduler(config, self.mgr)
+        self.core = fake_engine.model_free_core(config, self.mgr)
+        self.sched = self.core.scheduler
 
     def step(self) -> list[Sequence]:
-        """Plan, log the step's I/O, "run" it, append fake tokens, finish at max_tokens."""
-        self.log.step += 1
-        self.log.record("step")
-        out = self.sched.schedule()
-        record_step_io(self.log, None, out)
-        sampling = [self.sched.scheduled_seqs[c.seq_id] for c in out.chunks if c.samples]
-        self.sched.step_done(out)
-        done = []
-        for seq in sampling:
-            seq.token_ids.append(1000 + len(seq.token_ids))
-            if seq.num_output_tokens >= seq.params.max_tokens:
-                self.sched.finish(seq, "length")
-                done.append(seq)
+        """The engine's step: plan, log the step's I/O, "run" it, append fake tokens, finish at
+        max_tokens."""
+        done = fake_engine.step(self.core)
         self.checker.checkpoint()
         return done
 

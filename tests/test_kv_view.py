@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import openai
 import pytest
 
+from kvshare.engine.core import EngineStatus
 from kvshare.kvcache.audit import AuditError
 from kvshare.kvcache.cache_key import CacheNamespace
 from kvshare.kvcache.coordinator import KVCacheCoordinator
@@ -140,7 +141,7 @@ def test_step_batches_carry_audit_verdicts_and_a_failure_names_only_the_invarian
             fn(*args)
 
     tap = ViewTap()
-    engine = SimpleNamespace(manager=SimpleNamespace(num_blocks=8), view_tap=tap, step_count=3,
+    engine = SimpleNamespace(layout=SimpleNamespace(num_blocks=8), view_tap=tap, step_count=3,
                              auditor=SimpleNamespace(num_checks=41))
     ae = AsyncEngine(engine, ServerMetrics("m"))
     ae._loop, got = FakeLoop(), []
@@ -166,7 +167,7 @@ def test_a_failed_audit_is_kept_redacted_after_the_engine_stops():
         raise AuditError("salt_isolation", "salt 'tenant-secret' reached another tenant", block=5,
                          owners=["req-victim"], step=9)
 
-    engine = SimpleNamespace(manager=SimpleNamespace(num_blocks=8), view_tap=None, step_count=9, auditor=None,
+    engine = SimpleNamespace(layout=SimpleNamespace(num_blocks=8), view_tap=None, step_count=9, auditor=None,
                              has_unfinished_requests=lambda: True, step=failing_step)
     ae = AsyncEngine(engine, ServerMetrics("m"))
     ae._loop = FakeLoop()
@@ -184,7 +185,6 @@ def test_concurrent_snapshot_viewers_share_one_pass_over_the_pool(monkeypatch):
     again before the engine changes costs nothing; after a step, one more."""
     import httpx2
 
-    import kvshare.server.kv_routes as kv_routes
     from kvshare.server.app import build_app
     from kvshare.server.settings import ServerConfig
     from kvshare.server.state import ServerState
@@ -196,10 +196,9 @@ def test_concurrent_snapshot_viewers_share_one_pass_over_the_pool(monkeypatch):
         time.sleep(0.05)  # an O(blocks) pass takes a while: the other viewers arrive meanwhile
         return {"step": engine.step_count, "blocks": [{"ref_count": 1}, {"ref_count": 0}], "requests": []}
 
-    monkeypatch.setattr(kv_routes, "kv_snapshot", counting_snapshot)
     engine = SimpleNamespace(
-        manager=SimpleNamespace(num_blocks=2, num_used_blocks=lambda: 0, stats=SimpleNamespace(queries=0, hits=0)),
-        scheduler=SimpleNamespace(running=[], waiting=[], num_preemptions=0), step_count=0, work=0,
+        layout=SimpleNamespace(num_blocks=2), status=lambda: EngineStatus(blocks_total=2, step=engine.step_count),
+        kv_snapshot=lambda blocks="all": counting_snapshot(engine, blocks), step_count=0, work=0,
         has_unfinished_requests=lambda: engine.work > 0, close=lambda: None)
 
     def step():

@@ -55,7 +55,7 @@ def test_the_server_releases_its_workers_before_the_engine_thread_starts(monkeyp
     calls = []
     monkeypatch.setattr(openmp, "release_openmp_workers",
                         lambda: calls.append(ae._thread) or True)
-    engine = SimpleNamespace(manager=SimpleNamespace(num_blocks=8), has_unfinished_requests=lambda: False,
+    engine = SimpleNamespace(layout=SimpleNamespace(num_blocks=8), has_unfinished_requests=lambda: False,
                              close=lambda: None)
     ae = async_engine.AsyncEngine(engine, ServerMetrics("m"))
     ae.start(loop=None)

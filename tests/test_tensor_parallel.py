@@ -133,10 +133,11 @@ def test_step_plans_and_the_config_reach_the_workers_unchanged():
 
 def test_doctor_refuses_tensor_parallel_by_name():
     from kvshare.config import EngineConfig
-    from kvshare.doctor import Doctor, DoctorUsageError
+    from kvshare.doctor import DoctorUsageError
+    from kvshare.doctor_target import InProcessTarget
 
     with pytest.raises(DoctorUsageError, match="--tensor-parallel-size 2 is not supported by kvshare doctor"):
-        Doctor(EngineConfig(tensor_parallel_size=2))
+        InProcessTarget(EngineConfig(tensor_parallel_size=2))
 
 
 def _ranks(size: int, slot_bytes: int, work) -> list:

@@ -1,54 +1,43 @@
 """LLMEngine: add_request / abort_request / step, the loop the offline API, the server and
-the doctor all drive. Request intake (kvshare.engine.intake), the output side of a step
-(kvshare.engine.output_processor) and beam search (kvshare.engine.beam_search) are its parts;
-this module wires them to the scheduler, the model runner and the KV cache manager."""
+the doctor all drive. The step itself (scheduler, KV core, runner) is kvshare.engine.core's
+EngineCore, with this engine as its handler; request intake (kvshare.engine.intake), the output
+side of a step (kvshare.engine.output_processor) and beam search (kvshare.engine.beam_search) are
+its other parts. Callers (the server, Ray, the doctor) use the methods under "the engine API"
+and read none of its parts."""
 from __future__ import annotations
 
 import itertools
 import logging
 import os
 import time
-from dataclasses import dataclass
 
 import torch
 
 from kvshare.config import EngineConfig
 from kvshare.engine.beam_search import BeamSearchDriver, BeamSearchParams
-from kvshare.engine.detokenizer import IncrementalDetokenizer
+from kvshare.engine.core import EngineCore, EngineStatus
 from kvshare.engine.intake import MULTIMODAL_PROMPT_KEYS, PROMPT_DICT_KEYS, RequestIntake  # noqa: F401 (re-exported)
+from kvshare.engine.kv_view import kv_snapshot
 from kvshare.engine.model_runner import StepLogits
-from kvshare.engine.model_setup import build_rank, plan_kv
+from kvshare.engine.model_setup import build_kv_core, build_rank, plan_kv
 from kvshare.engine.output_processor import OutputProcessor
 from kvshare.engine.request import RequestState, Sequence
-from kvshare.engine.scheduler import Scheduler
-from kvshare.engine.startup import KVLayout, StartupReport, release_freed_heap
+from kvshare.engine.sampling_step import StepSampler
+from kvshare.engine.startup import StartupReport, release_freed_heap
+from kvshare.engine.step_plan import StepPlan
 from kvshare.engine.structured_output import StructuredOutputs
 from kvshare.engine.tensor_parallel import TensorParallelLauncher, TensorParallelRunner, threads_per_rank
 from kvshare.errors import InvalidRequestError
-from kvshare.kvcache.audit import KVAuditor, record_step_io
-from kvshare.kvcache.events import EventLog, as_event_log
-from kvshare.kvcache.hashing import BlockHasher
-from kvshare.kvcache.coordinator import KVCacheCoordinator
 from kvshare.kvcache.kv_groups import grouped_blocks_per_seq
-from kvshare.kvcache.prefix_updates import PrefixUpdateQueue
 from kvshare.kvcache.view_tap import ViewTap
-from kvshare.memory_plan import kv_pool_blocks
 from kvshare.model import kernels
 from kvshare.model.loader import load_model
 from kvshare.model.numerics import numerics_for
-from kvshare.model.sampler import Sampler, SamplingRow, apply_token_bitmask
 from kvshare.model.tensor_parallel import TPShard
 from kvshare.outputs import RequestMetrics, RequestOutput
 from kvshare.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvshare")
-
-
-@dataclass
-class EngineStats:
-    prompt_tokens_computed: int = 0  # prompt positions run through the model (recomputes count)
-    decode_tokens_computed: int = 0
-    peak_blocks_in_use: int = 0
 
 
 class LLMEngine:
@@ -80,20 +69,13 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.model_source = loaded.source
         mc = self.model_config
-        # Sized by the same code as `kvshare memory` plans with (scale bytes included when quantized).
         self.kv_format = config.kv_format
         kv = plan_kv(config, mc)
         self.kv_groups, self.kv_policy = kv.groups, kv.policy
-        bytes_per_token = self.kv_format.bytes_per_token(kv.layers_per_block, mc.num_kv_heads, mc.head_dim)
-        num_blocks = kv_pool_blocks(config.kv_budget_bytes(), bytes_per_token, config.block_size)
-        max_model_len = kv.max_model_len
+        self.layout, self.manager = build_kv_core(config, mc, kv)
+        num_blocks, max_model_len = self.layout.num_blocks, kv.max_model_len
         # Sink sequences keep cache positions below max_model_len whatever their length.
         length_unbounded = self.kv_policy.generates_past_max_model_len
-        hasher = BlockHasher.seeded(config.block_size, config.prefix_caching_hash_seed)
-        self.layout = KVLayout(bytes_per_token, config.block_size, num_blocks, max_model_len, self.kv_format.name,
-                               len(self.kv_groups), self._seq_blocks(max_model_len) or 0)
-        self.manager = KVCacheCoordinator(num_blocks, config.block_size, self.kv_groups,
-                                          config.enable_prefix_caching, hasher=hasher)
         # With tensor parallelism this rank holds its shard; the pool's bytes (the layout) are all ranks'.
         tp = launcher.connect(TPShard(0, launcher.size, mc), num_blocks) if launcher is not None else None
         self.model, self.kv_cache, self.runner = build_rank(config, mc, loaded.weights, kv, num_blocks, self.numerics,
@@ -107,41 +89,32 @@ class LLMEngine:
         del loaded
         for line in self.startup.lines():
             logger.info(line)
-        self.scheduler = Scheduler(config, self.manager)
-        self.events: EventLog | None = None
-        # The live KV view's recorder (kvshare.engine.kv_view), in front of `events` while a view
-        # client listens; None otherwise, so nothing is recorded for a view nobody watches.
-        self.view_tap: ViewTap | None = None
-        self.auditor: KVAuditor | None = None
-        self.sampler = Sampler()
+        self.core = EngineCore(config, self.manager, self.runner, self)
+        self.scheduler = self.core.scheduler
+        self.stats = self.core.stats
         self.requests: dict[str, RequestState] = {}
         self.eos_token_ids = list(mc.eos_token_ids)
         # Grammars for constrained decoding; llguidance's tokenizer is built on the first one.
         self.structured = StructuredOutputs(self.tokenizer, mc.vocab_size, self.eos_token_ids)
+        seed = config.seed if config.seed is not None else int.from_bytes(os.urandom(8), "little")
+        # Late-bound appends: a fault (kvshare.testing.faults) wraps the engine's _append_token.
+        self.sampling = StepSampler(self.tokenizer, self.scheduler, self.structured, self.requests,
+                                    self.eos_token_ids, seed, lambda seq, res, now: self._append_token(seq, res, now))
         self.intake = RequestIntake(self.tokenizer, mc.vocab_size, self.layout, self.kv_policy,
                                     config.max_num_batched_tokens, length_unbounded, self._seq_blocks,
                                     config.sink_max_tokens)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler, self.eos_token_ids, max_model_len,
                                        length_unbounded)
-        self.beams = BeamSearchDriver(self.scheduler, self._new_seq, self.outputs.finish_seq,
-                                      self.outputs.maybe_finish_request, self._constrain_beam)
-        seed = config.seed if config.seed is not None else int.from_bytes(os.urandom(8), "little")
-        self._rng = torch.Generator().manual_seed(seed)
+        self.beams = BeamSearchDriver(self.scheduler, self.sampling.new_seq, self.outputs.finish_seq,
+                                      self.outputs.maybe_finish_request, self.sampling.constrain_beam)
+        self.sampling.beams = self.beams
         self._ids = itertools.count()
-        self.step_count = 0
-        self.stats = EngineStats()
         self.set_audit(config.audit, config.kv_event_log)
         self.prefix_update_publisher = None
         if config.kv_events_endpoint:
-            from kvshare.engine.prefix_update_publisher import ZmqPrefixUpdatePublisher  # pyzmq only when asked for
+            from kvshare.engine.prefix_update_publisher import start_publisher  # pyzmq only when asked for
 
-            self.manager.pool.prefix_updates = PrefixUpdateQueue(config.block_size, "CPU")
-            self.prefix_update_publisher = ZmqPrefixUpdatePublisher(
-                config.kv_events_endpoint, config.kv_events_replay_endpoint, config.kv_events_topic,
-                data_parallel_rank=config.data_parallel_rank, include_token_ids=config.kv_events_token_ids)
-            logger.info("KV events: publishing on %s%s", self.prefix_update_publisher.endpoint,
-                        f", replay on {self.prefix_update_publisher.replay_endpoint}"
-                        if self.prefix_update_publisher.replay_endpoint else "")
+            self.prefix_update_publisher = start_publisher(config, self.manager.pool)
 
     def close(self) -> None:
         """Release what outlives a step: the KV event sockets, the event log file and the
@@ -165,35 +138,55 @@ class LLMEngine:
         return grouped_blocks_per_seq(self.kv_groups, self.config.block_size, num_tokens,
                                       self.config.max_num_batched_tokens)
 
+    # ---- the engine API: what the server, Ray and the doctor may use ------------------------
     def set_audit(self, audit: bool, event_log: str | None = None) -> None:
-        """Attach (or detach) the event log and the auditor; only while idle, so the audit's
-        shadow of written KV starts from a state it can vouch for (nothing cached)."""
-        if self.has_unfinished_requests() or self.manager.tables:
+        """Attach (or detach) the block event log and the auditor; only while idle."""
+        if self.has_unfinished_requests():
             raise RuntimeError("set_audit() needs an idle engine")
-        if self.events is not None:
-            self.events.close()
-        self.events = EventLog(path=event_log) if (audit or event_log) else None
-        self.auditor = None
-        if self.events is not None:
-            self.manager.pool.reset_prefix_cache()
-            self.events.record("pool", num_blocks=self.layout.num_blocks, block_size=self.layout.block_size,
-                               prefix_caching=self.config.enable_prefix_caching)
-            if audit:
-                self.auditor = KVAuditor(self.manager, self.events, self._live_tokens)
-        self._install_event_log()
+        self.core.set_audit(audit, event_log)
 
     def set_view_tap(self, tap: ViewTap | None) -> None:
-        """Put the live view's recorder in front of the event log (None: take it away). Any time
-        between steps: unlike the audit, the view vouches for nothing, it only reports."""
-        self.view_tap = tap
-        self._install_event_log()
+        self.core.set_view_tap(tap)
 
-    def _install_event_log(self) -> None:
-        log = self.events
-        if self.view_tap is not None:
-            self.view_tap.inner = as_event_log(self.events)
-            log = self.view_tap
-        self.manager.events = self.manager.pool.events = log
+    # The core's: the block event log (None unless auditing or recording), the auditor, the live
+    # view's recorder and the number of steps taken.
+    events = property(lambda self: self.core.events)
+    auditor = property(lambda self: self.core.auditor)
+    view_tap = property(lambda self: self.core.view_tap)
+    step_count = property(lambda self: self.core.step_count)
+    sampler = property(lambda self: self.sampling.sampler, lambda self, s: setattr(self.sampling, "sampler", s))
+
+    def status(self) -> EngineStatus:
+        """Requests running and waiting, blocks in use, prefix-cache counters, the step number."""
+        return self.core.status()
+
+    def kv_snapshot(self, blocks: str = "all") -> dict:
+        """The pool block by block and the live requests (kvshare.engine.kv_view)."""
+        return kv_snapshot(self, blocks)
+
+    def cached_block_hashes(self) -> set[bytes]:
+        return self.core.cached_block_hashes()
+
+    def reset_prefix_cache(self) -> None:
+        self.core.reset_prefix_cache()
+
+    def zero_kv_cache(self) -> None:
+        """Every KV slot of this process back to zero, as in a new engine; only while idle."""
+        if not self.is_idle():
+            raise RuntimeError("zero_kv_cache() needs an idle engine")
+        self.kv_cache.data.zero_()
+
+    def is_idle(self) -> bool:
+        """No request left to report and no block held."""
+        return not self.has_unfinished_requests() and self.core.is_idle()
+
+    def has_request(self, request_id: str) -> bool:
+        """Known, and its final output not returned yet."""
+        return request_id in self.requests
+
+    def unfinished(self, request_ids: list[str]) -> list[str]:
+        """Those of `request_ids` still running or waiting."""
+        return [rid for rid in request_ids if rid in self.requests and not self.requests[rid].finished]
 
     # ---- submission ----------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -222,7 +215,7 @@ class LLMEngine:
         if beam_params is not None:
             self.beams.start(request_id, beam_params, self.eos_token_ids)
         # n > 1: one sequence computes the prompt; the others fork off it when it samples.
-        first = self._new_seq(state, 0, list(token_ids), now)
+        first = self.sampling.new_seq(state, 0, list(token_ids), now)
         first.pending_forks = params.n - 1
         if grammar is not None:
             first.grammar = grammar.new_matcher()
@@ -233,28 +226,6 @@ class LLMEngine:
         self.requests[request_id] = state
         self.scheduler.add(first)
         return request_id
-
-    def _new_seq(self, state: RequestState, index: int, token_ids: list[int], now: float) -> Sequence:
-        params = state.params
-        several = params.n > 1 or self.beams.drives(state.request_id)  # then each seq id names its index
-        seq = Sequence(
-            seq_id=f"{state.request_id}#{index}" if several else state.request_id,
-            request_id=state.request_id, index=index, token_ids=token_ids,
-            num_prompt_tokens=len(state.prompt_token_ids), params=params, arrival_time=now,
-        )
-        seq.generator = self._generator_for(params, index)
-        if self.tokenizer is not None:
-            seq.detokenizer = IncrementalDetokenizer.from_params(self.tokenizer, state.prompt_token_ids, params)
-        return seq
-
-    def _generator_for(self, params: SamplingParams, index: int) -> torch.Generator | None:
-        if params.greedy:
-            return None
-        if params.seed is not None:
-            seed = params.seed + index
-        else:
-            seed = int(torch.randint(0, 2**62, (1,), generator=self._rng))
-        return torch.Generator().manual_seed(seed)
 
     # ---- lifecycle -----------------------------------------------------------------------
     def abort_request(self, request_ids: str | list[str]) -> None:
@@ -278,39 +249,10 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return sum(1 for s in self.requests.values() if not s.finished)
 
-    def _live_tokens(self) -> dict[str, list[int]]:
-        return {s.seq_id: s.token_ids for s in self.scheduler.running}
-
     def step(self) -> list[RequestOutput]:
-        touched: dict[str, RequestState] = {}
-        self.step_count += 1
-        events = self.manager.events  # the log, or a recorder that records nothing
-        events.step = self.step_count
-        events.record("step")
-        sched = self.scheduler.schedule()
-        if not sched.is_empty():
-            now = time.monotonic()
-            scheduled = self.scheduler.scheduled_seqs
-            for c in sched.chunks:
-                st = self.requests[scheduled[c.seq_id].request_id]
-                if st.metrics.first_scheduled_time is None:
-                    st.metrics.first_scheduled_time = now
-            record_step_io(self.manager.events, self.auditor, sched)
-            logits = self.runner.execute(sched)
-            stats = self.stats
-            stats.peak_blocks_in_use = max(stats.peak_blocks_in_use, self.manager.num_used_blocks())
-            for c in sched.chunks:
-                seq = scheduled[c.seq_id]
-                in_prompt = max(0, min(c.end, seq.num_prompt_tokens) - c.start)
-                stats.prompt_tokens_computed += in_prompt
-                stats.decode_tokens_computed += c.num_tokens - in_prompt
-                touched[seq.request_id] = self.requests[seq.request_id]
-            self.scheduler.step_done(sched)
-            self.outputs.record_prompt_logprobs(logits)
-            self._sample(logits)
-        if self.auditor is not None:
-            self.auditor.check_state()
-        events.flush()
+        plan = self.core.step()
+        scheduled = self.scheduler.scheduled_seqs
+        touched = {rid: self.requests[rid] for rid in (scheduled[c.seq_id].request_id for c in plan.chunks)}
         self.publish_prefix_updates()
         # Requests finished outside a step (aborts) still owe their final output.
         for st in self.requests.values():
@@ -324,75 +266,17 @@ class LLMEngine:
                 self.beams.forget(st.request_id)
         return outputs
 
-    def _sample(self, step: StepLogits) -> None:
-        if not step.sample_chunks:
-            return
-        seqs: list[Sequence] = []
-        row_of: list[int] = []
-        beam_requests: dict[str, RequestState] = {}
-        sampling = [self.scheduler.scheduled_seqs[c.seq_id] for c in step.sample_chunks]
-        for r, seq in enumerate(sampling):
-            if self.beams.drives(seq.request_id):
-                self.beams.take_logits(seq, step.sample_logits[r])
-                beam_requests[seq.request_id] = self.requests[seq.request_id]
-                continue
-            seqs.append(seq)
-            row_of.append(r)
-            if seq.pending_forks:
-                # The prompt is computed once; each fork draws its own first token from it.
-                for child in self._fork(seq):
-                    seqs.append(child)
-                    row_of.append(r)
+    # ---- EngineCore's handler -------------------------------------------------------------
+    def planned(self, plan: StepPlan) -> None:
         now = time.monotonic()
-        # Time to first token, recorded here only: the first step that samples for a request. For
-        # beam search that is also the step its beams first advance (it starts with a single beam,
-        # so there is no sibling to wait for).
-        for seq in sampling:
-            m = self.requests[seq.request_id].metrics
-            if m.first_token_time is None:
-                m.first_token_time = now
-                m.time_to_first_token = now - m.arrival_time
-        if seqs:
-            logits = step.sample_logits
-            if row_of != list(range(logits.shape[0])):
-                logits = logits[torch.tensor(row_of)]
-            rows = [
-                SamplingRow(s.params, s.generator, s.token_ids[:s.num_prompt_tokens], s.output_token_ids,
-                            self.eos_token_ids)
-                for s in seqs
-            ]
-            for seq, res in zip(seqs, self.sampler(logits, rows, self._token_bitmask(seqs))):
-                self._append_token(seq, res, now)
-        for st in beam_requests.values():
-            self.beams.step(st)
+        for c in plan.chunks:
+            st = self.requests[self.scheduler.scheduled_seqs[c.seq_id].request_id]
+            if st.metrics.first_scheduled_time is None:
+                st.metrics.first_scheduled_time = now
 
-    def _token_bitmask(self, seqs: list[Sequence]):
-        """The allowed tokens of this step's constrained rows (None when no row has a grammar)."""
-        rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
-        if not rows:
-            return None
-        for i in rows:
-            seqs[i].grammar.sync(seqs[i].output_token_ids)
-        return self.structured.fill_bitmask([seqs[i].grammar for i in rows], rows)
-
-    def _constrain_beam(self, seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
-        if seq.grammar is None:
-            return logits
-        seq.grammar.sync(seq.output_token_ids)
-        return apply_token_bitmask(logits.unsqueeze(0), self.structured.fill_bitmask([seq.grammar], [0]))[0]
-
-    def _fork(self, parent: Sequence) -> list[Sequence]:
-        state = self.requests[parent.request_id]
-        children = []
-        for _ in range(parent.pending_forks):
-            child = self._new_seq(state, len(state.seqs), list(parent.token_ids), parent.arrival_time)
-            if parent.grammar is not None:
-                child.grammar = parent.grammar.copy()  # its own matcher, never the parent's
-            state.seqs.append(child)
-            self.scheduler.add_forked(parent, child)
-            children.append(child)
-        parent.pending_forks = 0
-        return children
+    def computed(self, plan: StepPlan, logits: StepLogits) -> None:
+        self.outputs.record_prompt_logprobs(logits)
+        self.sampling.sample(logits)
 
     def _append_token(self, seq: Sequence, res, now: float) -> None:
         # An engine method, not a direct call into the output processor, so that a fault

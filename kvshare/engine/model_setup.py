@@ -8,9 +8,13 @@ from dataclasses import dataclass
 
 from kvshare.config import EngineConfig
 from kvshare.engine.model_runner import ModelRunner
-from kvshare.engine.startup import ReportedModel
-from kvshare.kvcache.kv_groups import KVCacheGroup, layer_slots, layers_per_block, one_group, plan_kv_groups
+from kvshare.engine.startup import KVLayout, ReportedModel
+from kvshare.kvcache.coordinator import KVCacheCoordinator
+from kvshare.kvcache.hashing import BlockHasher
+from kvshare.kvcache.kv_groups import (KVCacheGroup, grouped_blocks_per_seq, layer_slots, layers_per_block, one_group,
+                                       plan_kv_groups)
 from kvshare.kvcache.kv_policy import SinkWindow, build_kv_policy
+from kvshare.memory_plan import kv_pool_blocks
 from kvshare.model.attention import PagedKVStorage, TorchPagedAttention
 from kvshare.model.config import ModelArchConfig
 from kvshare.model.families import build_model
@@ -40,6 +44,21 @@ def plan_kv(config: EngineConfig, mc: ModelArchConfig) -> KVPlan:
     groups = plan_kv_groups(mc.attention_windows(), config.block_size) if split else one_group(policy)
     group_of, slot_of = layer_slots(groups, mc.num_layers)
     return KVPlan(max_model_len, groups, policy, group_of, slot_of, layers_per_block(groups))
+
+
+def build_kv_core(config: EngineConfig, mc: ModelArchConfig, kv: KVPlan) -> tuple[KVLayout, KVCacheCoordinator]:
+    """The KV pool's layout and the block bookkeeping over it (the engine's rank only: worker
+    ranks hold KV storage, never the bookkeeping). Sized by the same code as `kvshare memory`
+    plans with (scale bytes included when quantized)."""
+    kv_format = config.kv_format
+    bytes_per_token = kv_format.bytes_per_token(kv.layers_per_block, mc.num_kv_heads, mc.head_dim)
+    num_blocks = kv_pool_blocks(config.kv_budget_bytes(), bytes_per_token, config.block_size)
+    seq_blocks = grouped_blocks_per_seq(kv.groups, config.block_size, kv.max_model_len, config.max_num_batched_tokens)
+    layout = KVLayout(bytes_per_token, config.block_size, num_blocks, kv.max_model_len, kv_format.name,
+                      len(kv.groups), seq_blocks or 0)
+    hasher = BlockHasher.seeded(config.block_size, config.prefix_caching_hash_seed)
+    return layout, KVCacheCoordinator(num_blocks, config.block_size, kv.groups, config.enable_prefix_caching,
+                                      hasher=hasher)
 
 
 def build_rank(config: EngineConfig, mc: ModelArchConfig, weights: dict, kv: KVPlan, num_blocks: int,

@@ -16,12 +16,15 @@ only; the replay socket by its own thread; the buffer between them is under a lo
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
 
 import msgpack
 import zmq
+
+logger = logging.getLogger("kvshare")
 
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 
@@ -99,3 +102,16 @@ class ZmqPrefixUpdatePublisher:
             self._replay_thread.join(timeout=2)
         self._pub.close(0)
         self._ctx.term()
+
+
+def start_publisher(config, pool) -> ZmqPrefixUpdatePublisher:
+    """The engine's publisher for config's --kv-events-* options, with the pool's update queue on."""
+    from kvshare.kvcache.prefix_updates import PrefixUpdateQueue
+
+    pool.prefix_updates = PrefixUpdateQueue(config.block_size, "CPU")
+    publisher = ZmqPrefixUpdatePublisher(config.kv_events_endpoint, config.kv_events_replay_endpoint,
+                                    config.kv_events_topic, data_parallel_rank=config.data_parallel_rank,
+                                    include_token_ids=config.kv_events_token_ids)
+    logger.info("KV events: publishing on %s%s", publisher.endpoint,
+                f", replay on {publisher.replay_endpoint}" if publisher.replay_endpoint else "")
+    return publisher

@@ -128,8 +128,8 @@ class EngineReplica:
         only whether it answers: no copy of the cached hashes (an unauthenticated /ready)."""
         if not detail:
             return {"rank": self.rank, "engine_alive": self.state.engine.is_alive()}
-        pool = self.state.engine.engine.manager.pool
-        own = await self.state.engine.call(lambda: set(pool.cached))
+        engine = self.state.engine.engine
+        own = await self.state.engine.call(engine.cached_block_hashes)
         snap = self.state.engine.metrics_snapshot()
         return {"rank": self.rank, "replica_id": self.replica_id, "kv_events_endpoint": self.kv_events_endpoint,
                 "kv_events_replay_endpoint": self.kv_events_replay_endpoint,

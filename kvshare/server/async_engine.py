@@ -16,7 +16,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
 from kvshare.engine.kv_view import start_view, stop_view
@@ -122,7 +122,7 @@ class AsyncEngine:
         # Where each step's block events go while a live KV view listens (engine thread only; the
         # callable itself runs on the event loop).
         self._view_sink: Callable[[int, list[dict]], None] | None = None
-        self.snapshot = EngineSnapshot(blocks_total=engine.manager.num_blocks)
+        self.snapshot = EngineSnapshot(blocks_total=engine.layout.num_blocks)
         self.heartbeat = time.monotonic()
         # Bumped by the engine thread whenever an add, an abort, a step or the view's recorder may
         # have changed the pool, the requests or what a snapshot shows: a reader of engine state
@@ -418,8 +418,7 @@ class AsyncEngine:
         self._call_in_loop(self._view_sink, self.engine.step_count, events)
 
     def _abort(self, cmd: _Abort) -> None:
-        live = [rid for rid in cmd.request_ids
-                if rid in self.engine.requests and not self.engine.requests[rid].finished]
+        live = self.engine.unfinished(cmd.request_ids)
         if live:
             self.engine.abort_request(live)  # the engine's one release path
             self.metrics.on_abort(cmd.reason, self.engine.step_count - cmd.asked_at_step)
@@ -446,14 +445,7 @@ class AsyncEngine:
             self._call_in_loop(self._deliver, outputs)
 
     def _take_snapshot(self) -> EngineSnapshot:
-        sched, mgr = self.engine.scheduler, self.engine.manager
-        running = {s.request_id for s in sched.running}
-        waiting = {s.request_id for s in sched.waiting} - running
-        return EngineSnapshot(
-            running=len(running), waiting=len(waiting), blocks_in_use=mgr.num_used_blocks(),
-            blocks_total=mgr.num_blocks, prefix_cache_queries=mgr.stats.queries,
-            prefix_cache_hits=mgr.stats.hits, preemptions=sched.num_preemptions, step=self.engine.step_count,
-        )
+        return EngineSnapshot(**asdict(self.engine.status()))
 
     def _die(self, reason: str) -> None:
         self.dead = reason

@@ -14,7 +14,7 @@ from typing import Callable
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
-from kvshare.engine.kv_view import kv_snapshot, select_blocks
+from kvshare.engine.kv_view import select_blocks
 from kvshare.server.errors import APIError, EngineDeadError
 from kvshare.server.kv_stream import (DEFAULT_QUEUE_BATCHES, EventRedactor, KVEventHub, sse_message,
                                       step_message)
@@ -87,7 +87,7 @@ class SharedSnapshot:
 
     async def _take(self) -> None:
         def read() -> tuple[int, dict]:
-            return self.engine.state_version, kv_snapshot(self.engine.engine)
+            return self.engine.state_version, self.engine.engine.kv_snapshot()
 
         try:
             self._version, self._snapshot = await self.engine.call(read)
@@ -125,15 +125,15 @@ def add_kv_view_routes(app: FastAPI, state: ServerState) -> None:
                 return Response(await shared.body(blocks), media_type="application/json")
             except EngineDeadError:
                 pass  # it stopped while this waited: answered as below
-        return await dead_engine_reply(engine, lambda: kv_snapshot(engine.engine, blocks))
+        return await dead_engine_reply(engine, lambda: engine.engine.kv_snapshot(blocks))
 
     @app.get("/kv/events")
     async def events(raw: Request):
         max_batches = read_query(raw, events_query).get("queue", DEFAULT_QUEUE_BATCHES)
         sub = await hub.subscribe(max_batches)
-        mgr = engine.engine.manager  # fixed sizes only: safe to read off the engine thread
-        hello = json.dumps({"step": engine.snapshot.step, "num_blocks": mgr.num_blocks,
-                            "block_size": mgr.block_size, "queue": max_batches})
+        layout = engine.engine.layout  # fixed sizes only: safe to read off the engine thread
+        hello = json.dumps({"step": engine.snapshot.step, "num_blocks": layout.num_blocks,
+                            "block_size": layout.block_size, "queue": max_batches})
 
         async def messages():
             yield sse_message("hello", hello)
