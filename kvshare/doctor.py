@@ -23,21 +23,13 @@ import json
 import os
 import tempfile
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
+from kvshare.doctor_target import DoctorUsageError, Target  # noqa: F401 (DoctorUsageError re-exported)
 from kvshare.errors import InvalidRequestError
 from kvshare.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from kvshare.doctor_target import Target
 
 _PARAM_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n", "ignore_eos", "cache_salt",
                  "min_tokens", "stop_token_ids")
 _FIELDS = {"id", "prompt", "prompt_token_ids", "delay_steps", "abort_after_steps", *_PARAM_FIELDS}
-
-
-class DoctorUsageError(ValueError):
-    pass
 
 
 @dataclass

@@ -9,8 +9,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvshare.config import EngineConfig
-from kvshare.doctor import DoctorUsageError
 from kvshare.sampling_params import SamplingParams
+
+
+class DoctorUsageError(ValueError):
+    """A doctor run that cannot be made as asked (a workload or target it cannot use)."""
 
 
 @dataclass
