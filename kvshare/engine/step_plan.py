@@ -47,7 +47,8 @@ class ChunkPlan:
 
     def access(self, group: int) -> "ChunkPlan | GroupAccess":
         """The writes and reads of KV cache group `group` (both kinds have the same three fields)."""
-        return self if group == 0 else self.groups[group - 1]
+        accesses: tuple[ChunkPlan | GroupAccess, ...] = (self, *self.groups)
+        return accesses[group]
 
     @property
     def num_tokens(self) -> int:
