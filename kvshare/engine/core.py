@@ -16,7 +16,7 @@ from kvshare.engine.scheduler import Scheduler
 from kvshare.engine.step_plan import StepPlan
 from kvshare.kvcache.audit import KVAuditor, record_step_io
 from kvshare.kvcache.events import EventLog, as_event_log
-from kvshare.kvcache.manager import KVCacheManager
+from kvshare.kvcache.coordinator import KVCacheCoordinator
 from kvshare.kvcache.view_tap import ViewTap
 
 Output = TypeVar("Output")
@@ -63,7 +63,7 @@ class EngineStatus:
 
 
 class EngineCore(Generic[Output]):
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, runner: StepRunner[Output],
+    def __init__(self, config: EngineConfig, kv: KVCacheCoordinator, runner: StepRunner[Output],
                  handler: StepHandler[Output]) -> None:
         self.config = config
         self.kv = kv

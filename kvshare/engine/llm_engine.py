@@ -18,7 +18,7 @@ from kvshare.engine.beam_search import BeamSearchDriver, BeamSearchParams
 from kvshare.engine.core import EngineCore, EngineStatus
 from kvshare.engine.intake import MULTIMODAL_PROMPT_KEYS, PROMPT_DICT_KEYS, RequestIntake  # noqa: F401 (re-exported)
 from kvshare.engine.kv_view import kv_snapshot
-from kvshare.engine.model_runner import StepLogits
+from kvshare.engine.model_runner import ModelRunner, StepLogits
 from kvshare.engine.model_setup import build_kv_core, build_rank, plan_kv
 from kvshare.engine.output_processor import OutputProcessor
 from kvshare.engine.request import RequestState, Sequence
@@ -78,10 +78,11 @@ class LLMEngine:
         length_unbounded = self.kv_policy.generates_past_max_model_len
         # With tensor parallelism this rank holds its shard; the pool's bytes (the layout) are all ranks'.
         tp = launcher.connect(TPShard(0, launcher.size, mc), num_blocks) if launcher is not None else None
-        self.model, self.kv_cache, self.runner = build_rank(config, mc, loaded.weights, kv, num_blocks, self.numerics,
+        self.model, self.kv_cache, rank_runner = build_rank(config, mc, loaded.weights, kv, num_blocks, self.numerics,
                                                             tp)
-        if tp is not None:
-            self.runner = TensorParallelRunner(self.runner, launcher, tp)
+        self.runner: ModelRunner | TensorParallelRunner = rank_runner
+        if launcher is not None and tp is not None:
+            self.runner = TensorParallelRunner(rank_runner, launcher, tp)
         release_freed_heap()  # the load's temporaries: back to the OS, not kept as RSS
         self.startup = StartupReport(loaded.source, loaded.tensor_types, self.model, config,
                                      self.layout, loaded.load_seconds, time.perf_counter() - t_start,

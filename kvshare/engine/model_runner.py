@@ -185,7 +185,9 @@ class ModelRunner:
         input_ids, positions, meta = self.prepare(plan)
         hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)
         rows, spans, sample_chunks = plan.logit_rows()
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long)]) if rows else None
+        if not rows:  # no row scores anything: neither prompt logprobs nor a sample
+            return StepLogits(sample_chunks, None, [])
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long)])
         prompt_logits = [(c, first, logits[r0:r0 + k]) for c, first, r0, k in spans]
         sample_logits = logits[len(rows) - len(sample_chunks):] if sample_chunks else None
         return StepLogits(sample_chunks, sample_logits, prompt_logits)

@@ -13,7 +13,7 @@ from kvshare.kvcache.coordinator import KVCacheCoordinator
 from kvshare.kvcache.hashing import BlockHasher
 from kvshare.kvcache.kv_groups import (KVCacheGroup, grouped_blocks_per_seq, layer_slots, layers_per_block, one_group,
                                        plan_kv_groups)
-from kvshare.kvcache.kv_policy import SinkWindow, build_kv_policy
+from kvshare.kvcache.kv_policy import AttentionPolicy, SinkWindow, build_kv_policy
 from kvshare.memory_plan import kv_pool_blocks
 from kvshare.model.attention import PagedKVStorage, TorchPagedAttention
 from kvshare.model.config import ModelArchConfig
@@ -30,7 +30,7 @@ class KVPlan:
     groups: list[KVCacheGroup]
     # The model's own sliding windows, or the opt-in sink policy, over every layer: what bounds
     # one sequence's length and KV as a whole.
-    policy: object
+    policy: AttentionPolicy
     group_of: list[int]  # each layer's group
     slot_of: list[int]  # each layer's storage slot in a block
     layers_per_block: int  # how many layers' KV one block holds

@@ -31,18 +31,29 @@ class StepSampler:
         self.eos_token_ids = eos_token_ids
         self._rng = torch.Generator().manual_seed(seed)
         self.append_token = append_token
-        self.beams: BeamSearchDriver | None = None  # set once the engine has built its beam driver
+        self._beams: BeamSearchDriver | None = None
+
+    @property
+    def beams(self) -> BeamSearchDriver:
+        assert self._beams is not None, "the engine sets its beam driver right after building this"
+        return self._beams
+
+    @beams.setter
+    def beams(self, driver: BeamSearchDriver) -> None:
+        self._beams = driver
 
     def sample(self, step: StepLogits) -> None:
         if not step.sample_chunks:
             return
+        sample_logits = step.sample_logits
+        assert sample_logits is not None  # sampling chunks always come with their rows' logits
         seqs: list[Sequence] = []
         row_of: list[int] = []
         beam_requests: dict[str, RequestState] = {}
         sampling = [self.scheduler.scheduled_seqs[c.seq_id] for c in step.sample_chunks]
         for r, seq in enumerate(sampling):
             if self.beams.drives(seq.request_id):
-                self.beams.take_logits(seq, step.sample_logits[r])
+                self.beams.take_logits(seq, sample_logits[r])
                 beam_requests[seq.request_id] = self.requests[seq.request_id]
                 continue
             seqs.append(seq)
@@ -62,7 +73,7 @@ class StepSampler:
                 m.first_token_time = now
                 m.time_to_first_token = now - m.arrival_time
         if seqs:
-            logits = step.sample_logits
+            logits = sample_logits
             if row_of != list(range(logits.shape[0])):
                 logits = logits[torch.tensor(row_of)]
             rows = [
@@ -77,12 +88,12 @@ class StepSampler:
 
     def token_bitmask(self, seqs: list[Sequence]):
         """The allowed tokens of this step's constrained rows (None when no row has a grammar)."""
-        rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
-        if not rows:
+        matchers = [(i, s.grammar) for i, s in enumerate(seqs) if s.grammar is not None]
+        if not matchers:
             return None
-        for i in rows:
-            seqs[i].grammar.sync(seqs[i].output_token_ids)
-        return self.structured.fill_bitmask([seqs[i].grammar for i in rows], rows)
+        for i, grammar in matchers:
+            grammar.sync(seqs[i].output_token_ids)
+        return self.structured.fill_bitmask([g for _, g in matchers], [i for i, _ in matchers])
 
     def constrain_beam(self, seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
         if seq.grammar is None:

@@ -217,7 +217,10 @@ class SinkWindow:
         return self.window_tokens + self.block_size - 2 + self.sink_tokens
 
 
-def build_kv_policy(config, arch, max_model_len: int):
+AttentionPolicy = FullAttention | SlidingWindow | SinkWindow
+
+
+def build_kv_policy(config, arch, max_model_len: int) -> AttentionPolicy:
     """The policy for an engine (FullAttention when nothing bounds the KV), or ValueError
     saying what to change."""
     windows = tuple(arch.attention_windows())
