@@ -174,3 +174,19 @@ def test_a_rows_numbers_depend_on_its_kind_not_on_its_batch(gemm_dtype):
     # prompt rows really went through the GEMM in the scratch's dtype (bfloat16: ~2^-8 relative)
     err = ((full[decode:].double() - ref[decode:]).abs().max() / ref.abs().max()).item()
     assert (2**-12 < err < 2**-5) if gemm_dtype == torch.bfloat16 else err < 1e-5, err
+
+
+def test_without_the_kernel_every_row_takes_the_dense_copy_from_the_first_call(monkeypatch):
+    """No kernel library (no compiler, or KVSHARE_DISABLE_CPP_KERNELS): the layer keeps a dense copy
+    made when it is built, so a prompt row gets the same bits before and after the first decode
+    call (a copy made on that call would switch prompt rows from the bfloat16 scratch GEMM to it
+    mid-run: a row's kernel changing with time)."""
+    monkeypatch.setattr(qmatmul.QMATMUL, "settle", lambda: "the kernel library is disabled (test)")
+    lin = make_linear(to_group_affine(_raw(QT.Q4_1), QT.Q4_1, (N, K)), torch.float32,
+                      DequantScratch(torch.bfloat16))
+    x = torch.randn(8, K, generator=torch.Generator().manual_seed(5))
+    prompt_before = lin(x, 0)
+    lin(x[:2], 2)
+    prompt_after = lin(x, 0)
+    assert torch.equal(prompt_before, prompt_after)
+    assert torch.equal(prompt_before, torch.nn.functional.linear(x, lin.dense()))  # the float32 dense copy

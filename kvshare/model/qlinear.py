@@ -122,6 +122,14 @@ class GroupInt8Linear:
             self.q, self.scale, self.zero = self.blocks.q, self.blocks.scales, self.blocks.zeros
         self._blocks_checked = False
         self._fallback: torch.Tensor | None = None
+        if not self._kernel_ready:
+            # The kernel cannot be loaded here (no compiler, or disabled): a dense copy, made now so
+            # that every row takes it from the first step on (made on a first decode call instead,
+            # prompt rows would change kernel mid-run). Correct, but not kept quantized.
+            logger.warning("kvshare's int8-group kernel is unavailable (%s): weights of %d x %d fall back "
+                           "to dense %s", qmatmul.QMATMUL.unavailable_reason(), self.out_features,
+                           self.in_features, self.dtype)
+            self._fallback = self.dense()
 
     def __call__(self, x: torch.Tensor, decode_rows: int | None = None) -> torch.Tensor:
         """decode_rows: how many leading rows of x are decode rows (the model's forward says; the
@@ -151,16 +159,10 @@ class GroupInt8Linear:
             for i in range(0, m, PACKED_MAX_ROWS):
                 self._packed(x[i:i + PACKED_MAX_ROWS], y[i:i + PACKED_MAX_ROWS])
             return y
-        if self._kernel_ready:
-            self.check_blocks()
-            return self._kernel(x.contiguous(), out)
-        # The kernel cannot be loaded here (no compiler, or disabled): keep a dense copy rather
-        # than dequantizing on every call. Correct, but not kept quantized.
-        logger.warning("kvshare's int8-group kernel is unavailable (%s): weights of %d x %d fall back "
-                       "to dense %s", qmatmul.QMATMUL.unavailable_reason(), self.out_features,
-                       self.in_features, self.dtype)
-        self._fallback = self.dense()
-        return _into(F.linear(x, self._fallback), out)
+        if self._fallback is not None:  # (no kernel: see __init__)
+            return _into(F.linear(x, self._fallback), out)
+        self.check_blocks()
+        return self._kernel(x.contiguous(), out)
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         return self.scratch.matmul(x, self)
