@@ -31,6 +31,7 @@ from kvshare.errors import InvalidRequestError
 from kvshare.kvcache.kv_groups import grouped_blocks_per_seq
 from kvshare.kvcache.view_tap import ViewTap
 from kvshare.model import kernels
+from kvshare.model.families import check_tensor_parallel
 from kvshare.model.loader import load_model
 from kvshare.model.numerics import numerics_for
 from kvshare.model.tensor_parallel import TPShard
@@ -77,6 +78,8 @@ class LLMEngine:
         # Sink sequences keep cache positions below max_model_len whatever their length.
         length_unbounded = self.kv_policy.generates_past_max_model_len
         # With tensor parallelism this rank holds its shard; the pool's bytes (the layout) are all ranks'.
+        if launcher is not None:
+            check_tensor_parallel(mc, launcher.size)
         tp = launcher.connect(TPShard(0, launcher.size, mc), num_blocks) if launcher is not None else None
         self.model, self.kv_cache, rank_runner = build_rank(config, mc, loaded.weights, kv, num_blocks, self.numerics,
                                                             tp)

@@ -28,6 +28,7 @@ from kvshare.engine.tensor_parallel import (TOKEN_ENV, PlanChannel, SignedStore,
                                             open_store)
 from kvshare.memory_plan import kv_pool_blocks
 from kvshare.model.config import ModelArchConfig
+from kvshare.model.families import check_tensor_parallel
 from kvshare.model.kernels import shm
 from kvshare.model.loader import load_model
 from kvshare.model.numerics import numerics_for
@@ -119,6 +120,7 @@ def worker_main(argv: list[str] | None = None) -> int:
     config.settle_for_weights(loaded.kept_quantized)
     # Before this rank says it is ready: a kernel it cannot load stops the start, not a step.
     numerics = numerics_for(config.exact, loaded.kept_quantized)
+    check_tensor_parallel(loaded.config, args.size)
     shard = TPShard(args.rank, args.size, loaded.config)
     kv = plan_kv(config, loaded.config)
     num_blocks = check_num_blocks(int(store.get("num_blocks")), config, loaded.config, kv)

@@ -49,7 +49,7 @@ class TPShard:
     config: ModelArchConfig
 
     def __post_init__(self) -> None:
-        check_tensor_parallel(self.config, self.size)
+        check_shardable(self.config, self.size)
 
     @property
     def kv_heads(self) -> tuple[int, int]:
@@ -83,14 +83,9 @@ class TPShard:
         return dataclasses.replace(self.config, num_heads=q1 - q0, num_kv_heads=k1 - k0, intermediate_size=m1 - m0)
 
 
-def check_tensor_parallel(config: ModelArchConfig, size: int) -> None:
-    """A clear error when `config` cannot be split over `size` ranks."""
-    from kvshare.model.families import REGISTRY  # here: the families' model code imports this module
-
-    supported = REGISTRY.tensor_parallel_architectures()
-    if config.architecture not in supported:
-        raise ValueError(f"tensor_parallel_size={size} is not supported for architecture {config.architecture!r} "
-                         f"(supported: {', '.join(supported)})")
+def check_shardable(config: ModelArchConfig, size: int) -> None:
+    """A clear error when `config`'s heads cannot be split over `size` ranks (whether its family
+    supports tensor parallel at all is the registry's to say: kvshare.model.families)."""
     if config.num_kv_heads < size:
         raise ValueError(f"tensor_parallel_size={size} is invalid for this model: it has {config.num_kv_heads} KV "
                          f"head(s), and each rank needs at least one (use tensor_parallel_size <= "
