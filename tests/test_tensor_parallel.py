@@ -30,7 +30,7 @@ from kvshare import LLM, SamplingParams
 from kvshare.model.config import ModelArchConfig
 from kvshare.model.gguf_quants import GroupAffine
 from kvshare.model.kernels import decode_step, qmatmul, shm
-from kvshare.model.families import check_tensor_parallel
+from kvshare.engine.model_setup import check_tensor_parallel
 from kvshare.model.tensor_parallel import TPShard, even_split, shard_weights
 from kvshare.model.tp_transport import SEGMENT_PREFIX, SegmentRefused, ShmSegment, ShmTransport, segment_dir
 from server_proc import MODEL, ServerProcess

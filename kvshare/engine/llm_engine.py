@@ -19,7 +19,7 @@ from kvshare.engine.core import EngineCore, EngineStatus
 from kvshare.engine.intake import MULTIMODAL_PROMPT_KEYS, PROMPT_DICT_KEYS, RequestIntake  # noqa: F401 (re-exported)
 from kvshare.engine.kv_view import kv_snapshot
 from kvshare.engine.model_runner import ModelRunner, StepLogits
-from kvshare.engine.model_setup import build_kv_core, build_rank, plan_kv
+from kvshare.engine.model_setup import build_kv_core, build_rank, check_tensor_parallel, plan_kv
 from kvshare.engine.output_processor import OutputProcessor
 from kvshare.engine.request import RequestState, Sequence
 from kvshare.engine.sampling_step import StepSampler
@@ -31,7 +31,6 @@ from kvshare.errors import InvalidRequestError
 from kvshare.kvcache.kv_groups import grouped_blocks_per_seq
 from kvshare.kvcache.view_tap import ViewTap
 from kvshare.model import kernels
-from kvshare.model.families import check_tensor_parallel
 from kvshare.model.loader import load_model
 from kvshare.model.numerics import numerics_for
 from kvshare.model.tensor_parallel import TPShard

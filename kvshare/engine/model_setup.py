@@ -17,9 +17,9 @@ from kvshare.kvcache.kv_policy import AttentionPolicy, SinkWindow, build_kv_poli
 from kvshare.memory_plan import kv_pool_blocks
 from kvshare.model.attention import PagedKVStorage, TorchPagedAttention
 from kvshare.model.config import ModelArchConfig
-from kvshare.model.families import build_model
+from kvshare.model.families import REGISTRY, build_model
 from kvshare.model.numerics import NumericsPolicy
-from kvshare.model.tensor_parallel import TPCollectives, shard_weights
+from kvshare.model.tensor_parallel import TPCollectives, check_shardable, shard_weights
 
 
 @dataclass
@@ -34,6 +34,15 @@ class KVPlan:
     group_of: list[int]  # each layer's group
     slot_of: list[int]  # each layer's storage slot in a block
     layers_per_block: int  # how many layers' KV one block holds
+
+
+def check_tensor_parallel(config: ModelArchConfig, size: int) -> None:
+    """A clear error when `config` cannot be split over `size` ranks: its family, then its heads."""
+    supported = REGISTRY.tensor_parallel_architectures()
+    if config.architecture not in supported:
+        raise ValueError(f"tensor_parallel_size={size} is not supported for architecture {config.architecture!r} "
+                         f"(supported: {', '.join(supported)})")
+    check_shardable(config, size)
 
 
 def plan_kv(config: EngineConfig, mc: ModelArchConfig) -> KVPlan:

@@ -23,12 +23,11 @@ from typing import MutableMapping
 import torch
 
 from kvshare.config import EngineConfig
-from kvshare.engine.model_setup import KVPlan, build_rank, plan_kv
+from kvshare.engine.model_setup import KVPlan, build_rank, check_tensor_parallel, plan_kv
 from kvshare.engine.tensor_parallel import (TOKEN_ENV, PlanChannel, SignedStore, config_from_json, gloo_group,
                                             open_store)
 from kvshare.memory_plan import kv_pool_blocks
 from kvshare.model.config import ModelArchConfig
-from kvshare.model.families import check_tensor_parallel
 from kvshare.model.kernels import shm
 from kvshare.model.loader import load_model
 from kvshare.model.numerics import numerics_for
