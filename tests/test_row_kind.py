@@ -1,11 +1,23 @@
 """A row's arithmetic is chosen by the row (issue 27): its kind (decode or prompt), the mode and its
 own shape, never by what else shares its step. In the default mode a decode row takes the fused
-C++ decode stack whether or not a prompt is being prefilled beside it, so its logprobs are the
-same bits either way."""
+C++ decode stack whether or not a prompt is being prefilled beside it, or a row whose window hides
+keys decodes beside it, so its logprobs are the same bits either way; on the PyTorch attention
+path a decode row is padded to a width of its own length, whatever its neighbours."""
 from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
 
 from helpers import english_token_prompts
 from kvshare import LLM, SamplingParams
+from kvshare.engine.model_runner import ModelRunner
+from kvshare.engine.step_plan import ChunkPlan, StepPlan
+from kvshare.kvcache.kv_policy import FullAttention, SlidingWindow
+from kvshare.model.attention import PagedKVStorage, TorchPagedAttention
+from kvshare.model.config import ModelArchConfig
+from kvshare.model.ops import select_rows, windowed_decode_rows
 
 STEPS = 12
 
@@ -36,3 +48,112 @@ def test_a_decode_rows_logprobs_do_not_depend_on_a_prompt_sharing_its_step():
     # The second prompt (90 tokens, 24 a step) is prefilled over four steps while the first decodes.
     together = _decode_logprobs(llm, first, second, 3)
     assert together == alone
+
+
+def _logprobs_joining(llm: LLM, prompts: dict[str, tuple[list[int], int]]) -> dict[str, list[float]]:
+    """Chosen-token logprobs of each request (prompt ids, the step before which it is added)."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=0)
+    out: dict[str, list[float]] = {}
+    steps = 0
+    while len(out) < len(prompts):
+        for rid, (ids, join) in prompts.items():
+            if join == steps:
+                engine.add_request(rid, {"prompt_token_ids": ids}, params)
+        for o in engine.step():
+            if o.finished:
+                c = o.outputs[0]
+                out[o.request_id] = [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)]
+        steps += 1
+    return out
+
+
+def test_a_decode_rows_path_does_not_depend_on_a_windowed_row_beside_it():
+    """Attention sinks on the bundled model: a short row still sees every earlier key, so it takes
+    the fused stack, alone or beside a long row whose window hides keys (which goes layer by
+    layer, as it does alone). Each row's logprobs are the same bits alone and together."""
+    sinks, window, block = 4, 32, 16
+    llm = LLM(kv_cache_memory="64MiB", enable_prefix_caching=False, block_size=block, kv_policy="sink",
+              sink_tokens=sinks, window_tokens=window)
+    assert llm.engine.model.fused_decode.model_reason is None  # the default mode's fused decode stack
+    short, long = english_token_prompts(llm.get_tokenizer().encode, [9, 90])
+    plain_until = window + block - 1  # keys a query sees before its window leaves block 0 behind
+    assert len(short) + STEPS <= plain_until < len(long)
+    short_alone = _logprobs_joining(llm, {"short": (short, 0)})["short"]
+    long_alone = _logprobs_joining(llm, {"long": (long, 0)})["long"]
+    # The long prompt is prefilled while the short one decodes (a prompt beside a decode row: the
+    # case above); from the next step both decode side by side.
+    together = _logprobs_joining(llm, {"short": (short, 0), "long": (long, 1)})
+    assert together["short"] == short_alone
+    assert together["long"] == long_alone
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_rows_padding_and_output_on_the_pytorch_path_are_its_own(dtype):
+    """The PyTorch attention path (no C++ kernel, or soft-capping) pads decode rows into groups:
+    each row is padded to a width of its own length, never to a longer neighbour's, and its output
+    is the same bits alone and in a batch of rows of other lengths (model-free)."""
+    bs, kv_heads, group, head_dim = 16, 3, 3, 64
+    ctx_lens = [7, 20, 40, 100, 135, 150, 300, 700]  # sorted, as the scheduler sends decode rows
+    blocks = [-(-n // bs) for n in ctx_lens]
+    kv_cache = PagedKVStorage(1, sum(blocks), bs, kv_heads, head_dim, dtype)
+    g = torch.Generator().manual_seed(0)
+    kv_cache.data.copy_(torch.randn(kv_cache.data.shape, generator=g).to(dtype))
+    rows, first = [], 0
+    for r, (n, b) in enumerate(zip(ctx_lens, blocks)):
+        table = list(range(first, first + b))[::-1]  # any block ids: the table says where each is
+        first += b
+        slot = table[(n - 1) // bs] * bs + (n - 1) % bs
+        rows.append(ChunkPlan(f"s{r}", n - 1, [1], n - 1, [slot], table, None, samples=True))
+    q = torch.randn(len(rows), kv_heads * group, head_dim, generator=g).to(dtype)
+    k = torch.randn(len(rows), kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(len(rows), kv_heads, head_dim, generator=g).to(dtype)
+    backend = TorchPagedAttention(bs, use_cpp_kernel=False)
+    arch = ModelArchConfig("llama", 320, kv_heads * group * head_dim, 128, 1, kv_heads * group, kv_heads, head_dim)
+    runner = ModelRunner(SimpleNamespace(config=arch, backend=backend), kv_cache, [FullAttention(bs)], [0], [0])
+
+    def attend(picked: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """The rows' attention output and the width each row's keys are padded to."""
+        meta = runner.prepare(StepPlan(chunks=[rows[i] for i in picked]))[2]
+        widths = [grp.block_tables.shape[1] for grp in meta.decode_groups for _ in range(grp.num_rows)]
+        out = backend.forward(q[picked], k[picked], v[picked], *kv_cache.layer(0), meta, head_dim ** -0.5)
+        return out, widths
+
+    together, widths = attend(list(range(len(rows))))
+    for i in range(len(rows)):
+        alone, [width] = attend([i])
+        assert widths[i] == width >= blocks[i]
+        assert torch.equal(together[i], alone[0]), f"row {i} ({ctx_lens[i]} keys)"
+
+
+def test_decode_rows_split_by_their_own_window_across_mixed_layers():
+    """Model-free: with a global and a windowed layer (Qwen2 layer_types), a short decode row sees
+    every key in both, a long one does not. The short row's metadata alone has no window ranges
+    and one block table for every layer (what the fused stack takes); the long row's keeps each
+    layer's own range, beside the prompt chunk, whose rows follow it."""
+    bs = 16
+    policy = SlidingWindow(windows=(None, 32), block_size=bs)
+    backend = TorchPagedAttention(bs)
+    arch = ModelArchConfig("qwen2", 320, 64, 128, 2, 4, 2, 16)
+    runner = ModelRunner(SimpleNamespace(config=arch, backend=backend), PagedKVStorage(2, 8, bs, 2, 16, torch.float32),
+                         [policy], [0, 0], [0, 1])
+    short = ChunkPlan("short", 9, [1], 9, [9], [0], None, samples=True)
+    long = ChunkPlan("long", 90, [1], 90, [6 * bs + 90 % bs], [1, 2, 3, 4, 5, 6], None, samples=True)
+    prompt = ChunkPlan("prompt", 0, [1] * 5, 0, [7 * bs + i for i in range(5)], [7], None, samples=True)
+    meta = runner.prepare(StepPlan(chunks=[short, long, prompt]))[2]
+    assert windowed_decode_rows(meta).tolist() == [False, True]
+
+    fused = select_rows(meta, torch.tensor([0]), prompts=False, sees_all=True)
+    assert fused.num_decode == 1 and not fused.prefills and fused.slot_mapping.tolist() == [9]
+    for m in fused.layer_metadata:
+        assert m.decode_block_tables is fused.decode_block_tables  # one table per row for every layer
+        assert m.decode_sink_end is None and m.decode_window_start is None
+    assert fused.decode_block_tables.tolist() == [meta.decode_block_tables[0].tolist()]
+
+    rest = select_rows(meta, torch.tensor([1]), prompts=True, sees_all=False)
+    assert rest.num_decode == 1 and rest.slot_mapping.tolist() == meta.slot_mapping[1:].tolist()
+    assert [c.query_start for c in rest.prefills] == [1]
+    for m, whole in zip(rest.layer_metadata, meta.layer_metadata):
+        assert m.decode_window_start.tolist() == whole.decode_window_start[1:].tolist()
+        assert [c.query_start for c in m.prefills] == [1]
+    assert rest.layer_metadata[1].decode_window_start.tolist() == [90 - 32 + 1]

@@ -31,35 +31,23 @@ class StepLogits:
     prompt_logits: list[tuple[ChunkPlan, int, torch.Tensor]]
 
 
-# Cost model for splitting decode rows into padded groups: each extra group costs a few ops per
-# layer; each padded key slot costs a read of K and V in every layer.
-_GROUP_OVERHEAD_SLOTS = 1024
+def padded_blocks(blocks: int) -> int:
+    """The blocks a decode row is padded to on the PyTorch path: a function of its own length
+    alone, so its matmul shapes (and with them its bits) never depend on the rows beside it.
+    Exact up to 8 blocks, then rounded up to one of 8 steps per power of two (at most 1/8 more
+    keys read), so rows of similar length still share a group."""
+    if blocks <= 8:
+        return blocks
+    step = 1 << (blocks.bit_length() - 4)
+    return -(-blocks // step) * step
 
 
 def group_by_length(ctx_lens: list[int], block_size: int) -> list[tuple[int, int]]:
-    """Split rows (sorted by context length) into [start, end) groups minimizing padded slots
-    plus a fixed cost per group: a small dynamic program over the distinct padded widths."""
-    n = len(ctx_lens)
-    if n == 0:
-        return []
-    padded = [-(-x // block_size) * block_size for x in ctx_lens]
-    # Runs of equal width never need splitting: cut points are the run boundaries.
-    bounds = [0] + [i for i in range(1, n) if padded[i] != padded[i - 1]] + [n]
-    m = len(bounds) - 1
-    best = [0.0] + [float("inf")] * m
-    cut = [0] * (m + 1)
-    for j in range(1, m + 1):
-        width = padded[bounds[j] - 1]
-        for i in range(j):
-            cost = best[i] + _GROUP_OVERHEAD_SLOTS + (bounds[j] - bounds[i]) * width
-            if cost < best[j]:
-                best[j], cut[j] = cost, i
-    groups = []
-    j = m
-    while j > 0:
-        groups.append((bounds[cut[j]], bounds[j]))
-        j = cut[j]
-    return groups[::-1]
+    """Split rows (sorted by context length) into [start, end) runs of the same padded width
+    (`padded_blocks` of each row's own block count): a group never pads a row past its own width."""
+    widths = [padded_blocks(-(-x // block_size)) for x in ctx_lens]
+    bounds = [0] + [i for i in range(1, len(widths)) if widths[i] != widths[i - 1]] + [len(widths)]
+    return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
 class ModelRunner:
@@ -133,7 +121,9 @@ class ModelRunner:
                        variants: list) -> dict:
         """Each row's table by table index (0 where a block was released: never read) and its
         context length, for kernels that walk tables themselves; when some row no longer sees
-        every earlier key, also each variant's visible range per row (sink end, window start)."""
+        every earlier key, also each variant's visible range per row (sink end, window start).
+        A row that still sees every key gets a range hiding nothing: the model sends it down the
+        path it takes alone (kvshare.model.ops.windowed_decode_rows), whatever its neighbours."""
         bs = self.block_size
         ctx_lens = [c.num_keys for c in decode]
         width = -(-max(ctx_lens) // bs)
@@ -159,12 +149,13 @@ class ModelRunner:
         return out
 
     def _decode_groups(self, decode: list[ChunkPlan], group: int, policy, groups: dict) -> None:
-        """The pure-PyTorch path: decode rows over the blocks each holds, padded per group of
-        similar length; the bias is -inf for padding and for keys the policy hides from the row."""
+        """The pure-PyTorch path: decode rows over the blocks each holds, each padded to a width
+        of its own length (`padded_blocks`), rows of the same width in one group; the bias is -inf
+        for padding and for keys the policy hides from the row."""
         bs = self.block_size
         access = [c.access(group) for c in decode]
         for r0, r1 in group_by_length([len(a.read_blocks) * bs for a in access], bs):
-            n, width = r1 - r0, max(len(a.read_blocks) for a in access[r0:r1])
+            n, width = r1 - r0, padded_blocks(len(access[r0].read_blocks))
             table = torch.zeros(n, width, dtype=torch.long)
             k_pos = torch.full((n, width * bs), -1, dtype=torch.long)  # -1: padding
             for r in range(r0, r1):

@@ -34,7 +34,7 @@ from kvshare.model.kv_quant import QuantizedKV
 
 @dataclass
 class DecodeGroup:
-    """Decode rows of similar context length, padded to the longest of them."""
+    """Decode rows padded to one width, each row's own (kvshare.engine.model_runner.padded_blocks)."""
 
     row_start: int
     num_rows: int

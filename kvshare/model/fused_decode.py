@@ -12,7 +12,8 @@ a float32 or bfloat16 KV cache, the C++ attention kernel in use, RoPE over whole
 per-head q/k norm (Qwen3), a family whose layer is the plain Llama layer (Model.fused_layers),
 and decode rows with plain causal attention (no row's window hides an earlier key) over one block
 table per row (with KV cache groups each layer group has its own: it declines). It runs a step's
-decode rows, whatever prompt rows share the step (kvshare.model.ops.Model.forward sends those
+decode rows that see every earlier key, whatever other rows share the step
+(kvshare.model.ops.Model.forward sends prompt rows, and decode rows whose window hides keys,
 layer by layer). Anything else takes the step-by-step path, which stays the reference:
 tests/test_fused_decode.py checks the two agree.
 """
