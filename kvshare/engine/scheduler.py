@@ -82,7 +82,7 @@ class Scheduler:
         out.rotations = self.manager.take_pending_rotations()
         self.scheduled_seqs = {c.seq.seq_id: c.seq for c in scheduled.values()}
         plans = [self._plan(c) for c in scheduled.values()]
-        # Decode rows by how many blocks they read (padded groups stay tight), then prefills.
+        # Decode rows by how many blocks they read (rows of one padded width are adjacent), then prefills.
         decode = sorted((p for p in plans if p.is_decode), key=lambda p: (len(p.read_blocks), p.start))
         out.chunks = decode + [p for p in plans if not p.is_decode]
         return out
