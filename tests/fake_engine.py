@@ -38,9 +38,13 @@ class AppendTokens:
     def __init__(self) -> None:
         self.scheduler: Scheduler | None = None
         self.finished: list[Sequence] = []  # in the order they finished
+        # A test's look inside one step, between planning and the forward pass: what planning did
+        # (tables, evictions, copies) before the step's writes publish or release anything.
+        self.on_planned: Callable[[StepPlan], None] | None = None
 
     def planned(self, plan: StepPlan) -> None:
-        pass
+        if self.on_planned is not None:
+            self.on_planned(plan)
 
     def computed(self, plan: StepPlan, output: dict[str, int]) -> None:
         for c in plan.chunks:
@@ -60,8 +64,21 @@ def model_free_core(config: EngineConfig, kv, next_token: Callable[[Sequence], i
     return core
 
 
+def run_step(core: EngineCore, during: Callable[[StepPlan], None] | None = None) -> StepPlan:
+    """One engine step; its plan. `during(plan)`, when given, runs inside the step once the plan
+    is made and before it runs (not at all for an empty plan)."""
+    core.handler.on_planned = during
+    try:
+        plan = core.step()
+    finally:
+        core.handler.on_planned = None
+    if during is not None and plan.is_empty():
+        raise AssertionError("the step planned nothing: `during` never ran")
+    return plan
+
+
 def step(core: EngineCore) -> list[Sequence]:
     """One engine step; the sequences it finished."""
     before = len(core.handler.finished)
-    core.step()
+    run_step(core)
     return core.handler.finished[before:]

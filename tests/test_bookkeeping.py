@@ -1,23 +1,27 @@
 """The life of a KV block, told without a model (issue 11, item 6).
 
-The scheduler, the KV cache manager and the bounded-KV policies are driven with fake sequences:
-token ids are plain integers, no tokenizer, no weights, no forward pass. Each test states one
-rule of the bookkeeping in its name and checks it on public observables only: which sequences a
-step schedules and with how many tokens, block ids per sequence, reference counts, the free
-count, prefix-cache stats, evictions, and the copies / rotations / preemptions a step hands the
-runner.
+The scheduler, the KV cache manager and the bounded-KV policies are driven through the engine's
+own step (kvshare.engine.core.EngineCore, with the fake runner of tests/fake_engine.py) over fake
+sequences: token ids are plain integers, no tokenizer, no weights, no forward pass. Each test
+states one rule of the bookkeeping in its name and checks it on public observables only: which
+sequences a step schedules and with how many tokens, block ids per sequence, reference counts, the
+free count, prefix-cache stats, evictions, and the copies / rotations / preemptions a step hands
+the runner.
 
-Every call that depends on the shape of the manager/scheduler API lives in the helpers right
-below (`schedule`, `finish_step`, `fork`, `table_of`, `released_by`), so a change of that API is
-an edit there, not in the tests.
+Every call that depends on the shape of the engine core / manager / scheduler API lives in the
+helpers right below (`step`, `fork`, `table_of`, `released_by`), so a change of that API is an
+edit there, not in the tests.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import pytest
 
+import fake_engine
 from kvshare.config import EngineConfig
+from kvshare.engine.core import EngineCore
 from kvshare.engine.request import Sequence, SeqStatus
-from kvshare.engine.scheduler import Scheduler
 from kvshare.engine.step_plan import StepPlan
 from kvshare.kvcache.block_pool import BlockPoolError
 from kvshare.kvcache.events import EventLog
@@ -29,7 +33,7 @@ from kvshare.sampling_params import SamplingParams
 BS = 4  # tokens per block: small, so a handful of tokens spans several blocks
 
 
-# ---- building blocks: fake sequences and a small engine-less scheduler ---------------------
+# ---- building blocks: fake sequences and a small model-free engine ---------------------------
 
 def tokens(n: int, base: int) -> list[int]:
     """n fake token ids; distinct bases give prompts that share no block."""
@@ -42,21 +46,25 @@ def make_seq(seq_id: str, prompt: list[int], max_tokens: int = 8, salt: str | No
                     params=SamplingParams(max_tokens=max_tokens, cache_salt=salt))
 
 
-def make_scheduler(num_blocks: int, budget: int = 64, max_seqs: int = 8, policy=None,
-                   prefix_caching: bool = True, events: EventLog | None = None):
+def make_core(num_blocks: int, budget: int = 64, max_seqs: int = 8, policy=None,
+              prefix_caching: bool = True, events: EventLog | None = None):
     # EngineConfig loads nothing by itself (model=None only names the default model); the
     # scheduler reads just the token budget and the seat count from it.
     config = EngineConfig(block_size=BS, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
                           dtype="float32", enable_prefix_caching=prefix_caching)
     manager = KVCacheCoordinator(num_blocks, BS, one_group(policy or FullAttention(BS)), prefix_caching, events=events)
-    return Scheduler(config, manager), manager
+    return fake_engine.model_free_core(config, manager), manager
 
 
-# ---- the only places that know the manager/scheduler API's shape ---------------------------
+# ---- the only places that know the engine core / manager / scheduler API's shape -------------
 
-def schedule(sched: Scheduler) -> StepPlan:
-    """Plan one step."""
-    return sched.schedule()
+def step(core: EngineCore, during: Callable[[StepPlan], None] | None = None) -> StepPlan:
+    """One engine step (EngineCore.step): plan; run (the fake runner samples 1000 + the
+    sequence's length); every chunk's positions count as computed and the blocks they completed
+    are published; each chunk that reached the end of its known tokens appends its sampled token,
+    and a sequence that reached its max_tokens finishes. Returns the plan. `during(plan)` looks
+    inside the step, after planning and before the run: what planning alone did."""
+    return fake_engine.run_step(core, during)
 
 
 def scheduled(out: StepPlan) -> dict[str, tuple[int, int]]:
@@ -64,32 +72,11 @@ def scheduled(out: StepPlan) -> dict[str, tuple[int, int]]:
     return {c.seq_id: (c.start, c.num_tokens) for c in out.chunks}
 
 
-def fake_token(seq: Sequence) -> int:
-    # Deterministic and never inside a prompt range used below (prompts use bases < 1000).
-    return 1000 + len(seq.token_ids)
-
-
-def finish_step(sched: Scheduler, out: StepPlan, next_token=fake_token) -> list[Sequence]:
-    """What the engine does once the model has run a planned step (LLMEngine.step): every
-    chunk's positions count as computed, blocks they completed are published, each chunk that
-    reached the end of its known tokens appends a sampled token, and a sequence that reached its
-    max_tokens finishes. Returns the sequences finished here."""
-    sampling = [sched.scheduled_seqs[c.seq_id] for c in out.chunks if c.samples]  # before any token is appended
-    sched.step_done(out)
-    finished = []
-    for seq in sampling:
-        seq.token_ids.append(next_token(seq))
-        if seq.num_output_tokens >= seq.params.max_tokens:
-            sched.finish(seq, "length")
-            finished.append(seq)
-    return finished
-
-
-def fork(sched: Scheduler, parent: Sequence, child_id: str) -> Sequence:
+def fork(core: EngineCore, parent: Sequence, child_id: str) -> Sequence:
     """A sibling sharing everything the parent has computed (n > 1, beam search)."""
     child = Sequence(seq_id=child_id, request_id=parent.request_id, index=1, token_ids=list(parent.token_ids),
                      num_prompt_tokens=parent.num_prompt_tokens, params=parent.params)
-    sched.add_forked(parent, child)
+    core.scheduler.add_forked(parent, child)
     return child
 
 
@@ -116,61 +103,58 @@ def published(manager: KVCacheCoordinator, block_id: int) -> bool:
     return manager.pool.blocks[block_id].block_hash is not None
 
 
-def run_until(sched: Scheduler, seq: Sequence, computed: int, max_steps: int = 200) -> dict[int, StepPlan]:
+def run_until(core: EngineCore, seq: Sequence, computed: int, max_steps: int = 200) -> dict[int, StepPlan]:
     """Step until `seq` has `computed` positions computed; returns each step's output keyed by
     the first position it computed for `seq`."""
     outs = {}
     for _ in range(max_steps):
         if seq.num_computed_tokens >= computed:
             return outs
-        out = schedule(sched)
+        out = step(core)
         plan = scheduled(out)
         assert seq.seq_id in plan, f"{seq.seq_id} was not scheduled: {plan}"
         outs[plan[seq.seq_id][0]] = out
-        finish_step(sched, out)
     raise AssertionError(f"{seq.seq_id} did not reach {computed} computed positions")
 
 
 # ---- admission and the token budget ----------------------------------------------------------
 
 def test_admission_is_fcfs_and_a_short_pool_stops_the_queue_at_its_head():
-    sched, mgr = make_scheduler(num_blocks=8)
+    core, mgr = make_core(num_blocks=8)
     a = make_seq("A", tokens(17, 100))  # 5 blocks
     b = make_seq("B", tokens(16, 200))  # 4 blocks
     c = make_seq("C", tokens(4, 300))  # 1 block
     for s in (a, b, c):
-        sched.add(s)
+        core.scheduler.add(s)
 
-    out = schedule(sched)
+    out = step(core)
     assert scheduled(out) == {"A": (0, 17)}
     assert len(table_of(mgr, "A")) == 5
     # B needs 4 blocks and 3 are free, so B waits; C would fit in what is left but must not
     # overtake B (admission is first come, first served).
     assert mgr.num_free_blocks() == 3
-    assert [s.seq_id for s in sched.waiting] == ["B", "C"]
+    assert [s.seq_id for s in core.scheduler.waiting] == ["B", "C"]
     assert table_of(mgr, "B") is None and table_of(mgr, "C") is None
 
-    finish_step(sched, out)
-    sched.finish(a, "abort")
-    out = schedule(sched)
+    core.scheduler.finish(a, "abort")
+    out = step(core)
     # With A's blocks back, B and C are admitted in queue order.
     assert list(scheduled(out).items()) == [("B", (0, 16)), ("C", (0, 4))]
     assert mgr.num_free_blocks() == 8 - 4 - 1
 
 
 def test_chunked_prefill_stays_within_the_token_budget_and_decodes_go_first():
-    sched, mgr = make_scheduler(num_blocks=16, budget=8)
+    core, mgr = make_core(num_blocks=16, budget=8)
     a = make_seq("A", tokens(20, 100))
     b = make_seq("B", tokens(12, 200))
-    sched.add(a)
-    sched.add(b)
+    core.scheduler.add(a)
+    core.scheduler.add(b)
 
     plans = []
     for _ in range(4):
-        out = schedule(sched)
+        out = step(core)
         assert out.num_tokens <= 8
         plans.append(scheduled(out))
-        finish_step(sched, out)
     assert plans == [
         {"A": (0, 8)},  # the whole budget goes to A's prompt: B waits
         {"A": (8, 8)},
@@ -184,11 +168,11 @@ def test_chunked_prefill_stays_within_the_token_budget_and_decodes_go_first():
 # ---- prefix cache ------------------------------------------------------------------------------
 
 def test_prefix_hit_reuses_full_blocks_and_leaves_the_last_prompt_token_to_compute():
-    sched, mgr = make_scheduler(num_blocks=16)
+    core, mgr = make_core(num_blocks=16)
     p = tokens(12, 100)  # exactly 3 full blocks
     a = make_seq("A", p)
-    sched.add(a)
-    finish_step(sched, schedule(sched))
+    core.scheduler.add(a)
+    step(core)
     ta = table_of(mgr, "A")
     assert all(published(mgr, blk) for blk in ta)
 
@@ -196,9 +180,9 @@ def test_prefix_hit_reuses_full_blocks_and_leaves_the_last_prompt_token_to_compu
     # only 2 of the 3 cached blocks are reused. C extends the prompt by one token: all 3 are.
     b = make_seq("B", p)
     c = make_seq("C", p + [99])
-    sched.add(b)
-    sched.add(c)
-    plan = scheduled(schedule(sched))
+    core.scheduler.add(b)
+    core.scheduler.add(c)
+    plan = scheduled(step(core))
     assert plan["B"] == (8, 4) and plan["C"] == (12, 1)
     tb, tc = table_of(mgr, "B"), table_of(mgr, "C")
     assert tb[:2] == ta[:2] and tb[2] not in ta
@@ -209,16 +193,16 @@ def test_prefix_hit_reuses_full_blocks_and_leaves_the_last_prompt_token_to_compu
 
 
 def test_prefix_hit_needs_the_same_cache_salt():
-    sched, mgr = make_scheduler(num_blocks=16)
+    core, mgr = make_core(num_blocks=16)
     p = tokens(12, 100)
-    sched.add(make_seq("A", p, salt="alice"))
-    finish_step(sched, schedule(sched))
+    core.scheduler.add(make_seq("A", p, salt="alice"))
+    step(core)
     ta = table_of(mgr, "A")
 
-    sched.add(make_seq("B", p, salt="bob"))
-    sched.add(make_seq("C", p, salt="alice"))  # the control: same tenant, so it does hit
-    sched.add(make_seq("D", p))  # no salt is a tenant of its own too
-    plan = scheduled(schedule(sched))
+    core.scheduler.add(make_seq("B", p, salt="bob"))
+    core.scheduler.add(make_seq("C", p, salt="alice"))  # the control: same tenant, so it does hit
+    core.scheduler.add(make_seq("D", p))  # no salt is a tenant of its own too
+    plan = scheduled(step(core))
     assert plan["B"] == (0, 12) and plan["D"] == (0, 12)
     assert plan["C"] == (8, 4)
     assert not set(table_of(mgr, "B")) & set(ta)
@@ -228,40 +212,43 @@ def test_prefix_hit_needs_the_same_cache_salt():
 
 
 def test_a_block_is_published_only_after_the_step_that_computed_it_whole():
-    sched, mgr = make_scheduler(num_blocks=16, budget=6)
+    core, mgr = make_core(num_blocks=16, budget=6)
     a = make_seq("A", tokens(12, 100))
-    sched.add(a)
+    core.scheduler.add(a)
 
-    out = schedule(sched)
-    assert scheduled(out) == {"A": (0, 6)}
+    def planned_not_yet_written(out: StepPlan) -> None:
+        assert scheduled(out) == {"A": (0, 6)}
+        t = table_of(mgr, "A")
+        assert not any(published(mgr, blk) for blk in t)  # planned, not yet written
+
+    step(core, during=planned_not_yet_written)
     t = table_of(mgr, "A")
-    assert not any(published(mgr, blk) for blk in t)  # planned, not yet written
-    finish_step(sched, out)
     # Positions 0..5 are written: block 0 is whole, block 1 holds only 4..5.
     assert [published(mgr, blk) for blk in t] == [True, False]
 
-    out = schedule(sched)
-    assert scheduled(out) == {"A": (6, 6)}
+    def planned_second_chunk(out: StepPlan) -> None:
+        assert scheduled(out) == {"A": (6, 6)}
+        t = table_of(mgr, "A")
+        assert [published(mgr, blk) for blk in t] == [True, False, False]
+
+    step(core, during=planned_second_chunk)
     t = table_of(mgr, "A")
-    assert [published(mgr, blk) for blk in t] == [True, False, False]
-    finish_step(sched, out)
     assert [published(mgr, blk) for blk in t] == [True, True, True]
 
 
 def test_a_request_waits_a_step_for_a_prefix_being_computed_instead_of_recomputing_it():
-    sched, mgr = make_scheduler(num_blocks=16)
+    core, mgr = make_core(num_blocks=16)
     p = tokens(12, 100)
     a, b = make_seq("A", p), make_seq("B", p)
-    sched.add(a)
-    sched.add(b)
+    core.scheduler.add(a)
+    core.scheduler.add(b)
 
-    out = schedule(sched)
+    out = step(core)
     # Room and budget for B are there, but A is computing B's first block right now.
     assert scheduled(out) == {"A": (0, 12)}
-    assert mgr.num_free_blocks() >= 3 and [s.seq_id for s in sched.waiting] == ["B"]
-    finish_step(sched, out)
+    assert mgr.num_free_blocks() >= 3 and [s.seq_id for s in core.scheduler.waiting] == ["B"]
 
-    assert scheduled(schedule(sched)) == {"A": (12, 1), "B": (8, 4)}
+    assert scheduled(step(core)) == {"A": (12, 1), "B": (8, 4)}
     assert table_of(mgr, "B")[:2] == table_of(mgr, "A")[:2]
     assert b.num_cached_tokens == 8
 
@@ -271,48 +258,45 @@ def test_a_request_waits_a_step_for_a_prefix_being_computed_instead_of_recomputi
 def test_preemption_frees_the_most_recently_admitted_sequence_which_is_recomputed_later():
     # Without the prefix cache, so that "recomputed" means every position again.
     log = EventLog()
-    sched, mgr = make_scheduler(num_blocks=6, prefix_caching=False, events=log)
+    core, mgr = make_core(num_blocks=6, prefix_caching=False, events=log)
     a, b, c = (make_seq(n, tokens(8, base)) for n, base in (("A", 100), ("B", 200), ("C", 300)))
     for s in (a, b, c):
-        sched.add(s)
-    finish_step(sched, schedule(sched))  # all three hold 2 blocks: the pool is full
+        core.scheduler.add(s)
+    step(core)  # all three hold 2 blocks: the pool is full
     assert mgr.num_free_blocks() == 0
     c_blocks = table_of(mgr, "C")
 
     # Each decode now needs a third block. C, admitted last, makes room for A and B.
-    out = schedule(sched)
+    out = step(core)
     assert out.preempted == ["C"]
     assert scheduled(out) == {"A": (8, 1), "B": (8, 1)}
     assert table_of(mgr, "C") is None
     assert released_by(log, "C") == c_blocks[::-1]  # the one release path: tail first, like finish
     assert sorted([table_of(mgr, "A")[2], table_of(mgr, "B")[2]]) == sorted(c_blocks)
     assert c.status is SeqStatus.WAITING and c.num_computed_tokens == 0 and c.num_preemptions == 1
-    assert sched.waiting[0] is c and c.num_tokens == 9  # it keeps the token it had sampled
-    finish_step(sched, out)
+    assert core.scheduler.waiting[0] is c and c.num_tokens == 9  # it keeps the token it had sampled
 
     # C waits while the pool is still short; once A is gone it comes back and recomputes all 9
     # of its tokens (prompt + the sampled one), then samples again.
-    out = schedule(sched)
-    assert scheduled(out) == {"A": (9, 1), "B": (9, 1)} and list(sched.waiting) == [c]
-    finish_step(sched, out)
-    sched.finish(a, "abort")
-    out = schedule(sched)
+    out = step(core)
+    assert scheduled(out) == {"A": (9, 1), "B": (9, 1)} and list(core.scheduler.waiting) == [c]
+    core.scheduler.finish(a, "abort")
+    out = step(core)
     assert scheduled(out) == {"B": (10, 1), "C": (0, 9)}
-    finish_step(sched, out)
     assert c.num_computed_tokens == 9 and c.num_tokens == 10
-    assert sched.num_preemptions == 1
+    assert core.scheduler.num_preemptions == 1
 
 
 # ---- fork and copy-on-write ------------------------------------------------------------------------
 
 def test_fork_shares_every_block_and_the_first_write_copies_the_shared_last_block():
-    sched, mgr = make_scheduler(num_blocks=16)
+    core, mgr = make_core(num_blocks=16)
     a = make_seq("A", tokens(10, 100))  # blocks 0, 1 full; block 2 holds positions 8..9
-    sched.add(a)
-    finish_step(sched, schedule(sched))
+    core.scheduler.add(a)
+    step(core)
     free_before = mgr.num_free_blocks()
 
-    child = fork(sched, a, "A.1")
+    child = fork(core, a, "A.1")
     child.token_ids[-1] = 777  # each fork draws its own first token from the shared logits
     ta = table_of(mgr, "A")
     assert table_of(mgr, "A.1") == ta
@@ -321,17 +305,16 @@ def test_fork_shares_every_block_and_the_first_write_copies_the_shared_last_bloc
     assert mgr.stats.forks == 1
 
     # Both now write position 10 into the shared block 2: the first writer gets a private copy.
-    out = schedule(sched)
+    out = step(core)
     assert scheduled(out) == {"A": (10, 1), "A.1": (10, 1)}
     ta, tc = table_of(mgr, "A"), table_of(mgr, "A.1")
     assert [i for i in range(3) if ta[i] != tc[i]] == [2]
     assert out.block_copies == [(tc[2], ta[2])]  # the runner copies the original into A's new block
     assert [ref(mgr, blk) for blk in ta] == [2, 2, 1] and ref(mgr, tc[2]) == 1
     assert mgr.stats.cow_copies == 1
-    finish_step(sched, out)
 
     # Block 2 is private to each now: later writes into it copy nothing.
-    out = schedule(sched)
+    out = step(core)
     assert scheduled(out) == {"A": (11, 1), "A.1": (11, 1)}
     assert out.block_copies == []
     assert [ref(mgr, blk) for blk in table_of(mgr, "A")[:2]] == [2, 2]
@@ -343,11 +326,11 @@ def test_a_copy_queued_for_a_sequence_freed_in_the_same_step_is_dropped_with_it(
     # Copy-on-write queues (shared, private) for the runner; if the writer is preempted or
     # aborted before the step runs, its private block goes back to the pool and may already be
     # another sequence's: the copy must not reach the runner.
-    sched, mgr = make_scheduler(num_blocks=16)
+    core, mgr = make_core(num_blocks=16)
     a = make_seq("A", tokens(10, 100))
-    sched.add(a)
-    finish_step(sched, schedule(sched))
-    fork(sched, a, "A.1")
+    core.scheduler.add(a)
+    step(core)
+    fork(core, a, "A.1")
     assert mgr.allocate_slots("A", 10, 1)  # A writes into the shared block 2: copy queued
     assert len(mgr.pending_copies) == 1
     private = mgr.pending_copies[0][1]
@@ -359,42 +342,45 @@ def test_a_copy_queued_for_a_sequence_freed_in_the_same_step_is_dropped_with_it(
 
 def test_free_returns_blocks_tail_first_so_eviction_takes_a_chains_tail_first():
     log = EventLog()
-    sched, mgr = make_scheduler(num_blocks=7, events=log)
+    core, mgr = make_core(num_blocks=7, events=log)
     a = make_seq("A", tokens(12, 100))
-    sched.add(a)
-    finish_step(sched, schedule(sched))
+    core.scheduler.add(a)
+    step(core)
     ta = table_of(mgr, "A")
-    sched.finish(a, "abort")
+    core.scheduler.finish(a, "abort")
     assert released_by(log, "A") == ta[::-1]
     assert mgr.pool.num_cached_free() == 3 and mgr.num_free_blocks() == 7
 
     # B needs 5 blocks: the 4 never-used ones first, then one cached block, which must be the
     # tail of A's chain. C needs 1 more: the next from the tail. A's head survives, so a later
     # request with A's opening can still hit it.
-    sched.add(make_seq("B", tokens(20, 200)))
-    sched.add(make_seq("C", tokens(4, 300)))
-    schedule(sched)
-    tb, tc = table_of(mgr, "B"), table_of(mgr, "C")
-    assert not set(tb[:4]) & set(ta)
-    assert tb[4] == ta[2] and tc == [ta[1]]
-    assert mgr.pool.num_evictions == 2
-    assert published(mgr, ta[0]) and mgr.pool.is_free(ta[0])
-    assert not published(mgr, ta[1]) and not published(mgr, ta[2])
+    core.scheduler.add(make_seq("B", tokens(20, 200)))
+    core.scheduler.add(make_seq("C", tokens(4, 300)))
+
+    def admitted(out: StepPlan) -> None:  # before B's and C's writes publish the reused blocks
+        tb, tc = table_of(mgr, "B"), table_of(mgr, "C")
+        assert not set(tb[:4]) & set(ta)
+        assert tb[4] == ta[2] and tc == [ta[1]]
+        assert mgr.pool.num_evictions == 2
+        assert published(mgr, ta[0]) and mgr.pool.is_free(ta[0])
+        assert not published(mgr, ta[1]) and not published(mgr, ta[2])
+
+    step(core, during=admitted)
 
 
 def test_freed_blocks_keep_their_hash_and_a_later_hit_revives_them():
-    sched, mgr = make_scheduler(num_blocks=8)
+    core, mgr = make_core(num_blocks=8)
     p = tokens(12, 100)
     a = make_seq("A", p)
-    sched.add(a)
-    finish_step(sched, schedule(sched))
+    core.scheduler.add(a)
+    step(core)
     ta = table_of(mgr, "A")
-    sched.finish(a, "stop")
+    core.scheduler.finish(a, "stop")
     assert mgr.num_free_blocks() == 8 and all(ref(mgr, blk) == 0 and published(mgr, blk) for blk in ta)
 
     b = make_seq("B", p + [99])
-    sched.add(b)
-    assert scheduled(schedule(sched)) == {"B": (12, 1)}
+    core.scheduler.add(b)
+    assert scheduled(step(core)) == {"B": (12, 1)}
     tb = table_of(mgr, "B")
     assert tb[:3] == ta and tb[3] not in ta
     assert [ref(mgr, blk) for blk in ta] == [1, 1, 1]
@@ -409,15 +395,15 @@ WINDOW = 8  # tokens: a query at t sees keys t-7..t
 
 def test_sliding_window_releases_blocks_no_later_query_sees_keeping_index_meaning():
     policy = SlidingWindow((WINDOW,), BS)
-    sched, mgr = make_scheduler(num_blocks=16, policy=policy)
+    core, mgr = make_core(num_blocks=16, policy=policy)
     a = make_seq("A", tokens(8, 100), max_tokens=32)
-    sched.add(a)
+    core.scheduler.add(a)
 
     first_id: dict[int, int] = {}  # table index -> the block that first held it
     released_ever = []
-    max_held = 0
-    for _ in range(30):
-        out = schedule(sched)
+    held_per_step = []
+
+    def planned(out: StepPlan) -> None:  # the table as this step's queries will read it
         start = scheduled(out)["A"][0]
         t = table_of(mgr, "A")
         # Index i still means positions [4i, 4i+4): the table grows with the text.
@@ -432,9 +418,12 @@ def test_sliding_window_releases_blocks_no_later_query_sees_keeping_index_meanin
             elif i in first_id and first_id[i] not in released_ever:
                 released_ever.append(first_id[i])
         held = sum(blk is not None for blk in t)
-        max_held = max(max_held, held)
+        held_per_step.append(held)
         assert mgr.num_free_blocks() == 16 - held  # released blocks are back in the pool
-        finish_step(sched, out)
+
+    for _ in range(30):
+        step(core, during=planned)
+    max_held = max(held_per_step)
     assert a.num_computed_tokens == 8 + 29
     # At most the blocks reaching into the window plus the one being written: ceil(8/4) + 1.
     assert max_held == 3
@@ -446,26 +435,26 @@ def test_sliding_window_releases_blocks_no_later_query_sees_keeping_index_meanin
 
 def test_a_global_layer_keeps_every_block():
     # One layer without a window sees the whole past: nothing can be released.
-    sched, mgr = make_scheduler(num_blocks=16, policy=SlidingWindow((WINDOW, None), BS))
+    core, mgr = make_core(num_blocks=16, policy=SlidingWindow((WINDOW, None), BS))
     a = make_seq("A", tokens(8, 100), max_tokens=32)
-    sched.add(a)
-    run_until(sched, a, 30)
+    core.scheduler.add(a)
+    run_until(core, a, 30)
     t = table_of(mgr, "A")
     assert None not in t and len(t) == -(-30 // BS)
 
 
 def test_sliding_window_prefix_hits_nobody_reads_are_not_revived():
-    sched, mgr = make_scheduler(num_blocks=16, policy=SlidingWindow((WINDOW,), BS))
+    core, mgr = make_core(num_blocks=16, policy=SlidingWindow((WINDOW,), BS))
     p = tokens(16, 100)
     a = make_seq("A", p)
-    sched.add(a)
-    finish_step(sched, schedule(sched))
+    core.scheduler.add(a)
+    step(core)
     ta = table_of(mgr, "A")
-    sched.finish(a, "stop")
+    core.scheduler.finish(a, "stop")
 
     # B continues from position 16: blocks 0 and 1 (positions 0..7) are outside its window.
-    sched.add(make_seq("B", p + [99]))
-    assert scheduled(schedule(sched)) == {"B": (16, 1)}
+    core.scheduler.add(make_seq("B", p + [99]))
+    assert scheduled(step(core)) == {"B": (16, 1)}
     tb = table_of(mgr, "B")
     assert tb[:4] == [None, None, ta[2], ta[3]]
     assert ref(mgr, ta[0]) == 0 and ref(mgr, ta[1]) == 0  # left in the free queue, still cached
@@ -481,16 +470,18 @@ SINK_TOKENS = 2
 def test_sinks_keep_block_0_release_the_middle_and_rerotate_the_kept_keys():
     policy = SinkWindow(sink_tokens=SINK_TOKENS, window_tokens=WINDOW, block_size=BS, max_positions=64,
                         num_layers=1)
-    sched, mgr = make_scheduler(num_blocks=16, policy=policy)
+    core, mgr = make_core(num_blocks=16, policy=policy)
     a = make_seq("A", tokens(8, 100), max_tokens=32)
-    sched.add(a)
+    core.scheduler.add(a)
     outs = {}
     tables = {}
-    for _ in range(30):
-        out = schedule(sched)
+
+    def planned(out: StepPlan) -> None:  # the table as this step's queries will read it
         start = scheduled(out)["A"][0]
         outs[start], tables[start] = out, table_of(mgr, "A")
-        finish_step(sched, out)
+
+    for _ in range(30):
+        step(core, during=planned)
     b0, b1 = tables[0]
     assert published(mgr, b0) and published(mgr, b1)  # computed before any masking
 
@@ -527,27 +518,26 @@ def test_sinks_keep_block_0_release_the_middle_and_rerotate_the_kept_keys():
 # ---- the whole pool -----------------------------------------------------------------------------------------
 
 def test_pool_is_whole_when_idle_after_a_mixed_workload():
-    sched, mgr = make_scheduler(num_blocks=10, budget=16)
+    core, mgr = make_core(num_blocks=10, budget=16)
     common = tokens(8, 100)  # two shared blocks
     seqs = [make_seq(f"S{i}", common + tokens(2, 200 + 10 * i), max_tokens=8) for i in range(5)]
     for s in seqs:
-        sched.add(s)
+        core.scheduler.add(s)
     forked = None
     checked_busy = False
     for _ in range(300):
-        if not sched.has_work():
+        if not core.scheduler.has_work():
             break
-        out = schedule(sched)
+        out = step(core)
         if not checked_busy and out.chunks:
             with pytest.raises(BlockPoolError):
                 mgr.assert_idle_whole()  # it does see held blocks
             checked_busy = True
-        finish_step(sched, out)
         if forked is None and seqs[0].status is SeqStatus.RUNNING and seqs[0].num_output_tokens == 1:
-            forked = fork(sched, seqs[0], "S0.1")
+            forked = fork(core, seqs[0], "S0.1")
             forked.token_ids[-1] = 777
-    assert not sched.has_work()
+    assert not core.scheduler.has_work()
     assert forked is not None and forked.is_finished and all(s.is_finished for s in seqs)
-    assert sched.num_preemptions > 0 and mgr.stats.hits > 0 and mgr.stats.cow_copies > 0
+    assert core.scheduler.num_preemptions > 0 and mgr.stats.hits > 0 and mgr.stats.cow_copies > 0
     mgr.assert_idle_whole()
     assert mgr.num_free_blocks() == 10

@@ -17,7 +17,6 @@ import pytest
 import fake_engine
 from kvshare.config import EngineConfig
 from kvshare.engine.request import Sequence, SeqStatus
-from kvshare.kvcache.audit import record_step_io
 from kvshare.kvcache.events import EventLog
 from kvshare.kvcache.isolation import IsolationChecker
 from kvshare.kvcache.coordinator import KVCacheCoordinator
@@ -109,12 +108,10 @@ def test_a_long_prefill_chunk_releases_its_early_window_blocks_right_after_its_s
     h = Harness(num_blocks=64, budget=64)
     seq = make_seq("A", tokens(40, 0), max_tokens=4)
     h.sched.add(seq)
-    out = h.sched.schedule()
+    out = fake_engine.run_step(h.core)
     # During the one-chunk prefill every group needs all 10 blocks (the chunk's queries read them).
     assert [len(c.read_blocks) for c in out.chunks] == [10] and [len(a.read_blocks) for a in out.chunks[0].groups] \
         == [10, 10, 10]
-    record_step_io(h.log, None, out)
-    h.sched.step_done(out)
     for g in h.local_groups():
         assert h.held("A", g) <= LOCAL_BOUND
     assert h.mgr.num_used_blocks() == 10 + 3 * (40 // BS - (40 - W + 1) // BS)
@@ -205,10 +202,8 @@ def test_fork_shares_every_groups_blocks_and_the_first_write_copies_in_each_grou
         for bid in h.mgr.block_ids("A", g):
             if bid is not None:
                 assert h.mgr.pool.blocks[bid].ref_count == 2
-    out = h.sched.schedule()
+    out = fake_engine.run_step(h.core)
     assert len(out.block_copies) == len(h.groups)  # one copy-on-write in every group's shared last block
-    record_step_io(h.log, None, out)
-    h.sched.step_done(out)
     h.checker.checkpoint()
     for g in range(len(h.groups)):
         assert h.mgr.block_ids("A.1", g)[-1] != h.mgr.block_ids("A", g)[-1]
