@@ -93,9 +93,20 @@ def pixel_at_block(page, block: int) -> tuple[int, int, int]:
     if not page.evaluate("() => kvDashboard.paused"):
         seen = page.evaluate("() => kvDashboard.paints")
         page.wait_for_function("(n) => kvDashboard.paints > n", arg=seen)
-    c = page.evaluate("(b) => kvDashboard.cellCentre(b)", block)
-    png = page.screenshot(clip={"x": int(c["x"]), "y": int(c["y"]), "width": 1, "height": 1})
-    return Image.open(io.BytesIO(png)).convert("RGB").getpixel((0, 0))
+    c = centre_in_grid(page, block)
+    return grid_image(page).getpixel((int(c["x"]), int(c["y"])))
+
+
+def centre_in_grid(page, block: int) -> dict:
+    """A block's cell centre relative to the grid canvas (not the page: the status line's text can
+    change while the test looks, moving the grid; a CI run's read of page coordinates missed it)."""
+    return page.evaluate("(b) => { const c = kvDashboard.cellCentre(b), r = document.querySelector('#grid')"
+                         ".getBoundingClientRect(); return {x: c.x - r.left, y: c.y - r.top}; }", block)
+
+
+def grid_image(page) -> Image.Image:
+    """The grid canvas as drawn on screen (wherever the canvas is at that moment)."""
+    return Image.open(io.BytesIO(page.locator("#grid").screenshot())).convert("RGB")
 
 
 def hover_text(page, block: int) -> str:
@@ -561,11 +572,9 @@ def test_aggregated_cells_fill_in_proportion_to_their_blocks(server, browser):
             blocks = [page.evaluate("(b) => kvDashboard.block(b).state", b) for b in range(cell * per, (cell + 1) * per)]
             inner = round(page.evaluate("() => kvDashboard.cellPixels"))  # no gap below 7 pixels
             assert inner < 7
-            centre = page.evaluate("(b) => kvDashboard.cellCentre(b)", cell * per)
-            png = page.screenshot(clip={"x": round(centre["x"] - inner / 2), "y": int(centre["y"]), "width": inner,
-                                        "height": 1})
-            img = Image.open(io.BytesIO(png)).convert("RGB")
-            drawn = [img.getpixel((x, 0)) for x in range(img.width)]
+            centre = centre_in_grid(page, cell * per)
+            img, left = grid_image(page), round(centre["x"] - inner / 2)
+            drawn = [img.getpixel((left + x, int(centre["y"]))) for x in range(inner)]
             expected, done, edge = [], 0, 0
             for state in ("shared", "in_use", "cached", "free"):
                 done += blocks.count(state)
