@@ -159,9 +159,7 @@ class GroupInt8Linear:
             for i in range(0, m, PACKED_MAX_ROWS):
                 self._packed(x[i:i + PACKED_MAX_ROWS], y[i:i + PACKED_MAX_ROWS])
             return y
-        if self._fallback is not None:  # (no kernel: see __init__)
-            return _into(F.linear(x, self._fallback), out)
-        self.check_blocks()
+        self.check_blocks()  # (only with the kernel: without it __call__ takes the dense copy)
         return self._kernel(x.contiguous(), out)
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
@@ -257,10 +255,6 @@ class GroupInt4Linear(GroupInt8Linear):
 
     def _codes(self, packed_rows: torch.Tensor) -> torch.Tensor:
         return qmatmul.unpack_int4_rows(packed_rows)
-
-
-def _into(y: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    return y if out is None else out.copy_(y)
 
 
 def make_linear(weight: torch.Tensor | GroupAffine, dtype: torch.dtype, scratch: DequantScratch):
