@@ -52,9 +52,13 @@ def group_by_length(ctx_lens: list[int], block_size: int) -> list[tuple[int, int
 
 class ModelRunner:
     def __init__(self, model, kv_cache: PagedKVStorage, group_policies: list, layer_groups: list[int],
-                 layer_slots: list[int]) -> None:
+                 layer_slots: list[int], token_rows: bool = False) -> None:
         """Group g's layers attend over the plan's group g accesses with `group_policies[g]`; layer
-        i is slot `layer_slots[i]` of group `layer_groups[i]` (one group: every layer, in order)."""
+        i is slot `layer_slots[i]` of group `layer_groups[i]` (one group: every layer, in order).
+        token_rows: every row of a step, prompt rows too, is handed to the model as a row of its own
+        (its table, its context length, its visible range), as a decode row is: the default mode's
+        one arithmetic per token row (kvshare.model.numerics)."""
+        self.token_rows = token_rows
         self.model = model
         self.kv_cache = kv_cache
         self.group_policies = group_policies
@@ -89,8 +93,17 @@ class ModelRunner:
         slots: list[int] = []
         for c in plan.chunks:
             slots.extend(c.access(group).write_slots)
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long), num_decode=len(decode))
         variants = policy.variants
+        if self.token_rows:
+            meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long), num_decode=len(slots))
+            ranges = self._row_tables(plan.chunks, group, policy, meta, variants)
+            meta.decode_sink_end, meta.decode_window_start = ranges[variants[0]]
+            if len(variants) > 1:
+                by_variant = {v: dataclasses.replace(meta, decode_sink_end=ranges[v][0], decode_window_start=ranges[v][1])
+                              for v in variants}
+                meta.layer_metadata = [by_variant[v] for v in policy.layer_variants]
+            return meta
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long), num_decode=len(decode))
         groups: dict = {v: [] for v in variants}
         prefills: dict = {v: [] for v in variants}
         ranges: dict = {v: (None, None) for v in variants}
@@ -144,6 +157,34 @@ class ModelRunner:
         out = {}
         for v in variants:
             pairs = [v.decode_range(c.start) for c in decode]
+            out[v] = (torch.tensor([p[0] for p in pairs], dtype=torch.long),
+                      torch.tensor([p[1] for p in pairs], dtype=torch.long))
+        return out
+
+    def _row_tables(self, chunks: list[ChunkPlan], group: int, policy, meta: AttentionMetadata,
+                    variants: list) -> dict:
+        """Token rows: every row of every chunk gets its chunk's table (by table index, 0 where a
+        block was released), its own context length (its position + 1) and, once some row no
+        longer sees every earlier key, each variant's visible range for its own position."""
+        bs = self.block_size
+        width = -(-max(c.num_keys for c in chunks) // bs)
+        tables, positions = [], []
+        for c in chunks:
+            a = c.access(group)
+            row = torch.zeros(width, dtype=torch.long)
+            index = _table_index(a)
+            if index:
+                row[torch.tensor(index, dtype=torch.long)] = torch.tensor(a.read_blocks, dtype=torch.long)
+            tables.append(row.expand(c.num_tokens, width))
+            positions.append(torch.arange(c.start, c.end, dtype=torch.long))
+        meta.decode_block_tables = torch.cat(tables)
+        pos = torch.cat(positions)
+        meta.decode_context_lens = pos + 1
+        if int(pos.max()) + 1 <= policy.plain_until:
+            return {v: (None, None) for v in variants}
+        out = {}
+        for v in variants:
+            pairs = [v.decode_range(p) for p in pos.tolist()]
             out[v] = (torch.tensor([p[0] for p in pairs], dtype=torch.long),
                       torch.tensor([p[1] for p in pairs], dtype=torch.long))
         return out
