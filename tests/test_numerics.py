@@ -58,9 +58,16 @@ def test_every_kernel_loaded():
     policy = resolve_numerics("default", True, ALL_LOADED, attention_paths=["scalar", "avx2", "avx512"])
     assert all(policy.uses(name) for name in ALL_LOADED)
     assert policy.kernel("decode linears") == "C++ int8 / int4 group matmul"
-    assert policy.kernel("prompt attention").startswith("C++ causal kernel")
+    # The default mode's token rows (issue 28): prompt rows take the decode rows' kernels.
+    assert policy.token_rows
+    assert policy.kernel("prompt attention").startswith("as decode rows (C++ paged kernel")
+    assert policy.kernel("prompt linears") == "as decode rows (C++ int8 / int4 group matmul)"
     assert policy.kernel("decode steps").startswith("one fused C++ call")
-    assert resolve_numerics("default", True, ALL_LOADED, attention_paths=["scalar", "avx2"]).kernel(
+    # The exact mode keeps its prompt kernels (HF parity, not token rows).
+    exact = resolve_numerics("exact", False, {"paged_attention": None}, attention_paths=["scalar", "avx2", "avx512"])
+    assert not exact.token_rows
+    assert exact.kernel("prompt attention").startswith("C++ causal kernel")
+    assert resolve_numerics("exact", False, {"paged_attention": None}, attention_paths=["scalar", "avx2"]).kernel(
         "prompt attention") == "SDPA"
     with pytest.raises(ValueError, match="numerics mode 'fast'"):
         resolve_numerics("fast", True, ALL_LOADED)

@@ -85,5 +85,5 @@ def build_rank(config: EngineConfig, mc: ModelArchConfig, weights: dict, kv: KVP
     model = build_model(mc, weights, config.torch_dtype, backend, kv.max_model_len,
                         prefill_dtype=config.prefill_torch_dtype, tp=tp)
     runner = ModelRunner(model, kv_cache, [g.policy for g in kv.groups], kv.group_of, kv.slot_of,
-                         token_rows=__import__('os').environ.get('KVS_TOKEN_ROWS') == '1')
+                         token_rows=numerics.token_rows)
     return model, kv_cache, runner

@@ -13,7 +13,12 @@ Modes:
   library: decode rows' attention takes the C++ paged kernel where it loads (float32 math, within
   1e-5 of the PyTorch path), else the PyTorch path.
 - "default" (everything else) needs the paged attention kernel and, for kept-quantized weights,
-  the group matmuls and the fused decode step.
+  the group matmuls and the fused decode step. Its rows are token rows (`token_rows`): every row
+  of a step, prompt rows included, takes the decode rows' arithmetic (its own block table and
+  context length through the paged attention kernel, the packed group matmuls, the fused stack
+  where the family has one), so a token's hidden states, K/V and logits depend only on its token,
+  its position and the K/V it attends to: never on its batch, its chunk, or whether the keys it
+  reads were just computed or came from the prefix cache (issue 28, docs/transparency.md).
 KVSHARE_DISABLE_CPP_KERNELS=1 chooses the PyTorch paths in either mode, and so needs nothing.
 """
 from __future__ import annotations
@@ -43,6 +48,9 @@ class NumericsPolicy:
     mode: str
     kernels: tuple[tuple[str, str], ...]  # (row kind, the kernel its rows take), in a fixed order
     libraries: tuple[tuple[str, str | None], ...]  # (library, why it is not used; None: used)
+    # Every row of a step as a row of its own, on the decode rows' kernels (the default mode with
+    # the C++ attention kernel): one arithmetic per token row.
+    token_rows: bool = False
 
     def uses(self, library: str) -> bool:
         """Whether rows run on this C++ library (False for one the mode does not ask for)."""
@@ -85,19 +93,26 @@ def resolve_numerics(mode: str, kept_quantized: bool, unavailable: Mapping[str, 
     used = {name for name, why in libraries if why is None}
     kernels = [("decode attention", "C++ paged kernel" if "paged_attention" in used
                 else "PyTorch (padded gather, matmul-softmax)")]
+    token_rows = mode == DEFAULT and "paged_attention" in used
     causal = "paged_attention" in used and "avx512" in attention_paths
-    kernels.append(("prompt attention", "C++ causal kernel for float32 chunks from position 0, else SDPA" if causal
-                    else "SDPA"))
+    if token_rows:
+        kernels.append(("prompt attention", "as decode rows (C++ paged kernel, each row over its own keys)"))
+    else:
+        kernels.append(("prompt attention", "C++ causal kernel for float32 chunks from position 0, else SDPA"
+                        if causal else "SDPA"))
     if kept_quantized:
-        kernels.append(("decode linears", "C++ int8 / int4 group matmul" if "qmatmul" in used
-                        else "dense copies of the dequantized weights"))
-        kernels.append(("prompt linears", "dense GEMM over a dequantized scratch" if "qmatmul" in used
+        packed = "C++ int8 / int4 group matmul"
+        kernels.append(("decode linears", packed if "qmatmul" in used else "dense copies of the dequantized weights"))
+        kernels.append(("prompt linears", ("as decode rows (" + packed + ")" if token_rows else
+                                           "dense GEMM over a dequantized scratch") if "qmatmul" in used
                         else "dense copies of the dequantized weights"))
     else:
         kernels += [("decode linears", "dense"), ("prompt linears", "dense")]
-    kernels.append(("decode steps", "one fused C++ call where the model and step allow, else layer by layer"
+    kernels.append(("decode steps", ("one fused C++ call where the model and row allow (prompt rows too), else layer by "
+                                     "layer" if token_rows else
+                                     "one fused C++ call where the model and step allow, else layer by layer")
                     if "decode_step" in used else "layer by layer"))
-    return NumericsPolicy(mode, tuple(kernels), libraries)
+    return NumericsPolicy(mode, tuple(kernels), libraries, token_rows)
 
 
 _LIBRARIES = {"paged_attention": lambda: paged_attention.ATTENTION, "qmatmul": lambda: qmatmul.QMATMUL,
