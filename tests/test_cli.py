@@ -48,12 +48,16 @@ def test_info_bfloat16_halves_bytes_per_token():
 
 
 def test_prefill_dtype_option_reaches_the_engine():
-    """--prefill-dtype picks the prompt-row GEMMs' dtype; the start-up block says which."""
+    """--prefill-dtype picks the dtype of dense prompt GEMMs where rows are not token rows, and with
+    it the default KV cache dtype (bfloat16 under float32 activations); in the default mode prompt
+    rows are token rows (issue 28), which the start-up block says instead of a GEMM dtype."""
     on = _run("info", "--json", "--kv-cache-memory", "16MiB", "--prefill-dtype", "bfloat16")
     off = _run("info", "--json", "--kv-cache-memory", "16MiB", "--prefill-dtype", "float32")
     assert on.returncode == 0 and off.returncode == 0, on.stderr + off.stderr
-    assert "float32 activations, bfloat16 prefill GEMMs" in on.stderr
-    assert "float32 activations" in off.stderr and "prefill GEMMs" not in off.stderr
+    assert json.loads(on.stdout)["kv_bytes_per_token"] * 2 == json.loads(off.stdout)["kv_bytes_per_token"]
+    for r in (on, off):
+        assert "float32 activations" in r.stderr and "prefill GEMMs" not in r.stderr
+        assert "prompt linears: as decode rows" in r.stderr and "sharing: bit-transparent" in r.stderr
     bad = _run("info", "--prefill-dtype", "int8")
     assert bad.returncode == 2 and "--prefill-dtype" in bad.stderr
 

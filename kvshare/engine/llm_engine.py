@@ -19,7 +19,7 @@ from kvshare.engine.core import EngineCore, EngineStatus
 from kvshare.engine.intake import MULTIMODAL_PROMPT_KEYS, PROMPT_DICT_KEYS, RequestIntake  # noqa: F401 (re-exported)
 from kvshare.engine.kv_view import kv_snapshot
 from kvshare.engine.model_runner import ModelRunner, StepLogits
-from kvshare.engine.model_setup import build_kv_core, build_rank, check_tensor_parallel, plan_kv
+from kvshare.engine.model_setup import build_kv_core, build_rank, check_tensor_parallel, plan_kv, transparency_gaps
 from kvshare.engine.output_processor import OutputProcessor
 from kvshare.engine.request import RequestState, Sequence
 from kvshare.engine.sampling_step import StepSampler
@@ -83,12 +83,15 @@ class LLMEngine:
         self.model, self.kv_cache, rank_runner = build_rank(config, mc, loaded.weights, kv, num_blocks, self.numerics,
                                                             tp)
         self.runner: ModelRunner | TensorParallelRunner = rank_runner
+        # Why sharing may show in a request's bits (empty: it cannot; kvshare doctor then demands equality).
+        self.transparency = transparency_gaps(config, self.numerics, rank_runner, kv, launcher is not None)
         if launcher is not None and tp is not None:
             self.runner = TensorParallelRunner(rank_runner, launcher, tp)
         release_freed_heap()  # the load's temporaries: back to the OS, not kept as RSS
         self.startup = StartupReport(loaded.source, loaded.tensor_types, self.model, config,
                                      self.layout, loaded.load_seconds, time.perf_counter() - t_start,
-                                     launcher.transport_name if launcher is not None else "", self.numerics)
+                                     launcher.transport_name if launcher is not None else "", self.numerics,
+                                     self.transparency)
         del loaded
         for line in self.startup.lines():
             logger.info(line)

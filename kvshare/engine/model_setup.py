@@ -84,6 +84,29 @@ def build_rank(config: EngineConfig, mc: ModelArchConfig, weights: dict, kv: KVP
     backend = TorchPagedAttention(config.block_size, use_cpp_kernel=numerics.uses("paged_attention"))
     model = build_model(mc, weights, config.torch_dtype, backend, kv.max_model_len,
                         prefill_dtype=config.prefill_torch_dtype, tp=tp)
+    # Token rows need the C++ attention kernel (a model that caps scores runs PyTorch's).
+    token_rows = numerics.token_rows and backend is model.backend and backend.use_cpp_kernel
     runner = ModelRunner(model, kv_cache, [g.policy for g in kv.groups], kv.group_of, kv.slot_of,
-                         token_rows=numerics.token_rows)
+                         token_rows=token_rows)
     return model, kv_cache, runner
+
+
+def transparency_gaps(config: EngineConfig, numerics: NumericsPolicy, runner: ModelRunner, kv: KVPlan,
+                      tensor_parallel: bool) -> tuple[str, ...]:
+    """Why a request's tokens and logprobs may depend on what shares its batch, what is cached or
+    how its prompt is chunked (empty: they cannot; the doctor then demands exact equality).
+    docs/transparency.md has the measured size of each."""
+    gaps = []
+    if numerics.mode != "default":
+        gaps.append(f"{numerics.mode} mode: prompt rows on dense GEMMs and the causal prompt kernel (HF parity, "
+                    f"not token rows)")
+    elif not runner.token_rows:
+        gaps.append("no token rows (the PyTorch attention path: the C++ kernels are disabled or unavailable, or the "
+                    "model caps attention scores): prompt rows take other kernels than decode rows")
+    if numerics.mode == "default" and any(lin.kind == "dense" for lin in runner.model.linears()):
+        gaps.append("dense weights (F.linear): a GEMM's summation blocking follows its row count")
+    if isinstance(kv.policy, SinkWindow):
+        gaps.append("attention sinks: kept keys are re-rotated when the window moves, fresh ones are not")
+    if tensor_parallel:
+        gaps.append("tensor parallel: not verified bit-transparent (ranks' partial sums meet in an all-reduce)")
+    return tuple(gaps)

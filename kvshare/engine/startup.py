@@ -83,6 +83,7 @@ class StartupReport:
     ready_seconds: float
     tp_transport: str = ""  # how tensor-parallel ranks exchange data ("" without tensor parallelism)
     numerics: NumericsPolicy | None = None  # the kernel each kind of row takes, fixed at build
+    transparency: tuple[str, ...] | None = None  # why sharing may show in a request's bits (empty: it cannot)
 
     def format_mix(self) -> dict[str, int]:
         mix: dict[str, int] = {}
@@ -123,7 +124,7 @@ class StartupReport:
         mode = ("exact (dequantized float32)" if c.exact else
                 f"{'kept quantized' if c.quantization == 'auto' else 'dequantized'} weights, {c.dtype} activations"
                 + (f", {c.prefill_dtype} prefill GEMMs" if c.quantization == "auto" and c.prefill_dtype != c.dtype
-                   else ""))
+                   and not (self.numerics is not None and self.numerics.token_rows) else ""))
         mix = ", ".join(f"{t} x{n}" for t, n in self.format_mix().items()) or "dense checkpoint"
         by_kind = ", ".join(f"{k} {b / 2**20:.1f} MiB" for k, b in self.weight_bytes_by_kind().items())
         tp = getattr(self.model, "tp", None)
@@ -135,9 +136,16 @@ class StartupReport:
             f"  resident weights: {self.model.weight_bytes / 2**20:.1f} MiB ({by_kind})",
             f"  kernels: {'; '.join(self.kernels())}",
             *([f"  numerics: {self.numerics.describe()}"] if self.numerics is not None else []),
+            *([self._transparency_line()] if self.transparency is not None else []),
             f"  {self.layout.describe()}",
             f"  weights loaded in {self.load_seconds:.2f} s; engine ready in {self.ready_seconds:.2f} s",
         ]
+
+    def _transparency_line(self) -> str:
+        if not self.transparency:
+            return ("  sharing: bit-transparent (a request's tokens and logprobs do not depend on its batch, the prefix "
+                    "cache or chunking)")
+        return "  sharing: not bit-transparent: " + "; ".join(self.transparency) + " (docs/transparency.md)"
 
     def _tensor_parallel_line(self, shard) -> str:
         (q0, q1), (k0, k1), (m0, m1), (v0, v1) = shard.q_heads, shard.kv_heads, shard.mlp, shard.vocab
