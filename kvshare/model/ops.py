@@ -7,7 +7,8 @@ embedding, an all-reduce after each row-parallel linear, gathered logits), which
 serves the capabilities the family asks for (soft-capping: the PyTorch attention, the C++ kernel
 has none), and whether a step's decode rows go through the fused C++ decode stack.
 
-`Model.forward` dispatches by row kind: decode rows through the fused stack when the model allows
+`Model.forward` dispatches by row kind (in the default mode every row is a decode row: token
+rows, kvshare.model.numerics): decode rows through the fused stack when the model allows
 it and the row sees every earlier key (a row whose own window hides keys goes layer by layer, as
 it would alone), every other row layer by layer, whatever else shares the step (rows never see
 each other: each attends over its own sequence's blocks only).

@@ -1,12 +1,14 @@
 """Linear layers over weights kept in their GGUF quantization, each on the kernel that suits it.
 
 Decode rows (one new token per sequence) are memory-bound: they read the packed weights directly.
-Prompt rows (prefill chunks) are compute-bound, where the packed kernels lose to a dense GEMM, so
-the weight is dequantized into a scratch buffer shared by every layer of that shape (one layer's
-worth of memory, never the whole model) and multiplied densely, in bfloat16 where the CPU has
-avx512_bf16 (EngineConfig.prefill_dtype). The model's forward says which rows are which, and a
-row takes its kernel by what it is, never by how many rows share its step: so a prompt's answer
-does not depend on its batch.
+In the default mode every row is such a row (token rows, kvshare.model.numerics): prompt rows
+take the packed kernels too, so a token's K/V are the same bits whether it was decoded, prefilled
+in any chunk, or recomputed (docs/transparency.md). Where rows are not token rows (the runner
+says how many leading rows are decode rows), prompt rows are multiplied densely: the weight is
+dequantized into a scratch buffer shared by every layer of that shape (one layer's worth of
+memory, never the whole model), in bfloat16 where the CPU has avx512_bf16
+(EngineConfig.prefill_dtype). Either way a row takes its kernel by what it is, never by how many
+rows share its step.
 
 - `GroupInt8Linear`: Q5_0 / Q5_1 / Q5_K / Q6_K / Q8_0: int8 codes with a float32 scale (and
   offset) per 16 or 32 weights, through kvshare's C++ kernel (`qmatmul.int8_group_matmul`),
