@@ -256,7 +256,8 @@ class Doctor:
             # clean audited run is also the outputs; one it stopped is rerun unaudited for them.
             audited = self.run(reqs, name, audit=True)
             res = audited if audited.audit is None else self.run(reqs, name)
-            settings[name] = {"diverged": compare(res, ref, self.tol, self._basis), "error": res.error, "audit": audited.audit}
+            settings[name] = {"diverged": compare(res, ref, self.tol, self._basis), "error": res.error,
+                              "audit": audited.audit}
         def broken(name):
             s = settings[name]
             return bool(s["diverged"] or s["error"] or s["audit"])
@@ -267,7 +268,8 @@ class Doctor:
             conclusion, blamed = "sharing logic", "configured"
         else:
             conclusion, blamed = "no contamination found", None
-        report = {"requests": len(reqs), "comparison": self.comparison, "settings": settings, "conclusion": conclusion, "blamed_setting": blamed,
+        report = {"requests": len(reqs), "comparison": self.comparison, "settings": settings,
+                  "conclusion": conclusion, "blamed_setting": blamed,
                   "repro": None}
         if blamed is not None:
             s = settings[blamed]
