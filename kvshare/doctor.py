@@ -14,6 +14,15 @@ setting is rerun with the audit on, to name the broken invariant and block, and 
 smallest set of requests (one, else a pair) that still diverges, written as JSONL to the path the
 user names or else to a new temporary file (never into the current directory).
 
+How equal is equal: a target that reports itself bit-transparent (no gaps in
+`Target.transparency()`: for the engine, the default mode with token rows, where a request's
+tokens and logprobs are the same bits alone, batched, on a prefix hit, however chunked) is held
+to exact equality: a logprob one ulp off diverges, as a cached block's K one ulp off would show
+nowhere else (planted fault h). A target with gaps (the exact mode, dense weights, tensor
+parallel: kvshare.engine.model_setup.transparency_gaps) may differ by rounding wherever it shares,
+so there logprobs within DEFAULT_TOL are called equal; the report names the gaps either way.
+`--logprob-tol` overrides both.
+
 The doctor drives a Target (kvshare.doctor_target): today the engine in this process.
 """
 from __future__ import annotations
@@ -29,6 +38,9 @@ from kvshare.sampling_params import SamplingParams
 
 _PARAM_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n", "ignore_eos", "cache_salt",
                  "min_tokens", "stop_token_ids")
+# Logprobs within this are called equal on a target that is not bit-transparent: rounding that
+# follows the batch, the cache or the chunking stays well below it (docs/transparency.md).
+DEFAULT_TOL = 2e-3
 _FIELDS = {"id", "prompt", "prompt_token_ids", "delay_steps", "abort_after_steps", *_PARAM_FIELDS}
 
 
@@ -175,8 +187,9 @@ def _run_group(target: Target, group, res: RunResult, ignore_delays: bool) -> No
         steps += 1
 
 
-def compare(run: RunResult, ref: RunResult, tol: float) -> dict[str, str]:
-    """Request id -> how it diverged (requests aborted in either run are not compared)."""
+def compare(run: RunResult, ref: RunResult, tol: float, basis: str | None = None) -> dict[str, str]:
+    """Request id -> how it diverged (requests aborted in either run are not compared). tol 0:
+    exact equality (any logprob difference diverges); `basis` says why, in the message."""
     bad: dict[str, str] = {}
     for key, (toks, lps) in ref.outputs.items():
         rid, idx = key
@@ -195,14 +208,36 @@ def compare(run: RunResult, ref: RunResult, tol: float) -> dict[str, str]:
             continue
         delta = max((abs(a - b) for a, b in zip(gl, lps)), default=0.0)
         if delta > tol:
-            bad[rid] = f"choice {idx}: logprobs differ by up to {delta:.2e} (tolerance {tol:.0e})"
+            rule = f"tolerance {tol:.0e}" if tol else "exact equality required"
+            bad[rid] = f"choice {idx}: logprobs differ by up to {delta:.2e} ({rule}{': ' + basis if basis else ''})"
     return bad
 
 
+def comparison(target: Target, tol: float | None = None) -> dict:
+    """How the doctor compares on `target`: the logprob tolerance (0: exact equality), why, and
+    the target's transparency gaps (None: it does not say)."""
+    ask = getattr(target, "transparency", None)
+    gaps = ask() if ask is not None else None
+    gaps = None if gaps is None else list(gaps)
+    if tol is not None:
+        why = f"logprob tolerance {tol:g} set by the user" if tol else "exact equality set by the user"
+    elif gaps is None:
+        tol, why = DEFAULT_TOL, "the target does not say whether it is bit-transparent"
+    elif gaps:
+        tol, why = DEFAULT_TOL, "the engine is not bit-transparent: " + "; ".join(gaps)
+    else:
+        tol, why = 0.0, "the engine is bit-transparent"
+    return {"tolerance": tol, "exact": tol == 0, "why": why, "transparency_gaps": gaps}
+
+
 class Doctor:
-    def __init__(self, target: Target, tol: float = 2e-3) -> None:
+    def __init__(self, target: Target, tol: float | None = None) -> None:
+        """tol None: exact equality when the target reports no transparency gaps, else DEFAULT_TOL."""
         self.target = target
-        self.tol = tol
+        self.comparison = comparison(target, tol)
+        self.tol = self.comparison["tolerance"]
+        # A divergence message's reason (exact equality's: the why; a tolerance's speaks for itself).
+        self._basis = self.comparison["why"] if self.tol == 0 else None
 
     def run(self, reqs: list[DoctorRequest], setting: str, audit: bool = False) -> RunResult:
         self.target.reset(sharing=setting == "configured", audit=audit)
@@ -221,7 +256,8 @@ class Doctor:
             # clean audited run is also the outputs; one it stopped is rerun unaudited for them.
             audited = self.run(reqs, name, audit=True)
             res = audited if audited.audit is None else self.run(reqs, name)
-            settings[name] = {"diverged": compare(res, ref, self.tol), "error": res.error, "audit": audited.audit}
+            settings[name] = {"diverged": compare(res, ref, self.tol, self._basis), "error": res.error,
+                              "audit": audited.audit}
         def broken(name):
             s = settings[name]
             return bool(s["diverged"] or s["error"] or s["audit"])
@@ -232,7 +268,8 @@ class Doctor:
             conclusion, blamed = "sharing logic", "configured"
         else:
             conclusion, blamed = "no contamination found", None
-        report = {"requests": len(reqs), "settings": settings, "conclusion": conclusion, "blamed_setting": blamed,
+        report = {"requests": len(reqs), "comparison": self.comparison, "settings": settings,
+                  "conclusion": conclusion, "blamed_setting": blamed,
                   "repro": None}
         if blamed is not None:
             s = settings[blamed]
@@ -266,7 +303,7 @@ class Doctor:
         ids = {r.id for r in subset}
         sub_ref = RunResult({k: v for k, v in ref.outputs.items() if k[0] in ids}, ref.aborted)
         res = self.run(subset, setting)
-        return bool(res.error or compare(res, sub_ref, self.tol))
+        return bool(res.error or compare(res, sub_ref, self.tol, self._basis))
 
 
 def _write_repro(repro: list[DoctorRequest], path: str | None) -> str:
@@ -293,6 +330,10 @@ def _audit_request(audit: dict | None, reqs: list[DoctorRequest]) -> str | None:
 
 def format_report(report: dict) -> str:
     lines = [f"kvshare doctor: {report['requests']} requests, three settings compared"]
+    c = report.get("comparison")
+    if c is not None:
+        rule = "exact equality" if c["exact"] else f"logprobs within {c['tolerance']:g}"
+        lines.append(f"  compared by {rule}: {c['why']}")
     names = {"configured": "(a) as configured", "sharing_off": "(b) sharing off"}
     for name, s in report["settings"].items():
         status = "matches" if not s["diverged"] and not s["error"] else "DIVERGES"

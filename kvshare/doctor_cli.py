@@ -16,7 +16,9 @@ def add_doctor_parsers(sub) -> None:
                         "cache_salt, delay_steps, abort_after_steps (default: a built-in shared-prefix workload)")
     d.add_argument("--repro-out", default=None, metavar="PATH",
                    help="where the minimal repro is written (default: a new temporary file, its path printed)")
-    d.add_argument("--logprob-tol", type=float, default=2e-3, help="largest logprob difference still called equal")
+    d.add_argument("--logprob-tol", "--tolerance", dest="logprob_tol", type=float, default=None, metavar="TOL",
+                   help="largest logprob difference still called equal (default: 0, exact equality, when the engine "
+                        "is bit-transparent, as the default mode is; else 2e-3; the report says which and why)")
     d.add_argument("--json", action="store_true")
     # Test-only: plant a known bug class (kvshare.testing.faults) to prove the doctor finds it;
     # refused without KVSHARE_TESTING=1 (kvshare.testing.environment).
@@ -48,6 +50,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         if f not in FAULTS:
             print(f"error: --inject-fault {f!r} is unknown; known: {sorted(FAULTS)}", file=sys.stderr)
             return 2
+    if args.logprob_tol is not None and not args.logprob_tol >= 0:
+        print(f"error: --logprob-tol {args.logprob_tol} must be >= 0", file=sys.stderr)
+        return 2
     try:
         config = EngineConfig.from_kwargs(**engine_options(args))
         doctor = Doctor(InProcessTarget(config, args.inject_fault), args.logprob_tol)

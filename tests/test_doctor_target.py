@@ -1,10 +1,12 @@
 """`kvshare doctor` over a Target (kvshare.doctor_target), model-free: a fake target whose one
 request is changed by another when sharing is on. The doctor blames sharing, shrinks to the
 pair, and writes the repro where the user says or else to a temporary file it names: never into
-the current directory."""
+the current directory. A target that reports itself bit-transparent is compared exactly: one ulp
+diverges; one with transparency gaps, or that does not say, within the tolerance, named in the report."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 
@@ -12,7 +14,7 @@ import pytest
 
 import kvshare.doctor_target
 from kvshare.cli import main
-from kvshare.doctor import Doctor, format_report, parse_request
+from kvshare.doctor import DEFAULT_TOL, Doctor, compare, format_report, parse_request, RunResult
 from kvshare.doctor_target import Choice, Finished
 
 
@@ -21,8 +23,8 @@ class LeakyTarget:
     with sharing on, "victim" finishing while "culprit" was submitted in the same run gets
     different logprobs (what a wrongly shared block would do)."""
 
-    def __init__(self, leaky: bool = True, ticks: int = 2) -> None:
-        self.leaky, self.ticks = leaky, ticks
+    def __init__(self, leaky: bool = True, ticks: int = 2, ulp: bool = False) -> None:
+        self.leaky, self.ticks, self.ulp = leaky, ticks, ulp  # ulp: the leak is one ulp, not 0.5
         self.runs: list[tuple[bool, bool]] = []
         self.sharing = False
 
@@ -54,7 +56,8 @@ class LeakyTarget:
                 prompt, params, _ = self.live.pop(rid)
                 toks = [(sum(prompt) + i) % 97 for i in range(params.max_tokens)]
                 shift = 0.5 if self.leaky and self.sharing and rid == "victim" and "culprit" in self.seen else 0.0
-                done.append(Finished(rid, [Choice(0, toks, [-1.0 - shift] * len(toks))]))
+                lp = math.nextafter(-1.0, -2.0) if shift and self.ulp else -1.0 - shift
+                done.append(Finished(rid, [Choice(0, toks, [lp] * len(toks))]))
         return done
 
 
@@ -111,3 +114,49 @@ def test_the_cli_writes_the_repro_where_named_or_to_a_printed_temporary_file(tmp
     assert len(written) == 1 and f"written to {written[0]}" in out
     assert [json.loads(line)["id"] for line in written[0].read_text().splitlines()] == ["culprit", "victim"]
     assert os.listdir(workdir) == [] and os.listdir(tmpdir) == ([] if named else [written[0].name])
+
+
+class ReportingTarget(LeakyTarget):
+    """A LeakyTarget that says how transparent it is; its leak is one ulp of a logprob."""
+
+    def __init__(self, gaps: tuple[str, ...], **kw) -> None:
+        super().__init__(ulp=True, **kw)
+        self.gaps = gaps
+
+    def transparency(self) -> tuple[str, ...]:
+        return self.gaps
+
+
+def test_a_bit_transparent_target_is_compared_exactly_and_one_ulp_diverges():
+    report = Doctor(ReportingTarget(())).diagnose(requests())
+    assert report["comparison"] == {"tolerance": 0.0, "exact": True, "why": "the engine is bit-transparent",
+                                    "transparency_gaps": []}
+    assert report["conclusion"] == "sharing logic" and list(report["settings"]["configured"]["diverged"]) == ["victim"]
+    why = report["settings"]["configured"]["diverged"]["victim"]
+    assert "exact equality required: the engine is bit-transparent" in why, why
+    assert "compared by exact equality: the engine is bit-transparent" in format_report(report)
+    os.unlink(report["repro"]["path"])
+    assert Doctor(ReportingTarget((), leaky=False)).diagnose(requests())["conclusion"] == "no contamination found"
+
+
+@pytest.mark.parametrize("gaps", [("exact mode: prompt rows on dense GEMMs", "dense weights"), None])
+def test_a_target_with_gaps_or_silent_is_compared_within_the_tolerance(gaps):
+    # None: a target without transparency(), so the doctor cannot know.
+    target = ReportingTarget(gaps) if gaps is not None else LeakyTarget(ulp=True)
+    report = Doctor(target).diagnose(requests())
+    c = report["comparison"]
+    assert c["tolerance"] == DEFAULT_TOL and not c["exact"] and c["transparency_gaps"] == (list(gaps) if gaps else None)
+    assert report["conclusion"] == "no contamination found"  # one ulp hides under any tolerance
+    if gaps:
+        assert "; ".join(gaps) in c["why"] and "; ".join(gaps) in format_report(report)
+    # The user's tolerance wins either way: 0 catches the ulp.
+    strict = Doctor(ReportingTarget(gaps or ()), tol=0).diagnose(requests())
+    assert strict["comparison"]["why"] == "exact equality set by the user" and strict["conclusion"] == "sharing logic"
+    os.unlink(strict["repro"]["path"])
+
+
+def test_compare_with_tolerance_0_flags_one_ulp():
+    ref = RunResult({("r", 0): ([1, 2], [-0.5, -1.0])})
+    run = RunResult({("r", 0): ([1, 2], [-0.5, math.nextafter(-1.0, 0.0)])})
+    assert compare(run, ref, 2e-3) == {}
+    assert "exact equality required" in compare(run, ref, 0.0)["r"]

@@ -14,8 +14,15 @@ does harm on a hybrid engine (Gemma 3) as on a single-group one.
   hit_before_written     (g) blocks are published when their last token is sampled, before its
                              KV is computed: a request that finished on that token leaves a
                              cached block with an unwritten slot for the next turn to hit
+  cached_k_one_ulp       (h) a block published to the prefix cache has one element of its K, in
+                             one layer, moved by one unit in the last place before anyone hits
+                             it (a stray write, a bad copy): every invariant holds, only bits
+                             change, so the audit cannot see it; only an exact comparison can
+                             (`kvshare doctor` on a bit-transparent engine), any tolerance hides it
 """
 from __future__ import annotations
+
+import torch
 
 from kvshare.kvcache.cache_key import DEFAULT_NAMESPACE
 from kvshare.testing.environment import require_testing
@@ -23,7 +30,10 @@ from kvshare.testing.environment import require_testing
 FAULTS = {
     "share_without_incref": "a", "no_copy_on_write": "b", "abort_ignores_refcount": "c",
     "evict_held_block": "d", "lookup_ignores_salt": "e", "slot_off_by_one": "f", "hit_before_written": "g",
+    "cached_k_one_ulp": "h",
 }
+# Faults that break no bookkeeping invariant, only a block's bits: the audit is blind to them.
+NUMERIC_FAULTS = frozenset({"cached_k_one_ulp"})
 
 
 def plant(engine, fault: str) -> None:
@@ -164,3 +174,33 @@ def _hit_before_written(engine) -> None:
         append(seq, res, now)
 
     engine._append_token = buggy_append
+
+
+def _cached_k_one_ulp(engine) -> None:
+    pool = engine.manager.pool
+    publish = pool.publish
+    bs = engine.manager.block_size
+    corrupted: dict[int, bytes] = {}  # block id -> the hash it was cached under when changed
+
+    def buggy_publish(block, block_hash, token_ids, parent_hash=None):
+        publish(block, block_hash, token_ids, parent_hash)
+        if pool.cached.get(block_hash) != block.block_id:
+            return  # an identical block was cached already: this one stays private
+        if any(pool.cached.get(h) == b for b, h in corrupted.items()):
+            return  # one changed block in the cache at a time (a reset or eviction clears it)
+        corrupted.clear()
+        corrupted[block.block_id] = block_hash
+        # The last storage slot (the last layer of the block's group), K, kv head 0: a change
+        # that reaches the logits through one attention only; the element of largest magnitude,
+        # so its ulp is one that matters to the scores.
+        last = engine.kv_cache.data.shape[0] - 1
+        k = engine.kv_cache.data[last, 0, 0, block.block_id * bs:(block.block_id + 1) * bs]
+        flat = k.view(-1)  # a view: the change lands in the cache itself
+        i = int(flat.float().abs().argmax())
+        # The next representable value away from zero: the bit pattern + 1 (bfloat16, float16,
+        # float32 alike; an int8 or fp8 cache moves by one code).
+        bits = flat[i:i + 1].view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[flat.element_size()])
+        bits += 1
+        _fired(engine, [block.block_id])
+
+    pool.publish = buggy_publish
