@@ -60,23 +60,39 @@ def bundled_other_dtype(bundled):
 
 
 def _compare(llm, prompts, params, together: bool):
-    """(prompts decoded identically, worst logprob gap up to the first differing token),
-    fused against step-by-step."""
+    """(prompts decoded identically, worst logprob gap up to the first differing token), decode
+    steps fused against step-by-step. In the default mode prompt rows are token rows and take
+    the fused path too (issue 28): both runs prefill on it, in one step, and differ from the
+    first decode step on, so what is compared is the decode rows' path, as before token rows."""
     fused = llm.engine.model.fused_decode
 
-    def run():
+    def generate(batch: list, decode_fused: bool) -> list:
+        engine, done = llm.engine, {}
+        for i, p in enumerate(batch):
+            engine.add_request(str(i), p, params)
+        first = engine.step()  # every prompt prefilled, its first token sampled
+        assert sorted(o.request_id for o in first) == [str(i) for i in range(len(batch))], "prefill took >1 step"
+        fused.enabled = decode_fused
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    done[o.request_id] = o
+        fused.enabled = True
+        return [done[str(i)] for i in range(len(batch))]
+
+    def run(decode_fused: bool):
         if together:
-            return llm.generate(prompts, params, use_tqdm=False)
-        return [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+            return generate(prompts, decode_fused)
+        return [generate([p], decode_fused)[0] for p in prompts]
 
     calls = _count_fused_calls(fused)
     try:
-        got = run()
-        assert calls[0] > 0, "the fused path never ran"
-        fused.enabled = False
+        got = run(True)
+        n_prefill = 1 if together else len(prompts)
+        assert calls[0] > n_prefill, "the fused path never ran a decode step"
         n_before = calls[0]
-        ref = run()
-        assert calls[0] == n_before, "the reference run took the fused path"
+        ref = run(False)
+        assert calls[0] == n_before + n_prefill, "the reference run took the fused path for a decode step"
     finally:
         fused.enabled = True
         del fused.run  # back to the class's method
