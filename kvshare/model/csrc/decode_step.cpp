@@ -17,7 +17,11 @@
 // op's output, as torch computes a bfloat16 op in float32 and rounds once), and attention reads
 // bfloat16 queries as it does there: so a decode row gets nearly the same numbers whichever path
 // its step takes. What differs is float32's last bit in the norm's sum (summed in double here, in
-// torch's vectorized order there) and in SiLU's exp, which now and then flips a bfloat16 rounding.
+// 16 lanes in a fixed order; in torch's vectorized order there) and in SiLU's exp (a polynomial of
+// our own here, torch's there), which now and then flips a bfloat16 rounding.
+//
+// Rows: with token rows (the default mode's rows) a prompt's rows come here too, M up to thousands; a row's
+// values never depend on M, its neighbours or the thread count (see "The element-wise work").
 //
 // Scope (the Python side, kvshare/model/fused_decode.py, sends nothing else here): float32 or
 // bfloat16 activations (hidden state, norms and biases handed over as float32); weights as
