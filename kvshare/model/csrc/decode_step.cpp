@@ -86,9 +86,13 @@ struct Model {
 #define DEC_X86 0
 #endif
 
-// Rows per call below which the element-wise passes stay on the calling thread (waking the pool
-// costs more than a few rows' work; decode at M = 1 must not pay it). Only speed depends on it.
-constexpr int64_t kParallelRows = 4;
+// Rows per call from which the element-wise passes are spread over the threads (whole rows per
+// thread; only speed depends on it). Off for now: on the shared 2-core test machine (load ~10) the
+// four extra fork/joins per layer cost more than they saved (kvs_decode_layers at M = 512, two
+// threads: 1.2-1.6x old's time with them, 0.81x without; one thread: 0.89-0.94x either way). On a
+// quiet machine a value like 64 may pay: measure there before lowering it. Decode at M = 1 never
+// pays it.
+constexpr int64_t kParallelRows = INT64_MAX;
 
 template <class F>
 static void for_rows(int64_t M, int num_threads, const F& f) {
