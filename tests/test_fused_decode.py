@@ -267,3 +267,128 @@ def test_bad_indices_are_refused_before_anything_is_written(bundled, bad):
     with pytest.raises(ValueError, match="out of range"):
         model.fused_decode.run(h, cos, sin, meta, cache)
     assert torch.equal(cache.data, before)
+
+
+# ---------------------------------------------------------------------------------------------
+# A row's bits do not depend on M, on its neighbours, on the thread count or on the code path
+# ---------------------------------------------------------------------------------------------
+
+def _token_rows(model, cache, seed: int, M: int):
+    """M rows of 4 sequences, interleaved, as token rows hand them over: sequence s has a prefix
+    already cached (random K/V) and its next positions as rows of this call, each row with its
+    own slot, block table and context length (position + 1), so a row reads the K/V that the
+    rows before it in its sequence write in the same call."""
+    g = torch.Generator().manual_seed(seed)
+    bs = cache.block_size
+    seqs = 4
+    prefix = torch.randint(0, 3 * bs, (seqs,), generator=g).tolist()
+    owner = torch.randint(0, seqs, (M,), generator=g).tolist()  # which sequence each row continues
+    count = [owner.count(s) for s in range(seqs)]
+    blocks_per_seq = [-(-(prefix[s] + count[s]) // bs) for s in range(seqs)]
+    max_blocks = max(blocks_per_seq)
+    ids = torch.randperm(cache.num_blocks, generator=g)[:sum(blocks_per_seq)].tolist()
+    tables = torch.zeros(seqs, max_blocks, dtype=torch.long)
+    for s in range(seqs):
+        start = sum(blocks_per_seq[:s])
+        tables[s, :blocks_per_seq[s]] = torch.tensor(ids[start:start + blocks_per_seq[s]])
+    nxt = list(prefix)
+    pos = []
+    for s in owner:
+        pos.append(nxt[s])
+        nxt[s] += 1
+    pos_t = torch.tensor(pos)
+    row_tables = tables[owner]
+    slots = row_tables.gather(1, (pos_t // bs).unsqueeze(1)).squeeze(1) * bs + pos_t % bs
+    meta = AttentionMetadata(slot_mapping=slots, num_decode=M, decode_block_tables=row_tables,
+                             decode_context_lens=pos_t + 1)
+    vocab = model.config.vocab_size
+    h = model.embed.rows(torch.randint(0, vocab, (M,), generator=g))
+    cos, sin = model.rotary.tables(pos_t)
+    return h, cos, sin, meta
+
+
+def _row_meta(meta, r: int):
+    return AttentionMetadata(slot_mapping=meta.slot_mapping[r:r + 1], num_decode=1,
+                             decode_block_tables=meta.decode_block_tables[r:r + 1],
+                             decode_context_lens=meta.decode_context_lens[r:r + 1])
+
+
+def _fill_cache(cache, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    cache.data.copy_(torch.randn(cache.data.shape, generator=g).to(cache.data.dtype))
+
+
+@pytest.fixture(scope="module", params=["bundled-float32", "bundled-bfloat16", "tiny-float32", "tiny-bfloat16"])
+def rows_model(request, tmp_path_factory):
+    """A model whose decode steps take the fused path: the bundled one (hidden 576, head_dim 64),
+    and a tiny Llama whose head_dim 24 leaves vector tails (RoPE's half of 12, K/V rows of 24),
+    each with float32 and bfloat16 activations (the bundled one on a bfloat16 cache, the tiny one
+    on a float32 cache)."""
+    which, dtype = request.param.split("-")
+    if which == "bundled":
+        llm = LLM(kv_cache_memory="16MiB", enable_prefix_caching=False, dtype=dtype, kv_cache_dtype="bfloat16")
+    else:
+        from gguf import GGMLQuantizationType as QT
+        from test_loader import tiny_llama, write_tiny_gguf
+
+        path = tmp_path_factory.mktemp("tiny") / "llama.gguf"
+        write_tiny_gguf(path, tiny_llama(hidden_size=96, intermediate_size=160, num_attention_heads=4,
+                                         num_key_value_heads=2), "llama", {"": QT.Q8_0})
+        llm = LLM(str(path), kv_cache_memory="4MiB", block_size=4, dtype=dtype, kv_cache_dtype="float32",
+                  enable_prefix_caching=False)
+    model, cache = llm.engine.model, llm.engine.kv_cache
+    assert model.dtype == getattr(torch, dtype)
+    probe = AttentionMetadata(slot_mapping=torch.zeros(1, dtype=torch.long), num_decode=1,
+                              decode_block_tables=torch.zeros(1, 1, dtype=torch.long),
+                              decode_context_lens=torch.ones(1, dtype=torch.long))
+    assert model.fused_decode.reason(probe, 1, cache) is None
+    return llm
+
+
+@pytest.mark.parametrize("M", [1, 3, 17, 64])
+def test_each_row_equals_the_same_row_alone(rows_model, M):
+    """kvs_decode_layers on M rows of several sequences: every row's output (and every K/V it
+    writes) equals, bit for bit, what the same row gives alone (M = 1) over the same cache
+    contents (the batched call's, which hold the K/V its earlier rows wrote); at M = 17 also with
+    one thread against two. Fails if a row's arithmetic depends on M or on its neighbours."""
+    model, cache = rows_model.engine.model, rows_model.engine.kv_cache
+    fused = model.fused_decode
+    h, cos, sin, meta = _token_rows(model, cache, seed=M, M=M)
+    _fill_cache(cache, seed=M)
+    before = cache.data.clone()
+    batched = fused.run(h.clone(), cos, sin, meta, cache)
+    after = cache.data.clone()
+    assert not torch.equal(after, before)
+    if M == 17:
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1 if threads > 1 else 2)
+            cache.data.copy_(before)
+            other = fused.run(h.clone(), cos, sin, meta, cache)
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(other, batched) and torch.equal(cache.data, after)
+    for r in range(M):
+        cache.data.copy_(after)
+        alone = fused.run(h[r:r + 1].clone(), cos[r:r + 1], sin[r:r + 1], _row_meta(meta, r), cache)
+        assert torch.equal(alone[0], batched[r]), f"row {r} of {M}"
+        assert torch.equal(cache.data, after), f"row {r} of {M} wrote other K/V alone"
+
+
+def test_portable_code_gives_the_same_bits(rows_model):
+    """The C++ step's scalar element-wise code (CPUs without AVX-512) and its AVX-512 code give
+    the same bits: outputs and K/V, on 17 rows (and at M = 1)."""
+    model, cache = rows_model.engine.model, rows_model.engine.kv_cache
+    fused = model.fused_decode
+    for M in (1, 17):
+        h, cos, sin, meta = _token_rows(model, cache, seed=100 + M, M=M)
+        got = {}
+        for portable in (False, True):
+            _fill_cache(cache, seed=M)
+            fused.portable = portable
+            try:
+                got[portable] = (fused.run(h.clone(), cos, sin, meta, cache), cache.data.clone())
+            finally:
+                fused.portable = False
+        assert torch.equal(got[False][0], got[True][0]), M
+        assert torch.equal(got[False][1], got[True][1]), M

@@ -47,7 +47,7 @@ class _Model(ctypes.Structure):
     _fields_ = [("num_layers", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64),
                 ("head_dim", _i64), ("intermediate", _i64), ("slots", _i64), ("block_size", _i64),
                 ("cache_kind", _i64), ("act_bf16", _i64), ("eps", ctypes.c_double), ("scale", ctypes.c_double),
-                ("layers", ctypes.POINTER(_Layer)), ("comm", ctypes.POINTER(ShmComm))]
+                ("layers", ctypes.POINTER(_Layer)), ("comm", ctypes.POINTER(ShmComm)), ("portable", _i64)]
 
 
 def _ptr_of(t: torch.Tensor | None) -> int | None:
@@ -75,6 +75,9 @@ class FusedDecode:
         unsupported = layers if isinstance(layers, str) else None
         self.model_layers = [] if unsupported else layers
         self.enabled = True  # tests switch it off to run the step-by-step reference
+        # Tests switch it on to run the C++ step's portable scalar element-wise code where AVX-512
+        # would run (the two must give the same bits).
+        self.portable = False
         self._layers = None
         # Weights put in VNNI blocks before the kernel library loaded are confirmed (or moved back
         # to rows) once it has, and the views (which hold their pointers) built anew, before the
@@ -193,6 +196,7 @@ class FusedDecode:
         """h [rows, hidden] (embedded tokens, the model's dtype) through every layer; the last
         layer's output comes back in that dtype (in place when it is float32)."""
         view = self._model_view(kv_cache)
+        view.portable = int(self.portable)
         dtype = h.dtype
         h = h.float().contiguous()
         cos = cos.reshape(h.shape[0], -1).float().contiguous()

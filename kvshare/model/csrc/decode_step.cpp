@@ -17,13 +17,19 @@
 // op's output, as torch computes a bfloat16 op in float32 and rounds once), and attention reads
 // bfloat16 queries as it does there: so a decode row gets nearly the same numbers whichever path
 // its step takes. What differs is float32's last bit in the norm's sum (summed in double here, in
-// torch's vectorized order there) and in SiLU's exp, which now and then flips a bfloat16 rounding.
+// 16 lanes in a fixed order; in torch's vectorized order there) and in SiLU's exp (a polynomial of
+// our own here, torch's there), which now and then flips a bfloat16 rounding.
+//
+// Rows: with token rows (the default mode's rows) a prompt's rows come here too, M up to thousands; a row's
+// values never depend on M, its neighbours or the thread count (see "The element-wise work").
 //
 // Scope (the Python side, kvshare/model/fused_decode.py, sends nothing else here): float32 or
 // bfloat16 activations (hidden state, norms and biases handed over as float32); weights as
 // int8-group or int4-group codes; a float32 or bfloat16 KV cache;
 // every row a decode row with the same attention for all layers (no sliding-window layers).
 // Everything else takes the step-by-step path.
+
+#include <memory>
 
 namespace dec {
 
@@ -53,34 +59,326 @@ struct Model {
   double eps, scale;
   const Layer* layers;
   ShmComm* comm;  // tensor parallel (shm_collectives.cpp): o's and down's outputs are all-reduced; null: one rank
+  int64_t portable;  // 1: the scalar element-wise code even where AVX-512 runs (tests: both give the same bits)
 };
+
+// ---- The element-wise work, one row at a time ---------------------------------------------------
+//
+// Every row of a call is a row of its own (with token rows a prompt's rows come here too, M up to
+// thousands), so its values must not depend on M, on its neighbours, or on which thread took it:
+// each function below computes one row from that row alone, with the same operations in the same
+// order whatever the row's index, and rows are spread over threads whole (for_rows).
+//
+// Each comes twice: an AVX-512 version and a portable scalar one, which compute THE SAME VALUES
+// (tests/test_fused_decode.py checks it bitwise): the same IEEE operations per element in the same
+// order. Hence: a row's tail is done with masked vector ops (the same formula on fewer lanes), the
+// norm's sum goes into 16 double lanes in a fixed order in both, exp is one polynomial of our own
+// (dec::exp_s / exp_v, not std::exp), and the vector code multiplies and adds with the *_round_*
+// intrinsics, which GCC never contracts into an FMA (it may contract _mm512_mul_ps +
+// _mm512_add_ps, which would round once where the scalar code rounds twice). The scalar code has
+// no FMA to contract into: the library is built without -march (kernels/build.py).
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define DEC_X86 1
+#define DEC_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+#define DEC_INLINE inline __attribute__((always_inline))
+#else
+#define DEC_X86 0
+#endif
+
+// Rows per call from which the element-wise passes are spread over the threads (whole rows per
+// thread; only speed depends on it). Off for now: on the shared 2-core test machine (load ~10) the
+// four extra fork/joins per layer cost more than they saved (kvs_decode_layers at M = 512, two
+// threads: 1.2-1.6x old's time with them, 0.81x without; one thread: 0.89-0.94x either way). On a
+// quiet machine a value like 64 may pay: measure there before lowering it. Decode at M = 1 never
+// pays it.
+constexpr int64_t kParallelRows = INT64_MAX;
+
+template <class F>
+static void for_rows(int64_t M, int num_threads, const F& f) {
+  if (num_threads > 1 && M >= kParallelRows) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t r = 0; r < M; ++r) f(r);
+  } else {
+    for (int64_t r = 0; r < M; ++r) f(r);
+  }
+}
+
+static bool has_avx512() {
+#if DEC_X86
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// exp's constants (Cephes' expf): x = n ln2 + r with ln2 split in two so n * kC1 is exact.
+constexpr float kLog2e = 1.44269504088896341f, kC1 = 0.693359375f, kC2 = -2.12194440e-4f;
+constexpr float kP0 = 1.9875691500e-4f, kP1 = 1.3981999507e-3f, kP2 = 8.3334519073e-3f, kP3 = 4.1665795894e-2f,
+                kP4 = 1.6666665459e-1f, kP5 = 5.0000001201e-1f;
+// x is clamped to +-87 so that 2^n (|n| <= 126) is a normal float built from its bits in both
+// versions: exp(-87) is far below what 1 + exp(-x) or a bfloat16 SiLU output can resolve.
+constexpr float kExpLimit = 87.f;
+
+// _mm512_max_ps / _mm512_min_ps semantics (the second operand when either is NaN).
+static inline float max_s(float a, float b) { return a > b ? a : b; }
+static inline float min_s(float a, float b) { return a < b ? a : b; }
 
 // Round to bfloat16 and back (what storing a float32 result in a bfloat16 tensor does).
 static inline float rb(float f) { return qmm::bf16_to_f32(qmm::f32_to_bf16(f)); }
 
-static void round_all(float* x, int64_t n, bool bf) {
-  if (bf)
-    for (int64_t i = 0; i < n; ++i) x[i] = rb(x[i]);
+static inline float exp_s(float x) {
+  x = min_s(max_s(x, -kExpLimit), kExpLimit);
+  const float n = std::nearbyint(x * kLog2e);  // to nearest even, as roundscale below
+  float r = x - n * kC1;
+  r = r - n * kC2;
+  float p = kP0;
+  p = p * r + kP1;
+  p = p * r + kP2;
+  p = p * r + kP3;
+  p = p * r + kP4;
+  p = p * r + kP5;
+  const float r2 = r * r;
+  p = p * r2 + (r + 1.f);
+  const uint32_t bits = uint32_t(int32_t(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
 }
 
-// float32: x * inv * w in one pass (F.rms_norm). bfloat16: the normalized row is rounded, then
-// multiplied by the weight and rounded again (layers.rms_norm's two ops).
-static void rms_norm(const float* x, const float* w, int64_t M, int64_t D, double eps, float* out, bool bf) {
-  for (int64_t m = 0; m < M; ++m) {
-    const float* r = x + m * D;
-    double ss = 0.0;
-    for (int64_t d = 0; d < D; ++d) ss += double(r[d]) * double(r[d]);
-    const float inv = float(1.0 / std::sqrt(ss / double(D) + eps));
-    float* o = out + m * D;
-    if (bf)
-      for (int64_t d = 0; d < D; ++d) o[d] = rb(w[d] * rb(r[d] * inv));
-    else
-      for (int64_t d = 0; d < D; ++d) o[d] = r[d] * inv * w[d];
+// Scalar versions (the reference; the AVX-512 ones below mirror them op for op).
+
+// Sum of squares of r[0..D) in double, element d in lane d % 16, lanes folded 16 -> 8 -> 4 -> 2 -> 1
+// (each product is exact in double; only the additions round, in this fixed order).
+static double sum_squares_s(const float* r, int64_t D) {
+  double acc[16] = {0};
+  for (int64_t d = 0; d < D; ++d) acc[d % 16] += double(r[d]) * double(r[d]);
+  for (int w = 8; w >= 1; w /= 2)
+    for (int i = 0; i < w; ++i) acc[i] = acc[i] + acc[i + w];
+  return acc[0];
+}
+
+static inline float inv_rms(double ss, int64_t D, double eps) { return float(1.0 / std::sqrt(ss / double(D) + eps)); }
+
+// float32: x * inv * w (F.rms_norm). bfloat16: the normalized row is rounded, then multiplied by
+// the weight and rounded again (layers.rms_norm's two ops).
+static void norm_row_s(const float* r, const float* w, int64_t D, double eps, float* o, bool bf) {
+  const float inv = inv_rms(sum_squares_s(r, D), D, eps);
+  for (int64_t d = 0; d < D; ++d) o[d] = bf ? rb(w[d] * rb(r[d] * inv)) : r[d] * inv * w[d];
+}
+
+// A linear's output row y [N]: rounded as its output tensor (bfloat16), plus the bias (rounded).
+static void out_row_s(float* y, const float* bias, int64_t N, bool bf) {
+  for (int64_t n = 0; n < N; ++n) {
+    float v = bf ? rb(y[n]) : y[n];
+    if (bias != nullptr) v = bf ? rb(v + bias[n]) : v + bias[n];
+    y[n] = v;
   }
 }
 
-static int linear(const Linear& L, const float* x, int64_t M, float* y, bool bf, int num_threads, char* err,
-                  int64_t err_len) {
+// x [D] <- x * cos + rotate_half(x) * signed_sin (the sign of rotate_half folded into sin);
+// bfloat16: x * cos rounded, then the addcmul rounded (RotaryEmbedding.rotate's two ops).
+static void rope_s(float* x, const float* cos, const float* ssin, int64_t D, bool bf) {
+  const int64_t half = D / 2;
+  for (int64_t d = 0; d < half; ++d) {
+    const float a = x[d], b = x[d + half];
+    const float lo = bf ? rb(rb(a * cos[d]) + b * ssin[d]) : a * cos[d] + b * ssin[d];
+    const float hi = bf ? rb(rb(b * cos[d + half]) + a * ssin[d + half]) : b * cos[d + half] + a * ssin[d + half];
+    x[d] = lo;
+    x[d + half] = hi;
+  }
+}
+
+static void to_bf16_s(const float* x, int64_t n, uint16_t* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = qmm::f32_to_bf16(x[i]);
+}
+
+static void widen_s(const uint16_t* x, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = qmm::bf16_to_f32(x[i]);
+}
+
+// h += y (y rounded first: the linear's output tensor; bfloat16: the sum rounded too).
+static void residual_s(float* h, const float* y, int64_t n, bool bf) {
+  for (int64_t i = 0; i < n; ++i) h[i] = bf ? rb(h[i] + rb(y[i])) : h[i] + y[i];
+}
+
+// a = silu(gate) * up from the gate_up output row g [2 I]; bfloat16: gate and up rounded (the
+// matmul's output), F.silu's output rounded, the product rounded.
+static void silu_row_s(const float* g, int64_t I, float* a, bool bf) {
+  for (int64_t i = 0; i < I; ++i) {
+    const float gate = bf ? rb(g[i]) : g[i], up = bf ? rb(g[I + i]) : g[I + i];
+    const float s = gate / (1.f + exp_s(-gate));
+    a[i] = bf ? rb(rb(s) * up) : s * up;
+  }
+}
+
+#if DEC_X86
+// AVX-512 versions. The *_round_* forms with _MM_FROUND_CUR_DIRECTION are the plain instructions
+// (MXCSR's rounding, as the scalar code), kept out of GCC's FMA contraction.
+#define DEC_CUR _MM_FROUND_CUR_DIRECTION
+DEC_AVX512 static DEC_INLINE __m512 vmul(__m512 a, __m512 b) { return _mm512_mul_round_ps(a, b, DEC_CUR); }
+DEC_AVX512 static DEC_INLINE __m512 vadd(__m512 a, __m512 b) { return _mm512_add_round_ps(a, b, DEC_CUR); }
+DEC_AVX512 static DEC_INLINE __m512 vsub(__m512 a, __m512 b) { return _mm512_sub_round_ps(a, b, DEC_CUR); }
+DEC_AVX512 static DEC_INLINE __m512 vdiv(__m512 a, __m512 b) { return _mm512_div_round_ps(a, b, DEC_CUR); }
+DEC_AVX512 static DEC_INLINE __m512 vset(float f) { return _mm512_set1_ps(f); }
+
+static inline __mmask16 tail_mask(int64_t remaining) {
+  return remaining >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << remaining) - 1);
+}
+DEC_AVX512 static DEC_INLINE __m512 vload(const float* p, __mmask16 k) { return _mm512_maskz_loadu_ps(k, p); }
+DEC_AVX512 static DEC_INLINE void vstore(float* p, __m512 v, __mmask16 k) { _mm512_mask_storeu_ps(p, k, v); }
+
+// qmm::f32_to_bf16's bits (round to nearest even; NaN -> 0x7fc0), in the upper half of each lane.
+DEC_AVX512 static DEC_INLINE __m512i bf16_bits_hi(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+  r = _mm512_and_si512(r, _mm512_set1_epi32(int32_t(0xffff0000u)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc00000));
+}
+DEC_AVX512 static DEC_INLINE __m512 vrb(__m512 x) { return _mm512_castsi512_ps(bf16_bits_hi(x)); }
+DEC_AVX512 static DEC_INLINE void store_bf16(uint16_t* p, __m512 x, __mmask16 k) {
+  _mm512_mask_cvtepi32_storeu_epi16(p, k, _mm512_srli_epi32(bf16_bits_hi(x), 16));
+}
+
+DEC_AVX512 static DEC_INLINE __m512 exp_v(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, vset(-kExpLimit)), vset(kExpLimit));
+  const __m512 n = _mm512_roundscale_ps(vmul(x, vset(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = vsub(x, vmul(n, vset(kC1)));
+  r = vsub(r, vmul(n, vset(kC2)));
+  __m512 p = vset(kP0);
+  p = vadd(vmul(p, r), vset(kP1));
+  p = vadd(vmul(p, r), vset(kP2));
+  p = vadd(vmul(p, r), vset(kP3));
+  p = vadd(vmul(p, r), vset(kP4));
+  p = vadd(vmul(p, r), vset(kP5));
+  const __m512 r2 = vmul(r, r);
+  p = vadd(vmul(p, r2), vadd(r, vset(1.f)));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return vmul(p, _mm512_castsi512_ps(bits));
+}
+
+// Lane d % 16 of two double accumulators (0-7, 8-15); masked-off tail lanes add exact zeros.
+// (Contraction into an FMA would not change a bit here: each product is exact in double.)
+DEC_AVX512 static double sum_squares_v(const float* r, int64_t D) {
+  __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m512 x = vload(r + d, tail_mask(D - d));
+    const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
+    const __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+    a0 = _mm512_add_pd(a0, _mm512_mul_pd(lo, lo));
+    a1 = _mm512_add_pd(a1, _mm512_mul_pd(hi, hi));
+  }
+  const __m512d s8 = _mm512_add_pd(a0, a1);
+  const __m256d s4 = _mm256_add_pd(_mm512_castpd512_pd256(s8), _mm512_extractf64x4_pd(s8, 1));
+  const __m128d s2 = _mm_add_pd(_mm256_castpd256_pd128(s4), _mm256_extractf128_pd(s4, 1));
+  return _mm_cvtsd_f64(_mm_add_sd(s2, _mm_unpackhi_pd(s2, s2)));
+}
+
+DEC_AVX512 static void norm_row_v(const float* r, const float* w, int64_t D, double eps, float* o, bool bf) {
+  const __m512 inv = vset(inv_rms(sum_squares_v(r, D), D, eps));
+  for (int64_t d = 0; d < D; d += 16) {
+    const __mmask16 k = tail_mask(D - d);
+    const __m512 x = vload(r + d, k), wv = vload(w + d, k);
+    vstore(o + d, bf ? vrb(vmul(wv, vrb(vmul(x, inv)))) : vmul(vmul(x, inv), wv), k);
+  }
+}
+
+DEC_AVX512 static void out_row_v(float* y, const float* bias, int64_t N, bool bf) {
+  for (int64_t n = 0; n < N; n += 16) {
+    const __mmask16 k = tail_mask(N - n);
+    __m512 v = vload(y + n, k);
+    if (bf) v = vrb(v);
+    if (bias != nullptr) {
+      v = vadd(v, vload(bias + n, k));
+      if (bf) v = vrb(v);
+    }
+    vstore(y + n, v, k);
+  }
+}
+
+DEC_AVX512 static void rope_v(float* x, const float* cos, const float* ssin, int64_t D, bool bf) {
+  const int64_t half = D / 2;
+  for (int64_t d = 0; d < half; d += 16) {
+    const __mmask16 k = tail_mask(half - d);
+    const __m512 a = vload(x + d, k), b = vload(x + d + half, k);
+    const __m512 cl = vload(cos + d, k), sl = vload(ssin + d, k), ch = vload(cos + d + half, k),
+                 sh = vload(ssin + d + half, k);
+    __m512 lo, hi;
+    if (bf) {
+      lo = vrb(vadd(vrb(vmul(a, cl)), vmul(b, sl)));
+      hi = vrb(vadd(vrb(vmul(b, ch)), vmul(a, sh)));
+    } else {
+      lo = vadd(vmul(a, cl), vmul(b, sl));
+      hi = vadd(vmul(b, ch), vmul(a, sh));
+    }
+    vstore(x + d, lo, k);
+    vstore(x + d + half, hi, k);
+  }
+}
+
+DEC_AVX512 static void to_bf16_v(const float* x, int64_t n, uint16_t* out) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 k = tail_mask(n - i);
+    store_bf16(out + i, vload(x + i, k), k);
+  }
+}
+
+DEC_AVX512 static void widen_v(const uint16_t* x, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 k = tail_mask(n - i);
+    const __m512i h = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, x + i));
+    vstore(out + i, _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)), k);
+  }
+}
+
+DEC_AVX512 static void residual_v(float* h, const float* y, int64_t n, bool bf) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 k = tail_mask(n - i);
+    const __m512 hv = vload(h + i, k), yv = vload(y + i, k);
+    vstore(h + i, bf ? vrb(vadd(hv, vrb(yv))) : vadd(hv, yv), k);
+  }
+}
+
+DEC_AVX512 static void silu_row_v(const float* g, int64_t I, float* a, bool bf) {
+  for (int64_t i = 0; i < I; i += 16) {
+    const __mmask16 k = tail_mask(I - i);
+    __m512 gate = vload(g + i, k), up = vload(g + I + i, k);
+    if (bf) gate = vrb(gate), up = vrb(up);
+    const __m512 neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(gate), _mm512_set1_epi32(int32_t(0x80000000u))));
+    const __m512 s = vdiv(gate, vadd(vset(1.f), exp_v(neg)));
+    vstore(a + i, bf ? vrb(vmul(vrb(s), up)) : vmul(s, up), k);
+  }
+}
+#undef DEC_CUR
+#endif  // DEC_X86
+
+// One version or the other for a whole call (simd: AVX-512 present and not turned off).
+struct Ops {
+  bool simd;
+#if DEC_X86
+#define DEC_PICK(name, ...) (simd ? name##_v(__VA_ARGS__) : name##_s(__VA_ARGS__))
+#else
+#define DEC_PICK(name, ...) name##_s(__VA_ARGS__)
+#endif
+  void norm_row(const float* r, const float* w, int64_t D, double eps, float* o, bool bf) const {
+    DEC_PICK(norm_row, r, w, D, eps, o, bf);
+  }
+  void out_row(float* y, const float* bias, int64_t N, bool bf) const { DEC_PICK(out_row, y, bias, N, bf); }
+  void rope(float* x, const float* cos, const float* ssin, int64_t D, bool bf) const {
+    DEC_PICK(rope, x, cos, ssin, D, bf);
+  }
+  void to_bf16(const float* x, int64_t n, uint16_t* out) const { DEC_PICK(to_bf16, x, n, out); }
+  void widen(const uint16_t* x, int64_t n, float* out) const { DEC_PICK(widen, x, n, out); }
+  void residual(float* h, const float* y, int64_t n, bool bf) const { DEC_PICK(residual, h, y, n, bf); }
+  void silu_row(const float* g, int64_t I, float* a, bool bf) const { DEC_PICK(silu_row, g, I, a, bf); }
+#undef DEC_PICK
+};
+
+static int linear(const Linear& L, const float* x, int64_t M, float* y, int num_threads, char* err, int64_t err_len) {
   int rc;
   if (L.kind < 1 || L.kind > 4) {
     std::snprintf(err, size_t(err_len), "unknown linear kind %lld", (long long)L.kind);
@@ -93,46 +391,31 @@ static int linear(const Linear& L, const float* x, int64_t M, float* y, bool bf,
   else
     rc = qmm::group_matmul<qmm::U4>(x, L.K, 0, static_cast<const uint8_t*>(L.q), L.scales, L.zeros, y, L.N, M, L.N,
                                     L.K, L.group, 0, num_threads, err, err_len, blocks);
-  if (rc) return rc;
-  round_all(y, M * L.N, bf);  // the matmul's output tensor
-  if (L.bias != nullptr)
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t n = 0; n < L.N; ++n) y[m * L.N + n] = bf ? rb(y[m * L.N + n] + L.bias[n]) : y[m * L.N + n] + L.bias[n];
-  return 0;
+  return rc;  // the output's rounding and the bias: out_row, per row
 }
 
-// x [D] <- x * cos + rotate_half(x) * signed_sin (the sign of rotate_half folded into sin);
-// bfloat16: x * cos rounded, then the addcmul rounded (RotaryEmbedding.rotate's two ops).
-static void rope(float* x, const float* cos, const float* ssin, int64_t D, float* tmp, bool bf) {
-  const int64_t half = D / 2;
-  for (int64_t d = 0; d < D; ++d) tmp[d] = x[d < half ? d + half : d - half];
-  if (bf)
-    for (int64_t d = 0; d < D; ++d) x[d] = rb(rb(x[d] * cos[d]) + tmp[d] * ssin[d]);
-  else
-    for (int64_t d = 0; d < D; ++d) x[d] = x[d] * cos[d] + tmp[d] * ssin[d];
-}
-
-static void write_kv(void* cache, int64_t kind, int64_t slots_per_head, int64_t D, int64_t head, int64_t slot,
-                     const float* src) {
-  const int64_t off = head * slots_per_head * D + slot * D;
-  if (kind == 0) {
-    std::memcpy(static_cast<float*>(cache) + off, src, size_t(D) * sizeof(float));
-  } else {
-    uint16_t* dst = static_cast<uint16_t*>(cache) + off;
-    for (int64_t d = 0; d < D; ++d) dst[d] = kvs::to_bf16(src[d]);
+// One row's K or V heads [KVH, D] into its slot.
+static void write_kv(const Ops& ops, void* cache, int64_t kind, int64_t slots_per_head, int64_t D, int64_t KVH,
+                     int64_t slot, const float* src) {
+  for (int64_t g = 0; g < KVH; ++g) {
+    const int64_t off = g * slots_per_head * D + slot * D;
+    if (kind == 0)
+      std::memcpy(static_cast<float*>(cache) + off, src + g * D, size_t(D) * sizeof(float));
+    else
+      ops.to_bf16(src + g * D, D, static_cast<uint16_t*>(cache) + off);
   }
 }
 
 // Tensor parallel: y [n] (a row-parallel linear's partial output, bfloat16 values when bf) becomes
 // the sum over ranks, exchanged in the dtype the step-by-step path's tensor has.
-static int all_reduce(ShmComm* comm, float* y, int64_t n, bool bf, std::vector<uint16_t>& y16, char* err,
-                      int64_t err_len) {
+static int all_reduce(const Ops& ops, ShmComm* comm, float* y, int64_t n, bool bf, std::vector<uint16_t>& y16,
+                      char* err, int64_t err_len) {
   if (comm == nullptr) return 0;
   if (!bf) return kvs_shm_allreduce_comm(comm, y, n, 0, err, err_len);
   y16.resize(size_t(n));
-  for (int64_t i = 0; i < n; ++i) y16[size_t(i)] = qmm::f32_to_bf16(y[i]);
+  ops.to_bf16(y, n, y16.data());  // y unrounded: converting rounds it as rounding first would
   if (kvs_shm_allreduce_comm(comm, y16.data(), n, 1, err, err_len)) return 1;
-  for (int64_t i = 0; i < n; ++i) y[i] = qmm::bf16_to_f32(y16[size_t(i)]);
+  ops.widen(y16.data(), n, y);
   return 0;
 }
 
@@ -179,50 +462,53 @@ extern "C" int kvs_decode_layers(const dec::Model* mp, float* h, int64_t M, cons
     }
   }
   const bool bf = m.act_bf16 != 0;
-  std::vector<float> x(size_t(M * E)), qkv(size_t(M * qkv_n)), attn(size_t(M * qs)), y(size_t(M * E)),
-      gu(size_t(M * 2 * I)), act(size_t(M * I)), tmp(static_cast<size_t>(D));
+  const dec::Ops ops{dec::has_avx512() && m.portable == 0};
+  // Scratch, not zeroed (every element is written before it is read).
+  auto buf = [](int64_t n) { return std::unique_ptr<float[]>(new float[size_t(n)]); };
+  const auto x = buf(M * E), qkv = buf(M * qkv_n), attn = buf(M * qs), y = buf(M * E), gu = buf(M * 2 * I),
+             act = buf(M * I);
   // bfloat16 activations: attention reads bfloat16 q and writes bfloat16 out, as there.
-  std::vector<uint16_t> q16(bf ? size_t(M * qs) : 0), attn16(bf ? size_t(M * qs) : 0), y16;
+  std::unique_ptr<uint16_t[]> q16(bf ? new uint16_t[size_t(M * qs)] : nullptr),
+      attn16(bf ? new uint16_t[size_t(M * qs)] : nullptr);
+  std::vector<uint16_t> y16;
+  // Each pass below is per row (dec::for_rows): a row's values come from that row alone.
+  dec::for_rows(M, num_threads, [&](int64_t r) { ops.norm_row(h + r * E, m.layers[0].in_norm, E, m.eps, x.get() + r * E, bf); });
   for (int64_t li = 0; li < m.num_layers; ++li) {
     const dec::Layer& L = m.layers[li];
-    dec::rms_norm(h, L.in_norm, M, E, m.eps, x.data(), bf);
-    if (dec::linear(L.qkv, x.data(), M, qkv.data(), bf, num_threads, err, err_len)) return 1;
-    for (int64_t r = 0; r < M; ++r) {
-      float* row = qkv.data() + r * qkv_n;
-      for (int64_t hh = 0; hh < H + KVH; ++hh)
-        dec::rope(row + hh * D, cos + r * D, ssin + r * D, D, tmp.data(), bf);
-      for (int64_t g = 0; g < KVH; ++g) {
-        dec::write_kv(L.k_cache, m.cache_kind, m.slots, D, g, slots[r], row + qs + g * D);
-        dec::write_kv(L.v_cache, m.cache_kind, m.slots, D, g, slots[r], row + qs + kvs_ + g * D);
-      }
-      if (bf)
-        for (int64_t i = 0; i < qs; ++i) q16[size_t(r * qs + i)] = qmm::f32_to_bf16(row[i]);
-    }
-    const void* q_in = bf ? static_cast<const void*>(q16.data()) : static_cast<const void*>(qkv.data());
-    void* a_out = bf ? static_cast<void*>(attn16.data()) : static_cast<void*>(attn.data());
+    if (dec::linear(L.qkv, x.get(), M, qkv.get(), num_threads, err, err_len)) return 1;
+    dec::for_rows(M, num_threads, [&](int64_t r) {
+      float* row = qkv.get() + r * qkv_n;
+      ops.out_row(row, L.qkv.bias, qkv_n, bf);
+      for (int64_t hh = 0; hh < H + KVH; ++hh) ops.rope(row + hh * D, cos + r * D, ssin + r * D, D, bf);
+      dec::write_kv(ops, L.k_cache, m.cache_kind, m.slots, D, KVH, slots[r], row + qs);
+      dec::write_kv(ops, L.v_cache, m.cache_kind, m.slots, D, KVH, slots[r], row + qs + kvs_);
+      if (bf) ops.to_bf16(row, qs, q16.get() + r * qs);
+    });
+    const void* q_in = bf ? static_cast<const void*>(q16.get()) : static_cast<const void*>(qkv.get());
+    void* a_out = bf ? static_cast<void*>(attn16.get()) : static_cast<void*>(attn.get());
     if (kvs_paged_decode_attention(q_in, bf ? qs : qkv_n, D, bf ? 1 : 0, L.k_cache, m.slots * D, D, L.v_cache,
                                    m.slots * D, D, int(m.cache_kind), nullptr, 0, nullptr, 0, tables, max_blocks, ctx,
                                    nullptr, nullptr, a_out, qs, D, M, H, KVH, D, m.block_size, num_blocks, m.scale, 0,
                                    num_threads, err, err_len))
       return 1;
-    if (bf)
-      for (int64_t i = 0; i < M * qs; ++i) attn[size_t(i)] = qmm::bf16_to_f32(attn16[size_t(i)]);
-    if (dec::linear(L.o, attn.data(), M, y.data(), bf, num_threads, err, err_len)) return 1;
-    if (dec::all_reduce(m.comm, y.data(), M * E, bf, y16, err, err_len)) return 1;
-    for (int64_t i = 0; i < M * E; ++i) h[i] = bf ? dec::rb(h[i] + y[i]) : h[i] + y[i];
-    dec::rms_norm(h, L.post_norm, M, E, m.eps, x.data(), bf);
-    if (dec::linear(L.gate_up, x.data(), M, gu.data(), bf, num_threads, err, err_len)) return 1;
-    for (int64_t r = 0; r < M; ++r) {
-      const float* g = gu.data() + r * 2 * I;
-      float* a = act.data() + r * I;
-      if (bf)  // F.silu(gate) rounded, then * up rounded
-        for (int64_t i = 0; i < I; ++i) a[i] = dec::rb(dec::rb(g[i] / (1.0f + std::exp(-g[i]))) * g[I + i]);
-      else
-        for (int64_t i = 0; i < I; ++i) a[i] = g[i] / (1.0f + std::exp(-g[i])) * g[I + i];
-    }
-    if (dec::linear(L.down, act.data(), M, y.data(), bf, num_threads, err, err_len)) return 1;
-    if (dec::all_reduce(m.comm, y.data(), M * E, bf, y16, err, err_len)) return 1;
-    for (int64_t i = 0; i < M * E; ++i) h[i] = bf ? dec::rb(h[i] + y[i]) : h[i] + y[i];
+    if (bf) dec::for_rows(M, num_threads, [&](int64_t r) { ops.widen(attn16.get() + r * qs, qs, attn.get() + r * qs); });
+    if (dec::linear(L.o, attn.get(), M, y.get(), num_threads, err, err_len)) return 1;
+    if (dec::all_reduce(ops, m.comm, y.get(), M * E, bf, y16, err, err_len)) return 1;
+    // h += o's output (rounded: its tensor), then the post-attention norm.
+    dec::for_rows(M, num_threads, [&](int64_t r) {
+      ops.residual(h + r * E, y.get() + r * E, E, bf);
+      ops.norm_row(h + r * E, L.post_norm, E, m.eps, x.get() + r * E, bf);
+    });
+    if (dec::linear(L.gate_up, x.get(), M, gu.get(), num_threads, err, err_len)) return 1;
+    dec::for_rows(M, num_threads, [&](int64_t r) { ops.silu_row(gu.get() + r * 2 * I, I, act.get() + r * I, bf); });
+    if (dec::linear(L.down, act.get(), M, y.get(), num_threads, err, err_len)) return 1;
+    if (dec::all_reduce(ops, m.comm, y.get(), M * E, bf, y16, err, err_len)) return 1;
+    // h += down's output, then the next layer's input norm.
+    const float* next_norm = li + 1 < m.num_layers ? m.layers[li + 1].in_norm : nullptr;
+    dec::for_rows(M, num_threads, [&](int64_t r) {
+      ops.residual(h + r * E, y.get() + r * E, E, bf);
+      if (next_norm != nullptr) ops.norm_row(h + r * E, next_norm, E, m.eps, x.get() + r * E, bf);
+    });
   }
   return 0;
 }
