@@ -7,6 +7,7 @@ Run this file as a script for a timing sanity check: `python tests/test_qmatmul.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import os
 import subprocess
@@ -693,6 +694,89 @@ def test_vnni_blocks_reject_what_they_cannot_run():
         blocks.matmul(torch.randn(2, 48))
     assert qmatmul.vnni_blocks_fit(32, 64, 16) and not qmatmul.vnni_blocks_fit(20, 64, 16)
     assert not qmatmul.vnni_blocks_fit(32, 64, 4) and not qmatmul.vnni_blocks_fit(32, 1024, 512)
+
+
+def _fma32(a, b, c):
+    """float32 fma(a, b, c) (one rounding) emulated in float64, elementwise: a * b is exact in
+    float64 (both operands have at most 25 significant bits); the float64 sum's rounding error is
+    recovered (TwoSum) and decides the float32 rounding where the float64 sum lies exactly halfway
+    between two float32 values (where rounding twice could differ from rounding once)."""
+    p = a.double() * b.double()
+    c = c.double()
+    s = p + c
+    bb = s - p
+    err = (p - (s - bb)) + (c - bb)
+    r = s.float()
+    up, down = torch.nextafter(r, torch.tensor(float("inf"))), torch.nextafter(r, torch.tensor(float("-inf")))
+    half = (s - r.double()).abs() * 2 == torch.where(s >= r.double(), up.double() - r.double(),
+                                                     r.double() - down.double())
+    fix = half & (err != 0)
+    # Halfway but the exact sum is beyond: round towards it.
+    towards = torch.where((s - r.double() + err) > 0, up, down)
+    return torch.where(fix, towards, r)
+
+
+def _vnni_reference(x, codes, scales, zeros, group):
+    """The avx512-vnni path's documented arithmetic, exactly (qmatmul.cpp, "AVX-512 VNNI path"):
+    per row and group X = round(x * (32767 / max|x|)) (float32 ops, half to even), d = max|x| /
+    32767, xz = d * float(sum X); exact integer group sums I = sum X * code; then in group order
+    from acc = 0: acc = fma(float(I), scale * d, acc) and, with zeros, acc = fma(zero, xz, acc),
+    all float32. [M, N] float32. (Groups of random x, none all zero.)"""
+    m, k = x.shape
+    n, groups = codes.shape[0], k // group
+    xg = x.float().view(m, groups, group)
+    amax = xg.abs().amax(-1, keepdim=True)
+    big_x = torch.round(xg * (torch.tensor(32767.0) / amax))
+    d = (amax / 32767.0).squeeze(-1)  # [M, G] float32
+    xz = d * big_x.sum(-1)  # float32 (the sums are exact in float32: |sum| < 2^24)
+    sums = torch.einsum("mgk,ngk->mng", big_x.double(), codes.view(n, groups, group).double())  # exact
+    acc = torch.zeros(m, n)
+    for gi in range(groups):
+        sd = scales[None, :, gi] * d[:, gi, None]  # float32 product
+        acc = _fma32(sums[:, :, gi].float(), sd, acc)  # float(I): rounded to float32, as vcvtdq2ps
+        if zeros is not None:
+            acc = _fma32(zeros[None, :, gi].expand(m, n), xz[:, gi, None].expand(m, n), acc)
+    return acc
+
+
+def _ragged_blocks(fmt, seed, m, k, n, group, with_zeros, dtype):
+    """_blocks for any N: the weight padded to whole 16-row blocks (as a caller with a ragged N
+    would), the kernel told the true N. Codes, scales and zeros of the n real rows."""
+    n16 = -(-n // 16) * 16
+    (x, q, scales, zeros), blocks = _blocks(fmt, seed, m, k, n16, group, with_zeros, dtype)
+    return (x, q[:n], scales[:n], None if zeros is None else zeros[:n]), dataclasses.replace(blocks, n=n)
+
+
+@needs_vnni
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("with_zeros", [False, True], ids=["sym", "zeros"])
+@pytest.mark.parametrize("group", [32, 64])
+@pytest.mark.parametrize("n", [16, 40, 200, 576])
+def test_vnni_blocks_many_rows_bitwise_row_alone_and_documented(fmt, with_zeros, group, n):
+    """Prompt-sized calls (more than 16 rows) take another tiling than decode-sized ones (qmatmul.cpp,
+    "Many rows"), but every row's result is bit for bit what the row gives alone (M = 1, the
+    decode path), whatever M, and bit for bit the documented arithmetic (_vnni_reference: the
+    float32 epilogue in group order, its ops in order; reordering them, or the groups, changes
+    bits and fails here)."""
+    k = 576
+    (x, q, scales, zeros), blocks = _ragged_blocks(fmt, n * 7 + group + with_zeros, 1024, k, n, group, with_zeros,
+                                                   torch.float32)
+    alone = torch.cat([blocks.matmul(x[i:i + 1]) for i in range(x.shape[0])])
+    assert torch.equal(alone, _vnni_reference(x, q, scales, zeros, group))
+    for m in (1, 5, 8, 9, 17, 64, 300, 1024):
+        assert torch.equal(blocks.matmul(x[:m]), alone[:m]), m
+    # The same rows in another batch (offset, another M) and on one thread; bfloat16 x and y.
+    assert torch.equal(blocks.matmul(x[250:551]), alone[250:551])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(blocks.matmul(x[:300]), alone[:300])
+    finally:
+        torch.set_num_threads(threads)
+    xb = x[:100].bfloat16()
+    alone_b = torch.cat([blocks.matmul(xb[i:i + 1]) for i in range(100)])
+    assert torch.equal(blocks.matmul(xb), alone_b)
+    assert torch.equal(alone_b, _vnni_reference(xb, q, scales, zeros, group).bfloat16())
 
 
 def _timing(cold_bytes: float = 96e6) -> None:

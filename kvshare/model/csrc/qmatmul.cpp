@@ -45,6 +45,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #ifdef _OPENMP
@@ -726,6 +727,186 @@ static void rows_vnni(const Problem& P, int64_t n0, int64_t n1) {
   else
     rows_vnni_t<F, false>(P, n0, n1);
 }
+
+// ---- Many rows (M > kVnniTileMaxRows) --------------------------------------------------------
+// vnni_tile above keeps one block (16 outputs) against up to 8 rows: each unpacked code pair feeds
+// 8 vpdpwssd, each x pair is broadcast again for every block. Prompt-sized M goes through
+// vnni_gemm instead: a register tile of kGemmMR = 6 rows x kGemmNB = 4 blocks (24 int32
+// accumulators; per code pair 4 panel loads and 6 x pair broadcasts feed 24 vpdpwssd), the code
+// pairs of 4 blocks unpacked once per K slice (kVnniSliceCodes codes, whole groups) into a panel
+// [pairs][4][16], the float accumulators of a tile kept in a small buffer across groups and
+// slices, and work items (4 blocks x a range of rows) handed out to the threads dynamically, so
+// that N as small as 576 still keeps every thread busy. The int32 group sums are exact whatever
+// the tiling, and each (row, output) still gets
+//   acc = fma(float(I_g), scale_g * d_g, acc);  acc = fma(zero_g, xz_g, acc)
+// per group in group order from acc = 0, the same float32 ops as vnni_tile: the same bits.
+// What bounds it (Zen 5, measured): vpdpwssd and the float32 mul / fma share the two FMA pipes
+// (2 per cycle in all), so the epilogue's 3 ops per 16 vpdpwssd (g = 32) cost ~16% of the time;
+// without them the tile runs at ~80% of the vpdpwssd peak, as fast as a bf16 GEMM (vdpbf16ps, the
+// same 32 products per instruction, no epilogue). Embedded broadcasts ({1to16} memory operands)
+// instead of vpbroadcastd ran ~15% slower; K slices of 128 or 256 codes (panel in L1) slower than
+// 2048; 8 x 3, 12 x 2 and 4 x 6 tiles no faster than 6 x 4; a fully unrolled g = 32 loop no faster.
+constexpr int64_t kVnniTileMaxRows = 16;  // up to this many rows: rows_vnni_t (the decode path)
+constexpr int kGemmMR = 6, kGemmNB = 4;
+constexpr int64_t kVnniSliceCodes = 2048;
+constexpr int64_t kVnniItemRows = 192;  // rows per work item at most (a multiple of kGemmMR)
+
+// MR rows x NB blocks over groups [g0, g1): panel [pairs from g0 * g / 2][NB][16] int32 pairs; x
+// rows xr (row stride K, column 0 of the problem), facc [MR][NB][16] the float accumulators.
+// The x pairs are broadcast into a register once per row and pair (vpbroadcastd), not read by
+// each vpdpwssd as an embedded broadcast: on Zen 5 those run ~15% slower.
+template <int MR, int NB, bool ZEROS>
+QMM_VNNI static QMM_INLINE void gemm_tile(const Problem& P, const int32_t* __restrict panel,
+                                          const int16_t* __restrict xr, const float* __restrict xd,
+                                          const float* __restrict xz, const float* __restrict sb,
+                                          const float* __restrict zb, float* __restrict facc, int64_t g0, int64_t g1) {
+  const int64_t half = P.g / 2;  // code pairs per group
+  const int64_t bs = 16 * P.G;   // scales / zeros stride between blocks
+  const int64_t K = P.K, G = P.G, g = P.g;
+  for (int64_t gi = g0; gi < g1; ++gi) {
+    __m512i ia[MR][NB];
+    QMM_UNROLL for (int i = 0; i < MR; ++i) {
+      QMM_UNROLL for (int b = 0; b < NB; ++b) ia[i][b] = _mm512_setzero_si512();
+    }
+    const int32_t* pw = panel + (gi - g0) * half * NB * 16;
+    const int16_t* px = xr + gi * g;
+    for (int64_t j = 0; j < half; ++j) {
+      __m512i w[NB];
+      QMM_UNROLL for (int b = 0; b < NB; ++b) w[b] = _mm512_load_si512(pw + (j * NB + b) * 16);
+      QMM_UNROLL for (int i = 0; i < MR; ++i) {
+        int32_t xpair;  // X[2j] | X[2j + 1] << 16, read through memcpy (int16 storage)
+        std::memcpy(&xpair, px + i * K + 2 * j, sizeof xpair);
+        const __m512i xv = _mm512_set1_epi32(xpair);
+        QMM_UNROLL for (int b = 0; b < NB; ++b) ia[i][b] = dpwssd(ia[i][b], w[b], xv);
+      }
+    }
+    QMM_UNROLL for (int i = 0; i < MR; ++i) {
+      const __m512 d = _mm512_set1_ps(xd[i * G + gi]);
+      QMM_UNROLL for (int b = 0; b < NB; ++b) {
+        float* f = facc + (i * NB + b) * 16;
+        const __m512 sd = _mm512_mul_ps(_mm512_loadu_ps(sb + b * bs + gi * 16), d);
+        __m512 acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[i][b]), sd, _mm512_load_ps(f));
+        if (ZEROS) acc = _mm512_fmadd_ps(_mm512_loadu_ps(zb + b * bs + gi * 16), _mm512_set1_ps(xz[i * G + gi]), acc);
+        _mm512_store_ps(f, acc);
+      }
+    }
+  }
+}
+
+// The last r < kGemmMR rows of a range: a tile of exactly r rows.
+template <int MR, int NB, bool ZEROS>
+QMM_VNNI static void gemm_tail(int r, const Problem& P, const int32_t* panel, const int16_t* xr, const float* xd,
+                               const float* xz, const float* sb, const float* zb, float* facc, int64_t g0, int64_t g1) {
+  if constexpr (MR > 1) {
+    if (r < MR) return gemm_tail<MR - 1, NB, ZEROS>(r, P, panel, xr, xd, xz, sb, zb, facc, g0, g1);
+  }
+  gemm_tile<MR, NB, ZEROS>(P, panel, xr, xd, xz, sb, zb, facc, g0, g1);
+}
+
+// Rows [m0, m1) x NB blocks from blk: one K slice at a time (the panel unpacked), every row tile.
+template <class F, int NB, bool ZEROS>
+QMM_VNNI static void gemm_item(const Problem& P, int64_t blk, int64_t m0, int64_t m1, const __m512i* ctl,
+                               int32_t* panel, float* facc) {
+  using C = VnniCodes<F>;
+  const int64_t slice_groups = std::max<int64_t>(1, kVnniSliceCodes / P.g);
+  const int64_t lines_per_group = P.g / (2 * C::kPairsPerLine);
+  const int64_t rows = m1 - m0;
+  std::memset(facc, 0, size_t(rows * NB * 16) * sizeof(float));
+  const float* sb = P.scales + blk * 16 * P.G;
+  const float* zb = ZEROS ? P.zeros + blk * 16 * P.G : nullptr;
+  for (int64_t g0 = 0; g0 < P.G; g0 += slice_groups) {
+    const int64_t g1 = std::min(P.G, g0 + slice_groups);
+    for (int64_t c = g0 * lines_per_group; c < g1 * lines_per_group; ++c) {
+      QMM_UNROLL for (int b = 0; b < NB; ++b) {
+        const __m512i line = _mm512_loadu_si512(P.q + (blk + b) * 16 * P.q_s0 + c * 64);
+        QMM_UNROLL for (int p = 0; p < C::kPairsPerLine; ++p) {
+          const int64_t j = (c - g0 * lines_per_group) * C::kPairsPerLine + p;
+          _mm512_store_si512(panel + (j * NB + b) * 16, C::pair(line, ctl[p]));
+        }
+      }
+    }
+    int64_t m = m0;
+    for (; m + kGemmMR <= m1; m += kGemmMR)
+      gemm_tile<kGemmMR, NB, ZEROS>(P, panel, P.xq + m * P.K, P.xd + m * P.G, P.xz + m * P.G, sb, zb,
+                                    facc + (m - m0) * NB * 16, g0, g1);
+    if (m < m1)
+      gemm_tail<kGemmMR - 1, NB, ZEROS>(int(m1 - m), P, panel, P.xq + m * P.K, P.xd + m * P.G, P.xz + m * P.G, sb,
+                                        zb, facc + (m - m0) * NB * 16, g0, g1);
+  }
+  for (int64_t m = m0; m < m1; ++m) {
+    for (int b = 0; b < NB; ++b) {
+      const int64_t n0 = (blk + b) * 16;
+      const int nb = int(std::min<int64_t>(16, P.N - n0));
+      const float* f = facc + ((m - m0) * NB + b) * 16;
+      if (nb == 16 && !P.y_bf16) {
+        _mm512_storeu_ps(static_cast<float*>(P.y) + m * P.y_s0 + n0, _mm512_load_ps(f));
+      } else {
+        for (int l = 0; l < nb; ++l) store(P, m, n0 + l, f[l]);
+      }
+    }
+  }
+}
+
+// An item of nb <= kGemmNB blocks.
+template <class F, int NB, bool ZEROS>
+QMM_VNNI static void gemm_item_any(const Problem& P, int64_t blk, int nb, int64_t m0, int64_t m1, const __m512i* ctl,
+                                   int32_t* panel, float* facc) {
+  if constexpr (NB > 1) {
+    if (nb < NB) return gemm_item_any<F, NB - 1, ZEROS>(P, blk, nb, m0, m1, ctl, panel, facc);
+  }
+  gemm_item<F, NB, ZEROS>(P, blk, m0, m1, ctl, panel, facc);
+}
+
+// All of y for many rows: work items of kGemmNB blocks x a range of rows, handed out dynamically.
+template <class F, bool ZEROS>
+QMM_VNNI static void vnni_gemm_t(const Problem& P, int nt) {
+  using C = VnniCodes<F>;
+  const int64_t blocks = (P.N + 15) / 16;
+  const int64_t nchunks = (blocks + kGemmNB - 1) / kGemmNB;
+  // Rows per item: all of them (up to kVnniItemRows) when the blocks alone give every thread
+  // several items, else fewer, so that there are about 4 items per thread.
+  int64_t msplit = (P.M + kVnniItemRows - 1) / kVnniItemRows;
+  msplit = std::max<int64_t>(msplit, (4 * nt + nchunks - 1) / nchunks);
+  int64_t mrows = (P.M + msplit - 1) / msplit;
+  mrows = std::max<int64_t>(kGemmMR, (mrows + kGemmMR - 1) / kGemmMR * kGemmMR);
+  const int64_t mchunks = (P.M + mrows - 1) / mrows;
+  const int64_t items = nchunks * mchunks;
+  const int64_t slice_pairs = std::max<int64_t>(1, kVnniSliceCodes / P.g) * P.g / 2;
+  nt = int(std::max<int64_t>(1, std::min<int64_t>(nt, items)));
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nt) if (nt > 1)
+#endif
+  {
+    __m512i ctl[C::kPairsPerLine];
+    for (int p = 0; p < C::kPairsPerLine; ++p) {
+      alignas(64) int8_t c[64];
+      C::control(p, c);
+      ctl[p] = _mm512_load_si512(c);
+    }
+    std::vector<int32_t> pbuf(size_t(slice_pairs * kGemmNB * 16 + 16));
+    std::vector<float> fbuf(size_t(mrows * kGemmNB * 16 + 16));
+    int32_t* panel = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(pbuf.data()) + 63) & ~uintptr_t(63));
+    float* facc = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(fbuf.data()) + 63) & ~uintptr_t(63));
+    // Items row range fastest: consecutive items of a thread reuse the same blocks' codes.
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+    for (int64_t it = 0; it < items; ++it) {
+      const int64_t nc = it / mchunks, mc = it % mchunks;
+      const int64_t blk = nc * kGemmNB;
+      const int nb = int(std::min<int64_t>(kGemmNB, blocks - blk));
+      gemm_item_any<F, kGemmNB, ZEROS>(P, blk, nb, mc * mrows, std::min(P.M, (mc + 1) * mrows), ctl, panel, facc);
+    }
+  }
+}
+
+template <class F>
+static void vnni_gemm(const Problem& P, int nt) {
+  if (P.zeros)
+    vnni_gemm_t<F, true>(P, nt);
+  else
+    vnni_gemm_t<F, false>(P, nt);
+}
 #else
 static bool cpu_has_vnni() { return false; }
 #endif
@@ -876,12 +1057,24 @@ static int group_matmul(const void* x, int64_t x_s0, int x_bf16, const uint8_t* 
     xq.resize(size_t(M * K));
     xd.resize(size_t(M * P.G));
     xz.resize(size_t(M * P.G));
-#ifdef QMM_HAS_VNNI
-    if (!x_bf16 && group_size % 16 == 0)
-      quantize_x_avx512(static_cast<const float*>(x), x_s0, M, K, group_size, xq.data(), xd.data(), xz.data());
-    else
+    // Row by row, so many rows (a prompt) are rounded by all threads, each row as alone.
+    const int64_t qt = M >= 64 && M * K >= (int64_t(1) << 16) ? std::max(1, num_threads) : 1;
+    const int64_t G = P.G;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(int(qt)) schedule(static) if (qt > 1)
 #endif
-      quantize_x(x, x_s0, x_bf16 != 0, M, K, group_size, xq.data(), xd.data(), xz.data());
+    for (int64_t t = 0; t < qt; ++t) {
+      const int64_t m0 = M * t / qt, rows = M * (t + 1) / qt - m0;
+      const void* xr = static_cast<const char*>(x) + m0 * x_s0 * (x_bf16 ? 2 : 4);
+#ifdef QMM_HAS_VNNI
+      if (!x_bf16 && group_size % 16 == 0)
+        quantize_x_avx512(static_cast<const float*>(xr), x_s0, rows, K, group_size, xq.data() + m0 * K,
+                          xd.data() + m0 * G, xz.data() + m0 * G);
+      else
+#endif
+        quantize_x(xr, x_s0, x_bf16 != 0, rows, K, group_size, xq.data() + m0 * K, xd.data() + m0 * G,
+                   xz.data() + m0 * G);
+    }
     P.xq = xq.data();
     P.xd = xd.data();
     P.xz = xz.data();
@@ -897,6 +1090,12 @@ static int group_matmul(const void* x, int64_t x_s0, int x_bf16, const uint8_t* 
 
   // Tiny problems run on the calling thread (waking the pool costs more than they do).
   const int64_t work = M * N * K;
+#ifdef QMM_HAS_VNNI
+  if (vnni && M > kVnniTileMaxRows) {
+    vnni_gemm<F>(P, work < (int64_t(1) << 16) ? 1 : std::max(1, num_threads));
+    return 0;
+  }
+#endif
   int nt = int(std::max<int64_t>(1, std::min<int64_t>(num_threads, (N + 15) / 16)));
   if (work < (int64_t(1) << 16)) nt = 1;
   if (nt == 1) {
