@@ -1128,6 +1128,83 @@ static void task_avx2(const Problem& P, int64_t row, int64_t h, Scratch& S) {
   store_out(P, row, h, S);
 }
 
+// block_avx512 on the AVX2 path (any head_dim): the tile's K and V rows widened to float32 once
+// (exact, as ld8 / ld8_part give them), every row's queries against them, each row replaying
+// task_avx2's operations on its own tokens of the tile.
+template <typename KT>
+KVS_AVX2 static void widen_tile8(const KT* base, int64_t stride, const int64_t* slots, int tnp, int nf, int rem,
+                                 float* dst, int64_t Dp) {
+  for (int j = 0; j < tnp; ++j) {
+    const KT* p = base + slots[j] * stride;
+    float* d = dst + j * Dp;
+    for (int c = 0; c < nf; ++c) _mm256_storeu_ps(d + 8 * c, ld8(p + 8 * c));
+    if (rem) _mm256_storeu_ps(d + 8 * nf, ld8_part(p + 8 * nf, rem));
+  }
+}
+
+template <typename KT>
+static void block_avx2(const Problem& P, int64_t r0, int64_t R, int64_t h, BlockScratch& B) {
+  const int64_t G = P.G, Dp = B.Dp;
+  const int nf = int(P.D / 8), rem = int(P.D % 8);
+  for (int64_t i = 0; i < R; ++i)
+    load_q_into(P, r0 + i, h, Dp, B.qf.data() + i * G * Dp, B.acc.data() + i * G * Dp, B.m.data() + i * G,
+                B.l.data() + i * G);
+  const int64_t* ctx = P.ctx + r0;
+  const int64_t cmax = ctx[R - 1];
+  const int64_t* table = P.tables + (r0 + R - 1) * P.tbl_s0;  // the longest row's: the others' prefix
+  const KT* kb = static_cast<const KT*>(P.k) + h * P.k_s0;
+  const KT* vb = static_cast<const KT*>(P.v) + h * P.v_s0;
+  const float* ksh = P.ks ? P.ks + h * P.ks_s0 : nullptr;
+  const float* vsh = P.vs ? P.vs + h * P.vs_s0 : nullptr;
+  int64_t* slots = B.slots.data();
+  const int64_t* ident = B.ident.data();
+  const Prefetch2<float> nopf{B.kf.data(), Dp, ident, 0, 0};
+  float* s = B.s.data();
+  float* acc = B.acc.data();
+  // Queries [q0, q1) in passes of up to 3 (a query's bits do not depend on the pass width).
+  auto qk = [&](int tn, int64_t q0, int64_t q1) {
+    for (int64_t i = q0; i < q1; i += 3) {
+      const float* qf = B.qf.data() + i * Dp;
+      switch (std::min<int64_t>(3, q1 - i)) {
+        case 1: qk_avx2<float, 1>(qf, Dp, B.kf.data(), Dp, ident, tn, nf, rem, s + i * kTile, nopf); break;
+        case 2: qk_avx2<float, 2>(qf, Dp, B.kf.data(), Dp, ident, tn, nf, rem, s + i * kTile, nopf); break;
+        default: qk_avx2<float, 3>(qf, Dp, B.kf.data(), Dp, ident, tn, nf, rem, s + i * kTile, nopf); break;
+      }
+    }
+  };
+  auto pv = [&](int tn, int64_t q0, int64_t q1) {
+    for (int64_t i = q0; i < q1; i += 3) {
+      switch (std::min<int64_t>(3, q1 - i)) {
+        case 1: pv_avx2<float, 1>(acc + i * Dp, Dp, B.vf.data(), Dp, ident, tn, nf, rem, s + i * kTile, nopf); break;
+        case 2: pv_avx2<float, 2>(acc + i * Dp, Dp, B.vf.data(), Dp, ident, tn, nf, rem, s + i * kTile, nopf); break;
+        default: pv_avx2<float, 3>(acc + i * Dp, Dp, B.vf.data(), Dp, ident, tn, nf, rem, s + i * kTile, nopf); break;
+      }
+    }
+  };
+  Cursor walk;
+  int64_t first = 0;  // rows before it have seen all their positions
+  for (int64_t t0 = 0; t0 < cmax; t0 += kTile) {
+    while (ctx[first] <= t0) ++first;
+    const int tn = fill_tile(table, P.bs, cmax - t0, walk, slots);
+    int64_t full = first;  // rows [first, full) see only part of this tile
+    while (ctx[full] - t0 < tn) ++full;
+    widen_tile8<KT>(kb, P.k_s1, slots, (tn + 15) & ~15, nf, rem, B.kf.data(), Dp);
+    qk(tn, first * G, R * G);
+    widen_tile8<KT>(vb, P.v_s1, slots, tn, nf, rem, B.vf.data(), Dp);
+    for (int64_t i = first; i < R; ++i) {
+      const int tni = int(std::min<int64_t>(tn, ctx[i] - t0));
+      float* si = s + i * G * kTile;
+      apply_slot_scales(ksh, slots, tni, G, si);
+      for (int64_t g = 0; g < G; ++g)
+        softmax_tile_avx2(si + g * kTile, tni, B.m[i * G + g], B.l[i * G + g], acc + (i * G + g) * Dp, Dp);
+      apply_slot_scales(vsh, slots, tni, G, si);
+    }
+    for (int64_t i = first; i < full; ++i) pv(int(ctx[i] - t0), i * G, (i + 1) * G);
+    pv(tn, full * G, R * G);
+  }
+  for (int64_t i = 0; i < R; ++i) store_out_from(P, r0 + i, h, Dp, acc + i * G * Dp, B.l.data() + i * G);
+}
+
 // ---- Causal attention of a prompt chunk over its own keys (prefill from position 0) -------------
 // torch's CPU flash attention skips hidden keys only in whole 512-key tiles, so below 512 tokens a
 // causal chunk costs as much as a full one (5.1 ms for 512 tokens x 9 heads here, 60 GFLOP/s of
@@ -1353,6 +1430,7 @@ static BlockFn pick_block(int64_t D, int path) {
     if (nc <= 4) return &block_avx512<KT, 4, false>;
     return &block_avx512<KT, 8, false>;
   }
+  if (path >= 2 && cpu_has_avx2()) return &block_avx2<KT>;
 #endif
   (void)D;
   (void)path;
