@@ -122,12 +122,14 @@ static inline void apply_slot_scales(const float* sc, const int64_t* slots, int 
   }
 }
 
-// fp32 copy of the task's G query heads, times scale, zero padded to Dp; resets the softmax state.
-static void load_q(const Problem& P, int64_t row, int64_t h, Scratch& S) {
-  std::fill(S.qf.begin(), S.qf.end(), 0.f);
+// fp32 copy of the task's G query heads, times scale, zero padded to Dp, into qf; resets the
+// softmax state (acc, m, l).
+static void load_q_into(const Problem& P, int64_t row, int64_t h, int64_t Dp, float* qf, float* acc, float* m,
+                        float* l) {
+  std::fill(qf, qf + P.G * Dp, 0.f);
   for (int64_t g = 0; g < P.G; ++g) {
     const int64_t off = row * P.q_s0 + (h * P.G + g) * P.q_s1;
-    float* dst = S.qf.data() + g * S.Dp;
+    float* dst = qf + g * Dp;
     if (P.q_bf16) {
       const uint16_t* src = static_cast<const uint16_t*>(P.q) + off;
       for (int64_t d = 0; d < P.D; ++d) dst[d] = to_f32(src[d]) * P.scale;
@@ -136,16 +138,20 @@ static void load_q(const Problem& P, int64_t row, int64_t h, Scratch& S) {
       for (int64_t d = 0; d < P.D; ++d) dst[d] = src[d] * P.scale;
     }
   }
-  std::fill(S.acc.begin(), S.acc.end(), 0.f);
-  std::fill(S.m.begin(), S.m.end(), kNegInf);
-  std::fill(S.l.begin(), S.l.end(), 0.f);
+  std::fill(acc, acc + P.G * Dp, 0.f);
+  std::fill(m, m + P.G, kNegInf);
+  std::fill(l, l + P.G, 0.f);
 }
 
-static void store_out(const Problem& P, int64_t row, int64_t h, const Scratch& S) {
+static void load_q(const Problem& P, int64_t row, int64_t h, Scratch& S) {
+  load_q_into(P, row, h, S.Dp, S.qf.data(), S.acc.data(), S.m.data(), S.l.data());
+}
+
+static void store_out_from(const Problem& P, int64_t row, int64_t h, int64_t Dp, const float* acc, const float* ls) {
   for (int64_t g = 0; g < P.G; ++g) {
-    const float l = S.l[g];
+    const float l = ls[g];
     const float inv = l > 0.f ? 1.f / l : 0.f;  // empty context: zeros
-    const float* a = S.acc.data() + g * S.Dp;
+    const float* a = acc + g * Dp;
     const int64_t off = row * P.o_s0 + (h * P.G + g) * P.o_s1;
     if (P.q_bf16) {
       uint16_t* dst = static_cast<uint16_t*>(P.out) + off;
@@ -155,6 +161,10 @@ static void store_out(const Problem& P, int64_t row, int64_t h, const Scratch& S
       for (int64_t d = 0; d < P.D; ++d) dst[d] = a[d] * inv;
     }
   }
+}
+
+static void store_out(const Problem& P, int64_t row, int64_t h, const Scratch& S) {
+  store_out_from(P, row, h, S.Dp, S.acc.data(), S.l.data());
 }
 
 // Where a row's walk over its visible positions stands: table entry blk, offset off, text
@@ -658,6 +668,195 @@ static void task_avx512(const Problem& P, int64_t row, int64_t h, Scratch& S) {
   store_out(P, row, h, S);
 }
 
+// ---- Rows of a prompt chunk: one task walks the shared keys once for a block of rows ----------
+// With token rows a prompt chunk of T tokens arrives as T rows that share one table, with context
+// lengths start+1 .. start+T. Each row's result must stay bitwise what it is alone, so a block
+// task replays, for every row, the exact operations of task_avx512 on that row: the same tiles
+// (kTile positions from position 0), per token the same score (a token's score depends only on q
+// and its key: the same FMA chain over head_dim chunks, the same reduce4 / reduce16 tree), the same
+// softmax_tile over that row's tn tokens of the tile, and the same in-order P.V FMA chain over its
+// tn tokens. What is shared is only the loads: the tile's K and V rows are widened to float32 once
+// (exact, as ld16 does it) into per-thread scratch, and every row's queries run against them, many
+// queries per loaded key vector. Rows whose tile is cut short (the chunk's diagonal) take their own
+// P.V pass over exactly their tokens.
+struct BlockScratch {
+  int64_t Dp;
+  std::vector<float> qf, acc, s, m, l, kf, vf;
+  std::vector<uint16_t> qb, pb;
+  std::vector<int64_t> slots, ident;
+  BlockScratch(int64_t queries, int64_t Dp_)
+      : Dp(Dp_), qf(queries * Dp_), acc(queries * Dp_), s(queries * kTile), m(queries), l(queries),
+        kf(kTile * Dp_), vf(kTile * Dp_), qb(queries * Dp_), pb(queries * 2 * kTile), slots(kTile + 16),
+        ident(kTile + 16) {
+    std::iota(ident.begin(), ident.end(), int64_t(0));
+  }
+};
+
+// The tile's rows slots[0 .. tnp-1] widened to float32, head_dim zero padded to NC * 16 (what
+// ld16's masked loads give).
+template <typename KT, int NC>
+KVS_AVX512 static void widen_tile(const KT* base, int64_t stride, const int64_t* slots, int tnp, const __mmask16* mk,
+                                  float* dst, int64_t Dp) {
+  for (int j = 0; j < tnp; ++j) {
+    const KT* p = base + slots[j] * stride;
+    KVS_UNROLL
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(dst + j * Dp + 16 * c, ld16(p + 16 * c, mk[c]));
+  }
+}
+
+// Scores of queries [q0, q1) (query i: qf + i * Dp -> s + i * kTile) for tokens < tn, in passes of
+// up to 4 queries (any pass width gives a query the same bits).
+template <typename KT, int NC>
+KVS_AVX512 static void qk_many(const float* qf, int64_t Dp, const KT* kb, int64_t ks1, const int64_t* slots, int tn,
+                               const __mmask16* mk, float* s, int64_t q0, int64_t q1) {
+  const Prefetch<KT> nopf{kb, ks1, slots, 0, 0};
+  int64_t i = q0;
+  for (; i + 4 <= q1; i += 4) qk_f32<KT, NC, 4>(qf + i * Dp, Dp, kb, ks1, slots, tn, mk, s + i * kTile, nopf);
+  switch (q1 - i) {
+    case 3: qk_f32<KT, NC, 3>(qf + i * Dp, Dp, kb, ks1, slots, tn, mk, s + i * kTile, nopf); break;
+    case 2: qk_f32<KT, NC, 2>(qf + i * Dp, Dp, kb, ks1, slots, tn, mk, s + i * kTile, nopf); break;
+    case 1: qk_f32<KT, NC, 1>(qf + i * Dp, Dp, kb, ks1, slots, tn, mk, s + i * kTile, nopf); break;
+    default: break;
+  }
+}
+
+// acc[i] += sum_{j < tn} p[i][j] v_j for queries [q0, q1), float32 V rows vf (Dp apart), as many
+// queries per pass as registers hold (each query's FMA chain is the same whatever the pass width).
+template <int NC>
+KVS_AVX512 static void pv_many(float* acc, int64_t Dp, const float* vf, const int64_t* ident, int tn,
+                               const __mmask16* mk, const float* s, int64_t q0, int64_t q1) {
+  constexpr int W = NC >= 8 ? 3 : NC >= 4 ? 6 : NC >= 2 ? 12 : 16;
+  const Prefetch<float> nopf{vf, Dp, ident, 0, 0};
+  int64_t i = q0;
+  for (; i + W <= q1; i += W) pv_f32<float, NC, W>(acc + i * Dp, Dp, vf, Dp, ident, tn, mk, s + i * kTile, nopf);
+  for (; i + 2 <= q1; i += 2) pv_f32<float, NC, 2>(acc + i * Dp, Dp, vf, Dp, ident, tn, mk, s + i * kTile, nopf);
+  if (i < q1) pv_f32<float, NC, 1>(acc + i * Dp, Dp, vf, Dp, ident, tn, mk, s + i * kTile, nopf);
+}
+
+#if KVS_BF16DP
+template <int NC2>
+KVS_AVX512BF16 static void qk_many_bf16(const uint16_t* qb, int64_t Dp, const uint16_t* kb, int64_t ks1,
+                                        const int64_t* slots, int tn, const __mmask32* mk, float* s, float scale,
+                                        int64_t q0, int64_t q1) {
+  const Prefetch<uint16_t> nopf{kb, ks1, slots, 0, 0};
+  int64_t i = q0;
+  for (; i + 4 <= q1; i += 4) qk_bf16<NC2, 4>(qb + i * Dp, Dp, kb, ks1, slots, tn, mk, s + i * kTile, scale, nopf);
+  switch (q1 - i) {
+    case 3: qk_bf16<NC2, 3>(qb + i * Dp, Dp, kb, ks1, slots, tn, mk, s + i * kTile, scale, nopf); break;
+    case 2: qk_bf16<NC2, 2>(qb + i * Dp, Dp, kb, ks1, slots, tn, mk, s + i * kTile, scale, nopf); break;
+    case 1: qk_bf16<NC2, 1>(qb + i * Dp, Dp, kb, ks1, slots, tn, mk, s + i * kTile, scale, nopf); break;
+    default: break;
+  }
+}
+
+template <int NC2>
+KVS_AVX512BF16 static void pv_many_bf16(float* acc, int64_t Dp, const uint16_t* vb, int64_t vs1,
+                                        const int64_t* slots, int tn, const __mmask32* mk, const uint16_t* pb,
+                                        int64_t q0, int64_t q1) {
+  constexpr int W = NC2 >= 4 ? 2 : NC2 >= 2 ? 4 : 8;
+  const Prefetch<uint16_t> nopf{vb, vs1, slots, 0, 0};
+  int64_t i = q0;
+  for (; i + W <= q1; i += W) pv_bf16<NC2, W>(acc + i * Dp, Dp, vb, vs1, slots, tn, mk, pb + i * 2 * kTile, nopf);
+  for (; i < q1; ++i) pv_bf16<NC2, 1>(acc + i * Dp, Dp, vb, vs1, slots, tn, mk, pb + i * 2 * kTile, nopf);
+}
+#endif
+
+// One task: rows r0 .. r0 + R - 1 (context lengths non-decreasing, each seeing all of [0, ctx),
+// their tables equal over every block the shorter one reads) x kv head h.
+template <typename KT, int NC, bool BF16DP>
+static void block_avx512(const Problem& P, int64_t r0, int64_t R, int64_t h, BlockScratch& B) {
+  constexpr int NC2 = (NC + 1) / 2;
+  const int64_t G = P.G, Dp = B.Dp;
+  __mmask16 mk[NC];
+  KVS_UNROLL
+  for (int c = 0; c < NC; ++c) mk[c] = mask16(P.D - 16 * c);
+  __mmask32 mk2[NC2];
+  KVS_UNROLL
+  for (int c = 0; c < NC2; ++c) mk2[c] = __mmask32(mk[2 * c]) | (2 * c + 1 < NC ? __mmask32(mk[2 * c + 1]) << 16 : 0);
+  for (int64_t i = 0; i < R; ++i) {
+    load_q_into(P, r0 + i, h, Dp, B.qf.data() + i * G * Dp, B.acc.data() + i * G * Dp, B.m.data() + i * G,
+                B.l.data() + i * G);
+    if constexpr (BF16DP) {
+      uint16_t* qb = B.qb.data() + i * G * Dp;
+      std::fill(qb, qb + G * Dp, uint16_t(0));
+      for (int64_t g = 0; g < G; ++g)
+        std::memcpy(qb + g * Dp, static_cast<const uint16_t*>(P.q) + (r0 + i) * P.q_s0 + (h * G + g) * P.q_s1,
+                    P.D * 2);
+    }
+  }
+  const int64_t* ctx = P.ctx + r0;
+  const int64_t cmax = ctx[R - 1];
+  const int64_t* table = P.tables + (r0 + R - 1) * P.tbl_s0;  // the longest row's: the others' prefix
+  const KT* kb = static_cast<const KT*>(P.k) + h * P.k_s0;
+  const KT* vb = static_cast<const KT*>(P.v) + h * P.v_s0;
+  const float* ksh = P.ks ? P.ks + h * P.ks_s0 : nullptr;
+  const float* vsh = P.vs ? P.vs + h * P.vs_s0 : nullptr;
+  int64_t* slots = B.slots.data();
+  Cursor walk;
+  int64_t first = 0;  // rows before it have seen all their positions
+  for (int64_t t0 = 0; t0 < cmax; t0 += kTile) {
+    while (ctx[first] <= t0) ++first;
+    const int tn = fill_tile(table, P.bs, cmax - t0, walk, slots);
+    const int tnp = (tn + 15) & ~15;
+    // Rows [first, full) see only part of this tile; rows [full, R) see all tn tokens of it.
+    int64_t full = first;
+    while (ctx[full] - t0 < tn) ++full;
+    float* s = B.s.data();
+    if constexpr (BF16DP) {
+#if KVS_BF16DP
+      qk_many_bf16<NC2>(B.qb.data(), Dp, kb, P.k_s1, slots, tn, mk2, s, P.scale, first * G, R * G);
+#endif
+    } else {
+      widen_tile<KT, NC>(kb, P.k_s1, slots, tnp, mk, B.kf.data(), Dp);
+      qk_many<float, NC>(B.qf.data(), Dp, B.kf.data(), Dp, B.ident.data(), tn, mk, s, first * G, R * G);
+      widen_tile<KT, NC>(vb, P.v_s1, slots, tn, mk, B.vf.data(), Dp);
+    }
+    for (int64_t i = first; i < R; ++i) {
+      const int tni = int(std::min<int64_t>(tn, ctx[i] - t0));
+      float* si = s + i * G * kTile;
+      apply_slot_scales(ksh, slots, tni, G, si);
+      for (int64_t g = 0; g < G; ++g) {
+        softmax_tile(si + g * kTile, tni, B.m[i * G + g], B.l[i * G + g], B.acc.data() + (i * G + g) * Dp, Dp);
+#if KVS_BF16DP
+        if constexpr (BF16DP) {
+          uint16_t* pb = B.pb.data() + (i * G + g) * 2 * kTile;
+          split_probs(si + g * kTile, pb, pb + kTile);
+        }
+#endif
+      }
+      apply_slot_scales(vsh, slots, tni, G, si);
+    }
+    for (int64_t i = first; i < full; ++i) {  // the cut-short rows: their own tokens only
+      const int tni = int(ctx[i] - t0);
+      if constexpr (BF16DP) {
+#if KVS_BF16DP
+        // The pair past an odd count reads the slot after it, with probability 0: the lone row
+        // reads its last slot again there (fill_tile's padding), so this row does too.
+        const int64_t keep = slots[tni];
+        if (tni & 1) slots[tni] = slots[tni - 1];
+        pv_many_bf16<NC2>(B.acc.data(), Dp, vb, P.v_s1, slots, tni, mk2, B.pb.data(), i * G, (i + 1) * G);
+        slots[tni] = keep;
+#endif
+      } else {
+        pv_many<NC>(B.acc.data(), Dp, B.vf.data(), B.ident.data(), tni, mk, s, i * G, (i + 1) * G);
+      }
+    }
+    if constexpr (BF16DP) {
+#if KVS_BF16DP
+      pv_many_bf16<NC2>(B.acc.data(), Dp, vb, P.v_s1, slots, tn, mk2, B.pb.data(), full * G, R * G);
+#endif
+    } else {
+      pv_many<NC>(B.acc.data(), Dp, B.vf.data(), B.ident.data(), tn, mk, s, full * G, R * G);
+    }
+  }
+  for (int64_t i = 0; i < R; ++i) {
+#if KVS_BF16DP
+    if constexpr (BF16DP) unpermute(B.acc.data() + i * G * Dp, G, Dp);
+#endif
+    store_out_from(P, r0 + i, h, Dp, B.acc.data() + i * G * Dp, B.l.data() + i * G);
+  }
+}
+
 // ------------------------------------------------------------------------------------------
 // AVX2 + FMA (+ F16C) path, any head_dim: head_dim in chunks of 8 lanes (a last partial chunk
 // goes through a zeroed copy, so no row is read past head_dim), up to 3 query heads of the group
@@ -929,6 +1128,83 @@ static void task_avx2(const Problem& P, int64_t row, int64_t h, Scratch& S) {
   store_out(P, row, h, S);
 }
 
+// block_avx512 on the AVX2 path (any head_dim): the tile's K and V rows widened to float32 once
+// (exact, as ld8 / ld8_part give them), every row's queries against them, each row replaying
+// task_avx2's operations on its own tokens of the tile.
+template <typename KT>
+KVS_AVX2 static void widen_tile8(const KT* base, int64_t stride, const int64_t* slots, int tnp, int nf, int rem,
+                                 float* dst, int64_t Dp) {
+  for (int j = 0; j < tnp; ++j) {
+    const KT* p = base + slots[j] * stride;
+    float* d = dst + j * Dp;
+    for (int c = 0; c < nf; ++c) _mm256_storeu_ps(d + 8 * c, ld8(p + 8 * c));
+    if (rem) _mm256_storeu_ps(d + 8 * nf, ld8_part(p + 8 * nf, rem));
+  }
+}
+
+template <typename KT>
+static void block_avx2(const Problem& P, int64_t r0, int64_t R, int64_t h, BlockScratch& B) {
+  const int64_t G = P.G, Dp = B.Dp;
+  const int nf = int(P.D / 8), rem = int(P.D % 8);
+  for (int64_t i = 0; i < R; ++i)
+    load_q_into(P, r0 + i, h, Dp, B.qf.data() + i * G * Dp, B.acc.data() + i * G * Dp, B.m.data() + i * G,
+                B.l.data() + i * G);
+  const int64_t* ctx = P.ctx + r0;
+  const int64_t cmax = ctx[R - 1];
+  const int64_t* table = P.tables + (r0 + R - 1) * P.tbl_s0;  // the longest row's: the others' prefix
+  const KT* kb = static_cast<const KT*>(P.k) + h * P.k_s0;
+  const KT* vb = static_cast<const KT*>(P.v) + h * P.v_s0;
+  const float* ksh = P.ks ? P.ks + h * P.ks_s0 : nullptr;
+  const float* vsh = P.vs ? P.vs + h * P.vs_s0 : nullptr;
+  int64_t* slots = B.slots.data();
+  const int64_t* ident = B.ident.data();
+  const Prefetch2<float> nopf{B.kf.data(), Dp, ident, 0, 0};
+  float* s = B.s.data();
+  float* acc = B.acc.data();
+  // Queries [q0, q1) in passes of up to 3 (a query's bits do not depend on the pass width).
+  auto qk = [&](int tn, int64_t q0, int64_t q1) {
+    for (int64_t i = q0; i < q1; i += 3) {
+      const float* qf = B.qf.data() + i * Dp;
+      switch (std::min<int64_t>(3, q1 - i)) {
+        case 1: qk_avx2<float, 1>(qf, Dp, B.kf.data(), Dp, ident, tn, nf, rem, s + i * kTile, nopf); break;
+        case 2: qk_avx2<float, 2>(qf, Dp, B.kf.data(), Dp, ident, tn, nf, rem, s + i * kTile, nopf); break;
+        default: qk_avx2<float, 3>(qf, Dp, B.kf.data(), Dp, ident, tn, nf, rem, s + i * kTile, nopf); break;
+      }
+    }
+  };
+  auto pv = [&](int tn, int64_t q0, int64_t q1) {
+    for (int64_t i = q0; i < q1; i += 3) {
+      switch (std::min<int64_t>(3, q1 - i)) {
+        case 1: pv_avx2<float, 1>(acc + i * Dp, Dp, B.vf.data(), Dp, ident, tn, nf, rem, s + i * kTile, nopf); break;
+        case 2: pv_avx2<float, 2>(acc + i * Dp, Dp, B.vf.data(), Dp, ident, tn, nf, rem, s + i * kTile, nopf); break;
+        default: pv_avx2<float, 3>(acc + i * Dp, Dp, B.vf.data(), Dp, ident, tn, nf, rem, s + i * kTile, nopf); break;
+      }
+    }
+  };
+  Cursor walk;
+  int64_t first = 0;  // rows before it have seen all their positions
+  for (int64_t t0 = 0; t0 < cmax; t0 += kTile) {
+    while (ctx[first] <= t0) ++first;
+    const int tn = fill_tile(table, P.bs, cmax - t0, walk, slots);
+    int64_t full = first;  // rows [first, full) see only part of this tile
+    while (ctx[full] - t0 < tn) ++full;
+    widen_tile8<KT>(kb, P.k_s1, slots, (tn + 15) & ~15, nf, rem, B.kf.data(), Dp);
+    qk(tn, first * G, R * G);
+    widen_tile8<KT>(vb, P.v_s1, slots, tn, nf, rem, B.vf.data(), Dp);
+    for (int64_t i = first; i < R; ++i) {
+      const int tni = int(std::min<int64_t>(tn, ctx[i] - t0));
+      float* si = s + i * G * kTile;
+      apply_slot_scales(ksh, slots, tni, G, si);
+      for (int64_t g = 0; g < G; ++g)
+        softmax_tile_avx2(si + g * kTile, tni, B.m[i * G + g], B.l[i * G + g], acc + (i * G + g) * Dp, Dp);
+      apply_slot_scales(vsh, slots, tni, G, si);
+    }
+    for (int64_t i = first; i < full; ++i) pv(int(ctx[i] - t0), i * G, (i + 1) * G);
+    pv(tn, full * G, R * G);
+  }
+  for (int64_t i = 0; i < R; ++i) store_out_from(P, r0 + i, h, Dp, acc + i * G * Dp, B.l.data() + i * G);
+}
+
 // ---- Causal attention of a prompt chunk over its own keys (prefill from position 0) -------------
 // torch's CPU flash attention skips hidden keys only in whole 512-key tiles, so below 512 tokens a
 // causal chunk costs as much as a full one (5.1 ms for 512 tokens x 9 heads here, 60 GFLOP/s of
@@ -1131,6 +1407,54 @@ static TaskFn pick(int64_t D, int path, int64_t& Dp) {
   return &task_scalar<KT>;
 }
 
+using BlockFn = void (*)(const Problem&, int64_t, int64_t, int64_t, BlockScratch&);
+
+// The block task matching pick's choice of task (the same path, chunk count and Dp), or null where
+// that path has none (avx2, scalar): those rows run one task each.
+template <typename KT>
+static BlockFn pick_block(int64_t D, int path) {
+#if KVS_X86
+  if ((path == 2 || path == 3) && D <= 128) {
+    const int64_t nc = (D + 15) / 16;
+#if KVS_BF16DP
+    if constexpr (std::is_same_v<KT, uint16_t>) {
+      if (path == 3) {
+        if (nc <= 2) return &block_avx512<KT, 2, true>;
+        if (nc <= 4) return &block_avx512<KT, 4, true>;
+        return &block_avx512<KT, 8, true>;
+      }
+    }
+#endif
+    if (nc <= 1) return &block_avx512<KT, 1, false>;
+    if (nc <= 2) return &block_avx512<KT, 2, false>;
+    if (nc <= 4) return &block_avx512<KT, 4, false>;
+    return &block_avx512<KT, 8, false>;
+  }
+  if (path >= 2 && cpu_has_avx2()) return &block_avx2<KT>;
+#endif
+  (void)D;
+  (void)path;
+  return nullptr;
+}
+
+// Whether row r sees all of [0, ctx) (no positions cut out between sinks and window): start_walk's
+// test.
+static bool sees_all(const Problem& P, int64_t r) {
+  const int64_t c = P.ctx[r];
+  const int64_t s = P.sink_end ? clamp_pos(P.sink_end[r], c) : 0;
+  const int64_t w = P.win_start ? clamp_pos(P.win_start[r], c) : 0;
+  return w <= s;
+}
+
+// Row r continues row r - 1's prompt chunk: both see all their positions, r's context is at least
+// r - 1's, and their tables agree on every block r - 1 reads (so r's table walks r - 1's keys).
+static bool continues(const Problem& P, int64_t r) {
+  const int64_t a = P.ctx[r - 1];
+  if (P.ctx[r] < a || !sees_all(P, r - 1) || !sees_all(P, r)) return false;
+  const int64_t used = (a + P.bs - 1) / P.bs;
+  return std::memcmp(P.tables + (r - 1) * P.tbl_s0, P.tables + r * P.tbl_s0, size_t(used) * sizeof(int64_t)) == 0;
+}
+
 }  // namespace kvs
 
 // ---- C ABI (called through ctypes: no torch headers, so the build takes seconds) ---------
@@ -1202,14 +1526,64 @@ extern "C" int kvs_paged_decode_attention(
       return 1;
   }
 
+  kvs::BlockFn bfn = nullptr;
+  switch (cache_kind) {
+    case 0: bfn = kvs::pick_block<float>(D, path); break;
+    case 1: bfn = kvs::pick_block<uint16_t>(D, path); break;
+    case 2: bfn = kvs::pick_block<kvs::f16_t>(D, path); break;
+    case 3: bfn = kvs::pick_block<int8_t>(D, path); break;
+    default: bfn = kvs::pick_block<kvs::fp8_t>(D, path); break;
+  }
+  // Runs of rows of one prompt chunk, cut into blocks of about kBlockQueries queries per kv head.
+  // (Each row's bits are those of its own task: see block_avx512.)
+  constexpr int64_t kBlockQueries = 48;
+  const int64_t max_rows = std::max<int64_t>(2, kBlockQueries / P.G);
+  std::vector<int64_t> starts;  // block b: rows [starts[b], starts[b + 1])
+  if (bfn) {
+    for (int64_t r = 0; r < n; ++r)
+      if (r == 0 || r - starts.back() >= max_rows || !kvs::continues(P, r)) starts.push_back(r);
+    if (int64_t(starts.size()) == n) starts.clear();  // no runs: every row its own task, as below
+  }
+  int64_t total = 0;
+  for (int64_t r = 0; r < n; ++r) total += ctx[r];
+  if (!starts.empty()) {
+    const int64_t nb = int64_t(starts.size());
+    starts.push_back(n);
+    // Costliest blocks first (work ~ the sum of their rows' contexts), handed out dynamically.
+    std::vector<int64_t> cost(nb, 0), order(nb);
+    for (int64_t b = 0; b < nb; ++b)
+      for (int64_t r = starts[b]; r < starts[b + 1]; ++r) cost[b] += ctx[r];
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+    const int64_t ntasks = nb * KVH;
+    int nt = int(std::max<int64_t>(1, std::min<int64_t>(num_threads, ntasks)));
+    if (total * KVH * D < (int64_t(1) << 15)) nt = 1;  // tiny: not worth waking threads
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nt) if (nt > 1)
+#endif
+    {
+      kvs::Scratch S(P.G, Dp);
+      kvs::BlockScratch B(max_rows * P.G, Dp);
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+      for (int64_t i = 0; i < ntasks; ++i) {
+        const int64_t b = order[i / KVH], r0 = starts[b], R = starts[b + 1] - r0;
+        if (R == 1)
+          fn(P, r0, i % KVH, S);
+        else
+          bfn(P, r0, R, i % KVH, B);
+      }
+    }
+    return 0;
+  }
+
   // Longest rows first, handed out dynamically: rows arrive sorted by length, and a static split
   // would give one thread all the long ones.
   std::vector<int64_t> order(n);
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return ctx[a] > ctx[b]; });
   const int64_t ntasks = n * KVH;
-  int64_t total = 0;
-  for (int64_t r = 0; r < n; ++r) total += ctx[r];
   int nt = int(std::max<int64_t>(1, std::min<int64_t>(num_threads, ntasks)));
   if (total * KVH * D < (int64_t(1) << 15)) nt = 1;  // tiny: not worth waking threads
 #ifdef _OPENMP

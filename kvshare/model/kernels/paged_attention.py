@@ -11,7 +11,10 @@ vdpbf16ps dot products where the CPU has AVX512_BF16 and both q and the cache ar
 AVX2 + FMA (+ F16C) for any head_dim (and where AVX-512 does not fit); a portable scalar path
 everywhere else. Rows are spread over torch's thread count with OpenMP (the libgomp torch
 already loaded), longest first; each (row, kv head) is computed by one thread, so results do not
-depend on the thread count. `causal_prefill_attention`: a prompt chunk from position 0 over its
+depend on the thread count. Rows of a prompt chunk (token rows: consecutive rows sharing a table,
+context lengths growing, every position visible) are taken in blocks, one task per block x kv head
+walking the shared keys once; each row still replays exactly its own task's operations, so a row's
+output is bitwise what it gives alone, whatever its neighbours (tests/test_paged_attention_rows.py). `causal_prefill_attention`: a prompt chunk from position 0 over its
 own keys (AVX-512 CPUs).
 """
 from __future__ import annotations
