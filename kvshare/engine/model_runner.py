@@ -95,14 +95,7 @@ class ModelRunner:
             slots.extend(c.access(group).write_slots)
         variants = policy.variants
         if self.token_rows:
-            meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long), num_decode=len(slots))
-            ranges = self._row_tables(plan.chunks, group, policy, meta, variants)
-            meta.decode_sink_end, meta.decode_window_start = ranges[variants[0]]
-            if len(variants) > 1:
-                by_variant = {v: dataclasses.replace(meta, decode_sink_end=ranges[v][0], decode_window_start=ranges[v][1])
-                              for v in variants}
-                meta.layer_metadata = [by_variant[v] for v in policy.layer_variants]
-            return meta
+            return self._token_rows_metadata(plan, group, policy, torch.tensor(slots, dtype=torch.long))
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long), num_decode=len(decode))
         groups: dict = {v: [] for v in variants}
         prefills: dict = {v: [] for v in variants}
@@ -160,6 +153,19 @@ class ModelRunner:
             out[v] = (torch.tensor([p[0] for p in pairs], dtype=torch.long),
                       torch.tensor([p[1] for p in pairs], dtype=torch.long))
         return out
+
+    def _token_rows_metadata(self, plan: StepPlan, group: int, policy, slots: torch.Tensor) -> AttentionMetadata:
+        """Every row a decode row of its own (token rows): tables, context lengths and, per
+        attention variant, visible ranges."""
+        variants = policy.variants
+        meta = AttentionMetadata(slot_mapping=slots, num_decode=len(slots))
+        ranges = self._row_tables(plan.chunks, group, policy, meta, variants)
+        meta.decode_sink_end, meta.decode_window_start = ranges[variants[0]]
+        if len(variants) > 1:
+            by_variant = {v: dataclasses.replace(meta, decode_sink_end=ranges[v][0], decode_window_start=ranges[v][1])
+                          for v in variants}
+            meta.layer_metadata = [by_variant[v] for v in policy.layer_variants]
+        return meta
 
     def _row_tables(self, chunks: list[ChunkPlan], group: int, policy, meta: AttentionMetadata,
                     variants: list) -> dict:
