@@ -18,6 +18,7 @@ from kvshare.memory_plan import kv_pool_blocks
 from kvshare.model.attention import PagedKVStorage, TorchPagedAttention
 from kvshare.model.config import ModelArchConfig
 from kvshare.model.families import REGISTRY, build_model
+from kvshare.model.kernels.qmatmul import qmatmul_paths
 from kvshare.model.numerics import NumericsPolicy
 from kvshare.model.tensor_parallel import TPCollectives, check_shardable, shard_weights
 
@@ -103,8 +104,12 @@ def transparency_gaps(config: EngineConfig, numerics: NumericsPolicy, runner: Mo
     elif not runner.token_rows:
         gaps.append("no token rows (the PyTorch attention path: the C++ kernels are disabled or unavailable, or the "
                     "model caps attention scores): prompt rows take other kernels than decode rows")
-    if numerics.mode == "default" and any(lin.kind == "dense" for lin in runner.model.linears()):
+    linears = runner.model.linears()
+    if numerics.mode == "default" and any(lin.kind == "dense" for lin in linears):
         gaps.append("dense weights (F.linear): a GEMM's summation blocking follows its row count")
+    rows_kept = [lin for lin in linears if lin.kind != "dense" and lin.blocks is None]
+    if numerics.mode == "default" and rows_kept and numerics.uses("qmatmul") and "avx512" not in qmatmul_paths():
+        gaps.append("group matmuls on their AVX2 / scalar paths: not verified row-independent")
     if isinstance(kv.policy, SinkWindow):
         gaps.append("attention sinks: kept keys are re-rotated when the window moves, fresh ones are not")
     if tensor_parallel:
