@@ -84,7 +84,7 @@ class LLMEngine:
                                                             tp)
         self.runner: ModelRunner | TensorParallelRunner = rank_runner
         # Why sharing may show in a request's bits (empty: it cannot; kvshare doctor then demands equality).
-        self.transparency = transparency_gaps(config, self.numerics, rank_runner, kv, launcher is not None)
+        self.transparency = transparency_gaps(self.numerics, rank_runner, kv, launcher is not None)
         if launcher is not None and tp is not None:
             self.runner = TensorParallelRunner(rank_runner, launcher, tp)
         release_freed_heap()  # the load's temporaries: back to the OS, not kept as RSS

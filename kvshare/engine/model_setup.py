@@ -92,7 +92,7 @@ def build_rank(config: EngineConfig, mc: ModelArchConfig, weights: dict, kv: KVP
     return model, kv_cache, runner
 
 
-def transparency_gaps(config: EngineConfig, numerics: NumericsPolicy, runner: ModelRunner, kv: KVPlan,
+def transparency_gaps(numerics: NumericsPolicy, runner: ModelRunner, kv: KVPlan,
                       tensor_parallel: bool) -> tuple[str, ...]:
     """Why a request's tokens and logprobs may depend on what shares its batch, what is cached or
     how its prompt is chunked (empty: they cannot; the doctor then demands exact equality).
