@@ -198,6 +198,12 @@ def test_default_kv_cache_fused_equals_step_by_step():
 def _tiny_gguf(tmp_path, arch: str, types):
     from test_loader import tiny_llama, tiny_qwen2, write_tiny_gguf
 
+    if arch == "qwen3":  # per-head q/k RMSNorm (randomized weights), head_dim 24 != hidden / heads
+        from test_families import QWEN3, tiny, write_gguf
+
+        path = tmp_path / "qwen3.gguf"
+        write_gguf(path, tiny("qwen3", tmp_path / "hf", **QWEN3), "qwen3", types[""])
+        return str(path)
     if arch == "qwen2":
         model = tiny_qwen2(randomize="vectors")
     else:
@@ -213,6 +219,7 @@ def _tiny_gguf(tmp_path, arch: str, types):
     ("llama", "float32", {"self_attn": "Q4_0", "mlp": "Q8_0", "embed": "Q8_0"}),
     # Q4_K_M's mix: Q5_0 q/k with a Q8_0 v fuse into one int8-group qkv.
     ("llama", "float32", {"q_proj": "Q5_0", "k_proj": "Q5_0", "v_proj": "Q8_0", "o_proj": "Q8_0", "mlp": "Q8_0"}),
+    ("qwen3", "float32", {"": "Q8_0"}),  # per-head q/k RMSNorm before RoPE
 ])
 def test_tiny_gguf_models_fused_equals_step_by_step(tmp_path, arch, kv_dtype, types):
     from gguf import GGMLQuantizationType as QT
@@ -226,6 +233,21 @@ def test_tiny_gguf_models_fused_equals_step_by_step(tmp_path, arch, kv_dtype, ty
     for together in (False, True):
         identical, worst = _compare(llm, prompts, params, together)
         assert identical == len(prompts) and worst < LOGPROB_TOL, (together, identical, worst)
+
+
+def test_tiny_qwen3_bfloat16_activations_fused_equals_step_by_step(tmp_path):
+    """Qwen3's per-head q/k norm with bfloat16 activations: the C++ step rounds the normalized head
+    and its product with the weight to bfloat16 as layers.head_rms_norm does (BF16_LOGPROB_TOL:
+    a flipped rounding moves a logprob by ~1e-2)."""
+    from gguf import GGMLQuantizationType as QT
+
+    llm = LLM(_tiny_gguf(tmp_path, "qwen3", {"": QT.Q8_0}), kv_cache_memory="4MiB", block_size=4, dtype="bfloat16",
+              kv_cache_dtype="float32", enable_prefix_caching=False)
+    assert llm.engine.model.fused_decode.model_reason is None and llm.engine.model.layers[0].qk_norm is not None
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 250 + 3 for j in range(n)]} for i, n in enumerate([1, 3, 9, 17])]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    identical, worst = _compare(llm, prompts, params, together=True)
+    assert identical >= len(prompts) - 1 and worst < BF16_LOGPROB_TOL, (identical, worst)
 
 
 def test_fused_path_says_why_it_does_not_apply(bundled):

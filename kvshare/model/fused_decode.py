@@ -8,8 +8,8 @@ attention kernels without returning to Python between ops.
 It applies when every piece has a C++ counterpart, and says why not otherwise (`reason`):
 float32 or bfloat16 activations (with bfloat16 the C++ step rounds each intermediate to bfloat16
 where the step-by-step path rounds it, so both give a row nearly the same numbers), every layer's linears on kvshare's group kernels (int8 or int4 codes),
-a float32 or bfloat16 KV cache, the C++ attention kernel in use, RoPE over whole heads and no
-per-head q/k norm (Qwen3), a family whose layer is the plain Llama layer (Model.fused_layers),
+a float32 or bfloat16 KV cache, the C++ attention kernel in use, RoPE over whole heads (with
+Qwen3's per-head q/k RMSNorm before it), a family whose layer is the plain Llama layer (Model.fused_layers),
 and decode rows with plain causal attention (no row's window hides an earlier key) over one block
 table per row (with KV cache groups each layer group has its own: it declines). It runs a step's
 decode rows that see every earlier key, whatever other rows share the step
@@ -40,7 +40,7 @@ class _Linear(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("in_norm", _ptr), ("post_norm", _ptr), ("qkv", _Linear), ("o", _Linear),
-                ("gate_up", _Linear), ("down", _Linear), ("k_cache", _ptr), ("v_cache", _ptr)]
+                ("gate_up", _Linear), ("down", _Linear), ("k_cache", _ptr), ("v_cache", _ptr), ("qk_norm", _ptr)]
 
 
 class _Model(ctypes.Structure):
@@ -69,7 +69,7 @@ class FusedDecode:
 
     def __init__(self, model, layers: list | str) -> None:
         """layers: the model's layers as decode_step.cpp reads them (in_norm, post_norm, qkv,
-        qkv_b, o, gate_up, down: the plain Llama layer), or why its family's layers have no C++
+        qkv_b, qk_norm, o, gate_up, down: the Llama layer), or why its family's layers have no C++
         counterpart (kvshare.model.ops.Model.fused_layers)."""
         self.model = model
         unsupported = layers if isinstance(layers, str) else None
@@ -100,10 +100,9 @@ class FusedDecode:
             return f"activations are {model.dtype}, not float32 or bfloat16"
         if not isinstance(model.backend, TorchPagedAttention):
             return f"attention backend is {type(model.backend).__name__}"
-        # The C++ step runs the plain Llama layer; features beyond it take the step-by-step path.
-        # (longrope needs nothing here: it only changes the cos/sin tables `run` is given.)
-        if model.config.qk_norm:
-            return "per-head q/k RMSNorm (Qwen3) is not in the C++ decode step"
+        # The C++ step runs the Llama layer (with Qwen3's per-head q/k norm); features beyond it
+        # take the step-by-step path. (longrope needs nothing here: it only changes the cos/sin
+        # tables `run` is given.)
         tp = getattr(model, "tp", None)
         if tp is not None and not isinstance(tp.transport, ShmTransport):
             return "tensor parallel over gloo (the C++ step all-reduces through shared memory only)"
@@ -139,7 +138,8 @@ class FusedDecode:
                      _linear(layer.gate_up, None), _linear(layer.down, None)]
             if any(p is None for p in parts):
                 return None
-            views.append(_Layer(f32(layer.in_norm).data_ptr(), f32(layer.post_norm).data_ptr(), *parts, None, None))
+            views.append(_Layer(f32(layer.in_norm).data_ptr(), f32(layer.post_norm).data_ptr(), *parts, None, None,
+                                _ptr_of(f32(layer.qk_norm))))
         return views
 
     def reason(self, meta: AttentionMetadata, num_rows: int, kv_cache: PagedKVStorage) -> str | None:

@@ -4,7 +4,7 @@
 // Why: at batch 1 a 30-layer model issues ~450 small PyTorch ops and ~150 kernel calls per
 // token; each costs 5-50 us of dispatch and Python, together about as much as the matmuls.
 // Here the same arithmetic runs without leaving C++: per layer RMSNorm, the fused q/k/v matmul
-// (+ bias), RoPE on q and k, the K/V write into the paged cache, paged attention, the output
+// (+ bias), the per-head q/k RMSNorm (Qwen3), RoPE on q and k, the K/V write into the paged cache, paged attention, the output
 // projection and residual, RMSNorm, the fused gate/up matmul, SiLU x up, down and residual.
 //
 // This file is built as one translation unit after qmatmul.cpp and paged_attention.cpp (the
@@ -48,6 +48,9 @@ struct Layer {
   Linear qkv, o, gate_up, down;
   void* k_cache;  // [kv_heads, slots, head_dim], slot stride head_dim, head stride slots * head_dim
   void* v_cache;
+  // [heads + kv_heads, head_dim] or null: each q and k head RMS-normalized before RoPE (Qwen3's
+  // q_norm / k_norm, one weight row per head), with the model's norm rounding.
+  const float* qk_norm;
 };
 
 struct Model {
@@ -478,6 +481,8 @@ extern "C" int kvs_decode_layers(const dec::Model* mp, float* h, int64_t M, cons
     dec::for_rows(M, num_threads, [&](int64_t r) {
       float* row = qkv.get() + r * qkv_n;
       ops.out_row(row, L.qkv.bias, qkv_n, bf);
+      if (L.qk_norm != nullptr)  // in place: norm_row reads the whole head (its sum) before it writes
+        for (int64_t hh = 0; hh < H + KVH; ++hh) ops.norm_row(row + hh * D, L.qk_norm + hh * D, D, m.eps, row + hh * D, bf);
       for (int64_t hh = 0; hh < H + KVH; ++hh) ops.rope(row + hh * D, cos + r * D, ssin + r * D, D, bf);
       dec::write_kv(ops, L.k_cache, m.cache_kind, m.slots, D, KVH, slots[r], row + qs);
       dec::write_kv(ops, L.v_cache, m.cache_kind, m.slots, D, KVH, slots[r], row + qs + kvs_);

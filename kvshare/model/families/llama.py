@@ -61,7 +61,7 @@ class LlamaModel(O.Model):
         self.rotary = ops.rotary(c)
 
     def fused_layers(self) -> list:
-        return self.layers  # the layer decode_step.cpp runs (it declines q/k norms itself)
+        return self.layers  # the layer decode_step.cpp runs, Qwen3's q/k norm included
 
     def small_weight_bytes(self) -> int:
         small = self.norm.numel() * self.norm.element_size()
