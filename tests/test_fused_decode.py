@@ -250,6 +250,64 @@ def test_tiny_qwen3_bfloat16_activations_fused_equals_step_by_step(tmp_path):
     assert identical >= len(prompts) - 1 and worst < BF16_LOGPROB_TOL, (identical, worst)
 
 
+def _hides_keys(meta) -> bool:
+    """Whether some row of this step's metadata has a window that hides an earlier key in some layer."""
+    for m in meta.layer_metadata or [meta]:
+        if m.decode_window_start is not None:
+            sink_end = m.decode_sink_end if m.decode_sink_end is not None else torch.zeros_like(m.decode_window_start)
+            if bool((m.decode_window_start > sink_end).any()):
+                return True
+    return False
+
+
+def _count_windowed_fused_calls(fused) -> list[int]:
+    """Counts the fused calls in which some row's window hides keys (wraps `run`, as
+    _count_fused_calls does)."""
+    calls = [0]
+    run = fused.run
+
+    def counting(h, tables, meta, kv_cache):
+        calls[0] += _hides_keys(meta)
+        return run(h, tables, meta, kv_cache)
+
+    fused.run = counting
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["phi3-window", "llama-sinks"])
+def test_windowed_models_fused_equals_step_by_step(tmp_path, kind):
+    """Decoding past the window: every layer of a tiny Phi-3 windowed at 12 tokens (the model's own
+    sliding window), and a tiny Llama under attention sinks (2 sinks + an 8-token window). Rows
+    whose window hides keys run in the fused step, each layer over each row's visible range, and
+    agree with the step-by-step path; blocks of 4 tokens, so whole blocks fall between sinks and
+    window (their table entries are never read)."""
+    import gguf
+
+    if kind == "phi3-window":
+        from test_families import tiny, write_gguf
+
+        path = tmp_path / "phi3.gguf"
+        write_gguf(path, tiny("phi3", tmp_path / "hf", sliding_window=12), "phi3", gguf.GGMLQuantizationType.Q8_0)
+        extra = {}
+    else:
+        from test_loader import tiny_llama, write_tiny_gguf
+
+        path = tmp_path / "llama.gguf"
+        write_tiny_gguf(path, tiny_llama(num_key_value_heads=1), "llama", {"": gguf.GGMLQuantizationType.Q8_0})
+        extra = dict(kv_policy="sink", sink_tokens=2, window_tokens=8)
+    llm = LLM(str(path), kv_cache_memory="4MiB", block_size=4, kv_cache_dtype="float32",
+              enable_prefix_caching=False, **extra)
+    assert llm.engine.model.fused_decode.model_reason is None
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 250 + 3 for j in range(n)]} for i, n in enumerate([1, 3, 9, 17])]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=1)
+    for together in (False, True):
+        # (_compare wraps this wrapper, and puts the class's `run` back when it is done)
+        windowed = _count_windowed_fused_calls(llm.engine.model.fused_decode)
+        identical, worst = _compare(llm, prompts, params, together)
+        assert identical == len(prompts) and worst < LOGPROB_TOL, (together, identical, worst)
+        assert windowed[0] > 0, f"no fused step had a row whose window hides keys (together={together})"
+
+
 def test_fused_path_says_why_it_does_not_apply(bundled):
     from helpers import EXACT
 
@@ -287,7 +345,7 @@ def test_bad_indices_are_refused_before_anything_is_written(bundled, bad):
     h = model.embed.rows(torch.tensor([42]))
     cos, sin = model.rotary.tables(torch.tensor([5]))
     with pytest.raises(ValueError, match="out of range"):
-        model.fused_decode.run(h, cos, sin, meta, cache)
+        model.fused_decode.run(h, [(cos, sin)], meta, cache)
     assert torch.equal(cache.data, before)
 
 
@@ -324,9 +382,8 @@ def _token_rows(model, cache, seed: int, M: int):
     meta = AttentionMetadata(slot_mapping=slots, num_decode=M, decode_block_tables=row_tables,
                              decode_context_lens=pos_t + 1)
     vocab = model.config.vocab_size
-    h = model.embed.rows(torch.randint(0, vocab, (M,), generator=g))
-    cos, sin = model.rotary.tables(pos_t)
-    return h, cos, sin, meta
+    h = model.embed_rows(model.ops, torch.randint(0, vocab, (M,), generator=g))
+    return h, model.rope_tables(pos_t), meta
 
 
 def _row_meta(meta, r: int):
@@ -375,10 +432,10 @@ def test_each_row_equals_the_same_row_alone(rows_model, M):
     one thread against two. Fails if a row's arithmetic depends on M or on its neighbours."""
     model, cache = rows_model.engine.model, rows_model.engine.kv_cache
     fused = model.fused_decode
-    h, cos, sin, meta = _token_rows(model, cache, seed=M, M=M)
+    h, tables, meta = _token_rows(model, cache, seed=M, M=M)
     _fill_cache(cache, seed=M)
     before = cache.data.clone()
-    batched = fused.run(h.clone(), cos, sin, meta, cache)
+    batched = fused.run(h.clone(), tables, meta, cache)
     after = cache.data.clone()
     assert not torch.equal(after, before)
     if M == 17:
@@ -386,13 +443,14 @@ def test_each_row_equals_the_same_row_alone(rows_model, M):
         try:
             torch.set_num_threads(1 if threads > 1 else 2)
             cache.data.copy_(before)
-            other = fused.run(h.clone(), cos, sin, meta, cache)
+            other = fused.run(h.clone(), tables, meta, cache)
         finally:
             torch.set_num_threads(threads)
         assert torch.equal(other, batched) and torch.equal(cache.data, after)
     for r in range(M):
         cache.data.copy_(after)
-        alone = fused.run(h[r:r + 1].clone(), cos[r:r + 1], sin[r:r + 1], _row_meta(meta, r), cache)
+        alone = fused.run(h[r:r + 1].clone(), [(c[r:r + 1], s[r:r + 1]) for c, s in tables], _row_meta(meta, r),
+                          cache)
         assert torch.equal(alone[0], batched[r]), f"row {r} of {M}"
         assert torch.equal(cache.data, after), f"row {r} of {M} wrote other K/V alone"
 
@@ -403,13 +461,13 @@ def test_portable_code_gives_the_same_bits(rows_model):
     model, cache = rows_model.engine.model, rows_model.engine.kv_cache
     fused = model.fused_decode
     for M in (1, 17):
-        h, cos, sin, meta = _token_rows(model, cache, seed=100 + M, M=M)
+        h, tables, meta = _token_rows(model, cache, seed=100 + M, M=M)
         got = {}
         for portable in (False, True):
             _fill_cache(cache, seed=M)
             fused.portable = portable
             try:
-                got[portable] = (fused.run(h.clone(), cos, sin, meta, cache), cache.data.clone())
+                got[portable] = (fused.run(h.clone(), tables, meta, cache), cache.data.clone())
             finally:
                 fused.portable = False
         assert torch.equal(got[False][0], got[True][0]), M

@@ -14,10 +14,9 @@ from helpers import english_token_prompts
 from kvshare import LLM, SamplingParams
 from kvshare.engine.model_runner import ModelRunner
 from kvshare.engine.step_plan import ChunkPlan, StepPlan
-from kvshare.kvcache.kv_policy import FullAttention, SlidingWindow
+from kvshare.kvcache.kv_policy import FullAttention
 from kvshare.model.attention import PagedKVStorage, TorchPagedAttention
 from kvshare.model.config import ModelArchConfig
-from kvshare.model.ops import select_rows, windowed_decode_rows
 
 STEPS = 12
 
@@ -69,9 +68,9 @@ def _logprobs_joining(llm: LLM, prompts: dict[str, tuple[list[int], int]]) -> di
 
 
 def test_a_decode_rows_path_does_not_depend_on_a_windowed_row_beside_it():
-    """Attention sinks on the bundled model: a short row still sees every earlier key, so it takes
-    the fused stack, alone or beside a long row whose window hides keys (which goes layer by
-    layer, as it does alone). Each row's logprobs are the same bits alone and together."""
+    """Attention sinks on the bundled model: a short row still sees every earlier key, a long row's
+    window hides keys; both take the fused stack (each row with its own visible range), alone or
+    side by side. Each row's logprobs are the same bits alone and together."""
     sinks, window, block = 4, 32, 16
     llm = LLM(kv_cache_memory="64MiB", enable_prefix_caching=False, block_size=block, kv_policy="sink",
               sink_tokens=sinks, window_tokens=window)
@@ -124,36 +123,3 @@ def test_a_decode_rows_padding_and_output_on_the_pytorch_path_are_its_own(dtype)
         alone, [width] = attend([i])
         assert widths[i] == width >= blocks[i]
         assert torch.equal(together[i], alone[0]), f"row {i} ({ctx_lens[i]} keys)"
-
-
-def test_decode_rows_split_by_their_own_window_across_mixed_layers():
-    """Model-free: with a global and a windowed layer (Qwen2 layer_types), a short decode row sees
-    every key in both, a long one does not. The short row's metadata alone has no window ranges
-    and one block table for every layer (what the fused stack takes); the long row's keeps each
-    layer's own range, beside the prompt chunk, whose rows follow it."""
-    bs = 16
-    policy = SlidingWindow(windows=(None, 32), block_size=bs)
-    backend = TorchPagedAttention(bs)
-    arch = ModelArchConfig("qwen2", 320, 64, 128, 2, 4, 2, 16)
-    runner = ModelRunner(SimpleNamespace(config=arch, backend=backend), PagedKVStorage(2, 8, bs, 2, 16, torch.float32),
-                         [policy], [0, 0], [0, 1])
-    short = ChunkPlan("short", 9, [1], 9, [9], [0], None, samples=True)
-    long = ChunkPlan("long", 90, [1], 90, [6 * bs + 90 % bs], [1, 2, 3, 4, 5, 6], None, samples=True)
-    prompt = ChunkPlan("prompt", 0, [1] * 5, 0, [7 * bs + i for i in range(5)], [7], None, samples=True)
-    meta = runner.prepare(StepPlan(chunks=[short, long, prompt]))[2]
-    assert windowed_decode_rows(meta).tolist() == [False, True]
-
-    fused = select_rows(meta, torch.tensor([0]), prompts=False, sees_all=True)
-    assert fused.num_decode == 1 and not fused.prefills and fused.slot_mapping.tolist() == [9]
-    for m in fused.layer_metadata:
-        assert m.decode_block_tables is fused.decode_block_tables  # one table per row for every layer
-        assert m.decode_sink_end is None and m.decode_window_start is None
-    assert fused.decode_block_tables.tolist() == [meta.decode_block_tables[0].tolist()]
-
-    rest = select_rows(meta, torch.tensor([1]), prompts=True, sees_all=False)
-    assert rest.num_decode == 1 and rest.slot_mapping.tolist() == meta.slot_mapping[1:].tolist()
-    assert [c.query_start for c in rest.prefills] == [1]
-    for m, whole in zip(rest.layer_metadata, meta.layer_metadata):
-        assert m.decode_window_start.tolist() == whole.decode_window_start[1:].tolist()
-        assert [c.query_start for c in m.prefills] == [1]
-    assert rest.layer_metadata[1].decode_window_start.tolist() == [90 - 32 + 1]

@@ -9,7 +9,7 @@ preempted and recomputed, as one of n forks, as beam search, and through the HTT
 16 concurrent clients. What makes it hold is the default mode's token rows
 (kvshare.model.numerics): every prompt row takes the decode rows' arithmetic. Models: the bundled
 SmolLM2 (fused C++ stack), Gemma 3 270M (layer by layer, sliding-window and global layers in KV
-cache groups), and tiny kept-quantized (Q8_0) Qwen3 and Phi-3 with a sliding window.
+cache groups), and tiny kept-quantized (Q8_0) Qwen3 and Phi-3 with a sliding window (fused).
 """
 from __future__ import annotations
 
@@ -264,7 +264,7 @@ def test_tiny_kept_quantized_families(tmp_path, kind):
     if kind == "qwen3":
         model = tiny("qwen3", tmp_path / "hf", **QWEN3)
         write_gguf(tmp_path / "m.gguf", model, "qwen3", gguf.GGMLQuantizationType.Q8_0)
-    else:  # every layer windowed: rows past the window leave the fused stack for the layer path
+    else:  # every layer windowed: rows past the window stay in the fused stack, each with its range
         model = tiny("phi3", tmp_path / "hf", sliding_window=24)
         write_gguf(tmp_path / "m.gguf", model, "phi3", gguf.GGMLQuantizationType.Q8_0)
 

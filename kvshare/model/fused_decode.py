@@ -7,15 +7,15 @@ attention kernels without returning to Python between ops.
 
 It applies when every piece has a C++ counterpart, and says why not otherwise (`reason`):
 float32 or bfloat16 activations (with bfloat16 the C++ step rounds each intermediate to bfloat16
-where the step-by-step path rounds it, so both give a row nearly the same numbers), every layer's linears on kvshare's group kernels (int8 or int4 codes),
-a float32 or bfloat16 KV cache, the C++ attention kernel in use, RoPE over whole heads (with
-Qwen3's per-head q/k RMSNorm before it), a family whose layer is the plain Llama layer (Model.fused_layers),
-and decode rows with plain causal attention (no row's window hides an earlier key) over one block
-table per row (with KV cache groups each layer group has its own: it declines). It runs a step's
-decode rows that see every earlier key, whatever other rows share the step
-(kvshare.model.ops.Model.forward sends prompt rows, and decode rows whose window hides keys,
-layer by layer). Anything else takes the step-by-step path, which stays the reference:
-tests/test_fused_decode.py checks the two agree.
+where the step-by-step path rounds it, so both give a row nearly the same numbers), every layer's
+linears on kvshare's group kernels (int8 or int4 codes), a float32 or bfloat16 KV cache, the C++
+attention kernel in use, RoPE over whole heads, a family whose layer is the Llama layer
+(Model.fused_layers: Qwen3's per-head q/k norm included), and a step of decode rows only. Each
+layer attends with its own view of the rows: with KV cache groups its group's slots and block
+tables, with sliding windows or attention sinks each row's visible range in that layer. It runs a
+step's decode rows whatever other rows share the step (kvshare.model.ops.Model.forward sends
+prompt rows layer by layer). Anything else takes the step-by-step path, which stays the
+reference: tests/test_fused_decode.py checks the two agree.
 """
 from __future__ import annotations
 
@@ -40,7 +40,13 @@ class _Linear(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("in_norm", _ptr), ("post_norm", _ptr), ("qkv", _Linear), ("o", _Linear),
-                ("gate_up", _Linear), ("down", _Linear), ("k_cache", _ptr), ("v_cache", _ptr), ("qk_norm", _ptr)]
+                ("gate_up", _Linear), ("down", _Linear), ("k_cache", _ptr), ("v_cache", _ptr), ("qk_norm", _ptr),
+                ("rope_table", _i64)]
+
+
+class _LayerRows(ctypes.Structure):
+    _fields_ = [("slots", _ptr), ("tables", _ptr), ("max_blocks", _i64), ("ctx", _ptr), ("sink_end", _ptr),
+                ("win_start", _ptr)]
 
 
 class _Model(ctypes.Structure):
@@ -127,7 +133,7 @@ class FusedDecode:
         self._float_copies: list[torch.Tensor] = []
 
         def f32(t: torch.Tensor | None) -> torch.Tensor | None:
-            if t is None or t.dtype == torch.float32:
+            if t is None or (t.dtype == torch.float32 and t.is_contiguous()):
                 return t
             self._float_copies.append(t.float().contiguous())
             return self._float_copies[-1]
@@ -139,7 +145,7 @@ class FusedDecode:
             if any(p is None for p in parts):
                 return None
             views.append(_Layer(f32(layer.in_norm).data_ptr(), f32(layer.post_norm).data_ptr(), *parts, None, None,
-                                _ptr_of(f32(layer.qk_norm))))
+                                _ptr_of(f32(layer.qk_norm)), 0))  # one RoPE table
         return views
 
     def reason(self, meta: AttentionMetadata, num_rows: int, kv_cache: PagedKVStorage) -> str | None:
@@ -148,14 +154,10 @@ class FusedDecode:
             return "disabled"
         if self.model_reason is not None:
             return self.model_reason
-        if num_rows == 0 or meta.num_decode != num_rows or meta.prefills or meta.decode_block_tables is None:
+        if num_rows == 0 or meta.num_decode != num_rows or any(
+                m.prefills or m.decode_block_tables is None or m.decode_context_lens is None
+                for m in (meta.layer_metadata or [meta])):
             return "not a plain decode-only step"
-        if meta.layer_metadata is not None and any(m.decode_block_tables is not meta.decode_block_tables
-                                                   for m in meta.layer_metadata):
-            return "KV cache groups: layer groups read different block tables (one table per row here)"
-        if any(m.decode_sink_end is not None or m.decode_window_start is not None
-               for m in (meta.layer_metadata or [meta])):
-            return "rows whose window hides earlier keys"
         if kv_cache.scales is not None or kv_cache.data.dtype not in _CACHE_KINDS:
             return f"KV cache dtype {kv_cache.data.dtype} is not float32 or bfloat16"
         if self.library_reason is not None:
@@ -191,24 +193,48 @@ class FusedDecode:
         self._bound = (id(kv_cache), view)
         return view
 
-    def run(self, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, meta: AttentionMetadata,
+    def _layer_rows(self, meta: AttentionMetadata) -> tuple[ctypes.Array, list[torch.Tensor]]:
+        """Each layer's view of the rows (its group's slots and tables, its window's ranges), as
+        C structs, and the int64 tensors they point into. Layers whose metadata shares a tensor
+        share its converted copy (the C++ side then checks their indices once)."""
+        converted: dict[int, torch.Tensor] = {}
+
+        def ptr(t: torch.Tensor | None) -> int | None:
+            if t is None:
+                return None
+            if id(t) not in converted:
+                converted[id(t)] = t.to(torch.int64).contiguous()
+            return converted[id(t)].data_ptr()
+
+        metas = meta.layer_metadata or [meta] * len(self.model_layers)
+        views: dict[int, _LayerRows] = {}  # one struct per distinct metadata (layers of a group share one)
+        for m in metas:
+            if id(m) not in views:
+                views[id(m)] = _LayerRows(ptr(m.slot_mapping), ptr(m.decode_block_tables), m.decode_block_tables.shape[1],
+                                          ptr(m.decode_context_lens), ptr(m.decode_sink_end),
+                                          ptr(m.decode_window_start))
+        rows = (_LayerRows * len(metas))(*(views[id(m)] for m in metas))
+        # The metadata too: an id above stays unique only while its tensor lives.
+        return rows, [metas, list(converted.values())]
+
+    def run(self, h: torch.Tensor, tables: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
             kv_cache: PagedKVStorage) -> torch.Tensor:
         """h [rows, hidden] (embedded tokens, the model's dtype) through every layer; the last
-        layer's output comes back in that dtype (in place when it is float32)."""
+        layer's output comes back in that dtype (in place when it is float32). tables: the rows'
+        (cos, signed sin) of each RoPE table the layers use (Model.rope_tables)."""
         view = self._model_view(kv_cache)
         view.portable = int(self.portable)
         dtype = h.dtype
         h = h.float().contiguous()
-        cos = cos.reshape(h.shape[0], -1).float().contiguous()
-        signed_sin = signed_sin.reshape(h.shape[0], -1).float().contiguous()
-        slots = meta.slot_mapping.contiguous()
-        tables = meta.decode_block_tables.contiguous()
-        ctx = meta.decode_context_lens.contiguous()
+        num_rows = h.shape[0]
+        cos = torch.stack([c.reshape(num_rows, -1) for c, _ in tables]).float().contiguous()
+        signed_sin = torch.stack([s.reshape(num_rows, -1) for _, s in tables]).float().contiguous()
+        rows, keep = self._layer_rows(meta)
         err = ctypes.create_string_buffer(256)
         rc = decode_step.DECODE.lib().kvs_decode_layers(
-            ctypes.byref(view), h.data_ptr(), h.shape[0], cos.data_ptr(), signed_sin.data_ptr(),
-            slots.data_ptr(), tables.data_ptr(), tables.shape[1], ctx.data_ptr(),
+            ctypes.byref(view), h.data_ptr(), h.shape[0], cos.data_ptr(), signed_sin.data_ptr(), rows,
             torch.get_num_threads(), err, len(err))
+        del keep  # the index tensors `rows` points into, alive until here
         if view.comm:  # tensor parallel: a rank given up on while waiting
             self.model.tp.transport.raise_late_error()
         if rc:

@@ -8,10 +8,10 @@ serves the capabilities the family asks for (soft-capping: the PyTorch attention
 has none), and whether a step's decode rows go through the fused C++ decode stack.
 
 `Model.forward` dispatches by row kind (in the default mode every row is a decode row: token
-rows, kvshare.model.numerics): decode rows through the fused stack when the model allows
-it and the row sees every earlier key (a row whose own window hides keys goes layer by layer, as
-it would alone), every other row layer by layer, whatever else shares the step (rows never see
-each other: each attends over its own sequence's blocks only).
+rows, kvshare.model.numerics): decode rows through the fused stack when the model allows it
+(each layer with its own view of the rows: KV cache groups' tables, windows' visible ranges),
+every other row layer by layer, whatever else shares the step (rows never see each other: each
+attends over its own sequence's blocks only).
 """
 from __future__ import annotations
 
@@ -122,9 +122,9 @@ class StepOps:
 class Model:
     """What the engine runs: a family's recipe (`build`, `layers_forward`, `final_norm`) over Ops.
 
-    A family whose layer is the plain Llama layer (pre-norm attention with fused q/k/v and an
-    optional q/k/v bias, pre-norm SiLU-gated MLP) says so in `fused_layers` and gets the fused
-    C++ decode step; tensor parallelism comes with Ops for any family whose weights shard."""
+    A family whose layer is the Llama layer (pre-norm attention with fused q/k/v, an optional q/k/v
+    bias and per-head q/k norm, pre-norm SiLU-gated MLP) says so in `fused_layers` and gets the
+    fused C++ decode step; tensor parallelism comes with Ops for any family whose weights shard."""
 
     def __init__(self, config: ModelArchConfig, weights: dict, ops: Ops) -> None:
         self.config = config
@@ -138,15 +138,15 @@ class Model:
         raise NotImplementedError
 
     def fused_layers(self) -> list | str:
-        """The layers as the fused stack reads them (in_norm, post_norm, qkv, qkv_b, o, gate_up,
-        down), or why this family's layers are not the fused stack's."""
+        """The layers as the fused stack reads them (in_norm, post_norm, qkv, qkv_b, qk_norm, o,
+        gate_up, down), or why this family's layers are not the fused stack's."""
         return f"{self.config.architecture} layers are not in the C++ decode step"
 
     def embed_rows(self, ops: Ops, ids: torch.Tensor) -> torch.Tensor:
         return ops.embed(self.embed, ids)
 
     def rope_tables(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(cos, sin) per rotary embedding the layers use; the fused stack takes the first."""
+        """(cos, sin) per rotary embedding the layers use (a layer names its own by index)."""
         raise NotImplementedError
 
     def layers_forward(self, ops: StepOps, h: torch.Tensor, tables: list) -> torch.Tensor:
@@ -176,33 +176,16 @@ class Model:
         h = self.embed_rows(self.ops, input_ids)
         tables = self.rope_tables(positions)
         nd = meta.num_decode
-        windowed = windowed_decode_rows(meta) if nd else None
-        if windowed is None:  # every decode row sees every earlier key: the leading rows go fused
-            fused_rows, rest_rows = slice(0, nd), slice(nd, None)
-            fused_meta = decode_rows(meta)
-        else:
-            # Each decode row by its own window: those that see every earlier key go fused (as
-            # they would alone), those whose window hides keys layer by layer (as alone too).
-            fused_rows, windowed_rows = (~windowed).nonzero().flatten(), windowed.nonzero().flatten()
-            rest_rows = torch.cat([windowed_rows, torch.arange(nd, input_ids.shape[0])])
-            fused_meta = select_rows(meta, fused_rows, prompts=False, sees_all=True)
-        num_fused = fused_meta.num_decode
-        if num_fused == 0 or self.fused_decode.reason(fused_meta, num_fused, kv_cache) is not None:
+        fused_meta = decode_rows(meta)
+        if nd == 0 or self.fused_decode.reason(fused_meta, nd, kv_cache) is not None:
             return self.layers_forward(self.ops.step(meta, kv_cache), h, tables)
         # The decode rows through the fused stack, the other rows (if any) layer by layer: a
         # decode row's arithmetic is the same whatever shares its step.
-        cos, sin = tables[0]
-        out = self.fused_decode.run(h[fused_rows], cos[fused_rows], sin[fused_rows], fused_meta, kv_cache)
-        if num_fused == input_ids.shape[0]:
+        out = self.fused_decode.run(h[:nd], [(c[:nd], s[:nd]) for c, s in tables], fused_meta, kv_cache)
+        if nd == input_ids.shape[0]:
             return out
-        rest_meta = prompt_rows(meta) if windowed is None else select_rows(meta, windowed_rows, True, False)
-        rest = [(c[rest_rows], s[rest_rows]) for c, s in tables]
-        rest_out = self.layers_forward(self.ops.step(rest_meta, kv_cache), h[rest_rows], rest)
-        if windowed is None:
-            return torch.cat([out, rest_out])
-        hidden = rest_out.new_empty((input_ids.shape[0],) + tuple(rest_out.shape[1:]))
-        hidden[fused_rows], hidden[rest_rows] = out, rest_out
-        return hidden
+        rest = [(c[nd:], s[nd:]) for c, s in tables]
+        return torch.cat([out, self.layers_forward(self.ops.step(prompt_rows(meta), kv_cache), h[nd:], rest)])
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -236,47 +219,3 @@ def prompt_rows(meta: AttentionMetadata) -> AttentionMetadata:
     layers = None if meta.layer_metadata is None else [prompt_rows(m) for m in meta.layer_metadata]
     chunks = [dataclasses.replace(c, query_start=c.query_start - nd) for c in meta.prefills]
     return AttentionMetadata(slot_mapping=meta.slot_mapping[nd:], prefills=chunks, layer_metadata=layers)
-
-
-def windowed_decode_rows(meta: AttentionMetadata) -> torch.Tensor | None:
-    """Per decode row, whether its window hides an earlier key in some layer ([num_decode] bool;
-    None: no row has a window range). A row sees [0, sink_end) and [window_start, ctx), which is
-    every earlier key when window_start <= sink_end (the attention kernel's own rule)."""
-    hidden = None
-    for m in meta.layer_metadata or [meta]:
-        if m.decode_window_start is None:
-            continue
-        sink_end = m.decode_sink_end if m.decode_sink_end is not None else torch.zeros_like(m.decode_window_start)
-        hides = m.decode_window_start > sink_end
-        hidden = hides if hidden is None else hidden | hides
-    return hidden
-
-
-def select_rows(meta: AttentionMetadata, decode: torch.Tensor, prompts: bool, sees_all: bool,
-                picked: dict | None = None) -> AttentionMetadata:
-    """The metadata of the decode rows at `decode` (indices among the step's first num_decode
-    rows, in order), followed by the step's prompt rows when `prompts`. sees_all: those rows see
-    every earlier key, so their window ranges are dropped. Only for the C++ kernels' steps: the
-    PyTorch path's padded decode groups are not carried over."""
-    picked = {} if picked is None else picked
-
-    def pick(t: torch.Tensor | None) -> torch.Tensor | None:
-        if t is None:
-            return None
-        if id(t) not in picked:  # layers that share a tensor share its selection (one table per row)
-            picked[id(t)] = (t, t[decode])
-        return picked[id(t)][1]
-
-    nd, kept = meta.num_decode, len(decode)
-    layers = (None if meta.layer_metadata is None
-              else [select_rows(m, decode, prompts, sees_all, picked) for m in meta.layer_metadata])
-    slots, chunks = meta.slot_mapping[decode], []
-    if prompts:
-        slots = torch.cat([slots, meta.slot_mapping[nd:]])
-        chunks = [dataclasses.replace(c, query_start=c.query_start - nd + kept) for c in meta.prefills]
-    return AttentionMetadata(
-        slot_mapping=slots, num_decode=kept, decode_block_tables=pick(meta.decode_block_tables),
-        decode_context_lens=pick(meta.decode_context_lens),
-        decode_sink_end=None if sees_all else pick(meta.decode_sink_end),
-        decode_window_start=None if sees_all else pick(meta.decode_window_start),
-        prefills=chunks, layer_metadata=layers)

@@ -4,8 +4,9 @@
 // Why: at batch 1 a 30-layer model issues ~450 small PyTorch ops and ~150 kernel calls per
 // token; each costs 5-50 us of dispatch and Python, together about as much as the matmuls.
 // Here the same arithmetic runs without leaving C++: per layer RMSNorm, the fused q/k/v matmul
-// (+ bias), the per-head q/k RMSNorm (Qwen3), RoPE on q and k, the K/V write into the paged cache, paged attention, the output
-// projection and residual, RMSNorm, the fused gate/up matmul, SiLU x up, down and residual.
+// (+ bias), the per-head q/k RMSNorm (Qwen3), RoPE on q and k (the layer's own table), the K/V
+// write into the paged cache, paged attention over each row's visible keys in that layer, the
+// output projection and residual, RMSNorm, the fused gate/up matmul, SiLU x up, down and residual.
 //
 // This file is built as one translation unit after qmatmul.cpp and paged_attention.cpp (the
 // library's sources are concatenated in that order; see cpu_kernels.DECODE), so the matmuls
@@ -25,8 +26,9 @@
 //
 // Scope (the Python side, kvshare/model/fused_decode.py, sends nothing else here): float32 or
 // bfloat16 activations (hidden state, norms and biases handed over as float32); weights as
-// int8-group or int4-group codes; a float32 or bfloat16 KV cache;
-// every row a decode row with the same attention for all layers (no sliding-window layers).
+// int8-group or int4-group codes; a float32 or bfloat16 KV cache; every row a decode row, each
+// layer with its own view of the rows (LayerRows: with KV cache groups a group's own slots and
+// block tables, with windows each row's visible range in that layer).
 // Everything else takes the step-by-step path.
 
 #include <memory>
@@ -51,7 +53,26 @@ struct Layer {
   // [heads + kv_heads, head_dim] or null: each q and k head RMS-normalized before RoPE (Qwen3's
   // q_norm / k_norm, one weight row per head), with the model's norm rounding.
   const float* qk_norm;
+  int64_t rope_table;  // which of the call's RoPE tables rotates this layer (models with several bases)
 };
+
+// One layer's view of a call's rows: where each row's K and V go and which keys it reads. Layers
+// that attend alike share one view's arrays; with KV cache groups each group has its own slots and
+// tables, and a windowed layer (Mistral, Qwen2, Phi-3, Gemma's local layers, attention sinks) its
+// rows' visible ranges, as kvs_paged_decode_attention takes them.
+struct LayerRows {
+  const int64_t* slots;      // [M]
+  const int64_t* tables;     // [M, max_blocks]
+  int64_t max_blocks;
+  const int64_t* ctx;        // [M] keys per row, its own new one included
+  const int64_t* sink_end;   // [M] or null: row r sees [0, sink_end) and [win_start, ctx) only
+  const int64_t* win_start;  // [M] or null (both null, or win_start <= sink_end: every key)
+};
+
+static bool same_rows(const LayerRows& a, const LayerRows& b) {
+  return a.slots == b.slots && a.tables == b.tables && a.max_blocks == b.max_blocks && a.ctx == b.ctx &&
+         a.sink_end == b.sink_end && a.win_start == b.win_start;
+}
 
 struct Model {
   int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate;
@@ -421,16 +442,51 @@ static int all_reduce(const Ops& ops, ShmComm* comm, float* y, int64_t n, bool b
   return 0;
 }
 
+// Whether every index of one layer's view is in range: each row writes only a real slot and reads
+// only real blocks of its own table, those holding positions it sees (kvs_paged_decode_attention's
+// rule; a block wholly between its sinks and its window may be released, its entry never read).
+static int check_rows(const LayerRows& R, int64_t M, int64_t slots, int64_t block_size, int64_t li, char* err,
+                      int64_t err_len) {
+  const int64_t num_blocks = slots / block_size;
+  for (int64_t r = 0; r < M; ++r) {
+    if (R.slots[r] < 0 || R.slots[r] >= slots) {
+      std::snprintf(err, size_t(err_len), "layer %lld row %lld: slot %lld out of range [0, %lld)", (long long)li,
+                    (long long)r, (long long)R.slots[r], (long long)slots);
+      return 1;
+    }
+    const int64_t c = R.ctx[r];
+    if (c < 1 || c > R.max_blocks * block_size) {
+      std::snprintf(err, size_t(err_len),
+                    "layer %lld row %lld: context length %lld out of range for a table of %lld blocks", (long long)li,
+                    (long long)r, (long long)c, (long long)R.max_blocks);
+      return 1;
+    }
+    const int64_t s = R.sink_end ? std::max<int64_t>(0, std::min(R.sink_end[r], c)) : 0;
+    const int64_t w = R.win_start ? std::max<int64_t>(0, std::min(R.win_start[r], c)) : 0;
+    const int64_t gap_first = w > s ? (s + block_size - 1) / block_size : 0, gap_end = w > s ? w / block_size : 0;
+    const int64_t used = (c + block_size - 1) / block_size;
+    for (int64_t b = 0; b < used; ++b) {
+      if (b >= gap_first && b < gap_end) continue;
+      const int64_t id = R.tables[r * R.max_blocks + b];
+      if (id < 0 || id >= num_blocks) {
+        std::snprintf(err, size_t(err_len), "layer %lld row %lld: block id %lld out of range [0, %lld)",
+                      (long long)li, (long long)r, (long long)id, (long long)num_blocks);
+        return 1;
+      }
+    }
+  }
+  return 0;
+}
+
 }  // namespace dec
 
 // h [M, hidden] float32 (with act_bf16, values a bfloat16 holds): the embedded tokens in, the last layer's output (before the final
-// norm) out. cos, ssin [M, head_dim]: RoPE tables of each row's position (sin signed as
-// RotaryEmbedding.tables gives it). slots [M]: where each row's K/V go. tables [M, max_blocks],
-// ctx [M]: each row's block table and context length (its own new token included).
+// norm) out. cos, ssin [tables, M, head_dim]: each RoPE table's rows for each row's position (sin
+// signed as RotaryEmbedding.tables gives it; a layer reads table rope_table). rows [num_layers]:
+// each layer's view of the rows (LayerRows).
 // Returns 0, or 1 with a message in err (nothing is written to the cache when an index is bad).
 extern "C" int kvs_decode_layers(const dec::Model* mp, float* h, int64_t M, const float* cos, const float* ssin,
-                                 const int64_t* slots, const int64_t* tables, int64_t max_blocks, const int64_t* ctx,
-                                 int num_threads, char* err, int64_t err_len) {
+                                 const dec::LayerRows* rows, int num_threads, char* err, int64_t err_len) {
   const dec::Model& m = *mp;
   const int64_t E = m.hidden, H = m.heads, KVH = m.kv_heads, D = m.head_dim, I = m.intermediate;
   const int64_t qs = H * D, kvs_ = KVH * D, qkv_n = qs + 2 * kvs_;
@@ -439,29 +495,12 @@ extern "C" int kvs_decode_layers(const dec::Model* mp, float* h, int64_t M, cons
     return 1;
   }
   if (M <= 0) return 0;
-  // Isolation checks once, before anything is written: each row writes only a real slot and
-  // reads only real blocks of its own table (paged attention checks the tables again per layer).
+  // Isolation checks once, before anything is written, on every distinct layer view (paged
+  // attention checks the tables again per layer).
   const int64_t num_blocks = m.slots / m.block_size;
-  for (int64_t r = 0; r < M; ++r) {
-    if (slots[r] < 0 || slots[r] >= m.slots) {
-      std::snprintf(err, size_t(err_len), "row %lld: slot %lld out of range [0, %lld)", (long long)r,
-                    (long long)slots[r], (long long)m.slots);
-      return 1;
-    }
-    if (ctx[r] < 1 || ctx[r] > max_blocks * m.block_size) {
-      std::snprintf(err, size_t(err_len), "row %lld: context length %lld out of range for a table of %lld blocks",
-                    (long long)r, (long long)ctx[r], (long long)max_blocks);
-      return 1;
-    }
-    const int64_t used = (ctx[r] + m.block_size - 1) / m.block_size;
-    for (int64_t b = 0; b < used; ++b) {
-      const int64_t id = tables[r * max_blocks + b];
-      if (id < 0 || id >= num_blocks) {
-        std::snprintf(err, size_t(err_len), "row %lld: block id %lld out of range [0, %lld)", (long long)r,
-                      (long long)id, (long long)num_blocks);
-        return 1;
-      }
-    }
+  for (int64_t li = 0; li < m.num_layers; ++li) {
+    if (li > 0 && dec::same_rows(rows[li], rows[li - 1])) continue;
+    if (dec::check_rows(rows[li], M, m.slots, m.block_size, li, err, err_len)) return 1;
   }
   const bool bf = m.act_bf16 != 0;
   const dec::Ops ops{dec::has_avx512() && m.portable == 0};
@@ -477,23 +516,26 @@ extern "C" int kvs_decode_layers(const dec::Model* mp, float* h, int64_t M, cons
   dec::for_rows(M, num_threads, [&](int64_t r) { ops.norm_row(h + r * E, m.layers[0].in_norm, E, m.eps, x.get() + r * E, bf); });
   for (int64_t li = 0; li < m.num_layers; ++li) {
     const dec::Layer& L = m.layers[li];
+    const dec::LayerRows& R = rows[li];
     if (dec::linear(L.qkv, x.get(), M, qkv.get(), num_threads, err, err_len)) return 1;
     dec::for_rows(M, num_threads, [&](int64_t r) {
       float* row = qkv.get() + r * qkv_n;
       ops.out_row(row, L.qkv.bias, qkv_n, bf);
       if (L.qk_norm != nullptr)  // in place: norm_row reads the whole head (its sum) before it writes
-        for (int64_t hh = 0; hh < H + KVH; ++hh) ops.norm_row(row + hh * D, L.qk_norm + hh * D, D, m.eps, row + hh * D, bf);
-      for (int64_t hh = 0; hh < H + KVH; ++hh) ops.rope(row + hh * D, cos + r * D, ssin + r * D, D, bf);
-      dec::write_kv(ops, L.k_cache, m.cache_kind, m.slots, D, KVH, slots[r], row + qs);
-      dec::write_kv(ops, L.v_cache, m.cache_kind, m.slots, D, KVH, slots[r], row + qs + kvs_);
+        for (int64_t hh = 0; hh < H + KVH; ++hh)
+          ops.norm_row(row + hh * D, L.qk_norm + hh * D, D, m.eps, row + hh * D, bf);
+      const int64_t at = (L.rope_table * M + r) * D;
+      for (int64_t hh = 0; hh < H + KVH; ++hh) ops.rope(row + hh * D, cos + at, ssin + at, D, bf);
+      dec::write_kv(ops, L.k_cache, m.cache_kind, m.slots, D, KVH, R.slots[r], row + qs);
+      dec::write_kv(ops, L.v_cache, m.cache_kind, m.slots, D, KVH, R.slots[r], row + qs + kvs_);
       if (bf) ops.to_bf16(row, qs, q16.get() + r * qs);
     });
     const void* q_in = bf ? static_cast<const void*>(q16.get()) : static_cast<const void*>(qkv.get());
     void* a_out = bf ? static_cast<void*>(attn16.get()) : static_cast<void*>(attn.get());
     if (kvs_paged_decode_attention(q_in, bf ? qs : qkv_n, D, bf ? 1 : 0, L.k_cache, m.slots * D, D, L.v_cache,
-                                   m.slots * D, D, int(m.cache_kind), nullptr, 0, nullptr, 0, tables, max_blocks, ctx,
-                                   nullptr, nullptr, a_out, qs, D, M, H, KVH, D, m.block_size, num_blocks, m.scale, 0,
-                                   num_threads, err, err_len))
+                                   m.slots * D, D, int(m.cache_kind), nullptr, 0, nullptr, 0, R.tables, R.max_blocks,
+                                   R.ctx, R.sink_end, R.win_start, a_out, qs, D, M, H, KVH, D, m.block_size, num_blocks,
+                                   m.scale, 0, num_threads, err, err_len))
       return 1;
     if (bf) dec::for_rows(M, num_threads, [&](int64_t r) { ops.widen(attn16.get() + r * qs, qs, attn.get() + r * qs); });
     if (dec::linear(L.o, attn.get(), M, y.get(), num_threads, err, err_len)) return 1;

@@ -16,7 +16,7 @@ def _setup_decode(lib: ctypes.CDLL) -> None:
     f = lib.kvs_decode_layers
     f.restype = _int
     f.argtypes = [_ptr, _ptr, _i64, _ptr, _ptr,  # model, h, M, cos, signed sin
-                  _ptr, _ptr, _i64, _ptr,  # slots, tables, max_blocks, context lengths
+                  _ptr,  # each layer's view of the rows (slots, tables, context lengths, windows)
                   _int, ctypes.c_char_p, _i64]  # threads, error buffer
 
 
