@@ -29,6 +29,14 @@ LOGPROB_TOL = 1e-4
 BF16_LOGPROB_TOL = 0.15
 BF16_KV_LOGPROB_TOL = 0.05  # a bfloat16 cache under float32 activations: flips of K/V roundings only
 VNNI_LOGPROB_TOL = 1e-2
+# The tiny Gemma 3 below (six layers of four (1 + w) norms and q/k norms each, widened weights):
+# float32 measured 1.7e-4 (tokens identical); bfloat16 measured 0 on its prompts, where Llama's
+# two roundings in place of Gemma's one would move it by 0.047 (BF16_LOGPROB_TOL would let that
+# through). A missing norm, RoPE table or GELU moves it by 0.3-1.
+GEMMA3_LOGPROB_TOL = 1e-3
+GEMMA3_BF16_LOGPROB_TOL = 0.02
+# Gemma 3 270M, float32, weights in rows (tests/test_gemma3_real.py): measured 5.2e-6.
+FUSED_GEMMA3_LOGPROB_TOL = 1e-4
 STEPS = 32
 
 
@@ -308,6 +316,71 @@ def test_windowed_models_fused_equals_step_by_step(tmp_path, kind):
         assert windowed[0] > 0, f"no fused step had a row whose window hides keys (together={together})"
 
 
+def _tiny_gemma3_gguf(tmp_path) -> str:
+    """A tiny Gemma 3 as llama.cpp writes it, Q8_0 matrices: six layers, five local (window 12) and
+    one global (linear RoPE scaling: its own table), randomized (1 + w) norms and q/k norms."""
+    import gguf
+    from helpers import tiny_model
+    from test_gemma import gemma_overrides, write_gguf_like_llama_cpp
+
+    over = gemma_overrides("gemma3")
+    over.update(num_hidden_layers=6, sliding_window_pattern=6, query_pre_attn_scalar=16)  # as GGUF has them
+    path = tmp_path / "gemma3.gguf"
+    write_gguf_like_llama_cpp(path, tiny_model("gemma3", tmp_path / "hf", **over), "gemma3",
+                              gguf.GGMLQuantizationType.Q8_0)
+    return str(path)
+
+
+def _count_grouped_fused_calls(fused) -> list[int]:
+    """Counts the fused calls whose layers read different block tables (KV cache groups)."""
+    calls = [0]
+    run = fused.run
+
+    def counting(h, tables, meta, kv_cache):
+        layers = meta.layer_metadata or [meta]
+        calls[0] += any(not torch.equal(m.decode_block_tables, layers[0].decode_block_tables) for m in layers)
+        return run(h, tables, meta, kv_cache)
+
+    fused.run = counting
+    return calls
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tiny_gemma3_fused_equals_step_by_step(tmp_path, dtype):
+    """Gemma 3 in the fused step: (1 + w) norms in float32 rounded once, the post-attention and
+    post-feed-forward norms, per-head q/k norms, GELU-tanh, the embedding scale, local and global
+    RoPE tables, the query scale; its local layers in a KV cache group of their own (their own
+    block tables, blocks released behind the window) while decoding runs past the window."""
+    llm = LLM(_tiny_gemma3_gguf(tmp_path), kv_cache_memory="4MiB", block_size=4, dtype=dtype,
+              kv_cache_dtype="float32", enable_prefix_caching=False)
+    model = llm.engine.model
+    assert model.fused_decode.model_reason is None
+    assert len(model.rotaries) == 2 and len({layer.rotary for layer in model.layers}) == 2
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 250 + 3 for j in range(n)]} for i, n in enumerate([1, 3, 9, 17])]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=1)
+    for together in (False, True):
+        grouped = _count_grouped_fused_calls(model.fused_decode)
+        windowed = _count_windowed_fused_calls(model.fused_decode)
+        identical, worst = _compare(llm, prompts, params, together)
+        assert grouped[0] > 0 and windowed[0] > 0, (grouped, windowed)
+        tol = GEMMA3_LOGPROB_TOL if dtype == "float32" else GEMMA3_BF16_LOGPROB_TOL
+        assert identical == len(prompts) and worst < tol, (together, identical, worst)
+
+
+def test_gemma2_says_why_it_stays_layer_by_layer(tmp_path):
+    """Gemma 2 soft-caps attention scores, which the C++ attention kernel cannot: named as the reason."""
+    import gguf
+    from helpers import tiny_model
+    from test_gemma import gemma_overrides, write_gguf_like_llama_cpp
+
+    path = tmp_path / "gemma2.gguf"
+    over = dict(gemma_overrides("gemma2"), query_pre_attn_scalar=16)
+    write_gguf_like_llama_cpp(path, tiny_model("gemma2", tmp_path / "hf", **over), "gemma2",
+                              gguf.GGMLQuantizationType.Q8_0)
+    llm = LLM(str(path), kv_cache_memory="4MiB", block_size=4)
+    assert "soft-capping" in llm.engine.model.fused_decode.model_reason
+
+
 def test_fused_path_says_why_it_does_not_apply(bundled):
     from helpers import EXACT
 
@@ -397,15 +470,22 @@ def _fill_cache(cache, seed: int):
     cache.data.copy_(torch.randn(cache.data.shape, generator=g).to(cache.data.dtype))
 
 
-@pytest.fixture(scope="module", params=["bundled-float32", "bundled-bfloat16", "tiny-float32", "tiny-bfloat16"])
+@pytest.fixture(scope="module", params=["bundled-float32", "bundled-bfloat16", "tiny-float32", "tiny-bfloat16",
+                                        "gemma3-float32", "gemma3-bfloat16"])
 def rows_model(request, tmp_path_factory):
     """A model whose decode steps take the fused path: the bundled one (hidden 576, head_dim 64),
-    and a tiny Llama whose head_dim 24 leaves vector tails (RoPE's half of 12, K/V rows of 24),
-    each with float32 and bfloat16 activations (the bundled one on a bfloat16 cache, the tiny one
-    on a float32 cache)."""
+    a tiny Llama whose head_dim 24 leaves vector tails (RoPE's half of 12, K/V rows of 24), and a
+    tiny Gemma 3 (GELU-tanh, norms rounded once, post-block norms, two RoPE tables), each with
+    float32 and bfloat16 activations (the bundled one on a bfloat16 cache, the tiny ones on a
+    float32 cache)."""
     which, dtype = request.param.split("-")
     if which == "bundled":
         llm = LLM(kv_cache_memory="16MiB", enable_prefix_caching=False, dtype=dtype, kv_cache_dtype="bfloat16")
+    elif which == "gemma3":
+        # One KV cache group: _token_rows hands every layer the same slots and tables, and with
+        # groups layers of different groups share storage (each at its own group's block ids).
+        llm = LLM(_tiny_gemma3_gguf(tmp_path_factory.mktemp("gemma3")), kv_cache_memory="4MiB", block_size=4,
+                  dtype=dtype, kv_cache_dtype="float32", enable_prefix_caching=False, kv_cache_groups=False)
     else:
         from gguf import GGMLQuantizationType as QT
         from test_loader import tiny_llama, write_tiny_gguf

@@ -325,6 +325,35 @@ def test_kept_quantized_agrees_with_the_exact_path(engines):
     assert worst < _tol(default), worst
 
 
+def test_fused_decode_equals_step_by_step(gguf_path):
+    """The fused C++ decode step on the real model: 18 layers, five local (512-token window) to one
+    global in KV cache groups, two RoPE bases, head_dim 256 over one KV head. A 530-token prompt
+    decodes past the window beside short ones; its tokens and logprobs agree with the
+    step-by-step path (tests/test_fused_decode.py's comparison, weights in rows and a float32
+    cache as there, so only the element-wise ops' rounding differs: FUSED_GEMMA3_LOGPROB_TOL)."""
+    from helpers import english_token_prompts
+    from test_fused_decode import (FUSED_GEMMA3_LOGPROB_TOL, _compare, _count_grouped_fused_calls,
+                                   _count_windowed_fused_calls)
+
+    from kvshare import LLM, SamplingParams
+    from kvshare.model.kernels import decode_step, qmatmul
+
+    assert decode_step.DECODE.wait_until_built(), decode_step.DECODE.unavailable_reason()
+    qmatmul.QMATMUL.wait_until_built()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(qmatmul, "vnni_blocks_fit", lambda *a: False)
+        llm = LLM(model=NAME, kv_cache_memory="64MiB", enable_prefix_caching=False, kv_cache_dtype="float32")
+    assert llm.engine.model.fused_decode.model_reason is None
+    prompts = [{"prompt_token_ids": p} for p in english_token_prompts(llm.get_tokenizer().encode, [5, 47, 530])]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
+    grouped = _count_grouped_fused_calls(llm.engine.model.fused_decode)
+    windowed = _count_windowed_fused_calls(llm.engine.model.fused_decode)
+    identical, worst = _compare(llm, prompts, params, together=True)
+    assert grouped[0] > 0 and windowed[0] > 0, (grouped, windowed)  # KV cache groups; a row past the window
+    assert identical == len(prompts), f"only {identical}/{len(prompts)} prompts decode identically"
+    assert worst < FUSED_GEMMA3_LOGPROB_TOL, worst
+
+
 def _golden() -> list[dict]:
     import json
 

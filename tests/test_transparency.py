@@ -8,8 +8,8 @@ of 1, 7, 16 and 64 tokens, as a second turn over the first turn's cached blocks,
 preempted and recomputed, as one of n forks, as beam search, and through the HTTP server under
 16 concurrent clients. What makes it hold is the default mode's token rows
 (kvshare.model.numerics): every prompt row takes the decode rows' arithmetic. Models: the bundled
-SmolLM2 (fused C++ stack), Gemma 3 270M (layer by layer, sliding-window and global layers in KV
-cache groups), and tiny kept-quantized (Q8_0) Qwen3 and Phi-3 with a sliding window (fused).
+SmolLM2, Gemma 3 270M (sliding-window and global layers in KV cache groups), and tiny
+kept-quantized (Q8_0) Qwen3 and Phi-3 with a sliding window, all on the fused C++ stack.
 """
 from __future__ import annotations
 

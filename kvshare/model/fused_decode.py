@@ -9,17 +9,20 @@ It applies when every piece has a C++ counterpart, and says why not otherwise (`
 float32 or bfloat16 activations (with bfloat16 the C++ step rounds each intermediate to bfloat16
 where the step-by-step path rounds it, so both give a row nearly the same numbers), every layer's
 linears on kvshare's group kernels (int8 or int4 codes), a float32 or bfloat16 KV cache, the C++
-attention kernel in use, RoPE over whole heads, a family whose layer is the Llama layer
-(Model.fused_layers: Qwen3's per-head q/k norm included), and a step of decode rows only. Each
-layer attends with its own view of the rows: with KV cache groups its group's slots and block
-tables, with sliding windows or attention sinks each row's visible range in that layer. It runs a
-step's decode rows whatever other rows share the step (kvshare.model.ops.Model.forward sends
-prompt rows layer by layer). Anything else takes the step-by-step path, which stays the
-reference: tests/test_fused_decode.py checks the two agree.
+attention kernel in use (not Gemma 2's soft-capping), RoPE over whole heads, a family whose
+layers a `Stack` describes (Model.fused_layers: the Llama layer with Qwen3's per-head q/k norm,
+or Gemma 3's layer), and a step of decode rows only. Each layer attends with its own view of the
+rows: with KV cache groups its group's slots and block tables, with sliding windows or attention
+sinks each row's visible range in that layer. It runs a step's decode rows whatever other rows
+share the step (kvshare.model.ops.Model.forward sends prompt rows layer by layer). Anything else
+takes the step-by-step path, which stays the reference: tests/test_fused_decode.py checks the two
+agree.
 """
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+from typing import Any
 
 import torch
 
@@ -33,6 +36,38 @@ _CACHE_KINDS = {torch.float32: 0, torch.bfloat16: 1}
 _ACTIVATIONS = (torch.float32, torch.bfloat16)
 
 
+@dataclasses.dataclass
+class StackLayer:
+    """One decoder layer as decode_step.cpp runs it: in_norm, qkv (+ qkv_b), each q and k head
+    normalized by its row of qk_norm [heads + kv_heads, head_dim] (if any), RoPE from the call's
+    table `rope_table`, attention, o (normalized by attn_out_norm, if any), the residual, post_norm
+    (the norm before the MLP), gate_up, the gate's activation times up, down (normalized by
+    mlp_out_norm, if any), the residual. Norm weights as the family's norm multiplies by them."""
+
+    in_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: Any
+    o: Any
+    gate_up: Any
+    down: Any
+    qkv_b: torch.Tensor | None = None
+    qk_norm: torch.Tensor | None = None
+    rope_table: int = 0
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
+
+
+@dataclasses.dataclass
+class Stack:
+    """A family's decoder stack as the fused step reads it (kvshare.model.ops.Model.fused_layers)."""
+
+    layers: list[StackLayer]
+    # Gemma: each RMSNorm computed in float32 and rounded to the activation dtype once (ops.norm_f32);
+    # else Llama's (the normalized row rounded, then its product with the weight: layers.rms_norm).
+    norm_once: bool = False
+    gelu_tanh: bool = False  # Gemma: the MLP's gate is GELU (tanh approximation), not SiLU
+
+
 class _Linear(ctypes.Structure):
     _fields_ = [("kind", _i64), ("q", _ptr), ("scales", _ptr), ("zeros", _ptr), ("bias", _ptr),
                 ("N", _i64), ("K", _i64), ("group", _i64)]
@@ -41,7 +76,7 @@ class _Linear(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [("in_norm", _ptr), ("post_norm", _ptr), ("qkv", _Linear), ("o", _Linear),
                 ("gate_up", _Linear), ("down", _Linear), ("k_cache", _ptr), ("v_cache", _ptr), ("qk_norm", _ptr),
-                ("rope_table", _i64)]
+                ("rope_table", _i64), ("attn_out_norm", _ptr), ("mlp_out_norm", _ptr)]
 
 
 class _LayerRows(ctypes.Structure):
@@ -53,7 +88,8 @@ class _Model(ctypes.Structure):
     _fields_ = [("num_layers", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64),
                 ("head_dim", _i64), ("intermediate", _i64), ("slots", _i64), ("block_size", _i64),
                 ("cache_kind", _i64), ("act_bf16", _i64), ("eps", ctypes.c_double), ("scale", ctypes.c_double),
-                ("layers", ctypes.POINTER(_Layer)), ("comm", ctypes.POINTER(ShmComm)), ("portable", _i64)]
+                ("layers", ctypes.POINTER(_Layer)), ("comm", ctypes.POINTER(ShmComm)), ("portable", _i64),
+                ("norm_once", _i64), ("gelu_tanh", _i64)]
 
 
 def _ptr_of(t: torch.Tensor | None) -> int | None:
@@ -73,13 +109,13 @@ def _linear(lin, bias: torch.Tensor | None) -> _Linear | None:
 class FusedDecode:
     """Built once per model (weights' pointers), bound once per KV cache (cache pointers)."""
 
-    def __init__(self, model, layers: list | str) -> None:
-        """layers: the model's layers as decode_step.cpp reads them (in_norm, post_norm, qkv,
-        qkv_b, qk_norm, o, gate_up, down: the Llama layer), or why its family's layers have no C++
-        counterpart (kvshare.model.ops.Model.fused_layers)."""
+    def __init__(self, model, stack: Stack | str) -> None:
+        """stack: the model's layers as decode_step.cpp reads them, or why its family's layers
+        have no C++ counterpart (kvshare.model.ops.Model.fused_layers)."""
         self.model = model
-        unsupported = layers if isinstance(layers, str) else None
-        self.model_layers = [] if unsupported else layers
+        unsupported = stack if isinstance(stack, str) else None
+        self.stack = None if unsupported else stack
+        self.model_layers = [] if unsupported else stack.layers
         self.enabled = True  # tests switch it off to run the step-by-step reference
         # Tests switch it on to run the C++ step's portable scalar element-wise code where AVX-512
         # would run (the two must give the same bits).
@@ -106,9 +142,9 @@ class FusedDecode:
             return f"activations are {model.dtype}, not float32 or bfloat16"
         if not isinstance(model.backend, TorchPagedAttention):
             return f"attention backend is {type(model.backend).__name__}"
-        # The C++ step runs the Llama layer (with Qwen3's per-head q/k norm); features beyond it
-        # take the step-by-step path. (longrope needs nothing here: it only changes the cos/sin
-        # tables `run` is given.)
+        # The C++ step runs the layers a family's Stack describes; features beyond them take the
+        # step-by-step path. (longrope needs nothing here: it only changes the cos/sin tables
+        # `run` is given.)
         tp = getattr(model, "tp", None)
         if tp is not None and not isinstance(tp.transport, ShmTransport):
             return "tensor parallel over gloo (the C++ step all-reduces through shared memory only)"
@@ -145,7 +181,8 @@ class FusedDecode:
             if any(p is None for p in parts):
                 return None
             views.append(_Layer(f32(layer.in_norm).data_ptr(), f32(layer.post_norm).data_ptr(), *parts, None, None,
-                                _ptr_of(f32(layer.qk_norm)), 0))  # one RoPE table
+                                _ptr_of(f32(layer.qk_norm)), layer.rope_table, _ptr_of(f32(layer.attn_out_norm)),
+                                _ptr_of(f32(layer.mlp_out_norm))))
         return views
 
     def reason(self, meta: AttentionMetadata, num_rows: int, kv_cache: PagedKVStorage) -> str | None:
@@ -185,7 +222,8 @@ class FusedDecode:
         view = _Model(c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
                       self.model_layers[0].down.in_features, kv_cache.num_blocks * kv_cache.block_size,
                       kv_cache.block_size, _CACHE_KINDS[kv_cache.data.dtype], int(m.dtype == torch.bfloat16),
-                      c.rms_norm_eps, m.scale, layers)
+                      c.rms_norm_eps, m.scale, layers, norm_once=int(self.stack.norm_once),
+                      gelu_tanh=int(self.stack.gelu_tanh))
         tp = getattr(m, "tp", None)
         if tp is not None:  # the all-reduces go through the transport's own counter and segment
             view.comm = tp.transport.comm_ptr

@@ -22,7 +22,9 @@ import torch.nn.functional as F
 
 from kvshare.model.attention import AttentionBackend, AttentionMetadata, PagedKVStorage, TorchPagedAttention
 from kvshare.model.config import ModelArchConfig
-from kvshare.model.fused_decode import FusedDecode
+# Stack / StackLayer: how a family describes its layers to the fused decode step (families
+# import this module, never fused_decode itself).
+from kvshare.model.fused_decode import FusedDecode, Stack, StackLayer  # noqa: F401
 from kvshare.model.gguf_quants import GroupAffine
 from kvshare.model.layers import RotaryEmbedding, head_rms_norm, rms_norm
 from kvshare.model.qlinear import DequantScratch, make_linear
@@ -122,9 +124,10 @@ class StepOps:
 class Model:
     """What the engine runs: a family's recipe (`build`, `layers_forward`, `final_norm`) over Ops.
 
-    A family whose layer is the Llama layer (pre-norm attention with fused q/k/v, an optional q/k/v
-    bias and per-head q/k norm, pre-norm SiLU-gated MLP) says so in `fused_layers` and gets the
-    fused C++ decode step; tensor parallelism comes with Ops for any family whose weights shard."""
+    A family whose layer the fused C++ decode step runs (the Llama layer: pre-norm attention with
+    fused q/k/v, an optional q/k/v bias and per-head q/k norm, pre-norm SiLU-gated MLP; or Gemma's,
+    with its (1 + w) norms around both blocks and a GELU-gated MLP) describes it in `fused_layers`;
+    tensor parallelism comes with Ops for any family whose weights shard."""
 
     def __init__(self, config: ModelArchConfig, weights: dict, ops: Ops) -> None:
         self.config = config
@@ -137,9 +140,9 @@ class Model:
     def build(self, weights: dict) -> None:
         raise NotImplementedError
 
-    def fused_layers(self) -> list | str:
-        """The layers as the fused stack reads them (in_norm, post_norm, qkv, qkv_b, qk_norm, o,
-        gate_up, down), or why this family's layers are not the fused stack's."""
+    def fused_layers(self) -> Stack | str:
+        """The layers as the fused stack reads them (kvshare.model.fused_decode.Stack), or why
+        this family's layers are not the fused stack's."""
         return f"{self.config.architecture} layers are not in the C++ decode step"
 
     def embed_rows(self, ops: Ops, ids: torch.Tensor) -> torch.Tensor:

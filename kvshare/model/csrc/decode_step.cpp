@@ -1,12 +1,13 @@
-// Every layer of a decode step in one call: the decoder stack of a Llama-family model for a
-// batch of decode rows (one new token per sequence), on kvshare's own kernels.
+// Every layer of a decode step in one call: the decoder stack of a Llama-family or Gemma 3 model
+// for a batch of decode rows (one new token per sequence), on kvshare's own kernels.
 //
 // Why: at batch 1 a 30-layer model issues ~450 small PyTorch ops and ~150 kernel calls per
 // token; each costs 5-50 us of dispatch and Python, together about as much as the matmuls.
 // Here the same arithmetic runs without leaving C++: per layer RMSNorm, the fused q/k/v matmul
-// (+ bias), the per-head q/k RMSNorm (Qwen3), RoPE on q and k (the layer's own table), the K/V
-// write into the paged cache, paged attention over each row's visible keys in that layer, the
-// output projection and residual, RMSNorm, the fused gate/up matmul, SiLU x up, down and residual.
+// (+ bias), the per-head q/k RMSNorm (Qwen3, Gemma 3), RoPE on q and k (Gemma 3: the layer's own
+// table, local or global), the K/V write into the paged cache, paged attention over each row's
+// visible keys in that layer, the output projection (Gemma: normalized) and residual, RMSNorm,
+// the fused gate/up matmul, SiLU (Gemma: GELU-tanh) x up, down (Gemma: normalized) and residual.
 //
 // This file is built as one translation unit after qmatmul.cpp and paged_attention.cpp (the
 // library's sources are concatenated in that order; see cpu_kernels.DECODE), so the matmuls
@@ -19,7 +20,8 @@
 // bfloat16 queries as it does there: so a decode row gets nearly the same numbers whichever path
 // its step takes. What differs is float32's last bit in the norm's sum (summed in double here, in
 // 16 lanes in a fixed order; in torch's vectorized order there) and in SiLU's exp (a polynomial of
-// our own here, torch's there), which now and then flips a bfloat16 rounding.
+// our own here, torch's there; GELU-tanh's tanh is written through that exp), which now and then
+// flips a bfloat16 rounding.
 //
 // Rows: with token rows (the default mode's rows) a prompt's rows come here too, M up to thousands; a row's
 // values never depend on M, its neighbours or the thread count (see "The element-wise work").
@@ -53,7 +55,11 @@ struct Layer {
   // [heads + kv_heads, head_dim] or null: each q and k head RMS-normalized before RoPE (Qwen3's
   // q_norm / k_norm, one weight row per head), with the model's norm rounding.
   const float* qk_norm;
-  int64_t rope_table;  // which of the call's RoPE tables rotates this layer (models with several bases)
+  int64_t rope_table;  // which of the call's RoPE tables rotates this layer (Gemma 3: local or global)
+  // [hidden] or null: Gemma normalizes the attention block's and the MLP's output (o's, down's)
+  // before it joins the residual stream.
+  const float* attn_out_norm;
+  const float* mlp_out_norm;
 };
 
 // One layer's view of a call's rows: where each row's K and V go and which keys it reads. Layers
@@ -84,6 +90,8 @@ struct Model {
   const Layer* layers;
   ShmComm* comm;  // tensor parallel (shm_collectives.cpp): o's and down's outputs are all-reduced; null: one rank
   int64_t portable;  // 1: the scalar element-wise code even where AVX-512 runs (tests: both give the same bits)
+  int64_t norm_once;  // 1: Gemma's RMSNorm (float32 throughout, rounded to bfloat16 once); 0: Llama's (see norm_row_s)
+  int64_t gelu_tanh;  // 1: the MLP's gate is GELU, tanh approximation (Gemma); 0: SiLU
 };
 
 // ---- The element-wise work, one row at a time ---------------------------------------------------
@@ -186,10 +194,12 @@ static double sum_squares_s(const float* r, int64_t D) {
 static inline float inv_rms(double ss, int64_t D, double eps) { return float(1.0 / std::sqrt(ss / double(D) + eps)); }
 
 // float32: x * inv * w (F.rms_norm). bfloat16: the normalized row is rounded, then multiplied by
-// the weight and rounded again (layers.rms_norm's two ops).
-static void norm_row_s(const float* r, const float* w, int64_t D, double eps, float* o, bool bf) {
+// the weight and rounded again (layers.rms_norm's two ops); with `once` (Gemma, ops.norm_f32:
+// F.rms_norm in float32, then cast) x * inv * w rounded once.
+static void norm_row_s(const float* r, const float* w, int64_t D, double eps, float* o, bool bf, bool once) {
   const float inv = inv_rms(sum_squares_s(r, D), D, eps);
-  for (int64_t d = 0; d < D; ++d) o[d] = bf ? rb(w[d] * rb(r[d] * inv)) : r[d] * inv * w[d];
+  for (int64_t d = 0; d < D; ++d)
+    o[d] = !bf ? r[d] * inv * w[d] : once ? rb(r[d] * inv * w[d]) : rb(w[d] * rb(r[d] * inv));
 }
 
 // A linear's output row y [N]: rounded as its output tensor (bfloat16), plus the bias (rounded).
@@ -227,12 +237,19 @@ static void residual_s(float* h, const float* y, int64_t n, bool bf) {
   for (int64_t i = 0; i < n; ++i) h[i] = bf ? rb(h[i] + rb(y[i])) : h[i] + y[i];
 }
 
-// a = silu(gate) * up from the gate_up output row g [2 I]; bfloat16: gate and up rounded (the
-// matmul's output), F.silu's output rounded, the product rounded.
-static void silu_row_s(const float* g, int64_t I, float* a, bool bf) {
+// GELU, tanh approximation: 0.5 x (1 + tanh(u)) with u = sqrt(2 / pi) (x + 0.044715 x^3), written
+// as x / (1 + exp(-2 u)) (the same function: 1 + tanh(u) = 2 / (1 + exp(-2 u))) so that it takes
+// the same exp as SiLU; -2 sqrt(2 / pi) is one constant.
+constexpr float kGeluKappa = 0.044715f, kGeluNeg2Beta = -1.5957691216057308f;
+
+// a = act(gate) * up from the gate_up output row g [2 I], act SiLU or (gelu) GELU-tanh;
+// bfloat16: gate and up rounded (the matmul's output), the activation's output rounded, the
+// product rounded.
+static void act_row_s(const float* g, int64_t I, float* a, bool bf, bool gelu) {
   for (int64_t i = 0; i < I; ++i) {
     const float gate = bf ? rb(g[i]) : g[i], up = bf ? rb(g[I + i]) : g[I + i];
-    const float s = gate / (1.f + exp_s(-gate));
+    const float e = gelu ? exp_s(kGeluNeg2Beta * (gate + kGeluKappa * (gate * gate * gate))) : exp_s(-gate);
+    const float s = gate / (1.f + e);
     a[i] = bf ? rb(rb(s) * up) : s * up;
   }
 }
@@ -301,12 +318,14 @@ DEC_AVX512 static double sum_squares_v(const float* r, int64_t D) {
   return _mm_cvtsd_f64(_mm_add_sd(s2, _mm_unpackhi_pd(s2, s2)));
 }
 
-DEC_AVX512 static void norm_row_v(const float* r, const float* w, int64_t D, double eps, float* o, bool bf) {
+DEC_AVX512 static void norm_row_v(const float* r, const float* w, int64_t D, double eps, float* o, bool bf,
+                                  bool once) {
   const __m512 inv = vset(inv_rms(sum_squares_v(r, D), D, eps));
   for (int64_t d = 0; d < D; d += 16) {
     const __mmask16 k = tail_mask(D - d);
     const __m512 x = vload(r + d, k), wv = vload(w + d, k);
-    vstore(o + d, bf ? vrb(vmul(wv, vrb(vmul(x, inv)))) : vmul(vmul(x, inv), wv), k);
+    vstore(o + d, !bf ? vmul(vmul(x, inv), wv) : once ? vrb(vmul(vmul(x, inv), wv)) : vrb(vmul(wv, vrb(vmul(x, inv)))),
+           k);
   }
 }
 
@@ -366,13 +385,19 @@ DEC_AVX512 static void residual_v(float* h, const float* y, int64_t n, bool bf) 
   }
 }
 
-DEC_AVX512 static void silu_row_v(const float* g, int64_t I, float* a, bool bf) {
+DEC_AVX512 static void act_row_v(const float* g, int64_t I, float* a, bool bf, bool gelu) {
   for (int64_t i = 0; i < I; i += 16) {
     const __mmask16 k = tail_mask(I - i);
     __m512 gate = vload(g + i, k), up = vload(g + I + i, k);
     if (bf) gate = vrb(gate), up = vrb(up);
-    const __m512 neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(gate), _mm512_set1_epi32(int32_t(0x80000000u))));
-    const __m512 s = vdiv(gate, vadd(vset(1.f), exp_v(neg)));
+    __m512 arg;
+    if (gelu) {
+      const __m512 cube = vmul(vmul(gate, gate), gate);
+      arg = vmul(vset(kGeluNeg2Beta), vadd(gate, vmul(vset(kGeluKappa), cube)));
+    } else {
+      arg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(gate), _mm512_set1_epi32(int32_t(0x80000000u))));
+    }
+    const __m512 s = vdiv(gate, vadd(vset(1.f), exp_v(arg)));
     vstore(a + i, bf ? vrb(vmul(vrb(s), up)) : vmul(s, up), k);
   }
 }
@@ -382,13 +407,15 @@ DEC_AVX512 static void silu_row_v(const float* g, int64_t I, float* a, bool bf) 
 // One version or the other for a whole call (simd: AVX-512 present and not turned off).
 struct Ops {
   bool simd;
+  bool norm_once;  // Model::norm_once
+  bool gelu;       // Model::gelu_tanh
 #if DEC_X86
 #define DEC_PICK(name, ...) (simd ? name##_v(__VA_ARGS__) : name##_s(__VA_ARGS__))
 #else
 #define DEC_PICK(name, ...) name##_s(__VA_ARGS__)
 #endif
   void norm_row(const float* r, const float* w, int64_t D, double eps, float* o, bool bf) const {
-    DEC_PICK(norm_row, r, w, D, eps, o, bf);
+    DEC_PICK(norm_row, r, w, D, eps, o, bf, norm_once);
   }
   void out_row(float* y, const float* bias, int64_t N, bool bf) const { DEC_PICK(out_row, y, bias, N, bf); }
   void rope(float* x, const float* cos, const float* ssin, int64_t D, bool bf) const {
@@ -397,7 +424,7 @@ struct Ops {
   void to_bf16(const float* x, int64_t n, uint16_t* out) const { DEC_PICK(to_bf16, x, n, out); }
   void widen(const uint16_t* x, int64_t n, float* out) const { DEC_PICK(widen, x, n, out); }
   void residual(float* h, const float* y, int64_t n, bool bf) const { DEC_PICK(residual, h, y, n, bf); }
-  void silu_row(const float* g, int64_t I, float* a, bool bf) const { DEC_PICK(silu_row, g, I, a, bf); }
+  void act_row(const float* g, int64_t I, float* a, bool bf) const { DEC_PICK(act_row, g, I, a, bf, gelu); }
 #undef DEC_PICK
 };
 
@@ -415,6 +442,14 @@ static int linear(const Linear& L, const float* x, int64_t M, float* y, int num_
     rc = qmm::group_matmul<qmm::U4>(x, L.K, 0, static_cast<const uint8_t*>(L.q), L.scales, L.zeros, y, L.N, M, L.N,
                                     L.K, L.group, 0, num_threads, err, err_len, blocks);
   return rc;  // the output's rounding and the bias: out_row, per row
+}
+
+// A linear's output row y [N] normalized in place when the layer has a norm there (Gemma's
+// post-attention / post-feed-forward norms): rounded first as the linear's output tensor is.
+static void out_norm(const Ops& ops, float* y, const float* w, int64_t N, double eps, bool bf) {
+  if (w == nullptr) return;
+  ops.out_row(y, nullptr, N, bf);
+  ops.norm_row(y, w, N, eps, y, bf);
 }
 
 // One row's K or V heads [KVH, D] into its slot.
@@ -503,7 +538,7 @@ extern "C" int kvs_decode_layers(const dec::Model* mp, float* h, int64_t M, cons
     if (dec::check_rows(rows[li], M, m.slots, m.block_size, li, err, err_len)) return 1;
   }
   const bool bf = m.act_bf16 != 0;
-  const dec::Ops ops{dec::has_avx512() && m.portable == 0};
+  const dec::Ops ops{dec::has_avx512() && m.portable == 0, m.norm_once != 0, m.gelu_tanh != 0};
   // Scratch, not zeroed (every element is written before it is read).
   auto buf = [](int64_t n) { return std::unique_ptr<float[]>(new float[size_t(n)]); };
   const auto x = buf(M * E), qkv = buf(M * qkv_n), attn = buf(M * qs), y = buf(M * E), gu = buf(M * 2 * I),
@@ -540,18 +575,20 @@ extern "C" int kvs_decode_layers(const dec::Model* mp, float* h, int64_t M, cons
     if (bf) dec::for_rows(M, num_threads, [&](int64_t r) { ops.widen(attn16.get() + r * qs, qs, attn.get() + r * qs); });
     if (dec::linear(L.o, attn.get(), M, y.get(), num_threads, err, err_len)) return 1;
     if (dec::all_reduce(ops, m.comm, y.get(), M * E, bf, y16, err, err_len)) return 1;
-    // h += o's output (rounded: its tensor), then the post-attention norm.
+    // h += o's output (rounded: its tensor; Gemma: normalized first), then the norm before the MLP.
     dec::for_rows(M, num_threads, [&](int64_t r) {
+      dec::out_norm(ops, y.get() + r * E, L.attn_out_norm, E, m.eps, bf);
       ops.residual(h + r * E, y.get() + r * E, E, bf);
       ops.norm_row(h + r * E, L.post_norm, E, m.eps, x.get() + r * E, bf);
     });
     if (dec::linear(L.gate_up, x.get(), M, gu.get(), num_threads, err, err_len)) return 1;
-    dec::for_rows(M, num_threads, [&](int64_t r) { ops.silu_row(gu.get() + r * 2 * I, I, act.get() + r * I, bf); });
+    dec::for_rows(M, num_threads, [&](int64_t r) { ops.act_row(gu.get() + r * 2 * I, I, act.get() + r * I, bf); });
     if (dec::linear(L.down, act.get(), M, y.get(), num_threads, err, err_len)) return 1;
     if (dec::all_reduce(ops, m.comm, y.get(), M * E, bf, y16, err, err_len)) return 1;
-    // h += down's output, then the next layer's input norm.
+    // h += down's output (Gemma: normalized first), then the next layer's input norm.
     const float* next_norm = li + 1 < m.num_layers ? m.layers[li + 1].in_norm : nullptr;
     dec::for_rows(M, num_threads, [&](int64_t r) {
+      dec::out_norm(ops, y.get() + r * E, L.mlp_out_norm, E, m.eps, bf);
       ops.residual(h + r * E, y.get() + r * E, E, bf);
       if (next_norm != nullptr) ops.norm_row(h + r * E, next_norm, E, m.eps, x.get() + r * E, bf);
     });

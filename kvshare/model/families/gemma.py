@@ -83,9 +83,19 @@ class GemmaModel(O.Model):
             layer.rotary = self.rotaries.index(local_rotary if window is not None else global_rotary)
             self.layers.append(layer)
 
-    def fused_layers(self) -> str:
-        return (f"{self.config.architecture} layers (four (1 + w) norms, GELU MLP, q/k norms or soft-capping) "
-                f"are not in the C++ decode step")
+    def fused_layers(self) -> O.Stack | str:
+        c = self.config
+        if c.attn_logit_softcap is not None:
+            return "attention soft-capping (Gemma 2) is not in the C++ attention kernel"
+        layers = []
+        for layer in self.layers:
+            qk_norm = None
+            if layer.q_norm is not None:  # one [head_dim] weight for every q head, one for every k head
+                qk_norm = torch.cat([layer.q_norm.expand(c.num_heads, -1), layer.k_norm.expand(c.num_kv_heads, -1)])
+            layers.append(O.StackLayer(layer.in_norm, layer.pre_ffn_norm, layer.qkv, layer.o, layer.gate_up,
+                                       layer.down, qk_norm=qk_norm, rope_table=layer.rotary,
+                                       attn_out_norm=layer.post_attn_norm, mlp_out_norm=layer.post_ffn_norm))
+        return O.Stack(layers, norm_once=True, gelu_tanh=True)
 
     def small_weight_bytes(self) -> int:
         small = self.norm.numel() * self.norm.element_size()

@@ -60,8 +60,9 @@ class LlamaModel(O.Model):
             self.layers.append(layer)
         self.rotary = ops.rotary(c)
 
-    def fused_layers(self) -> list:
-        return self.layers  # the layer decode_step.cpp runs, Qwen3's q/k norm included
+    def fused_layers(self) -> O.Stack:
+        return O.Stack([O.StackLayer(layer.in_norm, layer.post_norm, layer.qkv, layer.o, layer.gate_up, layer.down,
+                                     qkv_b=layer.qkv_b, qk_norm=layer.qk_norm) for layer in self.layers])
 
     def small_weight_bytes(self) -> int:
         small = self.norm.numel() * self.norm.element_size()
