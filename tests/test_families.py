@@ -165,7 +165,9 @@ def test_phi3_longrope_matches_hf_across_the_switch(tmp_path):
     c = llm.engine.model_config
     assert c.rotary_dim == ROTARY and c.rope_scaling["original_max_position_embeddings"] == ORIGINAL
     assert c.rope_scaling["attention_factor"] == pytest.approx((1 + np.log(4) / np.log(ORIGINAL)) ** 0.5)
-    assert "partial rotary" in llm.engine.model.fused_decode.model_reason
+    # Exact mode: dense weights, so layer by layer (the fused step with a partial rotary embedding:
+    # test_phi3_kept_quantized_fused_decode_across_the_switch below).
+    assert "int8/int4-group" in llm.engine.model.fused_decode.model_reason
     prompts = prompts_with_shared_prefix([20, 40])  # decoding reaches positions 51 and 71
     refs = [hf_greedy(model, p, STEPS) for p in prompts]
     for ours, ref in zip(kvshare_greedy(llm, prompts), refs):
@@ -289,15 +291,17 @@ def test_phi3_longrope_gguf_agrees_with_the_hf_directory(tmp_path):
     assert_matches(ours, hf_greedy(model, p[0], STEPS))
 
 
-def test_phi3_kept_quantized_fused_decode_across_the_switch(tmp_path):
+@pytest.mark.parametrize("partial_rotary_factor", [1.0, 0.75])
+def test_phi3_kept_quantized_fused_decode_across_the_switch(tmp_path, partial_rotary_factor):
     """Q8_0 matrices kept packed: attn_qkv and ffn_up split row-wise in group form (equal to the
     dequantized split), and the fused C++ decode step -- which takes longrope's per-position tables
-    as given -- equals the step-by-step path while decoding crosses original_max_position_embeddings."""
+    as given, over whole heads or (0.75, Phi-4-mini's) their first 12 of 16 dims -- equals the
+    step-by-step path while decoding crosses original_max_position_embeddings."""
     from kvshare.model.gguf_quants import GroupAffine
     from kvshare.model.kernels import decode_step, qmatmul
     from test_fused_decode import LOGPROB_TOL, _compare
 
-    model = longrope_phi3(tmp_path / "hf", partial_rotary_factor=1.0)
+    model = longrope_phi3(tmp_path / "hf", partial_rotary_factor=partial_rotary_factor)
     path = str(tmp_path / "m.gguf")
     write_gguf(path, model, "phi3", gguf.GGMLQuantizationType.Q8_0)
     packed = load_model(path, quantization="auto").weights

@@ -9,9 +9,9 @@ It applies when every piece has a C++ counterpart, and says why not otherwise (`
 float32 or bfloat16 activations (with bfloat16 the C++ step rounds each intermediate to bfloat16
 where the step-by-step path rounds it, so both give a row nearly the same numbers), every layer's
 linears on kvshare's group kernels (int8 or int4 codes), a float32 or bfloat16 KV cache, the C++
-attention kernel in use (not Gemma 2's soft-capping), RoPE over whole heads, a family whose
-layers a `Stack` describes (Model.fused_layers: the Llama layer with Qwen3's per-head q/k norm,
-or Gemma 3's layer), and a step of decode rows only. Each layer attends with its own view of the
+attention kernel in use (not Gemma 2's soft-capping), a family whose layers a `Stack` describes
+(Model.fused_layers: the Llama layer with Qwen3's per-head q/k norm, or Gemma 3's layer; RoPE over
+whole heads or, partial, their first dims), and a step of decode rows only. Each layer attends with its own view of the
 rows: with KV cache groups its group's slots and block tables, with sliding windows or attention
 sinks each row's visible range in that layer. It runs a step's decode rows whatever other rows
 share the step (kvshare.model.ops.Model.forward sends prompt rows layer by layer). Anything else
@@ -89,7 +89,7 @@ class _Model(ctypes.Structure):
                 ("head_dim", _i64), ("intermediate", _i64), ("slots", _i64), ("block_size", _i64),
                 ("cache_kind", _i64), ("act_bf16", _i64), ("eps", ctypes.c_double), ("scale", ctypes.c_double),
                 ("layers", ctypes.POINTER(_Layer)), ("comm", ctypes.POINTER(ShmComm)), ("portable", _i64),
-                ("norm_once", _i64), ("gelu_tanh", _i64)]
+                ("norm_once", _i64), ("gelu_tanh", _i64), ("rope_dims", _i64)]
 
 
 def _ptr_of(t: torch.Tensor | None) -> int | None:
@@ -143,14 +143,11 @@ class FusedDecode:
         if not isinstance(model.backend, TorchPagedAttention):
             return f"attention backend is {type(model.backend).__name__}"
         # The C++ step runs the layers a family's Stack describes; features beyond them take the
-        # step-by-step path. (longrope needs nothing here: it only changes the cos/sin tables
-        # `run` is given.)
+        # step-by-step path. (longrope and a partial rotary embedding need nothing here: they only
+        # change the cos/sin tables `run` is given, and their width.)
         tp = getattr(model, "tp", None)
         if tp is not None and not isinstance(tp.transport, ShmTransport):
             return "tensor parallel over gloo (the C++ step all-reduces through shared memory only)"
-        if model.config.rope_dims() != model.config.head_dim:
-            return (f"partial rotary embedding ({model.config.rope_dims()} of {model.config.head_dim} dims) "
-                    f"is not in the C++ decode step")
         return None
 
     @staticmethod
@@ -223,7 +220,7 @@ class FusedDecode:
                       self.model_layers[0].down.in_features, kv_cache.num_blocks * kv_cache.block_size,
                       kv_cache.block_size, _CACHE_KINDS[kv_cache.data.dtype], int(m.dtype == torch.bfloat16),
                       c.rms_norm_eps, m.scale, layers, norm_once=int(self.stack.norm_once),
-                      gelu_tanh=int(self.stack.gelu_tanh))
+                      gelu_tanh=int(self.stack.gelu_tanh), rope_dims=c.rope_dims())
         tp = getattr(m, "tp", None)
         if tp is not None:  # the all-reduces go through the transport's own counter and segment
             view.comm = tp.transport.comm_ptr

@@ -92,6 +92,9 @@ struct Model {
   int64_t portable;  // 1: the scalar element-wise code even where AVX-512 runs (tests: both give the same bits)
   int64_t norm_once;  // 1: Gemma's RMSNorm (float32 throughout, rounded to bfloat16 once); 0: Llama's (see norm_row_s)
   int64_t gelu_tanh;  // 1: the MLP's gate is GELU, tanh approximation (Gemma); 0: SiLU
+  // RoPE turns the first rope_dims of each head (a partial rotary embedding, Phi-4-mini's 0.75:
+  // the rotate-half over those dims only); the rest pass through, as RotaryEmbedding.rotate does.
+  int64_t rope_dims;
 };
 
 // ---- The element-wise work, one row at a time ---------------------------------------------------
@@ -516,7 +519,7 @@ static int check_rows(const LayerRows& R, int64_t M, int64_t slots, int64_t bloc
 }  // namespace dec
 
 // h [M, hidden] float32 (with act_bf16, values a bfloat16 holds): the embedded tokens in, the last layer's output (before the final
-// norm) out. cos, ssin [tables, M, head_dim]: each RoPE table's rows for each row's position (sin
+// norm) out. cos, ssin [tables, M, rope_dims]: each RoPE table's rows for each row's position (sin
 // signed as RotaryEmbedding.tables gives it; a layer reads table rope_table). rows [num_layers]:
 // each layer's view of the rows (LayerRows).
 // Returns 0, or 1 with a message in err (nothing is written to the cache when an index is bad).
@@ -527,6 +530,11 @@ extern "C" int kvs_decode_layers(const dec::Model* mp, float* h, int64_t M, cons
   const int64_t qs = H * D, kvs_ = KVH * D, qkv_n = qs + 2 * kvs_;
   if (m.cache_kind != 0 && m.cache_kind != 1) {
     std::snprintf(err, size_t(err_len), "cache kind %lld is not supported here", (long long)m.cache_kind);
+    return 1;
+  }
+  if (m.rope_dims < 2 || m.rope_dims > D || m.rope_dims % 2) {
+    std::snprintf(err, size_t(err_len), "rope_dims %lld is not an even number in [2, head_dim %lld]",
+                  (long long)m.rope_dims, (long long)D);
     return 1;
   }
   if (M <= 0) return 0;
@@ -559,8 +567,8 @@ extern "C" int kvs_decode_layers(const dec::Model* mp, float* h, int64_t M, cons
       if (L.qk_norm != nullptr)  // in place: norm_row reads the whole head (its sum) before it writes
         for (int64_t hh = 0; hh < H + KVH; ++hh)
           ops.norm_row(row + hh * D, L.qk_norm + hh * D, D, m.eps, row + hh * D, bf);
-      const int64_t at = (L.rope_table * M + r) * D;
-      for (int64_t hh = 0; hh < H + KVH; ++hh) ops.rope(row + hh * D, cos + at, ssin + at, D, bf);
+      const int64_t RD = m.rope_dims, at = (L.rope_table * M + r) * RD;
+      for (int64_t hh = 0; hh < H + KVH; ++hh) ops.rope(row + hh * D, cos + at, ssin + at, RD, bf);
       dec::write_kv(ops, L.k_cache, m.cache_kind, m.slots, D, KVH, R.slots[r], row + qs);
       dec::write_kv(ops, L.v_cache, m.cache_kind, m.slots, D, KVH, R.slots[r], row + qs + kvs_);
       if (bf) ops.to_bf16(row, qs, q16.get() + r * qs);
