@@ -301,12 +301,12 @@ def _block_error_bound(x: np.ndarray, qtype: QT) -> np.ndarray:
 # Offsets of the float16 fields (scales/mins) in each block; every other byte may be anything.
 _F16_FIELDS = {
     QT.Q8_0: [0], QT.Q4_0: [0], QT.Q4_1: [0, 2], QT.Q5_0: [0], QT.Q5_1: [0, 2],
-    QT.Q2_K: [80, 82], QT.Q3_K: [108], QT.Q4_K: [0, 2], QT.Q5_K: [0, 2], QT.Q6_K: [208],
+    QT.Q2_K: [80, 82], QT.Q3_K: [108], QT.Q4_K: [0, 2], QT.Q5_K: [0, 2], QT.Q6_K: [208], QT.IQ4_XS: [0],
 }
 
 
 # K-quants the gguf package cannot quantize to: write_tiny_gguf writes random blocks of them.
-HAND_LAID = frozenset({QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K})
+HAND_LAID = frozenset({QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_XS})
 
 
 def random_blocks(qtype: QT, rows: int, blocks_per_row: int, rng) -> np.ndarray:
@@ -342,7 +342,7 @@ def ref_q4_1(raw: np.ndarray) -> np.ndarray:
 
 
 _HAND_REFERENCES = {QT.Q8_0: ref_q8_0, QT.Q4_0: ref_q4_0, QT.Q4_1: ref_q4_1}
-_RAW_TYPES = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K]
+_RAW_TYPES = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_XS]
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from kvshare.model.qlinear import DequantScratch, GroupInt4Linear, make_linear
 from test_loader import random_blocks
 
 _QUANTIZABLE = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1]
-_HAND_LAID = [QT.Q4_K, QT.Q5_K, QT.Q6_K]
+_HAND_LAID = [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q2_K, QT.Q3_K, QT.IQ4_XS]
 N, K = 96, 512
 
 

@@ -23,8 +23,10 @@ rows share its step.
   capability, so codes packed by hand read wrong on AVX-512 machines, and a copy in torch's own
   layout could not be read back for embeddings and prefill; the fused decode step needs
   kvshare's layout anyway.)
-- `DenseLinear`: everything else (F32, F16, BF16, Q2_K, Q3_K, HF safetensors, or
-  quantization=None), a plain tensor in the activation dtype.
+  Q2_K, Q3_K and IQ4_XS take the int8 kernel too (codes widened to a byte; IQ4_XS's code is
+  its non-linear table's value).
+- `DenseLinear`: everything else (F32, F16, BF16, HF safetensors, or quantization=None), a
+  plain tensor in the activation dtype.
 """
 from __future__ import annotations
 
@@ -314,8 +316,8 @@ def make_linear(weight: torch.Tensor | GroupAffine | RowBlocks, dtype: torch.dty
     return DenseLinear(weight, dtype)
 
 
-_ZERO_OFFSET_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q5_1", "Q5_K"})
-_GROUP_16_TYPES = frozenset({"Q6_K"})
+_ZERO_OFFSET_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q5_1", "Q5_K", "Q2_K"})
+_GROUP_16_TYPES = frozenset({"Q6_K", "Q2_K", "Q3_K"})
 _INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})
 
 
