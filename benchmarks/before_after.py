@@ -11,6 +11,7 @@ that machine drift falls on both alike. Prints each round and the medians with a
 Offline: kvshare only (--skip-hf), the default mode (kept-quantized GGUF weights) and float32
 (the exact path), --num-prompts of the mixed workload. Decode: cpu_decode.py's kvshare-default and
 kvshare-exact engines on the bundled model, one repeat per round (the rounds give the median).
+With --model (a real-shape GGUF): cpu_decode.py's default mode on that file only.
 """
 from __future__ import annotations
 
@@ -37,17 +38,23 @@ def run_tree(tree: str, script: str, args: list[str], out_flag: str) -> dict:
 
 def measure(tree: str, args) -> dict[str, float]:
     got: dict[str, float] = {}
+    if args.model is None:
+        _offline(tree, args, got)
+    model = ["--model", args.model] if args.model else []
+    engines = "kvshare-default" if args.model else "kvshare-default,kvshare-exact"
+    decode = run_tree(tree, "cpu_decode.py", ["--engines", engines, "--repeats", "1", *model], "--out-json")
+    for name, r in decode["results"].items():
+        got[f"decode {name} ms/token"] = statistics.median(r["tpot_ms"])
+        got[f"prompt {name} tok/s"] = statistics.median(r["prefill_tok_s"])
+    return got
+
+
+def _offline(tree: str, args, got: dict[str, float]) -> None:
     offline = run_tree(tree, "offline_throughput.py",
                        ["--skip-hf", "--dtypes", args.offline_modes, "--num-prompts", str(args.num_prompts)],
                        "--json-out")
     for run in offline["runs"]:
         got[f"offline {run['dtype']} total tok/s"] = run["total_tok_s"]
-    decode = run_tree(tree, "cpu_decode.py", ["--engines", "kvshare-default,kvshare-exact", "--repeats", "1"],
-                      "--out-json")
-    for name, r in decode["results"].items():
-        got[f"decode {name} ms/token"] = statistics.median(r["tpot_ms"])
-        got[f"prompt {name} tok/s"] = statistics.median(r["prefill_tok_s"])
-    return got
 
 
 def main(argv=None) -> int:
@@ -57,8 +64,13 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--offline-modes", default="default,float32")
+    ap.add_argument("--model", default=None,
+                    help="a GGUF file (e.g. from benchmarks/real_shape_gguf.py): cpu_decode.py's default mode "
+                         "only, no offline run (offline_throughput.py runs the bundled model)")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
+    if args.model is not None and os.path.exists(args.model):
+        args.model = os.path.abspath(args.model)  # (each tree runs in its own directory)
     trees = {"before": os.path.abspath(args.before), "after": os.path.abspath(args.after)}
     rounds: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
     for i in range(args.rounds):

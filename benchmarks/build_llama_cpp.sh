@@ -8,6 +8,8 @@
 #   bench_out/llama_cpp/src/                downloaded sdist + unpacked source
 #   bench_out/llama_cpp/build-server/       cmake build dir for llama-server
 #   bench_out/llama_cpp/bin/llama-server    the llama-server binary
+#   bench_out/llama_cpp/bin/llama-bench     llama.cpp's own speed benchmark
+#   bench_out/llama_cpp/bin/llama-quantize  makes the real-shape GGUFs (benchmarks/real_shape_gguf.py)
 #
 # Idempotent: each step is skipped when its output already exists.
 # Plain CPU build with native optimizations (no BLAS, no CUDA).
@@ -64,8 +66,9 @@ else
 fi
 
 # --- step b: llama-server from the vendored llama.cpp -------------------------
-if [[ -x "${BIN}/llama-server" ]]; then
-    log "step b: ${BIN}/llama-server already exists, skipping"
+TOOLS="llama-server llama-bench llama-quantize"
+if [[ -x "${BIN}/llama-server" && -x "${BIN}/llama-bench" && -x "${BIN}/llama-quantize" ]]; then
+    log "step b: ${TOOLS} already exist in ${BIN}, skipping"
 else
     t0=$(date +%s)
     SDIST="$(ls "${SRC}"/llama_cpp_python-"${LLAMA_CPP_PY_VERSION}".tar.gz 2>/dev/null || true)"
@@ -94,9 +97,10 @@ else
         -DLLAMA_BUILD_TESTS=OFF \
         -DLLAMA_BUILD_EXAMPLES=OFF \
         ${CPU_CMAKE_ARGS}
-    log "step b: building target llama-server (-j${JOBS})"
-    "${CMAKE}" --build "${BUILD}" --config Release --target llama-server -j "${JOBS}"
-    cp -f "${BUILD}/bin/llama-server" "${BIN}/llama-server"
+    log "step b: building targets ${TOOLS} (-j${JOBS})"
+    # shellcheck disable=SC2086
+    "${CMAKE}" --build "${BUILD}" --config Release --target ${TOOLS} -j "${JOBS}"
+    for tool in ${TOOLS}; do cp -f "${BUILD}/bin/${tool}" "${BIN}/${tool}"; done
     log "step b: done in $(( $(date +%s) - t0 ))s"
 fi
 
@@ -104,5 +108,7 @@ fi
 log "done."
 log "  venv python     : ${VPY}  (import llama_cpp)"
 log "  llama-server    : ${BIN}/llama-server"
+log "  llama-bench     : ${BIN}/llama-bench"
+log "  llama-quantize  : ${BIN}/llama-quantize"
 log "  llama.cpp source: ${SRC}/llama_cpp_python-${LLAMA_CPP_PY_VERSION}/vendor/llama.cpp"
 "${BIN}/llama-server" --version 2>&1 | sed 's/^/[build_llama_cpp]   /' || true

@@ -10,6 +10,7 @@ request and a context of 1,024 tokens per slot.
 
     python benchmarks/serve_vs_llamacpp.py
     python benchmarks/serve_vs_llamacpp.py --levels 16 --workloads shared
+    python benchmarks/serve_vs_llamacpp.py --model bench_out/real_shapes/llama-3.2-1b-Q4_K_M.gguf
 """
 from __future__ import annotations
 
@@ -33,10 +34,11 @@ LLAMA_SERVER = os.path.join(ROOT, "bench_out", "llama_cpp", "bin", "llama-server
 def start(name: str, args, log_dir: str, env: dict) -> Server:
     port = free_port()
     if name == "kvshare":
-        cmd = [sys.executable, "-m", "kvshare.cli", "serve", "--port", str(port), "--no-access-log",
+        model = ["--model", args.model] if args.model else []
+        cmd = [sys.executable, "-m", "kvshare.cli", "serve", "--port", str(port), "--no-access-log", *model,
                *args.kvshare_args.split()]
         return Server(name, cmd, port, "/ready", log_dir, env)
-    cmd = [LLAMA_SERVER, "-m", bundled_model_path(), "--host", "127.0.0.1", "--port", str(port),
+    cmd = [LLAMA_SERVER, "-m", args.model or bundled_model_path(), "--host", "127.0.0.1", "--port", str(port),
            "-t", str(args.threads), "-tb", str(args.threads), "-np", str(args.slots),
            "-c", str(args.slots * args.ctx_per_slot), *args.llama_args.split()]
     return Server(name, cmd, port, "/health", log_dir, env)
@@ -68,6 +70,7 @@ def main(argv=None) -> int:
                     help="mixed workload: prompt length range MIN,MAX")
     ap.add_argument("--output-tokens", type=parse_length_range, default="32,128",
                     help="mixed workload: output length range MIN,MAX")
+    ap.add_argument("--model", default=None, help="a GGUF file both servers load (default: the bundled model)")
     ap.add_argument("--kvshare-args", default="", help="engine options for kvshare serve (default: none)")
     ap.add_argument("--llama-args", default="", help="extra llama-server options")
     ap.add_argument("--threads", type=int, default=2)
@@ -75,6 +78,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ctx-per-slot", type=int, default=1024)
     ap.add_argument("--out-json", default=os.path.join(ROOT, "bench_out", "serve_vs_llamacpp.json"))
     args = ap.parse_args(argv)
+    if args.model:
+        args.model = os.path.abspath(args.model)
     if not os.path.exists(LLAMA_SERVER):
         print(f"{LLAMA_SERVER} missing: run benchmarks/build_llama_cpp.sh", file=sys.stderr)
         return 2

@@ -381,6 +381,35 @@ def test_gemma2_says_why_it_stays_layer_by_layer(tmp_path):
     assert "soft-capping" in llm.engine.model.fused_decode.model_reason
 
 
+def test_mixed_format_qkv_stays_packed_and_fused(tmp_path):
+    """Q4_K_M's other mix: Q4_K q/k with a Q6_K v (group 32 4-bit codes and group 16 6-bit codes
+    cannot share one packed weight). The fused q/k/v stays packed as row blocks at their own
+    formats (qlinear.StackedLinear), the fused decode step runs it (decode_step.cpp kind 5), and it
+    agrees with the step-by-step path as the single-format models above do."""
+    from gguf import GGMLQuantizationType as QT
+    from test_loader import tiny_llama, write_tiny_gguf
+
+    from kvshare.model.qlinear import StackedLinear
+
+    model = tiny_llama(hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+    path = tmp_path / "mixed.gguf"
+    write_tiny_gguf(path, model, "llama", {"q_proj": QT.Q4_K, "k_proj": QT.Q4_K, "v_proj": QT.Q6_K,
+                                           "o_proj": QT.Q8_0, "gate_proj": QT.Q4_K, "up_proj": QT.Q6_K,
+                                           "down_proj": QT.Q8_0, "embed": QT.Q8_0})
+    llm = LLM(str(path), kv_cache_memory="4MiB", block_size=4, kv_cache_dtype="float32", enable_prefix_caching=False)
+    m = llm.engine.model
+    assert m.fused_decode.model_reason is None
+    for layer in m.layers:
+        assert isinstance(layer.qkv, StackedLinear) and isinstance(layer.gate_up, StackedLinear)
+        assert [p.kind for p in layer.qkv.parts] == ["int4-group", "int4-group", "int8-group"]
+    assert "dense" not in {lin.kind for lin in m.linears()}
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 250 + 3 for j in range(n)]} for i, n in enumerate([1, 3, 9, 17])]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    for together in (False, True):
+        identical, worst = _compare(llm, prompts, params, together)
+        assert identical == len(prompts) and worst < LOGPROB_TOL, (together, identical, worst)
+
+
 def test_fused_path_says_why_it_does_not_apply(bundled):
     from helpers import EXACT
 

@@ -176,10 +176,16 @@ def write_tiny_gguf(path, hf_model, arch: str, types: dict[str, QT] | None = Non
     w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}")
 
     expected: dict[str, torch.Tensor] = {}
+    rng = np.random.default_rng(0)
     for name, t in hf_model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         qtype = QT.F32 if t.ndim == 1 else next((q for key, q in types.items() if key in name), QT.F32)
+        if qtype in HAND_LAID:  # gguf cannot quantize to these: random blocks laid out by hand instead
+            raw = random_blocks(qtype, t.shape[0], t.shape[1] // gguf.GGML_QUANT_SIZES[qtype][0], rng)
+            expected[name] = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(t.shape))
+            w.add_tensor(gguf_name(name), raw, raw_dtype=qtype)
+            continue
         expected[name] = quantized_reference(t, qtype)
         arr = t.float().numpy().copy()
         if arch == "llama" and ("q_proj" in name or "k_proj" in name):
@@ -295,8 +301,12 @@ def _block_error_bound(x: np.ndarray, qtype: QT) -> np.ndarray:
 # Offsets of the float16 fields (scales/mins) in each block; every other byte may be anything.
 _F16_FIELDS = {
     QT.Q8_0: [0], QT.Q4_0: [0], QT.Q4_1: [0, 2], QT.Q5_0: [0], QT.Q5_1: [0, 2],
-    QT.Q2_K: [80, 82], QT.Q3_K: [108], QT.Q4_K: [0, 2], QT.Q5_K: [0, 2], QT.Q6_K: [208],
+    QT.Q2_K: [80, 82], QT.Q3_K: [108], QT.Q4_K: [0, 2], QT.Q5_K: [0, 2], QT.Q6_K: [208], QT.IQ4_XS: [0],
 }
+
+
+# K-quants the gguf package cannot quantize to: write_tiny_gguf writes random blocks of them.
+HAND_LAID = frozenset({QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_XS})
 
 
 def random_blocks(qtype: QT, rows: int, blocks_per_row: int, rng) -> np.ndarray:
@@ -332,7 +342,7 @@ def ref_q4_1(raw: np.ndarray) -> np.ndarray:
 
 
 _HAND_REFERENCES = {QT.Q8_0: ref_q8_0, QT.Q4_0: ref_q4_0, QT.Q4_1: ref_q4_1}
-_RAW_TYPES = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K]
+_RAW_TYPES = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_XS]
 
 
 @pytest.fixture(scope="module")

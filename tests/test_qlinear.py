@@ -24,7 +24,7 @@ from kvshare.model.qlinear import DequantScratch, GroupInt4Linear, make_linear
 from test_loader import random_blocks
 
 _QUANTIZABLE = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1]
-_HAND_LAID = [QT.Q4_K, QT.Q5_K, QT.Q6_K]
+_HAND_LAID = [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q2_K, QT.Q3_K, QT.IQ4_XS]
 N, K = 96, 512
 
 
@@ -190,3 +190,31 @@ def test_without_the_kernel_every_row_takes_the_dense_copy_from_the_first_call(m
     prompt_after = lin(x, 0)
     assert torch.equal(prompt_before, prompt_after)
     assert torch.equal(prompt_before, torch.nn.functional.linear(x, lin.dense()))  # the float32 dense copy
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_stacked_row_blocks_equal_each_block_alone(dtype):
+    """A fused weight whose parts differ in format (Q4_K q/k, Q6_K v: group 32 4-bit and group 16
+    6-bit codes) stays packed as row blocks (Ops.fuse -> qlinear.StackedLinear): each output
+    column block is, bit for bit, what its part gives alone, for decode rows, prompt rows (the
+    dense scratch) and a mix, at 1 row and at many."""
+    from kvshare.model.ops import Ops
+    from kvshare.model.qlinear import RowBlocks, StackedLinear
+
+    parts = [to_group_affine(_raw(t, n, K, seed=i), t, (n, K))
+             for i, (t, n) in enumerate([(QT.Q4_K, 64), (QT.Q4_K, 32), (QT.Q6_K, 32)])]
+    fused = Ops.fuse(parts)
+    assert isinstance(fused, RowBlocks)
+    scratch = DequantScratch()
+    stacked = make_linear(fused, dtype, scratch)
+    assert isinstance(stacked, StackedLinear) and stacked.out_features == 128 and stacked.in_features == K
+    alone = [make_linear(p, dtype, scratch) for p in parts]
+    assert stacked.nbytes == sum(a.nbytes for a in alone)
+    assert torch.equal(stacked.dense(), torch.cat([a.dense() for a in alone]))
+    for rows, decode_rows in [(1, 1), (5, None), (40, 40), (40, 0), (40, 17), (300, 300)]:
+        x = torch.randn(rows, K).to(dtype)
+        y = stacked(x, decode_rows)
+        want = torch.cat([a(x, decode_rows) for a in alone], dim=1)
+        assert y.dtype == dtype and torch.equal(y, want), (rows, decode_rows)
+    # The same formats fuse into one packed weight as before.
+    assert not isinstance(Ops.fuse(parts[:2]), RowBlocks)

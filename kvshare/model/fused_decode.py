@@ -8,15 +8,15 @@ attention kernels without returning to Python between ops.
 It applies when every piece has a C++ counterpart, and says why not otherwise (`reason`):
 float32 or bfloat16 activations (with bfloat16 the C++ step rounds each intermediate to bfloat16
 where the step-by-step path rounds it, so both give a row nearly the same numbers), every layer's
-linears on kvshare's group kernels (int8 or int4 codes), a float32 or bfloat16 KV cache, the C++
-attention kernel in use (not Gemma 2's soft-capping), a family whose layers a `Stack` describes
-(Model.fused_layers: the Llama layer with Qwen3's per-head q/k norm, or Gemma 3's layer; RoPE over
-whole heads or, partial, their first dims), and a step of decode rows only. Each layer attends with its own view of the
-rows: with KV cache groups its group's slots and block tables, with sliding windows or attention
-sinks each row's visible range in that layer. It runs a step's decode rows whatever other rows
-share the step (kvshare.model.ops.Model.forward sends prompt rows layer by layer). Anything else
-takes the step-by-step path, which stays the reference: tests/test_fused_decode.py checks the two
-agree.
+linears on kvshare's group kernels (int8 or int4 codes, or row blocks of several such: a Q4_K_M
+file's q/k/v), a float32 or bfloat16 KV cache, the C++ attention kernel in use (not Gemma 2's
+soft-capping), a family whose layers a `Stack` describes (Model.fused_layers: the Llama layer
+with Qwen3's per-head q/k norm, or Gemma 3's layer; RoPE over whole heads or, partial, their
+first dims), and a step of decode rows only. Each layer attends with its own view of the rows:
+with KV cache groups its group's slots and block tables, with sliding windows or attention sinks
+each row's visible range in that layer. It runs a step's decode rows whatever other rows share
+the step (kvshare.model.ops.Model.forward sends prompt rows layer by layer). Anything else takes
+the step-by-step path, which stays the reference: tests/test_fused_decode.py checks the two agree.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import torch
 
 from kvshare.model.attention import AttentionMetadata, PagedKVStorage, TorchPagedAttention
 from kvshare.model.kernels import decode_step, qmatmul
-from kvshare.model.qlinear import GroupInt4Linear, GroupInt8Linear
+from kvshare.model.qlinear import GroupInt4Linear, GroupInt8Linear, StackedLinear
 from kvshare.model.tp_transport import ShmComm, ShmTransport
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
@@ -69,8 +69,12 @@ class Stack:
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [("kind", _i64), ("q", _ptr), ("scales", _ptr), ("zeros", _ptr), ("bias", _ptr),
-                ("N", _i64), ("K", _i64), ("group", _i64)]
+    pass
+
+
+_Linear._fields_ = [("kind", _i64), ("q", _ptr), ("scales", _ptr), ("zeros", _ptr), ("bias", _ptr),
+                    ("N", _i64), ("K", _i64), ("group", _i64), ("parts", ctypes.POINTER(_Linear)),
+                    ("num_parts", _i64)]
 
 
 class _Layer(ctypes.Structure):
@@ -98,6 +102,14 @@ def _ptr_of(t: torch.Tensor | None) -> int | None:
 
 def _linear(lin, bias: torch.Tensor | None) -> _Linear | None:
     """The C view of one linear, or None when it is not on a group kernel the C++ side runs."""
+    if type(lin) is StackedLinear:  # kind 5: its row blocks, each on its own group kernel
+        parts = [_linear(p, None) for p in lin.parts]
+        if any(p is None for p in parts):
+            return None
+        array = (_Linear * len(parts))(*parts)
+        view = _Linear(5, None, None, None, _ptr_of(bias), lin.out_features, lin.in_features, 0, array, len(parts))
+        view._keep = array  # (the parts' structs live as long as the view)
+        return view
     if type(lin) not in (GroupInt8Linear, GroupInt4Linear):
         return None
     # 1 int8 / 2 int4 codes in rows; 3 / 4 the same in VNNI blocks (the avx512-vnni path)
@@ -163,7 +175,7 @@ class FusedDecode:
     def _layer_views(self, model) -> list[_Layer] | None:
         # The C++ side reads float32 norms and biases: float32 copies where the model holds
         # bfloat16 ones (a few KB per layer), kept alive here.
-        self._float_copies: list[torch.Tensor] = []
+        self._float_copies: list = []
 
         def f32(t: torch.Tensor | None) -> torch.Tensor | None:
             if t is None or (t.dtype == torch.float32 and t.is_contiguous()):
@@ -177,6 +189,7 @@ class FusedDecode:
                      _linear(layer.gate_up, None), _linear(layer.down, None)]
             if any(p is None for p in parts):
                 return None
+            self._float_copies.extend(parts)  # a stacked view's row-block array, alive with the views
             views.append(_Layer(f32(layer.in_norm).data_ptr(), f32(layer.post_norm).data_ptr(), *parts, None, None,
                                 _ptr_of(f32(layer.qk_norm)), layer.rope_table, _ptr_of(f32(layer.attn_out_norm)),
                                 _ptr_of(f32(layer.mlp_out_norm))))

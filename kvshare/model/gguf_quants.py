@@ -19,6 +19,11 @@ as torch tensors; `qlinear` turns it into what a kernel consumes.
 | Q5_K | 32 | 0..31 | d*sc_j, -dmin*m_j |
 | Q6_K | 16 | -32..31 | d*sc_j (int8 sc_j per 16), 0 |
 | Q8_0 | 32 | -128..127 | d, 0 |
+| Q2_K | 16 | 0..3 | d*sc_j, -dmin*m_j (4-bit sc_j, m_j per 16) |
+| Q3_K | 16 | -4..3 | d*(sc_j - 32) (6-bit sc_j per 16), 0 |
+| IQ4_XS | 32 | the 16 values of llama.cpp's non-linear 4-bit table, -127..113 | d*(ls_j - 32) (6-bit ls_j per 32), 0 |
+
+(IQ4_XS's code is the table's int8 value, not the 4-bit index: the weight is still scale x code.)
 
 The bit layouts follow ggml's block definitions (ggml-common.h); each decoder is checked
 against `gguf.quants.dequantize` in tests/test_qlinear.py.
@@ -40,7 +45,7 @@ class GroupAffine:
     scale: torch.Tensor  # float32 [N, K // group]
     zero: torch.Tensor | None  # float32 [N, K // group]; None for symmetric formats
     group: int
-    bits: int  # code width: 4 for the Q4 formats (int4 kernels take them), else 5, 6 or 8
+    bits: int  # code width: 4 for the Q4 formats (int4 kernels take them), else 2, 3, 5, 6 or 8
 
     @property
     def shape(self) -> torch.Size:
@@ -145,10 +150,36 @@ def _decode(raw: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray, np.ndarr
         hi = np.concatenate([(qh >> s) & 3 for s in (0, 2, 4, 6)], axis=2)
         q = ((lo | (hi << 4)).astype(np.int16) - 32).astype(np.int8).reshape(-1, 256)
         return q, d * sc, None, 16, 6
+    if qtype == Q.Q2_K:
+        sc = raw[:, 0:16]
+        qs = raw[:, 16:80].reshape(-1, 2, 1, 32)  # two halves of 128 weights, 4 two-bit planes each
+        q = ((qs >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3).reshape(-1, 256)
+        d, dmin = _f16(raw, 80), _f16(raw, 82)
+        return q, d * (sc & 0xF).astype(np.float32), -(dmin * (sc >> 4).astype(np.float32)), 16, 2
+    if qtype == Q.Q3_K:
+        hmask, qs, packed = raw[:, 0:32], raw[:, 32:96], raw[:, 96:108]
+        low = (packed[:, 0:8, None] >> np.array([0, 4], dtype=np.uint8)).transpose(0, 2, 1).reshape(-1, 16) & 0xF
+        high = (packed[:, 8:12, None] >> np.array([0, 2, 4, 6], dtype=np.uint8)).transpose(0, 2, 1).reshape(-1, 16) & 3
+        sc = (low | (high << 4)).astype(np.float32) - 32
+        ql = (qs.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
+        qh = (hmask.reshape(-1, 1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1
+        q = ql.reshape(-1, 256).astype(np.int8) - ((qh.reshape(-1, 256) ^ 1) << 2).astype(np.int8)
+        return q, _f16(raw, 108) * sc, None, 16, 3
+    if qtype == Q.IQ4_XS:
+        d = _f16(raw, 0)
+        high = (raw[:, 2:4].copy().view(np.uint16) >> (2 * np.arange(8, dtype=np.uint16))) & 3  # [nb, 8]
+        low = (raw[:, 4:8, None] >> np.array([0, 4], dtype=np.uint8)).reshape(-1, 8) & 0xF
+        ls = (low | (high.astype(np.uint8) << 4)).astype(np.float32) - 32
+        idx = _nibbles32(raw[:, 8:136].reshape(-1, 16)).reshape(-1, 256)  # per 32: low nibbles, then high
+        return IQ4_NL_VALUES[idx], d * ls, None, 32, 8
     raise KeyError(qtype)
 
 
-GROUP_AFFINE_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K, Q.Q8_0})
+# IQ4_NL / IQ4_XS code values (ggml-common.h kvalues_iq4nl): a non-linear 4-bit grid.
+IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
+
+GROUP_AFFINE_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q2_K, Q.Q3_K,
+                                Q.IQ4_XS})
 
 
 def to_group_affine(data: np.ndarray, qtype: Q, shape: tuple[int, int]) -> GroupAffine:

@@ -27,7 +27,7 @@ from kvshare.model.config import ModelArchConfig
 from kvshare.model.fused_decode import FusedDecode, Stack, StackLayer  # noqa: F401
 from kvshare.model.gguf_quants import GroupAffine
 from kvshare.model.layers import RotaryEmbedding, head_rms_norm, rms_norm
-from kvshare.model.qlinear import DequantScratch, make_linear
+from kvshare.model.qlinear import DequantScratch, RowBlocks, make_linear
 from kvshare.model.tensor_parallel import TPCollectives
 
 # Norms and RoPE are plain functions of their inputs: the same op for every row kind.
@@ -74,14 +74,15 @@ class Ops:
         return (w.dequantize() if isinstance(w, GroupAffine) else w).float()
 
     @staticmethod
-    def fuse(parts: list) -> torch.Tensor | GroupAffine:
-        """Row-wise concatenation of weights (q/k/v, gate/up: fewer, larger GEMMs), kept packed
-        when every part is packed alike."""
+    def fuse(parts: list) -> torch.Tensor | GroupAffine | RowBlocks:
+        """Row-wise concatenation of weights (q/k/v, gate/up: fewer, larger GEMMs): packed parts
+        of one format as one packed weight, packed parts of several formats (a Q4_K_M file's Q4_K
+        q/k and Q6_K v) as row blocks each kept in its own (qlinear.StackedLinear)."""
         if all(isinstance(p, GroupAffine) for p in parts):
             try:
                 return GroupAffine.cat(parts)
             except ValueError:
-                pass  # mixed formats (e.g. Q4_K q/k with a Q6_K v): fuse densely
+                return RowBlocks(parts)
         return torch.cat([p.dequantize() if isinstance(p, GroupAffine) else p.float() for p in parts])
 
     def rotary(self, config: ModelArchConfig) -> RotaryEmbedding:
@@ -164,7 +165,8 @@ class Model:
         out = [self.lm_head] + ([self.embed] if self.embed is not self.lm_head else [])
         for layer in self.layers:
             out += [layer.qkv, layer.o, layer.gate_up, layer.down]
-        return out
+        # A stacked linear as its row blocks: each is one weight in one format on one kernel.
+        return [part for lin in out for part in getattr(lin, "parts", [lin])]
 
     @property
     def weight_bytes(self) -> int:

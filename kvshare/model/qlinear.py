@@ -23,8 +23,10 @@ rows share its step.
   capability, so codes packed by hand read wrong on AVX-512 machines, and a copy in torch's own
   layout could not be read back for embeddings and prefill; the fused decode step needs
   kvshare's layout anyway.)
-- `DenseLinear`: everything else (F32, F16, BF16, Q2_K, Q3_K, HF safetensors, or
-  quantization=None), a plain tensor in the activation dtype.
+  Q2_K, Q3_K and IQ4_XS take the int8 kernel too (codes widened to a byte; IQ4_XS's code is
+  its non-linear table's value).
+- `DenseLinear`: everything else (F32, F16, BF16, HF safetensors, or quantization=None), a
+  plain tensor in the activation dtype.
 """
 from __future__ import annotations
 
@@ -86,8 +88,10 @@ class DenseLinear:
         self.weight = weight.to(dtype).contiguous()
         self.out_features, self.in_features = self.weight.shape
 
-    def __call__(self, x: torch.Tensor, decode_rows: int | None = None) -> torch.Tensor:
-        return F.linear(x, self.weight)
+    def __call__(self, x: torch.Tensor, decode_rows: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None:
+            return F.linear(x, self.weight)
+        return out.copy_(F.linear(x, self.weight))
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight)
@@ -133,23 +137,25 @@ class GroupInt8Linear:
                            self.in_features, self.dtype)
             self._fallback = self.dense()
 
-    def __call__(self, x: torch.Tensor, decode_rows: int | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, decode_rows: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """decode_rows: how many leading rows of x are decode rows (the model's forward says; the
         rest are prompt tokens). Decode rows take the packed kernel however many there are, prompt
         tokens the dense GEMM in the scratch's dtype, so a row's numbers depend on what the row is,
         never on the size of its batch. None (a call outside a step): up to PACKED_MAX_ROWS rows
-        packed, more dense."""
+        packed, more dense. out: [M, N] of x's dtype with unit last stride (any row stride: a
+        column block of a StackedLinear's output)."""
         m = x.shape[0]
         if self._fallback is not None:
-            return F.linear(x, self._fallback)
+            y = F.linear(x, self._fallback)
+            return y if out is None else out.copy_(y)
         if decode_rows is None:
             decode_rows = m if m <= PACKED_MAX_ROWS else 0
         if decode_rows >= m or self.out_features * self.in_features > SCRATCH_MAX_ELEMENTS:
-            return self._packed(x)  # (the vocab projection never gets a scratch copy)
+            return self._packed(x, out)  # (the vocab projection never gets a scratch copy)
         if decode_rows <= 0:
-            return self._dense(x)
+            return self.scratch.matmul(x, self, out)
         # Both parts written into one output (no torch.cat copy of a prompt-sized result).
-        y = torch.empty(m, self.out_features, dtype=x.dtype)
+        y = torch.empty(m, self.out_features, dtype=x.dtype) if out is None else out
         self._packed(x[:decode_rows], y[:decode_rows])
         self.scratch.matmul(x[decode_rows:], self, y[decode_rows:])
         return y
@@ -163,9 +169,6 @@ class GroupInt8Linear:
             return y
         self.check_blocks()  # (only with the kernel: without it __call__ takes the dense copy)
         return self._kernel(x.contiguous(), out)
-
-    def _dense(self, x: torch.Tensor) -> torch.Tensor:
-        return self.scratch.matmul(x, self)
 
     def check_blocks(self) -> bool:
         """With the kernel library loaded: back to rows if it cannot run VNNI blocks after all
@@ -259,8 +262,53 @@ class GroupInt4Linear(GroupInt8Linear):
         return qmatmul.unpack_int4_rows(packed_rows)
 
 
-def make_linear(weight: torch.Tensor | GroupAffine, dtype: torch.dtype, scratch: DequantScratch):
+class RowBlocks(list):
+    """Weights fused row-wise whose parts stay in their own formats (Ops.fuse, when the parts'
+    group sizes or code widths differ): make_linear gives them a StackedLinear."""
+
+
+class StackedLinear:
+    """One fused weight (q/k/v, gate/up) whose row blocks are kept at their own formats: a
+    Q4_K_M file's Q4_K q and k with its Q6_K v, each on its own packed kernel, writing its columns
+    of the one output. A row's outputs are what each block gives that row alone, so stacking
+    changes no bits; the fused decode step runs the same blocks (decode_step.cpp, kind 5)."""
+
+    kind = "stacked"
+    blocks = None  # (each part has its own)
+
+    def __init__(self, parts: list) -> None:
+        self.parts = parts
+        self.in_features = parts[0].in_features
+        if any(p.in_features != self.in_features for p in parts):
+            raise ValueError("row blocks of one linear must share their input width")
+        self.out_features = sum(p.out_features for p in parts)
+        bounds = [0]
+        for p in parts:
+            bounds.append(bounds[-1] + p.out_features)
+        self._cols = [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+
+    def __call__(self, x: torch.Tensor, decode_rows: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype) if out is None else out
+        for part, cols in zip(self.parts, self._cols):
+            part(x, decode_rows, out=y[:, cols])
+        return y
+
+    def check_blocks(self) -> bool:
+        return any([p.check_blocks() for p in self.parts])  # (a list: every part settles)
+
+    def dense(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        w = torch.cat([p.dense() for p in self.parts])
+        return w if out is None else out.copy_(w)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
+def make_linear(weight: torch.Tensor | GroupAffine | RowBlocks, dtype: torch.dtype, scratch: DequantScratch):
     """The layer for one (possibly fused) weight: packed when it came packed, else dense."""
+    if isinstance(weight, RowBlocks):
+        return StackedLinear([make_linear(w, dtype, scratch) for w in weight])
     if isinstance(weight, GroupAffine):
         if weight.bits == 4 and weight.group % 32 == 0:
             return GroupInt4Linear(weight, dtype, scratch)
@@ -268,8 +316,8 @@ def make_linear(weight: torch.Tensor | GroupAffine, dtype: torch.dtype, scratch:
     return DenseLinear(weight, dtype)
 
 
-_ZERO_OFFSET_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q5_1", "Q5_K"})
-_GROUP_16_TYPES = frozenset({"Q6_K"})
+_ZERO_OFFSET_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q5_1", "Q5_K", "Q2_K"})
+_GROUP_16_TYPES = frozenset({"Q6_K", "Q2_K", "Q3_K"})
 _INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})
 
 

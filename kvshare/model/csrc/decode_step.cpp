@@ -38,12 +38,17 @@
 namespace dec {
 
 struct Linear {
-  int64_t kind;  // 1: int8 codes [N, K]; 2: 4-bit codes two per byte [N, K / 2]; 3 / 4: the same in VNNI blocks
+  // 1: int8 codes [N, K]; 2: 4-bit codes two per byte [N, K / 2]; 3 / 4: the same in VNNI blocks;
+  // 5: row blocks kept at their own formats (a Q4_K_M file's Q4_K q/k and Q6_K v), `parts` in
+  // output order, each writing its own columns of the one output row.
+  int64_t kind;
   const void* q;
   const float* scales;  // [N, K / group]
   const float* zeros;   // [N, K / group] or null
   const float* bias;    // [N] or null
   int64_t N, K, group;
+  const Linear* parts;  // kind 5
+  int64_t num_parts;
 };
 
 struct Layer {
@@ -431,7 +436,27 @@ struct Ops {
 #undef DEC_PICK
 };
 
-static int linear(const Linear& L, const float* x, int64_t M, float* y, int num_threads, char* err, int64_t err_len) {
+// y [M, y_stride]: the output's row stride (the whole stacked width for a row block).
+static int linear(const Linear& L, const float* x, int64_t M, float* y, int num_threads, char* err, int64_t err_len,
+                  int64_t y_stride = -1) {
+  if (y_stride < 0) y_stride = L.N;
+  if (L.kind == 5) {  // each block writes its columns; a row's outputs are what each block gives it alone
+    int64_t col = 0;
+    for (int64_t p = 0; p < L.num_parts; ++p) {
+      const Linear& part = L.parts[p];
+      if (part.kind == 5 || part.K != L.K || col + part.N > L.N) {
+        std::snprintf(err, size_t(err_len), "row block %lld does not fit its stacked linear", (long long)p);
+        return 1;
+      }
+      if (linear(part, x, M, y + col, num_threads, err, err_len, y_stride)) return 1;
+      col += part.N;
+    }
+    if (col != L.N) {
+      std::snprintf(err, size_t(err_len), "row blocks cover %lld of %lld outputs", (long long)col, (long long)L.N);
+      return 1;
+    }
+    return 0;
+  }
   int rc;
   if (L.kind < 1 || L.kind > 4) {
     std::snprintf(err, size_t(err_len), "unknown linear kind %lld", (long long)L.kind);
@@ -439,11 +464,11 @@ static int linear(const Linear& L, const float* x, int64_t M, float* y, int num_
   }
   const bool blocks = L.kind >= 3;  // (qmatmul.cpp, "VNNI blocks")
   if (L.kind == 1 || L.kind == 3)
-    rc = qmm::group_matmul<qmm::I8>(x, L.K, 0, static_cast<const uint8_t*>(L.q), L.scales, L.zeros, y, L.N, M, L.N,
-                                    L.K, L.group, 0, num_threads, err, err_len, blocks);
+    rc = qmm::group_matmul<qmm::I8>(x, L.K, 0, static_cast<const uint8_t*>(L.q), L.scales, L.zeros, y, y_stride, M,
+                                    L.N, L.K, L.group, 0, num_threads, err, err_len, blocks);
   else
-    rc = qmm::group_matmul<qmm::U4>(x, L.K, 0, static_cast<const uint8_t*>(L.q), L.scales, L.zeros, y, L.N, M, L.N,
-                                    L.K, L.group, 0, num_threads, err, err_len, blocks);
+    rc = qmm::group_matmul<qmm::U4>(x, L.K, 0, static_cast<const uint8_t*>(L.q), L.scales, L.zeros, y, y_stride, M,
+                                    L.N, L.K, L.group, 0, num_threads, err, err_len, blocks);
   return rc;  // the output's rounding and the bias: out_row, per row
 }
 

@@ -116,6 +116,14 @@ struct U4 {
   static inline float code(const uint8_t* row, int64_t k) { return float((row[k >> 1] >> ((k & 1) << 2)) & 15); }
 };
 
+// A 4-bit lane of VNNI blocks (codes 2p at bits 4p, 2p + 1 at bits 16 + 4p) as the row layout's
+// 4 bytes (code i at bits 4i): the lane's even nibbles and odd nibbles interleaved again.
+static inline uint32_t u4_lane_to_row(uint32_t v) {
+  uint32_t out = 0;
+  for (int p = 0; p < 4; ++p) out |= ((v >> (4 * p)) & 15u) << (8 * p) | ((v >> (16 + 4 * p)) & 15u) << (8 * p + 4);
+  return out;
+}
+
 static inline void store(const Problem& P, int64_t m, int64_t n, float v) {
   if (P.y_bf16)
     static_cast<uint16_t*>(P.y)[m * P.y_s0 + n] = f32_to_bf16(v);
@@ -547,23 +555,24 @@ static bool cpu_has_vnni() {
 }
 
 // Code pair p of a line (4 bytes of each of 16 rows) as int16 pairs (code 2j | code 2j + 1 << 16)
-// per lane. int4: byte p holds the pair (two nibbles): put in the high byte of both words,
-// shifted right by 8 and 12, masked to 4 bits. int8: bytes 2p and 2p + 1 put in the high bytes
-// of the two words, then an arithmetic shift sign-extends them.
+// per lane. int4: a lane's 8 codes are stored with pair p's two codes at bits 4p and 16 + 4p
+// (the even codes in its low half, the odd ones in its high half: `to_vnni_blocks` arranges
+// them), so a pair is one shift and one mask (2 ops per vpdpwssd, not 3: decode at batch 1 is as
+// much instruction- as bandwidth-bound). int8: bytes 2p and 2p + 1 put in the high bytes of the
+// two words, then an arithmetic shift sign-extends them.
 template <class F> struct VnniCodes;
 template <> struct VnniCodes<U4> {
   static constexpr int kPairsPerLine = 4;
-  static void control(int p, int8_t* ctl) {
+  static void control(int p, int8_t* ctl) {  // every lane: the shift count 4p
     for (int i = 0; i < 64; i += 4) {
-      const int8_t b = int8_t((i & 15) + p);
-      ctl[i] = -128; ctl[i + 1] = b; ctl[i + 2] = -128; ctl[i + 3] = b;
+      ctl[i] = int8_t(4 * p); ctl[i + 1] = 0; ctl[i + 2] = 0; ctl[i + 3] = 0;
     }
   }
   QMM_VNNI static QMM_INLINE __m512i pair(__m512i line, __m512i ctl) {
-    const __m512i s = _mm512_shuffle_epi8(line, ctl);
-    return _mm512_and_si512(_mm512_srlv_epi16(s, _mm512_set1_epi32(8 | (12 << 16))), _mm512_set1_epi32(0x000F000F));
+    return _mm512_and_si512(_mm512_srlv_epi32(line, ctl), _mm512_set1_epi32(0x000F000F));
   }
 };
+
 template <> struct VnniCodes<I8> {
   static constexpr int kPairsPerLine = 2;
   static void control(int p, int8_t* ctl) {
@@ -1252,7 +1261,12 @@ static void dequantize(const uint8_t* q, const float* scales, const float* zeros
       for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* qb = q + b * 16 * q_s0;
         for (int64_t c = 0; c < q_s0 / 4; ++c)
-          for (int r = 0; r < 16; ++r) std::memcpy(&tq[size_t(r * q_s0 + 4 * c)], qb + c * 64 + 4 * r, 4);
+          for (int r = 0; r < 16; ++r) {
+            uint32_t lane;
+            std::memcpy(&lane, qb + c * 64 + 4 * r, 4);
+            if (F::kCodesPerByte == 2) lane = u4_lane_to_row(lane);
+            std::memcpy(&tq[size_t(r * q_s0 + 4 * c)], &lane, 4);
+          }
         for (int r = 0; r < 16; ++r)
           for (int64_t gi = 0; gi < G; ++gi) {
             ts[size_t(r * G + gi)] = scales[(b * G + gi) * 16 + r];

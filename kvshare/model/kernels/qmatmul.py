@@ -171,8 +171,10 @@ class VnniBlocks:
         """The codes (int8 [R, K] or packed uint8 [R, K / 2]), scales and zeros [R, K / g] of rows
         idx (a long tensor), in row layout."""
         b, r = idx // 16, idx % 16
-        q = self.q[b, :, r, :].reshape(len(idx), -1)
-        return q, self.scales[b, :, r], None if self.zeros is None else self.zeros[b, :, r]
+        q = self.q[b, :, r, :]
+        if self.int4:
+            q = _u4_lanes(q, to_blocks=False)
+        return q.reshape(len(idx), -1), self.scales[b, :, r], None if self.zeros is None else self.zeros[b, :, r]
 
     def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """y = x @ w.T on the avx512-vnni path (x rounded to int16 per row and group, exact int32
@@ -218,8 +220,25 @@ def to_vnni_blocks(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | 
         return t.reshape(n // 16, 16, -1).transpose(1, 2).contiguous()
 
     qb = q.reshape(n // 16, 16, row_bytes // 4, 4).permute(0, 2, 1, 3).contiguous()
+    if int4:  # each 4-byte lane's codes rearranged for the kernel's 2-op pair extraction
+        qb = _u4_lanes(qb, to_blocks=True)
     return VnniBlocks(qb, blocked(scales.float()), None if zeros is None else blocked(zeros.float()), n, k,
                       group_size, int4)
+
+
+def _u4_lanes(lanes: torch.Tensor, to_blocks: bool) -> torch.Tensor:
+    """4-byte lanes [..., 4] (uint8) of packed 4-bit codes, code i at bits 4i of the little-endian
+    lane in rows, rearranged for VNNI blocks (to_blocks) or back: in blocks code 2p sits at bits 4p
+    and code 2p + 1 at bits 16 + 4p (qmatmul.cpp, VnniCodes<U4>)."""
+    v = lanes.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    out = torch.zeros_like(v)
+    for p in range(4):
+        if to_blocks:
+            out |= ((v >> (8 * p)) & 15) << (4 * p) | ((v >> (8 * p + 4)) & 15) << (16 + 4 * p)
+        else:
+            out |= ((v >> (4 * p)) & 15) << (8 * p) | ((v >> (16 + 4 * p)) & 15) << (8 * p + 4)
+    out = torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
+    return out.view(torch.uint8).reshape(lanes.shape)
 
 
 def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
