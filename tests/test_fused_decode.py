@@ -428,6 +428,9 @@ def test_fused_path_says_why_it_does_not_apply(bundled):
                               decode_block_tables=torch.zeros(1, 1, dtype=torch.long),
                               decode_context_lens=torch.ones(1, dtype=torch.long))
     assert "KV cache dtype" in int8.engine.model.fused_decode.reason(plain, 1, int8.engine.kv_cache)
+    # Known when the engine is built: the start-up block names it, not only each step.
+    assert any("decode steps: layer by layer (KV cache dtype" in line for line in int8.engine.startup.lines())
+    assert any("decode steps: one C++ call" in line for line in bundled.engine.startup.lines())
 
 
 @pytest.mark.parametrize("bad", ["slot", "block", "context"])

@@ -114,7 +114,7 @@ class StartupReport:
                                            else "PyTorch (C++ kernel unavailable or not wanted)"))
         fused = getattr(self.model, "fused_decode", None)
         if fused is not None:
-            why = fused.model_reason or fused.library_reason
+            why = fused.model_reason or fused.library_reason or fused.cache_reason(self.config.kv_format.storage)
             out.append("decode steps: " + ("one C++ call per step (kvshare fused decode)" if why is None
                                            else f"layer by layer ({why})"))
         return out

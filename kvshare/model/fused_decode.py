@@ -195,6 +195,12 @@ class FusedDecode:
                                 _ptr_of(f32(layer.mlp_out_norm))))
         return views
 
+    @staticmethod
+    def cache_reason(dtype: torch.dtype) -> str | None:
+        """Why a KV cache stored as `dtype` keeps every step off the fused path (None: it does
+        not); known when the engine is built, so the start-up block names it."""
+        return None if dtype in _CACHE_KINDS else f"KV cache dtype {dtype} is not float32 or bfloat16"
+
     def reason(self, meta: AttentionMetadata, num_rows: int, kv_cache: PagedKVStorage) -> str | None:
         """Why this step cannot take the fused path, or None when it can."""
         if not self.enabled:
@@ -205,8 +211,9 @@ class FusedDecode:
                 m.prefills or m.decode_block_tables is None or m.decode_context_lens is None
                 for m in (meta.layer_metadata or [meta])):
             return "not a plain decode-only step"
-        if kv_cache.scales is not None or kv_cache.data.dtype not in _CACHE_KINDS:
-            return f"KV cache dtype {kv_cache.data.dtype} is not float32 or bfloat16"
+        why = self.cache_reason(kv_cache.data.dtype)
+        if why is not None or kv_cache.scales is not None:
+            return why or f"KV cache dtype {kv_cache.data.dtype} carries scales"
         if self.library_reason is not None:
             return self.library_reason
         if not self.model.backend.use_cpp_kernel:
