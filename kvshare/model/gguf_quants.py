@@ -27,6 +27,12 @@ as torch tensors; `qlinear` turns it into what a kernel consumes.
 
 The bit layouts follow ggml's block definitions (ggml-common.h); each decoder is checked
 against `gguf.quants.dequantize` in tests/test_qlinear.py.
+
+At load the loader does not decode anything: a weight is a `GGUFBlocks` (the file's bytes, a
+view of the memory map, plus which rows), and qlinear turns it into its kernel's layout in one
+multi-threaded C++ pass (csrc/gguf_repack.cpp), the arrays this module's numpy decoders and
+qlinear's packing would give, bit for bit (tests/test_gguf_repack.py). The numpy path stays the
+reference, and what runs where the C++ kernels cannot be built.
 """
 from __future__ import annotations
 

@@ -239,6 +239,44 @@ inline void decode_block(int type, const uint8_t* b, uint8_t* c, float* s, float
   }
 }
 
+// The 4-bit formats straight into packed bytes (byte i = code 2i | code 2i + 1 << 4), with no
+// byte-per-code step: their 2m bytes of nibbles hold codes 0..2m-1 in the low nibbles and
+// 2m..4m-1 in the high ones, so the packed byte i < m pairs the low nibbles of bytes 2i and
+// 2i + 1, and byte m + i their high nibbles.
+inline void pack_nibble_halves(const uint8_t* qs, int nbytes, uint8_t* out) {
+  const int m = nbytes / 2;
+  for (int i = 0; i < m; ++i) {
+    const uint32_t w = uint32_t(qs[2 * i]) | uint32_t(qs[2 * i + 1]) << 8;
+    out[i] = uint8_t((w & 0xF) | ((w >> 4) & 0xF0));
+    out[m + i] = uint8_t(((w >> 4) & 0xF) | ((w >> 8) & 0xF0));
+  }
+}
+
+// One block of Q4_0 / Q4_1 / Q4_K as packed bytes (block / 2 of them) and its groups' scales and
+// zeros, the values decode_block gives.
+inline void decode_block_int4(int type, const uint8_t* b, uint8_t* packed, float* s, float* z) {
+  if (type == Q4_K) {
+    const float d = f16(b), dmin = f16(b + 2);
+    uint8_t sc[8], mn[8];
+    k_scales(b + 4, sc, mn);
+    for (int j = 0; j < 8; ++j) {
+      s[j] = d * float(sc[j]);
+      z[j] = -(dmin * float(mn[j]));
+    }
+    for (int ch = 0; ch < 4; ++ch) pack_nibble_halves(b + 16 + 32 * ch, 32, packed + 32 * ch);
+    return;
+  }
+  const float d = f16(b);
+  s[0] = d;
+  if (type == Q4_0) {
+    z[0] = -8.0f * d;
+    pack_nibble_halves(b + 2, 16, packed);
+  } else {
+    z[0] = f16(b + 2);
+    pack_nibble_halves(b + 4, 16, packed);
+  }
+}
+
 struct Job {
   const int64_t* row_addrs;
   int64_t rows, row0, n_total, k;
@@ -249,22 +287,22 @@ struct Job {
   float *scales, *zeros;
 };
 
-// Output row `row` (of the whole weight) from the file row at `src`; `codes` and `rowbuf` are the
-// calling thread's scratch (K bytes each), `s` / `z` K / g floats.
-inline void repack_row(const Job& j, int64_t row, const uint8_t* src, uint8_t* codes, uint8_t* rowbuf, float* s,
-                       float* z) {
+// Output row `row` (of the whole weight) from the file row at `src`, decoded straight into its
+// place in rows, or for VNNI blocks into `rowbuf` (the calling thread's scratch, K bytes) and
+// then spread over its block; `s` / `z`: K / g floats of scratch.
+inline void repack_row(const Job& j, int64_t row, const uint8_t* src, uint8_t* rowbuf, float* s, float* z) {
   const int64_t K = j.k, G = K / j.f.group, gpb = j.f.block / j.f.group;
   const int64_t blocks = K / j.f.block;
-  for (int64_t i = 0; i < blocks; ++i)
-    decode_block(j.type, src + i * j.f.type_size, codes + i * j.f.block, s + i * gpb, z + i * gpb);
-  if (!j.f.has_zero) std::fill(z, z + G, 0.0f);
   const int64_t row_bytes = j.int4 ? K / 2 : K;
   uint8_t* out = j.vnni ? rowbuf : j.q + row * row_bytes;
   if (j.int4) {
-    for (int64_t i = 0; i < K / 2; ++i) out[i] = uint8_t(codes[2 * i] | codes[2 * i + 1] << 4);
+    for (int64_t i = 0; i < blocks; ++i)
+      decode_block_int4(j.type, src + i * j.f.type_size, out + i * (j.f.block / 2), s + i * gpb, z + i * gpb);
   } else {
-    std::memcpy(out, codes, size_t(K));
+    for (int64_t i = 0; i < blocks; ++i)
+      decode_block(j.type, src + i * j.f.type_size, out + i * j.f.block, s + i * gpb, z + i * gpb);
   }
+  if (!j.f.has_zero) std::fill(z, z + G, 0.0f);
   if (!j.vnni) {
     std::memcpy(j.scales + row * G, s, size_t(G) * 4);
     if (j.zeros) std::memcpy(j.zeros + row * G, z, size_t(G) * 4);
@@ -290,7 +328,7 @@ inline void run(const Job& j, int num_threads) {
 #pragma omp parallel num_threads(nt) if (nt > 1)
 #endif
   {
-    std::vector<uint8_t> codes(size_t(j.k) + 256), rowbuf(size_t(j.k));
+    std::vector<uint8_t> rowbuf(size_t(j.k));
     std::vector<float> s(size_t(j.k / j.f.group) + 16), z(size_t(j.k / j.f.group) + 16);
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 4)
@@ -298,8 +336,8 @@ inline void run(const Job& j, int num_threads) {
     for (int64_t span = first; span < last; ++span) {
       const int64_t lo = std::max(span * 16, j.row0), hi = std::min(span * 16 + 16, j.row0 + j.rows);
       for (int64_t row = lo; row < hi; ++row)
-        repack_row(j, row, reinterpret_cast<const uint8_t*>(j.row_addrs[row - j.row0]), codes.data(),
-                   rowbuf.data(), s.data(), z.data());
+        repack_row(j, row, reinterpret_cast<const uint8_t*>(j.row_addrs[row - j.row0]), rowbuf.data(), s.data(),
+                   z.data());
     }
   }
 }
