@@ -33,6 +33,10 @@
 #include <omp.h>
 #endif
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 namespace gguf_repack {
 
 // ggml's type ids (the GGUF tensor table's type field).
@@ -301,6 +305,36 @@ inline void decode_row(const Job& j, const uint8_t* src, uint8_t* out, float* s,
   if (!j.f.has_zero) std::fill(z, z + j.k / j.f.group, 0.0f);
 }
 
+// 16 rows of `units` 4-byte units (row r at in + r * stride) -> `units` 64-byte lines, line c
+// holding unit c of rows 0..15: how a VNNI block lays out a block's codes (units of 4 code bytes)
+// and its scales and zeros (units of one float). 4 units of 4 rows at a time, transposed in
+// registers, each line written whole with non-temporal stores: the weights are not read again
+// during the load, so no read-for-ownership of lines about to be overwritten.
+inline void transpose_block(const uint8_t* in, int64_t stride, int64_t units, uint8_t* out) {
+  int64_t c = 0;
+#if defined(__SSE2__)
+  if (reinterpret_cast<uintptr_t>(out) % 16 == 0) {
+    for (; c + 4 <= units; c += 4)
+      for (int r = 0; r < 16; r += 4) {
+        const uint8_t* p = in + r * stride + c * 4;
+        const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + stride));
+        const __m128i cc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * stride));
+        const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 3 * stride));
+        const __m128i ab_lo = _mm_unpacklo_epi32(a, b), ab_hi = _mm_unpackhi_epi32(a, b);
+        const __m128i cd_lo = _mm_unpacklo_epi32(cc, d), cd_hi = _mm_unpackhi_epi32(cc, d);
+        __m128i* o = reinterpret_cast<__m128i*>(out + c * 64 + r * 4);
+        _mm_stream_si128(o, _mm_unpacklo_epi64(ab_lo, cd_lo));
+        _mm_stream_si128(o + 4, _mm_unpackhi_epi64(ab_lo, cd_lo));
+        _mm_stream_si128(o + 8, _mm_unpacklo_epi64(ab_hi, cd_hi));
+        _mm_stream_si128(o + 12, _mm_unpackhi_epi64(ab_hi, cd_hi));
+      }
+  }
+#endif
+  for (; c < units; ++c)
+    for (int r = 0; r < 16; ++r) std::memcpy(out + c * 64 + r * 4, in + r * stride + c * 4, 4);
+}
+
 // Rows [lo, hi) of one 16-row span (one VNNI block) of the whole weight. In rows, each row is
 // decoded straight into its place. For a VNNI block, the span's rows are decoded into the
 // thread's scratch (16 rows: at most a few hundred KB, cache-resident) and then written out line
@@ -320,13 +354,21 @@ inline void repack_span(const Job& j, int64_t span, int64_t lo, int64_t hi, uint
   for (int64_t lane = lane_lo; lane < lane_hi; ++lane)
     decode_row(j, src(span * 16 + lane), rows_buf + lane * row_bytes, s_buf + lane * G, z_buf + lane * G);
   uint8_t* qb = j.q + span * lines * 64;
+  float* sb = j.scales + span * G * 16;
+  float* zb = j.zeros ? j.zeros + span * G * 16 : nullptr;
+  if (lane_lo == 0 && lane_hi == 16) {
+    transpose_block(rows_buf, row_bytes, lines, qb);
+    transpose_block(reinterpret_cast<const uint8_t*>(s_buf), G * 4, G, reinterpret_cast<uint8_t*>(sb));
+    if (zb) transpose_block(reinterpret_cast<const uint8_t*>(z_buf), G * 4, G, reinterpret_cast<uint8_t*>(zb));
+    return;
+  }
   for (int64_t c = 0; c < lines; ++c)
     for (int64_t lane = lane_lo; lane < lane_hi; ++lane)
       std::memcpy(qb + c * 64 + lane * 4, rows_buf + lane * row_bytes + c * 4, 4);
   for (int64_t g = 0; g < G; ++g)
     for (int64_t lane = lane_lo; lane < lane_hi; ++lane) {
-      j.scales[(span * G + g) * 16 + lane] = s_buf[lane * G + g];
-      if (j.zeros) j.zeros[(span * G + g) * 16 + lane] = z_buf[lane * G + g];
+      sb[g * 16 + lane] = s_buf[lane * G + g];
+      if (zb) zb[g * 16 + lane] = z_buf[lane * G + g];
     }
 }
 
@@ -348,6 +390,9 @@ inline void run(const Job& j, int num_threads) {
     for (int64_t span = first; span < last; ++span)
       repack_span(j, span, std::max(span * 16, j.row0), std::min(span * 16 + 16, j.row0 + j.rows), rows_buf.data(),
                   s_buf.data(), z_buf.data());
+#if defined(__SSE2__)
+    _mm_sfence();  // (the non-temporal stores visible before the weights are used)
+#endif
   }
 }
 
