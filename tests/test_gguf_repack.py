@@ -117,6 +117,29 @@ def test_repack_fused_parts(qtypes):
     assert_same(shard.repack(int4, True), reference(want, True))
 
 
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K, QT.Q8_0], ids=lambda t: t.name)
+def test_repack_column_slice(qtype):
+    """A tensor-parallel rank's input columns: on block boundaries still the file's blocks (each
+    row's bytes of those blocks), elsewhere the reference form's slice; both as the reference."""
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    n, bpr = 32, 4
+    raw = raw_rows(qtype, n, bpr, seed=5)
+    k = bpr * block
+    perm = np.random.default_rng(6).permutation(n)
+    lazy = GGUFBlocks.of_tensor(raw, qtype, (n, k), perm)
+    ref = to_group_affine(raw[perm], qtype, (n, k))
+    part = lazy.col_slice(block, 3 * block)
+    assert isinstance(part, GGUFBlocks) and part.shape == (n, 2 * block)
+    for vnni in (False, True):
+        assert_same(part.repack(qtype in INT4, vnni), reference(ref.col_slice(block, 3 * block), vnni))
+    g = 32 if block == 256 else 0  # (inside a super-block: on a group boundary only)
+    if g:
+        inner = lazy.col_slice(g, block + g)
+        assert not isinstance(inner, GGUFBlocks)
+        want = ref.col_slice(g, block + g)
+        assert torch.equal(inner.q, want.q) and torch.equal(inner.scale, want.scale)
+
+
 def test_mixed_group_sizes_stay_row_blocks():
     k = 512
     a = GGUFBlocks.of_tensor(raw_rows(QT.Q4_K, 16, 2), QT.Q4_K, (16, k))

@@ -350,7 +350,16 @@ class GGUFBlocks(GroupAffine):
         return GGUFBlocks(tuple(parts), self.k, self.bits, self._code_dtype, self._has_zero)
 
     def col_slice(self, lo: int, hi: int) -> GroupAffine:
-        return self.materialize().col_slice(lo, hi)
+        """Input columns [lo, hi): still the file's blocks where both fall on every part's block
+        boundaries (each row's bytes of those blocks: a tensor-parallel rank's share of o / down),
+        else from the reference form (on group boundaries)."""
+        parts = []
+        for p in self.parts:
+            block, type_size = GGML_QUANT_SIZES[p.qtype]
+            if lo % block or hi % block:
+                return self.materialize().col_slice(lo, hi)
+            parts.append(GGUFRows(p.data[:, lo // block * type_size:hi // block * type_size], p.qtype, p.rows))
+        return GGUFBlocks(tuple(parts), hi - lo, self.bits, self._code_dtype, self._has_zero)
 
     def __repr__(self) -> str:
         kinds = "+".join(p.qtype.name for p in self.parts)
