@@ -272,7 +272,8 @@ class GGUFBlocks(GroupAffine):
     (llama's un-permuted q/k rows, a fused q/k/v, a tensor-parallel shard), converted only when
     used. qlinear builds a layer's kernel layout from it in one C++ pass (`repack`, which gives the
     arrays `to_group_affine` and qlinear's packing give); anything else that reads q / scale / zero
-    gets them from `to_group_affine` (the reference path, kept for one such use at a time)."""
+    gets them from `to_group_affine` (the reference path: decoded on first use, then kept with
+    this object)."""
 
     def __init__(self, parts: tuple[GGUFRows, ...], k: int, bits: int | None = None,
                  code_dtype: torch.dtype | None = None, has_zero: bool | None = None) -> None:
