@@ -426,7 +426,8 @@ extern "C" int kvs_gguf_repack(const int64_t* row_addrs, int64_t rows, int64_t r
   if (rows < 0 || row0 < 0 || row0 + rows > n_total) return fail("rows out of the weight's range");
   if (int4 && !f.int4_ok) return fail("only Q4_0, Q4_1 and Q4_K codes pack two per byte");
   if (f.has_zero && !zeros) return fail("this format has offsets: zeros must be given");
-  if (vnni && (n_total % 16 || (int4 ? k / 2 : k) % 4)) return fail("VNNI blocks need N % 16 == 0 and row bytes % 4 == 0");
+  if (vnni && (n_total % 16 || (int4 ? k / 2 : k) % 4))
+    return fail("VNNI blocks need N % 16 == 0 and row bytes % 4 == 0");
   if (rows == 0) return 0;
   Job j{row_addrs, rows, row0, n_total, k, f, type, int4 != 0, vnni != 0, static_cast<uint8_t*>(q), scales, zeros};
   run(j, num_threads);
