@@ -49,6 +49,10 @@ def test_default_mode_keeps_weights_quantized(engines):
     # Resident weights stay near the file's size (94 MB of Q4_1/Q8_0), far below the float32 copy.
     assert default.engine.model.weight_bytes < 0.4 * exact.engine.model.weight_bytes
     assert any("kept quantized" in line for line in default.engine.startup.lines())
+    # Where the start-up time went: the load, then the layers built (the weights repacked).
+    timing = default.engine.startup.lines()[-1]
+    assert "weights loaded in" in timing and "layers built in" in timing, timing
+    assert 0 < default.engine.startup.build_seconds < default.engine.startup.ready_seconds
 
 
 def test_greedy_tokens_and_logprobs_match_the_exact_path(engines):

@@ -80,8 +80,10 @@ class LLMEngine:
         if launcher is not None:
             check_tensor_parallel(mc, launcher.size)
         tp = launcher.connect(TPShard(0, launcher.size, mc), num_blocks) if launcher is not None else None
+        t_build = time.perf_counter()
         self.model, self.kv_cache, rank_runner = build_rank(config, mc, loaded.weights, kv, num_blocks, self.numerics,
                                                             tp)
+        build_seconds = time.perf_counter() - t_build
         self.runner: ModelRunner | TensorParallelRunner = rank_runner
         # Why sharing may show in a request's bits (empty: it cannot; kvshare doctor then demands equality).
         self.transparency = transparency_gaps(self.numerics, rank_runner, kv, launcher is not None)
@@ -91,7 +93,7 @@ class LLMEngine:
         self.startup = StartupReport(loaded.source, loaded.tensor_types, self.model, config,
                                      self.layout, loaded.load_seconds, time.perf_counter() - t_start,
                                      launcher.transport_name if launcher is not None else "", self.numerics,
-                                     self.transparency)
+                                     self.transparency, build_seconds, torch.get_num_threads())
         del loaded
         for line in self.startup.lines():
             logger.info(line)

@@ -84,6 +84,8 @@ class StartupReport:
     tp_transport: str = ""  # how tensor-parallel ranks exchange data ("" without tensor parallelism)
     numerics: NumericsPolicy | None = None  # the kernel each kind of row takes, fixed at build
     transparency: tuple[str, ...] | None = None  # why sharing may show in a request's bits (empty: it cannot)
+    build_seconds: float | None = None  # of ready_seconds: the layers built (weights into the kernels' layouts)
+    build_threads: int = 0
 
     def format_mix(self) -> dict[str, int]:
         mix: dict[str, int] = {}
@@ -138,8 +140,18 @@ class StartupReport:
             *([f"  numerics: {self.numerics.describe()}"] if self.numerics is not None else []),
             *([self._transparency_line()] if self.transparency is not None else []),
             f"  {self.layout.describe()}",
-            f"  weights loaded in {self.load_seconds:.2f} s; engine ready in {self.ready_seconds:.2f} s",
+            self._timing_line(),
         ]
+
+    def _timing_line(self) -> str:
+        if self.build_seconds is None:
+            return f"  weights loaded in {self.load_seconds:.2f} s; engine ready in {self.ready_seconds:.2f} s"
+        # Where the start-up time went: the file mapped and its header and tokenizer read (the load),
+        # then every layer built from the weights (kept-quantized ones repacked from the file's
+        # blocks into the kernels' layouts), then the rest (KV cache, checks).
+        return (f"  weights loaded in {self.load_seconds:.2f} s (file mapped, header and tokenizer read), layers "
+                f"built in {self.build_seconds:.2f} s on {self.build_threads} threads (weights repacked into the "
+                f"kernels' layouts); engine ready in {self.ready_seconds:.2f} s")
 
     def _transparency_line(self) -> str:
         if not self.transparency:

@@ -13,7 +13,7 @@ from gguf.quants import dequantize
 from kvshare.model.config import ModelArchConfig
 from kvshare.model.families import REGISTRY
 from kvshare.model.gguf_header import GGUFHeader, open_gguf_file
-from kvshare.model.gguf_quants import GROUP_AFFINE_TYPES, GroupAffine, to_group_affine
+from kvshare.model.gguf_quants import GROUP_AFFINE_TYPES, GGUFBlocks, GroupAffine
 from kvshare.model.hf_loader import split_fused_weights
 from kvshare.model.load_error import ModelLoadError
 from kvshare.model.tokenizer import Tokenizer
@@ -309,9 +309,11 @@ def load_gguf(
         types[name] = t.type_name
         if quantization == "auto" and t.tensor_type in GROUP_AFFINE_TYPES and len(t.shape) == 2:
             raw = t.data.reshape(t.rows_shape[0], -1)  # one row of blocks per output row
-            if heads is not None:  # rows of blocks move as a whole: permute the bytes
-                raw = raw[_unpermute_rows(torch.arange(raw.shape[0]).unsqueeze(1), heads).squeeze(1).numpy()]
-            weights[name] = to_group_affine(raw, t.tensor_type, t.rows_shape)
+            rows = None
+            if heads is not None:  # rows of blocks move as a whole: the un-permuted row order
+                rows = _unpermute_rows(torch.arange(raw.shape[0]).unsqueeze(1), heads).squeeze(1).numpy()
+            # Kept as the file's bytes: qlinear repacks them once into the kernel's layout.
+            weights[name] = GGUFBlocks.of_tensor(raw, t.tensor_type, t.rows_shape, rows)
             continue
         w = dequantize_tensor(t)
         if heads is not None:

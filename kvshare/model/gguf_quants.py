@@ -27,6 +27,12 @@ as torch tensors; `qlinear` turns it into what a kernel consumes.
 
 The bit layouts follow ggml's block definitions (ggml-common.h); each decoder is checked
 against `gguf.quants.dequantize` in tests/test_qlinear.py.
+
+At load the loader does not decode anything: a weight is a `GGUFBlocks` (the file's bytes, a
+view of the memory map, plus which rows), and qlinear turns it into its kernel's layout in one
+multi-threaded C++ pass (csrc/gguf_repack.cpp), the arrays this module's numpy decoders and
+qlinear's packing would give, bit for bit (tests/test_gguf_repack.py). The numpy path stays the
+reference, and what runs where the C++ kernels cannot be built.
 """
 from __future__ import annotations
 
@@ -35,6 +41,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from kvshare.model.kernels import qmatmul
 
 Q = GGMLQuantizationType
 
@@ -62,6 +70,17 @@ class GroupAffine:
             w += self.zero.unsqueeze(-1)
         return w.view(n, k)
 
+    def row_slice(self, lo: int, hi: int) -> "GroupAffine":
+        """Output rows [lo, hi) (rows are independent in the group form)."""
+        return GroupAffine(self.q[lo:hi].contiguous(), self.scale[lo:hi].contiguous(),
+                           None if self.zero is None else self.zero[lo:hi].contiguous(), self.group, self.bits)
+
+    def col_slice(self, lo: int, hi: int) -> "GroupAffine":
+        """Input columns [lo, hi), both on group boundaries."""
+        g0, g1 = lo // self.group, hi // self.group
+        return GroupAffine(self.q[:, lo:hi].contiguous(), self.scale[:, g0:g1].contiguous(),
+                           None if self.zero is None else self.zero[:, g0:g1].contiguous(), self.group, self.bits)
+
     @staticmethod
     def cat(parts: list["GroupAffine"]) -> "GroupAffine":
         """Row-wise concatenation (fused q/k/v, gate/up); symmetric parts get zero offsets if mixed.
@@ -69,23 +88,42 @@ class GroupAffine:
         Parts of one code width fuse as they are. Parts of different widths above 4 bits (e.g. the
         Q5_0 q/k and Q8_0 v of a Q4_K_M file) fuse too: their codes all fit int8 unchanged and they
         run on the same int8-group kernel. 4-bit parts (packed two per byte) fuse only with 4-bit
-        parts, and every part must share the group size."""
+        parts, and every part must share the group size. Parts still in the file's blocks
+        (GGUFBlocks) stay so."""
+        bits, code_dtype = _fused_form(parts)
+        if all(isinstance(p, GGUFBlocks) for p in parts):
+            return GGUFBlocks.cat(parts, bits, code_dtype)
         first = parts[0]
-        if any(p.group != first.group for p in parts):
-            raise ValueError("cannot fuse weights of different GGUF formats")
-        bits = first.bits
-        if any(p.bits != first.bits or p.q.dtype != first.q.dtype for p in parts):
-            if any(p.bits == 4 or p.bits > 8 or (p.q.dtype == torch.uint8 and p.bits > 7) for p in parts):
-                raise ValueError("cannot fuse weights of different GGUF formats")
-            bits = max(p.bits for p in parts)
-            parts = [p if p.q.dtype == torch.int8 else
-                     GroupAffine(p.q.to(torch.int8), p.scale, p.zero, p.group, p.bits) for p in parts]
+        if any(p.q.dtype != code_dtype for p in parts):
+            parts = [p if p.q.dtype == code_dtype else
+                     GroupAffine(p.q.to(code_dtype), p.scale, p.zero, p.group, p.bits) for p in parts]
         if all(p.zero is None for p in parts):
             zero = None
         else:
             zero = torch.cat([p.zero if p.zero is not None else torch.zeros_like(p.scale) for p in parts])
         return GroupAffine(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), zero,
                            first.group, bits)
+
+    @property
+    def code_dtype(self) -> torch.dtype:
+        return self.q.dtype
+
+    @property
+    def has_zero(self) -> bool:
+        return self.zero is not None
+
+
+def _fused_form(parts: list[GroupAffine]) -> tuple[int, torch.dtype]:
+    """(code width, code dtype) of the row-wise concatenation of `parts` (GroupAffine.cat's rules),
+    or ValueError when they cannot share one packed weight."""
+    first = parts[0]
+    if any(p.group != first.group for p in parts):
+        raise ValueError("cannot fuse weights of different GGUF formats")
+    if all(p.bits == first.bits and p.code_dtype == first.code_dtype for p in parts):
+        return first.bits, first.code_dtype
+    if any(p.bits == 4 or p.bits > 8 or (p.code_dtype == torch.uint8 and p.bits > 7) for p in parts):
+        raise ValueError("cannot fuse weights of different GGUF formats")
+    return max(p.bits for p in parts), torch.int8
 
 
 def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
@@ -192,3 +230,143 @@ def to_group_affine(data: np.ndarray, qtype: Q, shape: tuple[int, int]) -> Group
     s_t = torch.from_numpy(np.ascontiguousarray(s, dtype=np.float32).reshape(n, k // group))
     z_t = None if z is None else torch.from_numpy(np.ascontiguousarray(z, dtype=np.float32).reshape(n, k // group))
     return GroupAffine(q_t, s_t, z_t, group, bits)
+
+
+# Per format, what to_group_affine gives: (group, code width, code dtype, has offsets).
+GROUP_AFFINE_FORMS: dict[Q, tuple[int, int, torch.dtype, bool]] = {
+    Q.Q4_0: (32, 4, torch.uint8, True), Q.Q4_1: (32, 4, torch.uint8, True), Q.Q5_0: (32, 5, torch.int8, False),
+    Q.Q5_1: (32, 5, torch.uint8, True), Q.Q8_0: (32, 8, torch.int8, False), Q.Q4_K: (32, 4, torch.uint8, True),
+    Q.Q5_K: (32, 5, torch.uint8, True), Q.Q6_K: (16, 6, torch.int8, False), Q.Q2_K: (16, 2, torch.uint8, True),
+    Q.Q3_K: (16, 3, torch.int8, False), Q.IQ4_XS: (32, 8, torch.int8, False),
+}
+
+
+@dataclass(frozen=True, eq=False)
+class GGUFRows:
+    """Rows of one GGUF tensor as the file stores them: `data` uint8 [rows, bytes per row] (a view
+    of the memory map), and which of its rows, in order (None: all)."""
+
+    data: np.ndarray
+    qtype: Q
+    rows: np.ndarray | None = None  # int64 row indices into data
+
+    @property
+    def num_rows(self) -> int:
+        return self.data.shape[0] if self.rows is None else len(self.rows)
+
+    def select(self, idx: np.ndarray) -> "GGUFRows":
+        return GGUFRows(self.data, self.qtype, idx if self.rows is None else self.rows[idx])
+
+    def row_addresses(self) -> torch.Tensor:
+        """int64 [num_rows]: where each row's blocks start in memory (kvs_gguf_repack reads them)."""
+        idx = np.arange(self.data.shape[0], dtype=np.int64) if self.rows is None else self.rows.astype(np.int64)
+        return torch.from_numpy(self.data.ctypes.data + idx * self.data.strides[0])
+
+    def group_affine(self, k: int) -> GroupAffine:
+        data = self.data if self.rows is None else self.data[self.rows]
+        return to_group_affine(data, self.qtype, (self.num_rows, k))
+
+
+class GGUFBlocks(GroupAffine):
+    """A GroupAffine that is still the file's blocks: one or more runs of rows of GGUF tensors
+    (llama's un-permuted q/k rows, a fused q/k/v, a tensor-parallel shard), converted only when
+    used. qlinear builds a layer's kernel layout from it in one C++ pass (`repack`, which gives the
+    arrays `to_group_affine` and qlinear's packing give); anything else that reads q / scale / zero
+    gets them from `to_group_affine` (the reference path: decoded on first use, then kept with
+    this object)."""
+
+    def __init__(self, parts: tuple[GGUFRows, ...], k: int, bits: int | None = None,
+                 code_dtype: torch.dtype | None = None, has_zero: bool | None = None) -> None:
+        forms = [GROUP_AFFINE_FORMS[p.qtype] for p in parts]
+        self.parts = tuple(parts)
+        self.k = k
+        self.group = forms[0][0]
+        self.bits = forms[0][1] if bits is None else bits
+        self._code_dtype = forms[0][2] if code_dtype is None else code_dtype
+        self._has_zero = any(f[3] for f in forms) if has_zero is None else has_zero
+        self._materialized: GroupAffine | None = None
+
+    @staticmethod
+    def of_tensor(data: np.ndarray, qtype: Q, shape: tuple[int, int], rows: np.ndarray | None = None) -> "GGUFBlocks":
+        """A 2-D tensor's raw bytes [N, bytes per row] (rows: which of them, in order)."""
+        return GGUFBlocks((GGUFRows(data, qtype, rows),), shape[1])
+
+    @staticmethod
+    def cat(parts: list["GGUFBlocks"], bits: int | None = None, code_dtype: torch.dtype | None = None) -> "GGUFBlocks":
+        if bits is None:
+            bits, code_dtype = _fused_form(parts)
+        return GGUFBlocks(tuple(r for p in parts for r in p.parts), parts[0].k, bits, code_dtype)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((sum(p.num_rows for p in self.parts), self.k))
+
+    @property
+    def code_dtype(self) -> torch.dtype:
+        return self._code_dtype
+
+    @property
+    def has_zero(self) -> bool:
+        return self._has_zero
+
+    def materialize(self) -> GroupAffine:
+        """The reference form (to_group_affine of each run, joined as GroupAffine.cat joins them)."""
+        if self._materialized is None:
+            affine = [p.group_affine(self.k) for p in self.parts]
+            a = affine[0] if len(affine) == 1 else GroupAffine.cat(affine)
+            if a.q.dtype != self._code_dtype or a.bits != self.bits or (a.zero is None) == self._has_zero:
+                # rows of a concatenation, taking its form (GroupAffine.cat, then row_slice)
+                zero = a.zero if a.zero is not None or not self._has_zero else torch.zeros_like(a.scale)
+                a = GroupAffine(a.q.to(self._code_dtype), a.scale, zero, a.group, self.bits)
+            self._materialized = a
+        return self._materialized
+
+    @property
+    def q(self) -> torch.Tensor:  # type: ignore[override]
+        return self.materialize().q
+
+    @property
+    def scale(self) -> torch.Tensor:  # type: ignore[override]
+        return self.materialize().scale
+
+    @property
+    def zero(self) -> torch.Tensor | None:  # type: ignore[override]
+        return self.materialize().zero
+
+    def repack(self, int4: bool, vnni: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(q, scales, zeros) in a group kernel's layout, straight from the blocks in C++
+        (qmatmul.repack_gguf_rows; the kernel library must be loaded): the values
+        materialize() + qlinear's packing give, bit for bit."""
+        n, k = self.shape
+        runs = [(p.row_addresses(), int(p.qtype)) for p in self.parts]
+        return qmatmul.repack_gguf_rows(runs, n, k, self.group, self._has_zero, int4, vnni)
+
+    def row_slice(self, lo: int, hi: int) -> "GGUFBlocks":
+        parts, start = [], 0
+        for p in self.parts:
+            a, b = max(lo - start, 0), min(hi - start, p.num_rows)
+            if a < b:
+                parts.append(p.select(np.arange(a, b, dtype=np.int64)))
+            start += p.num_rows
+        return GGUFBlocks(tuple(parts), self.k, self.bits, self._code_dtype, self._has_zero)
+
+    def col_slice(self, lo: int, hi: int) -> GroupAffine:
+        """Input columns [lo, hi): still the file's blocks where both fall on every part's block
+        boundaries (each row's bytes of those blocks: a tensor-parallel rank's share of o / down),
+        else from the reference form (on group boundaries)."""
+        parts = []
+        for p in self.parts:
+            block, type_size = GGML_QUANT_SIZES[p.qtype]
+            if lo % block or hi % block:
+                return self.materialize().col_slice(lo, hi)
+            parts.append(GGUFRows(p.data[:, lo // block * type_size:hi // block * type_size], p.qtype, p.rows))
+        return GGUFBlocks(tuple(parts), hi - lo, self.bits, self._code_dtype, self._has_zero)
+
+    def __repr__(self) -> str:
+        kinds = "+".join(p.qtype.name for p in self.parts)
+        return f"GGUFBlocks({kinds}, shape={tuple(self.shape)}, {self.type_name})"
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    __hash__ = object.__hash__

@@ -163,8 +163,7 @@ def split_fused_weights(weights: dict, config: ModelArchConfig, types: dict[str,
 
 def _row_slice(w, start: int, end: int):
     if isinstance(w, GroupAffine):  # rows are independent in the group form: slice each part
-        return GroupAffine(w.q[start:end].contiguous(), w.scale[start:end].contiguous(),
-                           None if w.zero is None else w.zero[start:end].contiguous(), w.group, w.bits)
+        return w.row_slice(start, end)
     return w[start:end].contiguous()
 
 

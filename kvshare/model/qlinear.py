@@ -35,7 +35,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from kvshare.model.gguf_quants import GroupAffine
+from kvshare.model.gguf_quants import GGUFBlocks, GroupAffine
 from kvshare.model.kernels import qmatmul
 
 logger = logging.getLogger("kvshare")
@@ -109,23 +109,32 @@ class GroupInt8Linear:
     packed_int4 = False  # codes one per byte (GroupInt4Linear: two)
 
     def __init__(self, w: GroupAffine, dtype: torch.dtype, scratch: DequantScratch) -> None:
-        self.out_features, self.in_features = w.q.shape
+        self.out_features, self.in_features = w.shape
         self.dtype = dtype
         self.scratch = scratch
         # Decided here, once (the engine loads the library before it builds a layer): no step asks
         # whether a build has finished, so a row's kernel never changes mid-run.
         self._kernel_ready = qmatmul.QMATMUL.settle() is None
         self.group = w.group
-        self.q = self._pack(w.q)
-        self.scale = w.scale.float().contiguous()
-        self.zero = None if w.zero is None else w.zero.float().contiguous()
         # On AVX-512 VNNI CPUs the weight is kept in VNNI blocks instead of rows (the same bytes,
         # reordered), for the avx512-vnni path: decode rows rounded to int16 per group, exact
         # integer group sums (qmatmul.VnniBlocks). q / scale / zero then hold the blocks.
         self.blocks: qmatmul.VnniBlocks | None = None
-        if qmatmul.vnni_blocks_fit(self.out_features, self.in_features, self.group):
-            self.blocks = qmatmul.to_vnni_blocks(self.q, self.scale, self.zero, self.group, self.packed_int4)
-            self.q, self.scale, self.zero = self.blocks.q, self.blocks.scales, self.blocks.zeros
+        vnni = qmatmul.vnni_blocks_fit(self.out_features, self.in_features, self.group)
+        if isinstance(w, GGUFBlocks) and self._kernel_ready:
+            # Still the file's blocks: decoded once, in C++ across threads, straight into the final
+            # layout (the same arrays the steps below make from w.q / w.scale / w.zero).
+            self.q, self.scale, self.zero = w.repack(self.packed_int4, vnni)
+            if vnni:
+                self.blocks = qmatmul.VnniBlocks(self.q, self.scale, self.zero, self.out_features,
+                                                 self.in_features, self.group, self.packed_int4)
+        else:
+            self.q = self._pack(w.q)
+            self.scale = w.scale.float().contiguous()
+            self.zero = None if w.zero is None else w.zero.float().contiguous()
+            if vnni:
+                self.blocks = qmatmul.to_vnni_blocks(self.q, self.scale, self.zero, self.group, self.packed_int4)
+                self.q, self.scale, self.zero = self.blocks.q, self.blocks.scales, self.blocks.zeros
         self._blocks_checked = False
         self._fallback: torch.Tensor | None = None
         if not self._kernel_ready:

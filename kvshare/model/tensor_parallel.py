@@ -97,8 +97,7 @@ def check_shardable(config: ModelArchConfig, size: int) -> None:
 
 def _rows(w, lo: int, hi: int):
     if isinstance(w, GroupAffine):
-        return GroupAffine(w.q[lo:hi].contiguous(), w.scale[lo:hi].contiguous(),
-                           None if w.zero is None else w.zero[lo:hi].contiguous(), w.group, w.bits)
+        return w.row_slice(lo, hi)
     return w[lo:hi].contiguous()
 
 
@@ -107,9 +106,7 @@ def _cols(w, lo: int, hi: int):
         if lo % w.group or hi % w.group:  # not on a group boundary: this weight goes dense
             w = w.dequantize()
         else:
-            g0, g1 = lo // w.group, hi // w.group
-            return GroupAffine(w.q[:, lo:hi].contiguous(), w.scale[:, g0:g1].contiguous(),
-                               None if w.zero is None else w.zero[:, g0:g1].contiguous(), w.group, w.bits)
+            return w.col_slice(lo, hi)
     return w[:, lo:hi].contiguous()
 
 

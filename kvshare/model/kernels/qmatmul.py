@@ -36,9 +36,16 @@ def _setup_qmatmul(lib: ctypes.CDLL) -> None:
                   _i64, _i64, _i64, _int, _int]  # N, K, group_size, threads, VNNI blocks?
     lib.kvs_qmm_vnni_blocks_fit.restype = _int
     lib.kvs_qmm_vnni_blocks_fit.argtypes = [_i64, _i64]
+    f = lib.kvs_gguf_repack
+    f.restype = _int
+    f.argtypes = [_ptr, _i64, _i64, _int,  # row addresses, rows, first output row, ggml type
+                  _i64, _i64, _int, _int,  # N, K, 4-bit packed?, VNNI blocks?
+                  _ptr, _ptr, _ptr, _int,  # q, scales, zeros (null: none), threads
+                  ctypes.c_char_p, _i64]  # error buffer
 
 
-QMATMUL = KernelLibrary("qmatmul", "qmatmul.cpp", _setup_qmatmul)
+# gguf_repack.cpp turns GGUF blocks into these kernels' layouts (`repack_gguf_rows`).
+QMATMUL = KernelLibrary("qmatmul", ("qmatmul.cpp", "gguf_repack.cpp"), _setup_qmatmul)
 
 
 _QMM_IMPLS = {"auto": 0, "scalar": 1, "avx512": 2, "avx2": 3, "avx512-vnni": 4}
@@ -239,6 +246,42 @@ def _u4_lanes(lanes: torch.Tensor, to_blocks: bool) -> torch.Tensor:
             out |= ((v >> (4 * p)) & 15) << (8 * p) | ((v >> (16 + 4 * p)) & 15) << (8 * p + 4)
     out = torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
     return out.view(torch.uint8).reshape(lanes.shape)
+
+
+def repack_gguf_rows(runs: list[tuple[torch.Tensor, int]], n: int, k: int, group_size: int, zeros: bool,
+                     int4: bool, vnni: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A weight [N, K] stored as GGUF blocks, in the layout the group kernels read, by one C++
+    pass over its rows on torch's threads (csrc/gguf_repack.cpp). runs: (row addresses int64 [R],
+    ggml type id) per run of rows, in order, R summing to N; each address is where that row's
+    blocks start in memory (a mapped file: the caller keeps it alive). Returns (q, scales, zeros):
+    int4 packed uint8 [N, K / 2] (Q4_0 / Q4_1 / Q4_K only) or int8 [N, K] codes and float32
+    [N, K / g] scales and zeros (None unless `zeros`), as `pack_int4_rows` / qlinear's int8 codes
+    of gguf_quants.to_group_affine give them; with vnni, in VNNI blocks as `to_vnni_blocks` lays
+    them out (N % 16 == 0). Raises ValueError for what the layout cannot take."""
+    if sum(len(addrs) for addrs, _ in runs) != n:
+        raise ValueError(f"runs of rows must add up to N={n}")
+    row_bytes = k // 2 if int4 else k
+    g = k // group_size
+    if vnni:
+        q = torch.empty(n // 16, row_bytes // 4, 16, 4, dtype=torch.uint8 if int4 else torch.int8)
+        shape = (n // 16, g, 16)
+    else:
+        q = torch.empty(n, row_bytes, dtype=torch.uint8 if int4 else torch.int8)
+        shape = (n, g)
+    scales = torch.empty(shape, dtype=torch.float32)
+    zero_t = torch.empty(shape, dtype=torch.float32) if zeros else None
+    lib = QMATMUL.lib()
+    err = ctypes.create_string_buffer(256)
+    row0 = 0
+    for addrs, qtype in runs:
+        addrs = addrs.to(torch.int64).contiguous()
+        rc = lib.kvs_gguf_repack(addrs.data_ptr(), len(addrs), row0, int(qtype), n, k, int(int4), int(vnni),
+                                 q.data_ptr(), scales.data_ptr(), zero_t.data_ptr() if zero_t is not None else None,
+                                 torch.get_num_threads(), err, len(err))
+        if rc:
+            raise ValueError(err.value.decode(errors="replace"))
+        row0 += len(addrs)
+    return q, scales, zero_t
 
 
 def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,453 @@
+// GGUF quantized blocks -> the layouts the group kernels read (qmatmul.cpp), in one pass.
+//
+// The Python reference is kvshare/model/gguf_quants.py (`to_group_affine`: codes one per byte,
+// float32 scale and zero per group) followed by qlinear's packing (`pack_int4_rows` for the Q4
+// formats, int8 codes for the rest) and, where `vnni_blocks_fit` says so, `to_vnni_blocks`. At
+// load that chain makes several single-threaded passes over every weight; here each output row
+// is decoded once from the file's bytes straight into its final place, rows split over threads.
+// The values are the reference's bit for bit: a scale is a float16 times a small integer (exact
+// in float32, so the product's rounding cannot differ) and the codes are integers
+// (tests/test_gguf_repack.py compares every format with torch.equal).
+//
+// Output row r of the call reads its blocks at row_addrs[r] (a row of the file's tensor: the
+// caller picks the rows, so llama's q/k un-permute, a tensor-parallel shard and a fused q/k/v
+// are just other address lists) and is written as row `row0 + r` of a weight of n_total rows:
+//
+// * int4 = 1 (Q4_0 / Q4_1 / Q4_K): uint8 [N, K / 2], byte j = code 2j | code 2j + 1 << 4.
+// * int4 = 0 (every format): int8 [N, K], one code per byte (unsigned codes of 5 bits and less
+//   fit as they are, as qlinear's `q.to(torch.int8)` leaves them).
+// * scales / zeros float32 [N, K / g]; zeros null for a weight without offsets, and written 0
+//   for a symmetric format's rows inside a weight that has them (GroupAffine.cat's zeros_like).
+// * vnni = 1: the same bytes in VNNI blocks (qmatmul.cpp "VNNI blocks"): q [N / 16, row_bytes / 4,
+//   16, 4], scales and zeros [N / 16, K / g, 16]. Threads take whole 16-row blocks, so no two
+//   write the same cache line.
+//
+// The block layouts follow ggml's definitions (ggml-common.h), as gguf_quants.py's decoders do.
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+#include <atomic>
+#include <system_error>
+#include <thread>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+namespace gguf_repack {
+
+// ggml's type ids (the GGUF tensor table's type field).
+enum Type : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13,
+                  Q6_K = 14, IQ4_XS = 23 };
+
+struct Format {
+  int block;       // weights per block
+  int type_size;   // bytes per block
+  int group;       // weights per scale
+  bool has_zero;   // an offset per group
+  bool int4_ok;    // 4-bit unsigned codes (what the int4 kernels take)
+};
+
+inline bool format_of(int type, Format* f) {
+  switch (type) {
+    case Q4_0: *f = {32, 18, 32, true, true}; return true;
+    case Q4_1: *f = {32, 20, 32, true, true}; return true;
+    case Q5_0: *f = {32, 22, 32, false, false}; return true;
+    case Q5_1: *f = {32, 24, 32, true, false}; return true;
+    case Q8_0: *f = {32, 34, 32, false, false}; return true;
+    case Q2_K: *f = {256, 84, 16, true, false}; return true;
+    case Q3_K: *f = {256, 110, 16, false, false}; return true;
+    case Q4_K: *f = {256, 144, 32, true, true}; return true;
+    case Q5_K: *f = {256, 176, 32, true, false}; return true;
+    case Q6_K: *f = {256, 210, 16, false, false}; return true;
+    case IQ4_XS: *f = {256, 136, 32, false, false}; return true;
+    default: return false;
+  }
+}
+
+// IEEE half -> float, every value (subnormals, infinities, NaN payloads) as numpy converts it.
+inline float f16(const uint8_t* p) {
+  const uint32_t h = uint32_t(p[0]) | uint32_t(p[1]) << 8;
+  const uint32_t sign = (h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000u | man << 13;
+  } else if (exp != 0) {
+    bits = sign | (exp + 112) << 23 | man << 13;
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: shift the mantissa up to its leading 1
+    int e = 0;
+    while (!(man & 0x400)) {
+      man <<= 1;
+      ++e;
+    }
+    bits = sign | uint32_t(113 - e) << 23 | (man & 0x3FF) << 13;
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+const int8_t kIq4nlValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+// Low nibbles are weights 0..15 of a 32, high nibbles 16..31 (Q4_0, Q4_1, Q5_x, IQ4_XS).
+inline void nibbles32(const uint8_t* qs, uint8_t* c) {
+  for (int j = 0; j < 16; ++j) {
+    c[j] = qs[j] & 0xF;
+    c[j + 16] = qs[j] >> 4;
+  }
+}
+
+// The 8 six-bit (scale, min) pairs of a Q4_K / Q5_K super-block.
+inline void k_scales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = s[j] & 63;
+    mn[j] = s[j + 4] & 63;
+    sc[j + 4] = (s[j + 8] & 0xF) | (s[j] >> 6) << 4;
+    mn[j + 4] = (s[j + 8] >> 4) | (s[j + 4] >> 6) << 4;
+  }
+}
+
+// One block: its codes (as bytes: int8 values, or unsigned values that fit int8) and the
+// scale (and zero) of each of its groups, in gguf_quants._decode's arithmetic.
+inline void decode_block(int type, const uint8_t* b, uint8_t* c, float* s, float* z) {
+  switch (type) {
+    case Q4_0: {
+      const float d = f16(b);
+      nibbles32(b + 2, c);
+      s[0] = d;
+      z[0] = -8.0f * d;
+      return;
+    }
+    case Q4_1:
+      nibbles32(b + 4, c);
+      s[0] = f16(b);
+      z[0] = f16(b + 2);
+      return;
+    case Q8_0:
+      std::memcpy(c, b + 2, 32);
+      s[0] = f16(b);
+      return;
+    case Q5_0:
+    case Q5_1: {
+      const int base = type == Q5_0 ? 2 : 4;
+      const uint32_t qh = uint32_t(b[base]) | uint32_t(b[base + 1]) << 8 | uint32_t(b[base + 2]) << 16 |
+                          uint32_t(b[base + 3]) << 24;
+      nibbles32(b + base + 4, c);
+      for (int j = 0; j < 32; ++j) c[j] |= ((qh >> j) & 1) << 4;
+      s[0] = f16(b);
+      if (type == Q5_0) {
+        for (int j = 0; j < 32; ++j) c[j] = uint8_t(int8_t(c[j] - 16));
+      } else {
+        z[0] = f16(b + 2);
+      }
+      return;
+    }
+    case Q4_K:
+    case Q5_K: {
+      const float d = f16(b), dmin = f16(b + 2);
+      uint8_t sc[8], mn[8];
+      k_scales(b + 4, sc, mn);
+      for (int j = 0; j < 8; ++j) {
+        s[j] = d * float(sc[j]);
+        z[j] = -(dmin * float(mn[j]));
+      }
+      // 4 chunks of 64 weights: chunk ch's 32 bytes hold weights 64ch + l (low nibble) and
+      // 64ch + 32 + l (high nibble); Q5_K's bit 2ch / 2ch + 1 of qh[l] is their fifth bit.
+      const uint8_t* qs = b + (type == Q4_K ? 16 : 48);
+      for (int ch = 0; ch < 4; ++ch)
+        for (int l = 0; l < 32; ++l) {
+          c[64 * ch + l] = qs[32 * ch + l] & 0xF;
+          c[64 * ch + 32 + l] = qs[32 * ch + l] >> 4;
+        }
+      if (type == Q5_K) {
+        const uint8_t* qh = b + 16;
+        for (int ch = 0; ch < 4; ++ch)
+          for (int l = 0; l < 32; ++l) {
+            c[64 * ch + l] |= ((qh[l] >> (2 * ch)) & 1) << 4;
+            c[64 * ch + 32 + l] |= ((qh[l] >> (2 * ch + 1)) & 1) << 4;
+          }
+      }
+      return;
+    }
+    case Q6_K: {
+      const uint8_t *ql = b, *qh = b + 128;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+      const float d = f16(b + 208);
+      for (int j = 0; j < 16; ++j) s[j] = d * float(sc[j]);
+      // Two halves of 128 weights; quarter t of a half takes ql's low (t < 2) or high nibbles
+      // of bytes 32 (t % 2) + l and bits 2t, 2t + 1 of qh[l].
+      for (int p = 0; p < 2; ++p)
+        for (int l = 0; l < 32; ++l) {
+          const uint8_t a = ql[64 * p + l], bb = ql[64 * p + 32 + l], h = qh[32 * p + l];
+          uint8_t* o = c + 128 * p + l;
+          o[0] = uint8_t(int8_t(((a & 0xF) | (h & 3) << 4) - 32));
+          o[32] = uint8_t(int8_t(((bb & 0xF) | ((h >> 2) & 3) << 4) - 32));
+          o[64] = uint8_t(int8_t(((a >> 4) | ((h >> 4) & 3) << 4) - 32));
+          o[96] = uint8_t(int8_t(((bb >> 4) | ((h >> 6) & 3) << 4) - 32));
+        }
+      return;
+    }
+    case Q2_K: {
+      const uint8_t *sc = b, *qs = b + 16;
+      const float d = f16(b + 80), dmin = f16(b + 82);
+      for (int j = 0; j < 16; ++j) {
+        s[j] = d * float(sc[j] & 0xF);
+        z[j] = -(dmin * float(sc[j] >> 4));
+      }
+      for (int p = 0; p < 2; ++p)
+        for (int sh = 0; sh < 4; ++sh)
+          for (int l = 0; l < 32; ++l) c[128 * p + 32 * sh + l] = (qs[32 * p + l] >> (2 * sh)) & 3;
+      return;
+    }
+    case Q3_K: {
+      const uint8_t *hmask = b, *qs = b + 32, *packed = b + 96;
+      const float d = f16(b + 108);
+      for (int j = 0; j < 16; ++j) {
+        const int low = (packed[j % 8] >> (4 * (j / 8))) & 0xF;
+        const int high = (packed[8 + j % 4] >> (2 * (j / 4))) & 3;
+        s[j] = d * float((low | high << 4) - 32);
+      }
+      // Weight 32m + l (m = 4p + sh): two bits of qs[32p + l] at 2sh, minus 4 where bit m of
+      // hmask[l] is clear.
+      for (int p = 0; p < 2; ++p)
+        for (int sh = 0; sh < 4; ++sh) {
+          const int m = 4 * p + sh;
+          for (int l = 0; l < 32; ++l) {
+            const int lo = (qs[32 * p + l] >> (2 * sh)) & 3;
+            const int hi = (hmask[l] >> m) & 1;
+            c[32 * m + l] = uint8_t(int8_t(lo - ((hi ^ 1) << 2)));
+          }
+        }
+      return;
+    }
+    case IQ4_XS: {
+      const float d = f16(b);
+      const uint32_t high = uint32_t(b[2]) | uint32_t(b[3]) << 8;
+      for (int j = 0; j < 8; ++j) {
+        const int low = (b[4 + j / 2] >> (4 * (j % 2))) & 0xF;
+        const int ls = (low | int((high >> (2 * j)) & 3) << 4) - 32;
+        s[j] = d * float(ls);
+        uint8_t idx[32];
+        nibbles32(b + 8 + 16 * j, idx);
+        for (int l = 0; l < 32; ++l) c[32 * j + l] = uint8_t(kIq4nlValues[idx[l]]);
+      }
+      return;
+    }
+    default:
+      return;
+  }
+}
+
+// The 4-bit formats straight into packed bytes (byte i = code 2i | code 2i + 1 << 4), with no
+// byte-per-code step: their 2m bytes of nibbles hold codes 0..2m-1 in the low nibbles and
+// 2m..4m-1 in the high ones, so the packed byte i < m pairs the low nibbles of bytes 2i and
+// 2i + 1, and byte m + i their high nibbles.
+inline void pack_nibble_halves(const uint8_t* qs, int nbytes, uint8_t* out) {
+  const int m = nbytes / 2;
+  for (int i = 0; i < m; ++i) {
+    const uint32_t w = uint32_t(qs[2 * i]) | uint32_t(qs[2 * i + 1]) << 8;
+    out[i] = uint8_t((w & 0xF) | ((w >> 4) & 0xF0));
+    out[m + i] = uint8_t(((w >> 4) & 0xF) | ((w >> 8) & 0xF0));
+  }
+}
+
+// One block of Q4_0 / Q4_1 / Q4_K as packed bytes (block / 2 of them) and its groups' scales and
+// zeros, the values decode_block gives.
+inline void decode_block_int4(int type, const uint8_t* b, uint8_t* packed, float* s, float* z) {
+  if (type == Q4_K) {
+    const float d = f16(b), dmin = f16(b + 2);
+    uint8_t sc[8], mn[8];
+    k_scales(b + 4, sc, mn);
+    for (int j = 0; j < 8; ++j) {
+      s[j] = d * float(sc[j]);
+      z[j] = -(dmin * float(mn[j]));
+    }
+    for (int ch = 0; ch < 4; ++ch) pack_nibble_halves(b + 16 + 32 * ch, 32, packed + 32 * ch);
+    return;
+  }
+  const float d = f16(b);
+  s[0] = d;
+  if (type == Q4_0) {
+    z[0] = -8.0f * d;
+    pack_nibble_halves(b + 2, 16, packed);
+  } else {
+    z[0] = f16(b + 2);
+    pack_nibble_halves(b + 4, 16, packed);
+  }
+}
+
+struct Job {
+  const int64_t* row_addrs;
+  int64_t rows, row0, n_total, k;
+  Format f;
+  int type;
+  bool int4, vnni;
+  uint8_t* q;
+  float *scales, *zeros;
+};
+
+// One file row (blocks at `src`) decoded into `out` (its row bytes: packed or int8 codes) and its
+// groups' scales `s` and zeros `z` (K / g floats each; zeros 0 for a symmetric format).
+inline void decode_row(const Job& j, const uint8_t* src, uint8_t* out, float* s, float* z) {
+  const int64_t gpb = j.f.block / j.f.group, blocks = j.k / j.f.block;
+  if (j.int4) {
+    for (int64_t i = 0; i < blocks; ++i)
+      decode_block_int4(j.type, src + i * j.f.type_size, out + i * (j.f.block / 2), s + i * gpb, z + i * gpb);
+  } else {
+    for (int64_t i = 0; i < blocks; ++i)
+      decode_block(j.type, src + i * j.f.type_size, out + i * j.f.block, s + i * gpb, z + i * gpb);
+  }
+  if (!j.f.has_zero) std::fill(z, z + j.k / j.f.group, 0.0f);
+}
+
+// Packed 4-bit codes of a row (code i at bits 4i of a little-endian 4-byte unit) as a VNNI
+// block's lane holds them: code 2p at bits 4p, code 2p + 1 at bits 16 + 4p (the even codes in
+// the low half, the odd ones in the high half), so the kernel takes a pair with a shift and a mask.
+inline uint32_t u4_row_to_lane(uint32_t v) {
+  uint32_t out = 0;
+  for (int p = 0; p < 4; ++p) out |= ((v >> (8 * p)) & 15u) << (4 * p) | ((v >> (8 * p + 4)) & 15u) << (16 + 4 * p);
+  return out;
+}
+
+// 16 rows of `units` 4-byte units (row r at in + r * stride) -> `units` 64-byte lines, line c
+// holding unit c of rows 0..15: how a VNNI block lays out a block's codes (units of 4 code bytes)
+// and its scales and zeros (units of one float). 4 units of 4 rows at a time, transposed in
+// registers, each line written whole with non-temporal stores: the weights are not read again
+// during the load, so no read-for-ownership of lines about to be overwritten.
+inline void transpose_block(const uint8_t* in, int64_t stride, int64_t units, uint8_t* out) {
+  int64_t c = 0;
+#if defined(__SSE2__)
+  if (reinterpret_cast<uintptr_t>(out) % 16 == 0) {
+    for (; c + 4 <= units; c += 4)
+      for (int r = 0; r < 16; r += 4) {
+        const uint8_t* p = in + r * stride + c * 4;
+        const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + stride));
+        const __m128i cc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * stride));
+        const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 3 * stride));
+        const __m128i ab_lo = _mm_unpacklo_epi32(a, b), ab_hi = _mm_unpackhi_epi32(a, b);
+        const __m128i cd_lo = _mm_unpacklo_epi32(cc, d), cd_hi = _mm_unpackhi_epi32(cc, d);
+        __m128i* o = reinterpret_cast<__m128i*>(out + c * 64 + r * 4);
+        _mm_stream_si128(o, _mm_unpacklo_epi64(ab_lo, cd_lo));
+        _mm_stream_si128(o + 4, _mm_unpackhi_epi64(ab_lo, cd_lo));
+        _mm_stream_si128(o + 8, _mm_unpacklo_epi64(ab_hi, cd_hi));
+        _mm_stream_si128(o + 12, _mm_unpackhi_epi64(ab_hi, cd_hi));
+      }
+  }
+#endif
+  for (; c < units; ++c)
+    for (int r = 0; r < 16; ++r) std::memcpy(out + c * 64 + r * 4, in + r * stride + c * 4, 4);
+}
+
+// Rows [lo, hi) of one 16-row span (one VNNI block) of the whole weight. In rows, each row is
+// decoded straight into its place. For a VNNI block, the span's rows are decoded into the
+// thread's scratch (16 rows: at most a few hundred KB, cache-resident) and then written out line
+// by line, each 64-byte line whole (about 10% faster than 4 bytes into every line per row).
+inline void repack_span(const Job& j, int64_t span, int64_t lo, int64_t hi, uint8_t* rows_buf, float* s_buf,
+                        float* z_buf) {
+  const int64_t G = j.k / j.f.group, row_bytes = j.int4 ? j.k / 2 : j.k;
+  const auto src = [&](int64_t row) { return reinterpret_cast<const uint8_t*>(j.row_addrs[row - j.row0]); };
+  if (!j.vnni) {
+    for (int64_t row = lo; row < hi; ++row) {
+      float* z = j.zeros ? j.zeros + row * G : z_buf;
+      decode_row(j, src(row), j.q + row * row_bytes, j.scales + row * G, z);
+    }
+    return;
+  }
+  const int64_t lane_lo = lo - span * 16, lane_hi = hi - span * 16, lines = row_bytes / 4;
+  for (int64_t lane = lane_lo; lane < lane_hi; ++lane) {
+    uint8_t* row = rows_buf + lane * row_bytes;
+    decode_row(j, src(span * 16 + lane), row, s_buf + lane * G, z_buf + lane * G);
+    if (j.int4)  // each 4-byte unit's codes as the VNNI kernel takes them (qmatmul.cpp VnniCodes<U4>)
+      for (int64_t u = 0; u < lines; ++u) {
+        uint32_t v;
+        std::memcpy(&v, row + 4 * u, 4);
+        v = u4_row_to_lane(v);
+        std::memcpy(row + 4 * u, &v, 4);
+      }
+  }
+  uint8_t* qb = j.q + span * lines * 64;
+  float* sb = j.scales + span * G * 16;
+  float* zb = j.zeros ? j.zeros + span * G * 16 : nullptr;
+  if (lane_lo == 0 && lane_hi == 16) {
+    transpose_block(rows_buf, row_bytes, lines, qb);
+    transpose_block(reinterpret_cast<const uint8_t*>(s_buf), G * 4, G, reinterpret_cast<uint8_t*>(sb));
+    if (zb) transpose_block(reinterpret_cast<const uint8_t*>(z_buf), G * 4, G, reinterpret_cast<uint8_t*>(zb));
+    return;
+  }
+  for (int64_t c = 0; c < lines; ++c)
+    for (int64_t lane = lane_lo; lane < lane_hi; ++lane)
+      std::memcpy(qb + c * 64 + lane * 4, rows_buf + lane * row_bytes + c * 4, 4);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t lane = lane_lo; lane < lane_hi; ++lane) {
+      sb[g * 16 + lane] = s_buf[lane * G + g];
+      if (zb) zb[g * 16 + lane] = z_buf[lane * G + g];
+    }
+}
+
+inline void run(const Job& j, int num_threads) {
+  // Work in 16-row spans of the whole weight (a VNNI block each), so threads never share one,
+  // handed out 4 at a time from a shared counter. Plain threads that end with the call rather
+  // than an OpenMP team: libgomp's workers spin for milliseconds after each region and at its
+  // closing barrier, and over a model's ~150 calls, while the other thread is stalled in page
+  // faults, that spinning took ~2 s of CPU from a 2-core machine (measured with
+  // OMP_WAIT_POLICY=passive: user time 4.6 -> 2.3 s on the 8B load).
+  const int64_t first = j.row0 / 16, last = (j.row0 + j.rows + 15) / 16;
+  const int64_t spans = last - first, chunk = 4;
+  const int nt = int(std::max<int64_t>(1, std::min<int64_t>(num_threads, (spans + chunk - 1) / chunk)));
+  const int64_t G = j.k / j.f.group, row_bytes = j.int4 ? j.k / 2 : j.k;
+  std::atomic<int64_t> next{first};
+  const auto work = [&]() {
+    std::vector<uint8_t> rows_buf(size_t(j.vnni ? 16 * row_bytes : 0));
+    std::vector<float> s_buf(size_t(16 * G)), z_buf(size_t(16 * G));
+    for (int64_t at = next.fetch_add(chunk); at < last; at = next.fetch_add(chunk))
+      for (int64_t span = at; span < std::min(at + chunk, last); ++span)
+        repack_span(j, span, std::max(span * 16, j.row0), std::min(span * 16 + 16, j.row0 + j.rows),
+                    rows_buf.data(), s_buf.data(), z_buf.data());
+#if defined(__SSE2__)
+    _mm_sfence();  // (the non-temporal stores visible before the weights are used)
+#endif
+  };
+  std::vector<std::thread> helpers;
+  for (int t = 1; t < nt; ++t) {
+    try {
+      helpers.emplace_back(work);
+    } catch (const std::system_error&) {
+      break;  // (no more threads to be had: the ones running share the rest)
+    }
+  }
+  work();
+  for (auto& h : helpers) h.join();
+}
+
+}  // namespace gguf_repack
+
+// Rows [row0, row0 + rows) of a weight [n_total, k] in a group kernel's layout, from GGUF blocks of
+// ggml type `type` (row r's at row_addrs[r]); see the top of this file. Returns 0, or 1 with a
+// message in err for arguments the layout cannot take.
+extern "C" int kvs_gguf_repack(const int64_t* row_addrs, int64_t rows, int64_t row0, int type, int64_t n_total,
+                               int64_t k, int int4, int vnni, void* q, float* scales, float* zeros, int num_threads,
+                               char* err, int64_t err_len) {
+  using namespace gguf_repack;
+  Format f;
+  const auto fail = [&](const char* msg) {
+    std::snprintf(err, size_t(err_len), "%s", msg);
+    return 1;
+  };
+  if (!format_of(type, &f)) return fail("not a GGUF type kvs_gguf_repack decodes");
+  if (k <= 0 || k % f.block) return fail("K must be a positive multiple of the format's block size");
+  if (rows < 0 || row0 < 0 || row0 + rows > n_total) return fail("rows out of the weight's range");
+  if (int4 && !f.int4_ok) return fail("only Q4_0, Q4_1 and Q4_K codes pack two per byte");
+  if (f.has_zero && !zeros) return fail("this format has offsets: zeros must be given");
+  if (vnni && (n_total % 16 || (int4 ? k / 2 : k) % 4))
+    return fail("VNNI blocks need N % 16 == 0 and row bytes % 4 == 0");
+  if (rows == 0) return 0;
+  Job j{row_addrs, rows, row0, n_total, k, f, type, int4 != 0, vnni != 0, static_cast<uint8_t*>(q), scales, zeros};
+  run(j, num_threads);
+  return 0;
+}
