@@ -424,8 +424,10 @@ def test_the_kv_core_imports_no_torch():
     assert {p: n for p, n in offenders.items() if n} == {}
 
 
-# Where the number of KV cache groups may be looked at: the coordinator and the planner of groups.
-GROUP_AWARE = {"kvcache/coordinator.py", "kvcache/kv_groups.py"}
+# Where the number of KV cache groups may be looked at: the coordinator, the planner of groups,
+# and the memory planner, which predicts the coordinator's block counts (a lone windowed group
+# keeps its whole table, as the coordinator does) and says how many groups share the blocks.
+GROUP_AWARE = {"kvcache/coordinator.py", "kvcache/kv_groups.py", "memory_plan.py"}
 # "Groups or not" and "group 0 is special", as they used to be spelled.
 GROUP_BRANCHES = [
     r"GroupedKVCacheManager",
@@ -434,6 +436,8 @@ GROUP_BRANCHES = [
     r"\bif\s+(not\s+)?(self\.|engine\.)?kv_groups\b",  # truthiness of the groups list
     r"\b(group|g|gi)\s*==\s*0\b",
     r"num_groups\s*==\s*1",
+    r"len\(\s*[\w.]*group\w*\s*\)\s*(>|==|<=|!=)\s*1\b",  # one group or several
+    r"enumerate\([^)]*groups?\s*,\s*1\s*\)",  # groups counted from 1: group 0 held apart
 ]
 
 
@@ -462,9 +466,11 @@ def test_nothing_outside_the_coordinator_branches_on_groups_or_group_0():
 
 
 def test_the_check_above_can_fail():
-    source = "if kv_groups is None:\n    x = self.kv_groups[0].size\nif engine.kv_groups:\n    y = 1 if g == 0 else 2\n"
+    source = ("if kv_groups is None:\n    x = self.kv_groups[0].size\nif engine.kv_groups:\n    y = 1 if g == 0 else 2\n"
+              "s = 'g' if len(group_tables) > 1 else ''\nfor g, a in enumerate(c.groups, 1):\n    pass\n")
     lines = _code_lines(source)
-    assert all(any(re.search(p, code) for p in GROUP_BRANCHES) for code in lines.values()) and len(lines) == 4
+    assert all(any(re.search(p, code) for p in GROUP_BRANCHES) for code in lines.values() if code != "pass")
+    assert len(lines) == 7
     assert _code_lines('x = "groups[0]"  # if g == 0') == {1: "x ="}
 
 

@@ -110,8 +110,7 @@ def test_a_long_prefill_chunk_releases_its_early_window_blocks_right_after_its_s
     h.sched.add(seq)
     out = fake_engine.run_step(h.core)
     # During the one-chunk prefill every group needs all 10 blocks (the chunk's queries read them).
-    assert [len(c.read_blocks) for c in out.chunks] == [10] and [len(a.read_blocks) for a in out.chunks[0].groups] \
-        == [10, 10, 10]
+    assert [len(c.kv) for c in out.chunks] == [4] and [len(a.read_blocks) for a in out.chunks[0].kv] == [10] * 4
     for g in h.local_groups():
         assert h.held("A", g) <= LOCAL_BOUND
     assert h.mgr.num_used_blocks() == 10 + 3 * (40 // BS - (40 - W + 1) // BS)

@@ -13,7 +13,7 @@ import torch
 from helpers import english_token_prompts
 from kvshare import LLM, SamplingParams
 from kvshare.engine.model_runner import ModelRunner
-from kvshare.engine.step_plan import ChunkPlan, StepPlan
+from kvshare.engine.step_plan import ChunkPlan, GroupAccess, StepPlan
 from kvshare.kvcache.kv_policy import FullAttention
 from kvshare.model.attention import PagedKVStorage, TorchPagedAttention
 from kvshare.model.config import ModelArchConfig
@@ -103,7 +103,7 @@ def test_a_decode_rows_padding_and_output_on_the_pytorch_path_are_its_own(dtype)
         table = list(range(first, first + b))[::-1]  # any block ids: the table says where each is
         first += b
         slot = table[(n - 1) // bs] * bs + (n - 1) % bs
-        rows.append(ChunkPlan(f"s{r}", n - 1, [1], n - 1, [slot], table, None, samples=True))
+        rows.append(ChunkPlan(f"s{r}", n - 1, [1], n - 1, (GroupAccess([slot], table, None),), samples=True))
     q = torch.randn(len(rows), kv_heads * group, head_dim, generator=g).to(dtype)
     k = torch.randn(len(rows), kv_heads, head_dim, generator=g).to(dtype)
     v = torch.randn(len(rows), kv_heads, head_dim, generator=g).to(dtype)

@@ -20,9 +20,10 @@ def over_the_wire(encode, decode, value):
 def full_plan() -> StepPlan:
     """Every field set, none at its default."""
     return StepPlan(
-        chunks=[ChunkPlan("req-1#0", 40, [7], 36, [645], [3, 9], [0, 2], True, None, (GroupAccess([81], [5], None),)),
-                ChunkPlan("req-2", 0, [1, 2, 3], 0, [16, 17, 18], [1], None, False, (0, 2),
-                          (GroupAccess([16, 17, 18], [1], [0]), GroupAccess([33, 34, 35], [2], None)))],
+        chunks=[ChunkPlan("req-1#0", 40, [7], 36, (GroupAccess([645], [3, 9], [0, 2]), GroupAccess([81], [5], None)),
+                          True, None),
+                ChunkPlan("req-2", 0, [1, 2, 3], 0, (GroupAccess([16, 17, 18], [1], None), GroupAccess([16, 17, 18], [1], [0]),
+                                                    GroupAccess([33, 34, 35], [2], None)), False, (0, 2))],
         preempted=["req-3", "req-4#1"], block_copies=[(4, 11), (5, 12)], rotations=[("req-1#0", [3, 9], -16)],
         block_loads=[(20, b"\x00\xffhash-a"), (21, b"hash-b")], block_stores=[(3, b"hash-c")])
 
@@ -33,7 +34,7 @@ def test_a_plan_round_trips_through_the_wire_equal_to_itself():
     got = over_the_wire(_encode, _decode, plan)
     assert got == plan
     assert got.block_loads == [(20, b"\x00\xffhash-a"), (21, b"hash-b")] and got.block_stores == [(3, b"hash-c")]
-    assert got.chunks[1].prompt_logits == (0, 2) and got.chunks[1].groups[1].read_index is None
+    assert got.chunks[1].prompt_logits == (0, 2) and got.chunks[1].kv[2].read_index is None
     assert got.logit_rows() == plan.logit_rows()
     assert over_the_wire(_encode, _decode, StepPlan()) == StepPlan()  # block_loads / stores default empty
     assert StepPlan().block_loads == [] and StepPlan().block_stores == []
@@ -69,12 +70,12 @@ class PlanWithMore(StepPlan):
 def test_a_field_added_to_the_plan_travels_with_no_edit_to_the_encoder():
     base = full_plan()
     plan = PlanWithMore(**{f.name: getattr(base, f.name) for f in dataclasses.fields(StepPlan)},
-                        tagged=[TaggedChunk("req-9", 8, [5, 6], 8, [40, 41], [2, 3], None, True, None, (), ["x", "y"])],
+                        tagged=[TaggedChunk("req-9", 8, [5, 6], 8, (GroupAccess([40, 41], [2, 3], None),), True, None, ["x", "y"])],
                         budget=64, pairs=((1, "a"), (2, "b")))
     encode, decode = codec(PlanWithMore)
     got = over_the_wire(encode, decode, plan)
     assert got == plan and type(got) is PlanWithMore and type(got.tagged[0]) is TaggedChunk
-    assert got.pairs == ((1, "a"), (2, "b")) and got.tagged[0].groups == ()
+    assert got.pairs == ((1, "a"), (2, "b")) and got.tagged[0].kv == (GroupAccess([40, 41], [2, 3], None),)
     # The plan's own codec is the same generic one: its fields, in order, and nothing written per field.
     assert len(_encode(base)) == len(dataclasses.fields(StepPlan))
     assert over_the_wire(*codec(StepPlan), base) == base

@@ -117,14 +117,14 @@ def test_step_plans_and_the_config_reach_the_workers_unchanged():
     import msgpack
 
     plan = StepPlan(
-        chunks=[ChunkPlan("req-1#0", 40, [7], 36, [645], [3, 9], [0, 2], True, None,
-                          (GroupAccess([81], [5], None),)),
-                ChunkPlan("req-2", 0, [1, 2, 3], 0, [16, 17, 18], [1], None, False, (0, 2), ())],
+        chunks=[ChunkPlan("req-1#0", 40, [7], 36, (GroupAccess([645], [3, 9], [0, 2]), GroupAccess([81], [5], None)),
+                          True, None),
+                ChunkPlan("req-2", 0, [1, 2, 3], 0, (GroupAccess([16, 17, 18], [1], None),), False, (0, 2))],
         block_copies=[(4, 11)], rotations=[("req-1#0", [3, 9], -16)])
     got = _decode(msgpack.unpackb(msgpack.packb(_encode(plan))))
     want = plan.chunks  # plain data (sequence ids, not records): every field travels
     assert got.chunks == want and got.block_copies == plan.block_copies and got.rotations == plan.rotations
-    assert got.chunks[1].prompt_logits == (0, 2) and isinstance(got.chunks[0].groups[0], GroupAccess)
+    assert got.chunks[1].prompt_logits == (0, 2) and isinstance(got.chunks[0].kv[1], GroupAccess)
     assert got.logit_rows()[0] == plan.logit_rows()[0]  # the rows whose logits rank 0 needs
     for cfg in (EngineConfig(), EngineConfig(dtype="bfloat16", quantization=None, kv_cache_memory="96MiB",
                                              kv_policy="sink", window_tokens=64, kv_cache_dtype="bfloat16",

@@ -239,7 +239,7 @@ def _plain_causal(start: int, mask: torch.Tensor) -> bool:
             and torch.equal(mask[:, :n], torch.ones(n, n, dtype=torch.bool).tril_()))
 
 
-def _table_index(c: "ChunkPlan | GroupAccess") -> list[int]:
+def _table_index(c: GroupAccess) -> list[int]:
     return c.read_index if c.read_index is not None else list(range(len(c.read_blocks)))
 
 

@@ -83,14 +83,13 @@ class Scheduler:
         self.scheduled_seqs = {c.seq.seq_id: c.seq for c in scheduled.values()}
         plans = [self._plan(c) for c in scheduled.values()]
         # Decode rows by how many blocks they read (rows of one padded width are adjacent), then prefills.
-        decode = sorted((p for p in plans if p.is_decode), key=lambda p: (len(p.read_blocks), p.start))
+        decode = sorted((p for p in plans if p.is_decode), key=lambda p: (p.blocks_read, p.start))
         out.chunks = decode + [p for p in plans if not p.is_decode]
         return out
 
     def _plan(self, c: _Chunk) -> ChunkPlan:
         """What the model computes, reads and writes for this chunk (after this step's copies)."""
         mgr, seq = self.manager, c.seq
-        (write, read, index), *more = mgr.access_by_group(seq.seq_id, c.start, c.end)
         prompt_logits = None
         if seq.prompt_logprobs is not None and not seq.prompt_logprobs_done():
             first = max(c.start, len(seq.prompt_logprobs) - 1)  # entry 0 (the first prompt token) is None
@@ -100,9 +99,8 @@ class Scheduler:
         return ChunkPlan(
             seq_id=seq.seq_id, start=c.start, token_ids=seq.token_ids[c.start:c.end],
             rope_start=c.start - mgr.rope_offset(seq.seq_id),
-            write_slots=write, read_blocks=read, read_index=index,
-            samples=c.end == seq.num_tokens, prompt_logits=prompt_logits,
-            groups=tuple(GroupAccess(*a) for a in more))
+            kv=tuple(GroupAccess(*a) for a in mgr.access_by_group(seq.seq_id, c.start, c.end)),
+            samples=c.end == seq.num_tokens, prompt_logits=prompt_logits)
 
     def step_done(self, plan: StepPlan) -> None:
         """After the forward pass: the chunks' KV is written, so their full blocks are published."""

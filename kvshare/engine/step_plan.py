@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 
 @dataclass
 class GroupAccess:
-    """A chunk's writes and reads in one more KV cache group (hybrid models: each group of layers
-    of one attention type has its own block table per sequence, over the same pool)."""
+    """A chunk's writes and reads in one KV cache group. Every model has at least one group; a
+    hybrid model has one per attention type, each with its own block table per sequence over the
+    same pool."""
 
     write_slots: list[int]
     read_blocks: list[int]
@@ -32,23 +33,25 @@ class ChunkPlan:
     start: int  # first text position computed
     token_ids: list[int]  # the tokens computed: positions start .. start + len - 1
     rope_start: int  # RoPE position of the first (text position minus the sequence's rope offset)
-    write_slots: list[int]  # KV cache slot of each computed token
-    read_blocks: list[int]  # block ids attention walks, in table order (blocks still held only)
-    # Table index of each block read, when the sequence no longer holds all of its blocks
-    # (windows, sinks); None: they are table indices 0 .. len(read_blocks) - 1.
-    read_index: list[int] | None
+    # The chunk's writes and reads, one entry per KV cache group (index = group). In each:
+    # write_slots, the KV cache slot of each computed token; read_blocks, the block ids attention
+    # walks in table order (blocks still held only); read_index, the table index of each block
+    # read when the sequence no longer holds all of its blocks (windows, sinks), else None
+    # (table indices 0 .. len(read_blocks) - 1).
+    kv: tuple[GroupAccess, ...]
     samples: bool  # the last row yields the next token
     # Rows whose logits score prompt tokens (prompt_logprobs): (first position, count); position
     # p's logits predict the prompt token at p + 1.
     prompt_logits: tuple[int, int] | None = None
-    # KV cache groups 1.. (write_slots / read_blocks / read_index above are group 0's); empty
-    # when the model's layers share one block table.
-    groups: tuple[GroupAccess, ...] = ()
 
-    def access(self, group: int) -> "ChunkPlan | GroupAccess":
-        """The writes and reads of KV cache group `group` (both kinds have the same three fields)."""
-        accesses: tuple[ChunkPlan | GroupAccess, ...] = (self, *self.groups)
-        return accesses[group]
+    def access(self, group: int) -> GroupAccess:
+        """The writes and reads of KV cache group `group`."""
+        return self.kv[group]
+
+    @property
+    def blocks_read(self) -> int:
+        """Blocks attention walks, over every group (the scheduler orders decode rows by it)."""
+        return sum(len(a.read_blocks) for a in self.kv)
 
     @property
     def num_tokens(self) -> int:

@@ -194,7 +194,7 @@ class KVAuditor:
         against these tables and that each block is one the reader holds)."""
         group_tables = self.manager.group_tables
         for g, tables in enumerate(group_tables):  # each KV cache group against its own tables
-            group = f" (KV cache group {g})" if len(group_tables) > 1 else ""
+            group = f" (KV cache group {g})"
             for c in plan.chunks:
                 seq_id = c.seq_id
                 table = tables.get(seq_id, [])
@@ -220,10 +220,7 @@ def record_step_io(events, auditor: KVAuditor | None, plan) -> None:
     for seq_id, block_ids, shift in plan.rotations:
         events.record("rotate", seq=seq_id, blocks=block_ids, shift=shift)
     for c in plan.chunks:
-        fields = {} if c.read_index is None else {"index": c.read_index}
-        events.record("access", seq=c.seq_id, table=c.read_blocks, ctx=c.num_keys, write_pos=c.start,
-                      write_slots=c.write_slots, **fields)
-        for g, a in enumerate(c.groups, 1):  # KV cache groups: one access per group's table
+        for g, a in enumerate(c.kv):  # one access per KV cache group's table
             fields = {"group": g} if a.read_index is None else {"group": g, "index": a.read_index}
             events.record("access", seq=c.seq_id, table=a.read_blocks, ctx=c.num_keys, write_pos=c.start,
                           write_slots=a.write_slots, **fields)

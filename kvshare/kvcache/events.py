@@ -16,10 +16,10 @@ Kinds and their fields (every event also has "ev", "step"):
   register   block, hash, parent, salt, tokens   a full written block published for reuse
   cow        seq, src, dst              copy-on-write of a shared block
   fork       seq, parent                a child shares its parent's blocks
-  access     seq, table, ctx, write_pos, write_slots[, index]   what the model reads and writes
-             this step; index: the table index of each block read, when a windowed sequence
-             reads only some of its blocks; group: the KV cache group (hybrid models: one access
-             per group, each over that group's table; absent for group 0)
+  access     seq, group, table, ctx, write_pos, write_slots[, index]   what the model reads and
+             writes this step in one KV cache group (one access per group, each over that group's
+             table; logs written before the field existed leave it out for group 0); index: the
+             table index of each block read, when a windowed sequence reads only some of its blocks
   rotate     seq, blocks, shift         keys re-rotated in place (attention sinks), after the copies
   copy       src, dst                   a block copy the runner performs before the forward
   forward    the step's accesses are all listed; the forward pass runs
