@@ -566,6 +566,46 @@ def test_server_ray_and_doctor_read_no_engine_internals():
     assert not found, "read through the engine API instead:\n" + "\n".join(found)
 
 
+def _engine_members() -> set[str]:
+    """Every name an LLMEngine answers to: its class's members and what its methods assign to self."""
+    from kvshare.engine.llm_engine import LLMEngine
+
+    tree = ast.parse((PACKAGE / "engine/llm_engine.py").read_text(encoding="utf-8"))
+    assigned = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
+                and isinstance(n.value, ast.Name) and n.value.id == "self"}
+    return assigned | {n for n in vars(LLMEngine) if not n.startswith("__")}
+
+
+def _engine_reads(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, member) for each attribute read off something called engine (`engine.x`,
+    `self.engine.x`, `state.engine.engine.x`, `self.engine(...).x`, `eng.x`, `llm_engine.x`)."""
+    def last_name(node: ast.AST) -> str | None:
+        node = node.func if isinstance(node, ast.Call) else node
+        return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+    return [(n.lineno, n.attr) for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute) and last_name(n.value) in ("engine", "eng", "llm_engine")]
+
+
+def test_callers_use_only_the_declared_engine_api():
+    """The server, Ray and the doctor use the members kvshare.engine.engine_api lists and nothing
+    else an LLMEngine has (its core, scheduler, request records, structured-output compiler, ...)."""
+    from kvshare.engine.engine_api import ENGINE_API
+
+    own = _engine_members() - ENGINE_API
+    assert {"core", "runner", "requests", "structured", "auditor", "view_tap", "kv_policy"} <= own
+    assert ENGINE_API <= _engine_members(), "the API lists a member LLMEngine does not have"
+    found = [f"{path.relative_to(PACKAGE.parent)}:{line}: .{name}" for path in _callers_of_the_engine()
+             for line, name in _engine_reads(ast.parse(path.read_text(encoding="utf-8"))) if name in own]
+    assert not found, "the engine's own parts, read by a caller (add to the engine API instead):\n" + "\n".join(found)
+
+
+def test_the_engine_api_check_can_fail():
+    source = "x = self.engine.engine.structured\ny = engine.view_tap.take()\nz = state.engine.step_count\n"
+    own = _engine_members() - {"step_count"}
+    assert [(line, name) for line, name in _engine_reads(ast.parse(source)) if name in own] == \
+        [(1, "structured"), (2, "view_tap")]
+
+
 def test_engine_and_model_runner_modules_are_at_most_300_lines():
     for name in ("llm_engine.py", "model_runner.py"):
         lines = len((PACKAGE / "engine" / name).read_text(encoding="utf-8").splitlines())

@@ -141,8 +141,8 @@ def test_step_batches_carry_audit_verdicts_and_a_failure_names_only_the_invarian
             fn(*args)
 
     tap = ViewTap()
-    engine = SimpleNamespace(layout=SimpleNamespace(num_blocks=8), view_tap=tap, step_count=3,
-                             auditor=SimpleNamespace(num_checks=41))
+    engine = SimpleNamespace(layout=SimpleNamespace(num_blocks=8), take_view_events=tap.take, step_count=3,
+                             audit_checks=41)
     ae = AsyncEngine(engine, ServerMetrics("m"))
     ae._loop, got = FakeLoop(), []
     ae._view_sink = lambda step, events: got.append((step, events))
@@ -167,7 +167,8 @@ def test_a_failed_audit_is_kept_redacted_after_the_engine_stops():
         raise AuditError("salt_isolation", "salt 'tenant-secret' reached another tenant", block=5,
                          owners=["req-victim"], step=9)
 
-    engine = SimpleNamespace(layout=SimpleNamespace(num_blocks=8), view_tap=None, step_count=9, auditor=None,
+    engine = SimpleNamespace(layout=SimpleNamespace(num_blocks=8), take_view_events=lambda: None, step_count=9,
+                             audit_checks=None,
                              has_unfinished_requests=lambda: True, step=failing_step)
     ae = AsyncEngine(engine, ServerMetrics("m"))
     ae._loop = FakeLoop()

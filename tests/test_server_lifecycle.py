@@ -234,7 +234,8 @@ def test_an_engine_failure_text_reaches_the_log_but_no_response(caplog):
     def failing_step():
         raise BlockPoolError(f"block 7 is cached under salt {secret!r} but has ref_count -1")
 
-    engine = SimpleNamespace(layout=SimpleNamespace(num_blocks=8), view_tap=None, step_count=3, auditor=None,
+    engine = SimpleNamespace(layout=SimpleNamespace(num_blocks=8), take_view_events=lambda: None, step_count=3,
+                             audit_checks=None,
                              has_unfinished_requests=lambda: True, step=failing_step)
     ae = AsyncEngine(engine, ServerMetrics(MODEL))
     ae._loop = FakeLoop()

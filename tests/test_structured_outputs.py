@@ -261,13 +261,13 @@ def test_a_slow_compile_is_refused_stays_refused_and_the_loop_keeps_running():
 
         t = asyncio.create_task(ticker())
         with pytest.raises(InvalidRequestError) as first:
-            await compiles.compile(compiler, StructuredOutputsParams(regex="a+"))
+            await compiles.compile(compiler.compile, StructuredOutputsParams(regex="a+"))
         compiler.release.set()
         await t
         await asyncio.sleep(0.2)  # the background compile finishes (in the real server: into the cache)
         start = time.monotonic()
         with pytest.raises(InvalidRequestError) as retry:  # the retry is not served from that compile
-            await compiles.compile(compiler, StructuredOutputsParams(regex="a+"))
+            await compiles.compile(compiler.compile, StructuredOutputsParams(regex="a+"))
         return first.value, retry.value, time.monotonic() - start, ticks
 
     first, retry, retry_seconds, ticks = asyncio.run(main())
@@ -286,7 +286,7 @@ def test_one_grammar_asked_for_by_many_requests_compiles_once():
     compiles = GrammarCompiles(max_concurrent=2, timeout=10)
 
     async def main():
-        await asyncio.gather(*(compiles.compile(compiler, StructuredOutputsParams(regex="b+")) for _ in range(8)))
+        await asyncio.gather(*(compiles.compile(compiler.compile, StructuredOutputsParams(regex="b+")) for _ in range(8)))
 
     asyncio.run(main())
     assert compiler.calls == ["b+"]
@@ -301,7 +301,7 @@ def test_no_more_grammars_compile_at_once_than_the_limit():
     compiles = GrammarCompiles(max_concurrent=2, timeout=30)
 
     async def main():
-        await asyncio.gather(*(compiles.compile(compiler, StructuredOutputsParams(regex=f"c{{{i}}}"))
+        await asyncio.gather(*(compiles.compile(compiler.compile, StructuredOutputsParams(regex=f"c{{{i}}}"))
                                for i in range(6)))
 
     asyncio.run(main())
@@ -319,16 +319,16 @@ def test_a_compile_that_cannot_start_in_time_is_a_429_and_leaves_the_queue():
     compiles = GrammarCompiles(max_concurrent=1, timeout=0.3)
 
     async def main():
-        hog = asyncio.create_task(compiles.compile(compiler, StructuredOutputsParams(regex="busy")))
+        hog = asyncio.create_task(compiles.compile(compiler.compile, StructuredOutputsParams(regex="busy")))
         await asyncio.sleep(0.05)
         with pytest.raises(APIError) as queued:
-            await compiles.compile(compiler, StructuredOutputsParams(regex="d+"))
+            await compiles.compile(compiler.compile, StructuredOutputsParams(regex="d+"))
         with pytest.raises(InvalidRequestError):
             await hog
         compiler.release.set()
         await asyncio.sleep(0.2)
         ran_while_nobody_waited = "d+" in compiler.calls
-        await compiles.compile(compiler, StructuredOutputsParams(regex="d+"))  # not refused: it never ran
+        await compiles.compile(compiler.compile, StructuredOutputsParams(regex="d+"))  # not refused: it never ran
         return queued.value, ran_while_nobody_waited
 
     err, ran_while_nobody_waited = asyncio.run(main())
@@ -350,10 +350,10 @@ def test_a_compile_slow_only_on_the_clock_is_not_refused_for_good():
 
     async def main():
         with pytest.raises(InvalidRequestError) as first:
-            await compiles.compile(compiler, StructuredOutputsParams(regex="b+"))
+            await compiles.compile(compiler.compile, StructuredOutputsParams(regex="b+"))
         await asyncio.sleep(0.4)  # its compile finishes in the background
         compiler.seconds = 0.0  # what the engine's cache does for a compiled grammar
-        await compiles.compile(compiler, StructuredOutputsParams(regex="b+"))
+        await compiles.compile(compiler.compile, StructuredOutputsParams(regex="b+"))
         return first.value
 
     first = asyncio.run(main())

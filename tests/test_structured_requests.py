@@ -133,7 +133,7 @@ def test_one_compile_per_grammar_however_many_requests_wait():
     async def main():
         compiles = GrammarCompiles(2, 2.0)
         compiler = StandIn()
-        tasks = [asyncio.create_task(compiles.compile(compiler, regex(3))) for _ in range(5)]
+        tasks = [asyncio.create_task(compiles.compile(compiler.compile, regex(3))) for _ in range(5)]
         await asyncio.sleep(0.05)
         compiler.release.set()
         results = await settle(compiles, *tasks)
@@ -141,8 +141,8 @@ def test_one_compile_per_grammar_however_many_requests_wait():
         assert compiler.calls == [regex(3).cache_key()]
         assert compiles._in_flight == {}
         # A schema as text and the same schema as an object are one grammar.
-        await compiles.compile(compiler, StructuredOutputsParams(json='{"type": "object"}'))
-        await compiles.compile(compiler, StructuredOutputsParams(json={"type": "object"}))
+        await compiles.compile(compiler.compile, StructuredOutputsParams(json='{"type": "object"}'))
+        await compiles.compile(compiler.compile, StructuredOutputsParams(json={"type": "object"}))
         assert len(compiler.calls) == 3  # (compiled twice: the pool is not the grammar cache)
 
     asyncio.run(main())
@@ -152,7 +152,7 @@ def test_no_more_than_max_concurrent_compile_at_once():
     async def main():
         compiles = GrammarCompiles(2, 2.0)
         compiler = StandIn()
-        tasks = [asyncio.create_task(compiles.compile(compiler, regex(i))) for i in range(1, 6)]
+        tasks = [asyncio.create_task(compiles.compile(compiler.compile, regex(i))) for i in range(1, 6)]
         for _ in range(500):  # until the pool's threads are up (slow on a loaded machine)
             if compiler.running == 2:
                 break
@@ -170,10 +170,10 @@ def test_a_compile_that_does_not_start_in_time_is_a_429_and_never_runs():
     async def main():
         compiles = GrammarCompiles(1, 0.1)
         compiler = StandIn()
-        busy = asyncio.create_task(compiles.compile(compiler, regex(1)))
+        busy = asyncio.create_task(compiles.compile(compiler.compile, regex(1)))
         await asyncio.sleep(0.02)
         with pytest.raises(APIError) as err:
-            await compiles.compile(compiler, regex(2))
+            await compiles.compile(compiler.compile, regex(2))
         e = err.value
         assert e.status == 429 and e.code == "grammar_compiles_busy" and e.headers == {"Retry-After": "1"}
         assert e.param == "structured_outputs" and "--max-concurrent-grammar-compiles" in e.message
@@ -193,7 +193,7 @@ def test_a_compile_over_the_timeout_is_a_400_and_refused_for_good_by_its_cpu_tim
         slow = StandIn(spin=0.25)
         spec = StructuredOutputsParams(json=SCHEMA, source_field="response_format.json_schema.schema")
         with pytest.raises(InvalidRequestError) as err:
-            await compiles.compile(slow, spec)
+            await compiles.compile(slow.compile, spec)
         assert err.value.param == "response_format.json_schema.schema"
         assert "json grammar took longer than 0.15 s" in str(err.value)
         assert "--grammar-compile-timeout" in str(err.value)
@@ -205,7 +205,7 @@ def test_a_compile_over_the_timeout_is_a_400_and_refused_for_good_by_its_cpu_tim
         assert not compiles._in_flight and len(compiles._refused) == 1
         start = time.monotonic()
         with pytest.raises(InvalidRequestError):
-            await compiles.compile(slow, spec)  # at once, without compiling again
+            await compiles.compile(slow.compile, spec)  # at once, without compiling again
         assert time.monotonic() - start < 0.1 and len(slow.calls) == 1
 
     asyncio.run(main())
@@ -215,13 +215,13 @@ def test_a_compile_slow_on_the_clock_but_not_in_cpu_is_not_refused_for_good():
     async def main():
         compiles = GrammarCompiles(1, 0.15)
         waiting = StandIn()  # blocks without using the CPU
-        task = asyncio.create_task(compiles.compile(waiting, regex(4)))
+        task = asyncio.create_task(compiles.compile(waiting.compile, regex(4)))
         with pytest.raises(InvalidRequestError):
             await task
         waiting.release.set()
         await asyncio.sleep(0.1)
         assert compiles._refused == {}
-        await compiles.compile(waiting, regex(4))  # asked again, it compiles again
+        await compiles.compile(waiting.compile, regex(4))  # asked again, it compiles again
 
     asyncio.run(main())
 

@@ -16,6 +16,7 @@ import torch
 from kvshare.config import EngineConfig
 from kvshare.engine.beam_search import BeamSearchDriver, BeamSearchParams
 from kvshare.engine.core import EngineCore, EngineStatus
+from kvshare.engine.engine_api import ENGINE_API
 from kvshare.engine.intake import MULTIMODAL_PROMPT_KEYS, PROMPT_DICT_KEYS, RequestIntake  # noqa: F401 (re-exported)
 from kvshare.engine.kv_view import kv_snapshot
 from kvshare.engine.model_runner import ModelRunner, StepLogits
@@ -41,6 +42,8 @@ logger = logging.getLogger("kvshare")
 
 
 class LLMEngine:
+    API = ENGINE_API  # what callers may use (kvshare.engine.engine_api)
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         # Tensor parallel: the worker ranks start first and load their weights while this one does.
@@ -108,9 +111,10 @@ class LLMEngine:
         # Late-bound appends: a fault (kvshare.testing.faults) wraps the engine's _append_token.
         self.sampling = StepSampler(self.tokenizer, self.scheduler, self.structured, self.requests,
                                     self.eos_token_ids, seed, lambda seq, res, now: self._append_token(seq, res, now))
+        def seq_blocks(n: int) -> int | None:  # most blocks n tokens hold over the groups (None: one group)
+            return grouped_blocks_per_seq(kv.groups, config.block_size, n, config.max_num_batched_tokens)
         self.intake = RequestIntake(self.tokenizer, mc.vocab_size, self.layout, self.kv_policy,
-                                    config.max_num_batched_tokens, length_unbounded, self._seq_blocks,
-                                    config.sink_max_tokens)
+                                    config.max_num_batched_tokens, length_unbounded, seq_blocks, config.sink_max_tokens)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler, self.eos_token_ids, max_model_len,
                                        length_unbounded)
         self.beams = BeamSearchDriver(self.scheduler, self.sampling.new_seq, self.outputs.finish_seq,
@@ -140,12 +144,6 @@ class LLMEngine:
         if self.prefix_update_publisher is not None:
             self.prefix_update_publisher.publish(self.manager.pool.prefix_updates.drain())
 
-    def _seq_blocks(self, num_tokens: int) -> int | None:
-        """Most blocks one sequence of `num_tokens` holds across several KV cache groups (None: one
-        group, the intake's own slot count applies)."""
-        return grouped_blocks_per_seq(self.kv_groups, self.config.block_size, num_tokens,
-                                      self.config.max_num_batched_tokens)
-
     # ---- the engine API: what the server, Ray and the doctor may use ------------------------
     def set_audit(self, audit: bool, event_log: str | None = None) -> None:
         """Attach (or detach) the block event log and the auditor; only while idle."""
@@ -156,12 +154,22 @@ class LLMEngine:
     def set_view_tap(self, tap: ViewTap | None) -> None:
         self.core.set_view_tap(tap)
 
+    def take_view_events(self) -> list[dict] | None:
+        """The live view's block events since the last call (None: no view tap attached)."""
+        return None if self.core.view_tap is None else self.core.view_tap.take()
+
+    def compile_grammar(self, spec) -> object:  # so that a request using `spec` finds it compiled
+        return self.structured.compile(spec)
+
     # The core's: the block event log (None unless auditing or recording), the auditor, the live
     # view's recorder and the number of steps taken.
     events = property(lambda self: self.core.events)
     auditor = property(lambda self: self.core.auditor)
     view_tap = property(lambda self: self.core.view_tap)
     step_count = property(lambda self: self.core.step_count)
+    audit_checks = property(lambda self: None if self.core.auditor is None else self.core.auditor.num_checks)
+    kv_events_endpoints = property(lambda self: None if self.prefix_update_publisher is None else (
+        self.prefix_update_publisher.endpoint, self.prefix_update_publisher.replay_endpoint))
     sampler = property(lambda self: self.sampling.sampler, lambda self, s: setattr(self.sampling, "sampler", s))
 
     def status(self) -> EngineStatus:

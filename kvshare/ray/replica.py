@@ -76,9 +76,7 @@ class EngineReplica:
             metrics=metrics, model_name=name, model_source=str(engine.model_source), tokenizer=engine.tokenizer,
             max_model_len=engine.layout.max_model_len, max_num_seqs=engine.config.max_num_seqs)
         self.app = build_app(self.state)
-        publisher = engine.prefix_update_publisher
-        self.kv_events_endpoint = publisher.endpoint
-        self.kv_events_replay_endpoint = publisher.replay_endpoint
+        self.kv_events_endpoint, self.kv_events_replay_endpoint = engine.kv_events_endpoints
         # The app's lifespan starts the engine thread on this (the replica's user-code) event
         # loop, the one every request handler below runs on.
         self._lifespan = _Lifespan(self.app)

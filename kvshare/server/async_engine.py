@@ -395,9 +395,9 @@ class AsyncEngine:
         (aborts) in front of them; the audit's verdict when auditing (a step whose audit failed
         raised instead of getting here)."""
         engine = self.engine
-        events = engine.view_tap.take()
-        if stepped and engine.auditor is not None:
-            events.append({"ev": "audit", "step": engine.step_count, "ok": True, "checks": engine.auditor.num_checks})
+        events = engine.take_view_events() or []
+        if stepped and engine.audit_checks is not None:
+            events.append({"ev": "audit", "step": engine.step_count, "ok": True, "checks": engine.audit_checks})
         if stepped or events:
             self._call_in_loop(self._view_sink, engine.step_count, events)
 
@@ -410,9 +410,9 @@ class AsyncEngine:
         """The events up to a failure, and the broken invariant when the audit failed, so a view
         shows why the engine stopped (only the invariant's name and block: a detail can quote
         a salt)."""
-        if self._view_sink is None or self.engine.view_tap is None:
+        events = self.engine.take_view_events() if self._view_sink is not None else None
+        if events is None:
             return
-        events = self.engine.view_tap.take()
         if isinstance(error, AuditError):
             events.append({"ev": "audit", "ok": False, **self._audit_verdict(error)})
         self._call_in_loop(self._view_sink, self.engine.step_count, events)

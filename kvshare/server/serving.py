@@ -197,7 +197,7 @@ class OpenAIServing:
         if sum(map(len, params.stop_list)) > LONG_TEXT:
             await asyncio.to_thread(lambda: params.stop_strings)  # built once, here, not on the engine thread
         if params.structured_outputs is not None:
-            await self.state.grammar_compiles.compile(self.engine.engine.structured, params.structured_outputs)
+            await self.state.grammar_compiles.compile(self.engine.engine.compile_grammar, params.structured_outputs)
         requests = [EngineRequest(job.engine_id(i), p.token_ids, params) for i, p in enumerate(job.prompts)]
         try:
             stream = await self.engine.submit(requests, arrival)

@@ -66,14 +66,14 @@ class GrammarCompiles:
         self._in_flight: dict[bytes, _Compile] = {}
         self._refused: OrderedDict[bytes, None] = OrderedDict()
 
-    async def compile(self, structured, spec: StructuredOutputsParams) -> None:
+    async def compile(self, compile_grammar, spec: StructuredOutputsParams) -> None:
         """Compile (or find cached) `spec` so the engine then finds the grammar in the cache."""
         key = hashlib.sha256(repr(spec.cache_key()).encode()).digest()
         if key in self._refused:
             raise self._too_slow(spec)
         job = self._in_flight.get(key)
         if job is None or job.future.cancelled():
-            job = self._in_flight[key] = _Compile(self._pool, structured.compile, spec)
+            job = self._in_flight[key] = _Compile(self._pool, compile_grammar, spec)
             loop = asyncio.get_running_loop()
             job.future.add_done_callback(lambda _: loop.call_soon_threadsafe(self._settle, key, job))
         job.waiters += 1
