@@ -181,7 +181,8 @@ class Run:
                     continue
                 ref = self.reference(r)
                 if ref.error:
-                    stage.notes.append(f"{r.name}: its reference run failed ({ref.error}): not compared")
+                    stage.findings.append(Finding(stage.name, "output", r.name, case, ref, ref, None,
+                                                  f"{r.name}: sent alone, it failed: {ref.error}"))
                     continue
                 got = outs[r.name]
                 for i, choice in enumerate(got.choices or [got]):
@@ -404,7 +405,10 @@ STAGE_FUNCS = {"noise_floor": stage_noise_floor, "concurrency": stage_concurrenc
 # -- bisection and repro -------------------------------------------------------------------------
 
 def reproduces(run: Run, finding: Finding, case: Case, tries: int = 2) -> bool:
-    """Whether `case` (each try on fresh salts) still shows the finding on its victim."""
+    """Whether `case` (each try on fresh salts) still shows the finding on its victim: its answer
+    differs from the victim sent alone on a cold cache right after (on this server, now: what a
+    broken server answered alone during the run may itself be wrong), or carries another's canary."""
+    victim = next(r for step in case for r in step if r.name == finding.victim)
     for _ in range(tries):
         outs = run.run_case(case)
         got = outs[finding.victim]
@@ -415,7 +419,11 @@ def reproduces(run: Run, finding: Finding, case: Case, tries: int = 2) -> bool:
         if finding.kind == "canary":
             if any(c in got.text for c in _codes(case, finding.victim)):
                 return True
-        diff = compare(got, finding.expected, run.tol, run.noisy_tokens)
+        alone = run.send(replace(victim, body={k: v for k, v in victim.body.items() if k != "stream"},
+                                 cut_after=None, timeout=None), run.fresh_salt())
+        if alone.error:
+            continue
+        diff = compare(got, alone, run.tol, run.noisy_tokens)
         if diff is not None and diff.beyond_noise:
             return True
     return False
@@ -593,8 +601,9 @@ def diagnose(run: Run, repro_path: str | None) -> dict:
     elif any(s.verdict == "error" for s in stages):
         bad = next(s for s in stages if s.verdict == "error")
         err = next(f.got.error for f in bad.findings if f.got.error)
-        report.update(verdict="cannot test", exit_code=2,
-                      summary=f"cannot test: requests failed in stage {bad.name} ({err})")
+        report.update(verdict="server failed", exit_code=2,
+                      summary=f"cannot test: the server failed requests in stage {bad.name} ({err}); no wrong "
+                              "answer was seen, so this is not shown to be contamination")
     else:
         report.update(verdict="no contamination found", exit_code=0,
                       summary=f"no contamination found in {len(stages)} stages ({run.sent} requests)")

@@ -1,0 +1,189 @@
+"""`kvshare doctor --url`, the black-box doctor, against real servers on loopback: a clean `kvshare
+serve` (exit 0, exact equality from /version); one with a planted fault serving its wrong answers
+(exit 1, the stage named, a repro of at most two requests that still fails replayed, and not on
+the clean server); a proxy that splices one answer into a concurrent one (the canary stage);
+one that adds logprob noise but never mixes (no contamination); a never-streaming one, a 401, an
+unreachable URL and bad arguments (one line, exit 2); llama.cpp's llama-server (slow).
+
+Faults: cached_k_one_ulp runs in the default suite (the one only exact equality sees);
+hit_before_written and slot_off_by_one behind `slow`. share_without_incref is caught by kvshare's
+own pool (BlockPoolError): the server stops, the doctor reports a server failure, exit 2."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from doctor_proxy import DoctorProxy
+from helpers import bundled_path
+from kvshare.cli import main
+from kvshare.testing.ports import free_port
+from server_proc import ServerProcess
+
+FAST = ["--budget", "4", "--max-tokens", "6", "--concurrency", "3"]
+
+
+@pytest.fixture(scope="module")
+def clean():
+    srv = ServerProcess().wait_ready()
+    yield srv
+    srv.close()
+
+
+def doctor(url: str, tmp_path, *extra: str) -> tuple[int, dict | None]:
+    out = tmp_path / "report.json"
+    rc = main(["doctor", "--url", url, *FAST, "--json", str(out), "--report", str(tmp_path / "report.html"),
+               "--repro-out", str(tmp_path / "repro.jsonl"), *extra])
+    return rc, json.loads(out.read_text()) if out.exists() else None
+
+
+def test_clean_kvshare_server_passes_every_stage_exactly(clean, tmp_path, capsys):
+    t0 = time.monotonic()
+    rc, report = doctor(clean.url, tmp_path)
+    assert rc == 0, capsys.readouterr().out
+    assert report["comparison"]["exact"] and report["capabilities"]["bit_transparent"] is True
+    assert [s["name"] for s in report["stages"]] == ["noise_floor", "concurrency", "cache", "canary", "abort",
+                                                     "multi_turn"]
+    assert all(s["verdict"] == "clean" and s["requests"] for s in report["stages"]), report["stages"]
+    assert report["capabilities"]["accepted"]["cache_salt"] and report["capabilities"]["accepted"]["seed"]
+    page = (tmp_path / "report.html").read_text()
+    assert page.startswith("<!doctype html>") and "no contamination found" in page
+    assert "<script" not in page and "<link" not in page  # self-contained
+    assert time.monotonic() - t0 < 60  # FAST's budget, with room for a loaded machine
+
+
+def fault_server(fault: str) -> ServerProcess:
+    return ServerProcess("--inject-fault", fault, "--inject-fault-unaudited").wait_ready()
+
+
+def check_fault_found(fault: str, tmp_path, clean_url: str | None, stages: set[str]) -> None:
+    srv = fault_server(fault)
+    try:
+        assert "--inject-fault-unaudited" in srv.log_text() and "test-only" in srv.log_text()
+        rc, report = doctor(srv.url, tmp_path)
+        assert rc == 1, report and report["summary"]
+        bad = {s["name"] for s in report["stages"] if s["verdict"] == "contamination"}
+        assert bad & stages, (bad, report["summary"])
+        repro = report["repro"]
+        assert repro["stage"] in report["summary"] and repro["requests"] <= 2 and repro["minimal"]
+        assert os.path.exists(repro["curl"]) and "curl -sS" in open(repro["curl"]).read()
+        assert main(["doctor", "--url", srv.url, "--replay", repro["path"]]) == 1  # still fails
+    finally:
+        srv.close()
+    if clean_url is not None:  # and the same requests on a sound server do not
+        assert main(["doctor", "--url", clean_url, "--replay", repro["path"]]) == 0
+
+
+def test_a_planted_fault_only_exact_equality_sees_is_found_and_shrunk(clean, tmp_path):
+    check_fault_found("cached_k_one_ulp", tmp_path, clean.url, {"concurrency", "cache", "canary", "abort",
+                                                                "multi_turn", "noise_floor"})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault,stages", [("hit_before_written", {"multi_turn"}),
+                                          ("slot_off_by_one", {"noise_floor", "concurrency", "cache", "canary",
+                                                               "abort", "multi_turn"})])
+def test_planted_faults_that_change_answers_are_found(clean, tmp_path, fault, stages):
+    check_fault_found(fault, tmp_path, clean.url, stages)
+
+
+def test_a_proxy_that_splices_concurrent_answers_is_caught_by_the_canaries(clean, tmp_path):
+    proxy = DoctorProxy(clean.url, "swap")
+    try:
+        rc, report = doctor(proxy.url, tmp_path)
+    finally:
+        proxy.close()
+    assert rc == 1 and proxy.swaps > 0
+    canary = next(s for s in report["stages"] if s["name"] == "canary")
+    assert canary["verdict"] == "contamination"
+    assert any(f["kind"] == "canary" and "canary" in f["detail"] for f in canary["findings"])
+    assert report["repro"]["kind"] == "canary" and report["repro"]["requests"] == 2
+    assert not report["comparison"]["exact"]  # the proxy does not pass kvshare's claim on
+
+
+def test_logprob_noise_that_never_mixes_is_not_contamination(clean, tmp_path):
+    proxy = DoctorProxy(clean.url, "noise")
+    try:
+        rc, report = doctor(proxy.url, tmp_path)
+    finally:
+        proxy.close()
+    assert rc == 0, report["summary"]
+    c = report["comparison"]
+    assert not c["exact"] and c["tolerance"] > 0 and "noise floor" in c["why"]
+    noise = report["stages"][0]
+    assert "spread 0," not in noise["notes"][0]  # the noise was measured, not absent
+
+
+def one_line_exit_2(capsys, argv) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def test_a_server_that_never_streams_cannot_be_tested(clean, capsys):
+    proxy = DoctorProxy(clean.url, "no_stream")
+    try:
+        err = one_line_exit_2(capsys, ["doctor", "--url", proxy.url, *FAST])
+    finally:
+        proxy.close()
+    assert "never streams" in err
+
+
+def test_unauthorized_unreachable_and_bad_arguments_are_one_line_exit_2(capsys):
+    proxy = DoctorProxy("http://127.0.0.1:9", "auth")
+    try:
+        assert "401" in one_line_exit_2(capsys, ["doctor", "--url", proxy.url])
+    finally:
+        proxy.close()
+    assert "cannot reach" in one_line_exit_2(capsys, ["doctor", "--url", f"http://127.0.0.1:{free_port()}"])
+    assert "http://" in one_line_exit_2(capsys, ["doctor", "--url", "ftp://example"])
+    assert "--concurrency" in one_line_exit_2(capsys, ["doctor", "--url", "http://127.0.0.1:1", "--concurrency", "0"])
+    assert "--budget" in one_line_exit_2(capsys, ["doctor", "--url", "http://127.0.0.1:1", "--budget", "-1"])
+    assert "--url" in one_line_exit_2(capsys, ["doctor", "--report", "x.html"])
+
+
+def test_serve_refuses_the_unaudited_fault_option_without_a_fault(capsys):
+    assert main(["serve", "--inject-fault-unaudited"]) == 2
+    assert "needs --inject-fault FAULT" in capsys.readouterr().err
+
+
+LLAMA_SERVER = os.environ.get("KVSHARE_LLAMA_SERVER", "/work/main/bench_out/llama_cpp/bin/llama-server")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (os.path.exists(LLAMA_SERVER) or shutil.which(LLAMA_SERVER)),
+                    reason=f"llama-server not built at {LLAMA_SERVER} (benchmarks/build_llama_cpp.sh; or set "
+                           "KVSHARE_LLAMA_SERVER)")
+def test_llama_server_runs_what_it_can_and_gives_a_verdict(tmp_path, capsys):
+    port = free_port()
+    log = open(tmp_path / "llama.log", "w")
+    proc = subprocess.Popen([LLAMA_SERVER, "-m", bundled_path(), "--port", str(port), "-c", "2048", "-np", "4",
+                             "-t", "2"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        import httpx2
+
+        for _ in range(240):
+            try:
+                if httpx2.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx2.TransportError:
+                pass
+            time.sleep(0.5)
+        rc = main(["doctor", "--url", f"http://127.0.0.1:{port}", "--budget", "20", "--max-tokens", "8",
+                   "--concurrency", "3", "--json", str(tmp_path / "r.json")])
+        out = capsys.readouterr()
+        print(out.out, out.err)
+        report = json.loads((tmp_path / "r.json").read_text()) if (tmp_path / "r.json").exists() else None
+        assert rc in (0, 1, 2) and (report is not None or "cannot test" in out.err)
+        if report is not None:
+            assert report["verdict"] and report["capabilities"]["bit_transparent"] is None
+            assert set(report["capabilities"]["accepted"]) == {"logprobs", "cache_salt", "seed", "ignore_eos", "n"}
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
