@@ -31,6 +31,9 @@ def add_doctor_parsers(sub) -> None:
     u.add_argument("--budget", type=float, default=120.0, metavar="SECONDS",
                    help="time for the stages; each runs at least its first group, shrinking may add as much again "
                         "(default: 120)")
+    u.add_argument("--stages", default=None, metavar="LIST",
+                   help="comma-separated stages to run (default: all: noise_floor, concurrency, cache, canary, "
+                        "abort, multi_turn; the noise floor always runs first)")
     u.add_argument("--max-tokens", type=int, default=16, help="tokens per compared answer (default: 16)")
     u.add_argument("--report", default=None, metavar="OUT.html", help="write the HTML report there")
     u.add_argument("--replay", default=None, metavar="REPRO.jsonl",
@@ -108,6 +111,12 @@ def cmd_doctor_url(args: argparse.Namespace) -> int:
                   "tolerance >= 0)", file=sys.stderr)
             return 2
     model = args.model
+    from kvshare.doctor_url import STAGE_FUNCS
+
+    unknown = sorted(set(args.stages.split(",") if args.stages else []) - set(STAGE_FUNCS))
+    if unknown:
+        print(f"error: --stages: unknown stage(s) {unknown}; known: {list(STAGE_FUNCS)}", file=sys.stderr)
+        return 2
     logging.getLogger("httpx2").setLevel(logging.WARNING)  # a line per request drowns the report
     try:
         run = open_run(args.url, model, args.api_key or os.environ.get("OPENAI_API_KEY"), args.concurrency,
@@ -119,7 +128,7 @@ def cmd_doctor_url(args: argparse.Namespace) -> int:
             still = reproduces(run, finding, case, tries=3)
             print(f"{'still reproduces' if still else 'does not reproduce'}: {finding.detail}")
             return 1 if still else 0
-        report = diagnose(run, args.repro_out)
+        report = diagnose(run, args.repro_out, args.stages.split(",") if args.stages else None)
     except CannotTest as e:
         print(f"cannot test: {e}", file=sys.stderr)
         return 2

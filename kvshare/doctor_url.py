@@ -59,7 +59,7 @@ class Req:
     body: dict  # without model and cache_salt
     cut_after: int | None = None  # a stream closed after this many chunks
     timeout: float | None = None  # the client gives up after this many seconds
-    salt: str = "run"  # requests with the same label share a cache namespace in one run of a case
+    salt: str | None = "run"  # the same label: the same cache namespace in one run of a case; None: no salt
     compared: bool = True  # cut, timed-out and refused requests are exercised, not compared
 
     def to_dict(self) -> dict:
@@ -159,9 +159,10 @@ class Run:
         outs: dict[str, Output] = {}
         for step in case:
             for r in step:
-                salts.setdefault(r.salt, self.fresh_salt())
+                if r.salt is not None:
+                    salts.setdefault(r.salt, self.fresh_salt())
             with ThreadPoolExecutor(len(step)) as ex:
-                futures = {r.name: ex.submit(self.send, r, salts[r.salt]) for r in step}
+                futures = {r.name: ex.submit(self.send, r, salts.get(r.salt)) for r in step}
             outs.update({name: f.result() for name, f in futures.items()})
         return outs
 
@@ -298,10 +299,12 @@ def stage_cache(run: Run, st: StageResult) -> None:
         return
     st.notes.append(f"A's second run reused {reuse} cached prompt tokens"
                     + (" (no prefix caching seen: the warm comparisons exercised nothing)" if not reuse else ""))
+    # The unsalted namespace too: a lookup that drops the salt finds exactly what unsalted requests cached.
+    unsalted = replace(a, name="A unsalted", salt=None)
     other = replace(a, name="A other salt", salt="other")
-    leak_case = [[a], [other]]
+    leak_case = [[unsalted], [replace(a, name="A salted")], [other]]
     leak = run.run_case(leak_case)["A other salt"]
-    st.requests += [_summary(a), _summary(other)]
+    st.requests += [_summary(r) for step in leak_case for r in step]
     if leak.cached_tokens:
         st.findings.append(Finding(st.name, "salt_leak", other.name, leak_case, Output(cached_tokens=0), leak, None,
                                    f"a request under a fresh cache_salt reused {leak.cached_tokens} prompt tokens "
@@ -314,7 +317,8 @@ def stage_canary(run: Run, st: StageResult) -> None:
     codes = ["".join(rng.choice("BCDFGHJKLMNPQRSTVWXZ") for _ in range(4)) + str(rng.randrange(1000, 9999))
              for _ in range(max(2, run.concurrency))]
     reqs = [Req(f"canary{i}", "completions",
-                run.body("completions", f"{shared}\nCode: {c}. Code: {c}. Code: {c}. Code:"))
+                run.body("completions", f"{shared}\nCode: {c}. Code: {c}. Code: {c}. Code:",
+                         max_tokens=max(run.max_tokens, 16)))
             for i, c in enumerate(codes)]
     for r in reqs:
         run.reference(r)
@@ -481,7 +485,7 @@ def write_repro(path: str | None, server: Server, case: Case, finding: Finding) 
     lines = []
     for i, step in enumerate(case):
         for r in step:
-            salt = salts.setdefault(r.salt, f"repro-{secrets.token_hex(4)}")
+            salt = None if r.salt is None else salts.setdefault(r.salt, f"repro-{secrets.token_hex(4)}")
             line = {"step": i, **r.to_dict(), "model": server.model, "cache_salt": salt,
                     "victim": r.name == finding.victim}
             if r.name == finding.victim:
@@ -528,7 +532,7 @@ def read_repro(path: str) -> tuple[Case, Finding]:
     for line in lines:
         try:
             r = Req(line["name"], line["endpoint"], line["body"], line.get("cut_after_chunks"), line.get("timeout_s"),
-                    line.get("salt_label") or "run")
+                    line.get("salt_label"))
         except KeyError as e:
             raise DoctorUsageError(f"--replay {path}: a line lacks {e}") from None
         while len(case) <= line["step"]:
@@ -557,16 +561,18 @@ def open_run(url: str, model: str | None, api_key: str | None, concurrency: int,
     return run
 
 
-def diagnose(run: Run, repro_path: str | None) -> dict:
+def diagnose(run: Run, repro_path: str | None, only: list[str] | None = None) -> dict:
+    """Every stage (or those in `only`; the noise floor always), then the first finding shrunk."""
+    unknown = sorted(set(only or []) - set(STAGE_FUNCS))
+    if unknown:
+        raise DoctorUsageError(f"--stages: unknown stage(s) {unknown}; known: {list(STAGE_FUNCS)}")
     start = time.monotonic()
     budget = run.deadline - start
     stages = []
     for name, func in STAGE_FUNCS.items():
-        st = StageResult(name)
-        if name != "noise_floor" and run.time_left() <= -budget:
-            st.verdict, st.notes = "skipped", ["budget spent"]
-            stages.append(st)
+        if only and name != "noise_floor" and name not in only:
             continue
+        st = StageResult(name)  # each runs at least its first group, however much of the budget is left
         t0 = time.monotonic()
         func(run, st)
         st.seconds = time.monotonic() - t0

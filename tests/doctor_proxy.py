@@ -95,8 +95,8 @@ class DoctorProxy:
         return answer
 
     def splice(self, start: float, answer: dict) -> dict:
-        """The second half of the latest answer that overlapped this one in time replaces this
-        answer's second half (completions only)."""
+        """The first two thirds of the latest answer that overlapped this one in time replace this
+        answer's (completions only)."""
         end = time.monotonic()
         with self.lock:
             other = next((a for s, e, a in reversed(self.finished) if e > start), None)
@@ -106,12 +106,13 @@ class DoctorProxy:
         mine, theirs = answer["choices"][0], other["choices"][0]
         lp, olp = mine.get("logprobs") or {}, theirs.get("logprobs") or {}
         if lp.get("tokens") and olp.get("tokens"):
-            k = len(lp["tokens"]) // 2
+            k = 2 * len(olp["tokens"]) // 3
             for key in ("tokens", "token_logprobs", "top_logprobs"):
-                lp[key] = lp[key][:k] + olp[key][len(olp[key]) // 2:]
+                lp[key] = olp[key][:k] + lp[key][k:]
             mine["text"] = "".join(lp["tokens"])
         else:
-            mine["text"] = mine["text"][:len(mine["text"]) // 2] + theirs["text"][len(theirs["text"]) // 2:]
+            k = 2 * len(theirs["text"]) // 3
+            mine["text"] = theirs["text"][:k] + mine["text"][k:]
         self.swaps += 1
         return answer
 
@@ -122,4 +123,7 @@ class DoctorProxy:
         h.send_header("Content-Type", content_type)
         h.send_header("Content-Length", str(len(data)))
         h.end_headers()
-        h.wfile.write(data)
+        try:
+            h.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the doctor cut this stream on purpose

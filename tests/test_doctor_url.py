@@ -5,9 +5,11 @@ the clean server); a proxy that splices one answer into a concurrent one (the ca
 one that adds logprob noise but never mixes (no contamination); a never-streaming one, a 401, an
 unreachable URL and bad arguments (one line, exit 2); llama.cpp's llama-server (slow).
 
-Faults: cached_k_one_ulp runs in the default suite (the one only exact equality sees);
-hit_before_written and slot_off_by_one behind `slow`. share_without_incref is caught by kvshare's
-own pool (BlockPoolError): the server stops, the doctor reports a server failure, exit 2."""
+Faults: hit_before_written (found by the multi-turn stage) in the default suite; slot_off_by_one and
+cached_k_one_ulp behind `slow`. share_without_incref, abort_ignores_refcount and evict_held_block
+soon stop kvshare's engine (its block pool raises BlockPoolError), so from outside they are a server
+failure (exit 2) or one wrong answer and then failures; no_copy_on_write and lookup_ignores_salt
+are not caught from outside (docs/doctor.md)."""
 from __future__ import annotations
 
 import json
@@ -53,48 +55,54 @@ def test_clean_kvshare_server_passes_every_stage_exactly(clean, tmp_path, capsys
     page = (tmp_path / "report.html").read_text()
     assert page.startswith("<!doctype html>") and "no contamination found" in page
     assert "<script" not in page and "<link" not in page  # self-contained
-    assert time.monotonic() - t0 < 60  # FAST's budget, with room for a loaded machine
+    # FAST's 4 s budget, then the first group of each stage that started after it: ~12 s on a quiet
+    # machine; the bound leaves room for a 2-core box shared with other work.
+    assert report["elapsed_s"] <= time.monotonic() - t0 < 150
 
 
 def fault_server(fault: str) -> ServerProcess:
     return ServerProcess("--inject-fault", fault, "--inject-fault-unaudited").wait_ready()
 
 
-def check_fault_found(fault: str, tmp_path, clean_url: str | None, stages: set[str]) -> None:
+def check_fault_found(fault: str, tmp_path, clean_url: str | None, stages: set[str], replays: bool = True,
+                      only: str | None = None) -> None:
     srv = fault_server(fault)
     try:
         assert "--inject-fault-unaudited" in srv.log_text() and "test-only" in srv.log_text()
-        rc, report = doctor(srv.url, tmp_path)
+        rc, report = doctor(srv.url, tmp_path, *(["--stages", only] if only else []))
         assert rc == 1, report and report["summary"]
         bad = {s["name"] for s in report["stages"] if s["verdict"] == "contamination"}
         assert bad & stages, (bad, report["summary"])
         repro = report["repro"]
         assert repro["stage"] in report["summary"] and repro["requests"] <= 2 and repro["minimal"]
         assert os.path.exists(repro["curl"]) and "curl -sS" in open(repro["curl"]).read()
-        assert main(["doctor", "--url", srv.url, "--replay", repro["path"]]) == 1  # still fails
+        if replays:
+            assert main(["doctor", "--url", srv.url, "--replay", repro["path"]]) == 1  # still fails
     finally:
         srv.close()
     if clean_url is not None:  # and the same requests on a sound server do not
         assert main(["doctor", "--url", clean_url, "--replay", repro["path"]]) == 0
 
 
-def test_a_planted_fault_only_exact_equality_sees_is_found_and_shrunk(clean, tmp_path):
-    check_fault_found("cached_k_one_ulp", tmp_path, clean.url, {"concurrency", "cache", "canary", "abort",
-                                                                "multi_turn", "noise_floor"})
+def test_a_block_published_before_its_kv_is_written_is_found_by_the_next_turn(clean, tmp_path):
+    """The essay's class of bug: the next turn hits a block holding a slot never written."""
+    check_fault_found("hit_before_written", tmp_path, clean.url, {"multi_turn"}, only="multi_turn")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault,stages", [("hit_before_written", {"multi_turn"}),
-                                          ("slot_off_by_one", {"noise_floor", "concurrency", "cache", "canary",
-                                                               "abort", "multi_turn"})])
-def test_planted_faults_that_change_answers_are_found(clean, tmp_path, fault, stages):
-    check_fault_found(fault, tmp_path, clean.url, stages)
+@pytest.mark.parametrize("fault,stages,replays", [
+    ("slot_off_by_one", {"concurrency", "cache", "canary", "abort", "multi_turn"}, True),
+    # One changed block in the cache at a time (kvshare.testing.faults): once it sits cached, a
+    # replay on fresh salts meets no new corruption, so only the finding and its shrink are checked.
+    ("cached_k_one_ulp", {"concurrency", "cache", "canary", "abort", "multi_turn"}, False)])
+def test_planted_faults_that_change_answers_are_found(clean, tmp_path, fault, stages, replays):
+    check_fault_found(fault, tmp_path, clean.url, stages, replays)
 
 
 def test_a_proxy_that_splices_concurrent_answers_is_caught_by_the_canaries(clean, tmp_path):
     proxy = DoctorProxy(clean.url, "swap")
     try:
-        rc, report = doctor(proxy.url, tmp_path)
+        rc, report = doctor(proxy.url, tmp_path, "--stages", "canary")
     finally:
         proxy.close()
     assert rc == 1 and proxy.swaps > 0
@@ -108,7 +116,7 @@ def test_a_proxy_that_splices_concurrent_answers_is_caught_by_the_canaries(clean
 def test_logprob_noise_that_never_mixes_is_not_contamination(clean, tmp_path):
     proxy = DoctorProxy(clean.url, "noise")
     try:
-        rc, report = doctor(proxy.url, tmp_path)
+        rc, report = doctor(proxy.url, tmp_path, "--stages", "concurrency,canary")
     finally:
         proxy.close()
     assert rc == 0, report["summary"]
@@ -144,6 +152,7 @@ def test_unauthorized_unreachable_and_bad_arguments_are_one_line_exit_2(capsys):
     assert "http://" in one_line_exit_2(capsys, ["doctor", "--url", "ftp://example"])
     assert "--concurrency" in one_line_exit_2(capsys, ["doctor", "--url", "http://127.0.0.1:1", "--concurrency", "0"])
     assert "--budget" in one_line_exit_2(capsys, ["doctor", "--url", "http://127.0.0.1:1", "--budget", "-1"])
+    assert "bogus" in one_line_exit_2(capsys, ["doctor", "--url", "http://127.0.0.1:1", "--stages", "cache,bogus"])
     assert "--url" in one_line_exit_2(capsys, ["doctor", "--report", "x.html"])
 
 
