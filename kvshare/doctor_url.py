@@ -263,17 +263,17 @@ def stage_concurrency(run: Run, st: StageResult) -> None:
     lengths = [L + d for L in BOUNDARY_LENGTHS for d in (0, -1, 1) if L + d <= limit]
     lengths.sort(key=lambda L: (BOUNDARY_LENGTHS.index(min(BOUNDARY_LENGTHS, key=lambda b: abs(b - L))) // 2,
                                 L % 16 != 0, L))
-    for gi, L in enumerate(lengths):
-        if gi and run.time_left() <= 0:
-            st.notes.append(f"budget spent: prefix lengths {lengths[gi:]} not run")
+    for done, L in enumerate(lengths):
+        if done and run.time_left() <= 0:
+            st.notes.append(f"budget spent: prefix lengths {lengths[done:]} not run")
             break
-        prefix = f"Doctor run {run.tag}, batch {L}. " + run.text(L - 10, 7 * gi)
+        prefix = f"Doctor run {run.tag}, batch {L}. " + run.text(L - 10, 7 * done)
         mates = [Req(f"P{L}+{i}", "completions",
                      run.body("completions", prefix + " " + run.text(4 + 2 * i, 300 + 11 * i)))
                  for i in range(max(1, run.concurrency - 1))]
         mates.append(Req(f"other{L}", "completions",
-                         run.body("completions", f"Unrelated {run.tag} {L}: " + run.text(20, 500 + gi))))
-        if gi == 0 and run.caps.takes("n"):
+                         run.body("completions", f"Unrelated {run.tag} {L}: " + run.text(20, 500 + done))))
+        if not done and run.caps.takes("n"):
             mates.append(Req(f"P{L}+0 n=2", "completions", {**mates[0].body, "n": 2}))
         case = [mates]
         for r in mates:
