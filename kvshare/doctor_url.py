@@ -308,7 +308,7 @@ def stage_cache(run: Run, st: StageResult) -> None:
     if leak.cached_tokens:
         st.findings.append(Finding(st.name, "salt_leak", other.name, leak_case, Output(cached_tokens=0), leak, None,
                                    f"a request under a fresh cache_salt reused {leak.cached_tokens} prompt tokens "
-                                   "cached under another salt: cache_salt does not isolate tenants"))
+                                   "cached without it or under another salt: cache_salt does not isolate tenants"))
 
 
 def stage_canary(run: Run, st: StageResult) -> None:

@@ -5,11 +5,11 @@ the clean server); a proxy that splices one answer into a concurrent one (the ca
 one that adds logprob noise but never mixes (no contamination); a never-streaming one, a 401, an
 unreachable URL and bad arguments (one line, exit 2); llama.cpp's llama-server (slow).
 
-Faults: hit_before_written (found by the multi-turn stage) in the default suite; slot_off_by_one and
-cached_k_one_ulp behind `slow`. share_without_incref, abort_ignores_refcount and evict_held_block
+Faults: hit_before_written (found by the multi-turn stage) in the default suite; slot_off_by_one,
+cached_k_one_ulp and lookup_ignores_salt behind `slow`. share_without_incref, abort_ignores_refcount and evict_held_block
 soon stop kvshare's engine (its block pool raises BlockPoolError), so from outside they are a server
-failure (exit 2) or one wrong answer and then failures; no_copy_on_write and lookup_ignores_salt
-are not caught from outside (docs/doctor.md)."""
+failure (exit 2) or one wrong answer and then failures; no_copy_on_write is not caught from
+outside (docs/doctor.md)."""
 from __future__ import annotations
 
 import json
@@ -94,7 +94,9 @@ def test_a_block_published_before_its_kv_is_written_is_found_by_the_next_turn(cl
     ("slot_off_by_one", {"concurrency", "cache", "canary", "abort", "multi_turn"}, True),
     # One changed block in the cache at a time (kvshare.testing.faults): once it sits cached, a
     # replay on fresh salts meets no new corruption, so only the finding and its shrink are checked.
-    ("cached_k_one_ulp", {"concurrency", "cache", "canary", "abort", "multi_turn"}, False)])
+    ("cached_k_one_ulp", {"concurrency", "cache", "canary", "abort", "multi_turn"}, False),
+    # Same answers (identical tokens, identical KV): only the cached-token count shows the leak.
+    ("lookup_ignores_salt", {"cache"}, True)])
 def test_planted_faults_that_change_answers_are_found(clean, tmp_path, fault, stages, replays):
     check_fault_found(fault, tmp_path, clean.url, stages, replays)
 
