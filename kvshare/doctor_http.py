@@ -186,7 +186,12 @@ class Server:
         try:
             if body.get("stream"):
                 return self._stream(path, body, endpoint, cut_after, timeout)
-            resp = self.client.post(path, json=body, timeout=timeout or self.timeout)
+            try:
+                resp = self.client.post(path, json=body, timeout=timeout or self.timeout)
+            except (httpx2.RemoteProtocolError, httpx2.ConnectError):
+                # A keep-alive connection the server closed between requests (llama-server does):
+                # nothing was answered, so sending once more is the same request.
+                resp = self.client.post(path, json=body, timeout=timeout or self.timeout)
         except httpx2.TimeoutException:
             return Output(error="client timeout")
         except httpx2.TransportError as e:
@@ -293,6 +298,9 @@ def compare(got: Output, ref: Output, tol: float, noisy_tokens: bool = False) ->
     what = f"{unit} {first} differs: {''.join(a[first:first + 1])!r} instead of {''.join(b[first:first + 1])!r}"
     if tol == 0:
         return Diff(first, drift, True, what + " (exact equality required)")
+    if unit == "character":
+        return Diff(first, drift, False, what + ": without logprobs a near tie cannot be told from contamination "
+                                                "(canaries still can)")
     if worst > tol:
         return Diff(first, drift, True, what + f", after logprobs drifted {worst:.3g} (noise tolerance {tol:.2g})")
     alts = sorted(ref.top[first].values(), reverse=True) if first < len(ref.top) else []
