@@ -287,7 +287,8 @@ def stage_cache(run: Run, st: StageResult) -> None:
     b = Req("B", "completions", run.body("completions", prefix + " " + run.text(9, 260)))
     for r in (a, b):
         run.reference(r)
-    case = [[a], [replace(a, name="A warm")], [b], [replace(b, name="B warm streamed", body={**b.body, "stream": True})]]
+    case = [[a], [replace(a, name="A warm")], [b],
+            [replace(b, name="B warm streamed", body={**b.body, "stream": True})]]
     outs = run.run_case(case)
     run.check(st, case, outs)
     if not run.caps.takes("cache_salt"):
@@ -525,7 +526,8 @@ def curl_script(server: Server, lines: list[dict]) -> str:
             head = f" | head -c 400" if line.get("cut_after_chunks") else ""
             out.append(f"curl -sS{limit} {shlex.quote(server.root + path)} -H 'Content-Type: application/json' "
                        f"-H \"Authorization: Bearer $KEY\" -d {shlex.quote(json.dumps(body))}{head}"
-                       + (" &" if len(here) > 1 else "") + f"  # {line['name']}" + (" (victim)" if line["victim"] else ""))
+                       + (" &" if len(here) > 1 else "") + f"  # {line['name']}"
+                       + (" (victim)" if line["victim"] else ""))
         if len(here) > 1:
             out.append("wait")
     return "\n".join(out) + "\n"
@@ -603,7 +605,8 @@ def diagnose(run: Run, repro_path: str | None, only: list[str] | None = None) ->
     order = {"canary": 0, "salt_leak": 1, "output": 2}
     found.sort(key=lambda f: order[f.kind])
     report = {"url": run.server.root, "model": caps.model, "capabilities": caps.to_dict(), "comparison": comparison,
-              "stages": [s.to_dict() for s in stages], "requests_sent": run.sent, "budget_s": budget, "repro": None}
+              "stages": [s.to_dict() for s in stages], "requests_sent": run.sent, "budget_s": round(budget, 1),
+              "repro": None}
     if found:
         first = found[0]
         case, minimal = shrink(run, first, max(budget, 30.0))

@@ -100,7 +100,8 @@ class DoctorProxy:
         end = time.monotonic()
         with self.lock:
             other = next((a for s, e, a in reversed(self.finished) if e > start), None)
-            self.finished = [f for f in self.finished if f[1] > end - 60] + [(start, end, json.loads(json.dumps(answer)))]
+            kept = [f for f in self.finished if f[1] > end - 60]
+            self.finished = kept + [(start, end, json.loads(json.dumps(answer)))]
         if other is None or "text" not in (answer.get("choices") or [{}])[0]:
             return answer
         mine, theirs = answer["choices"][0], other["choices"][0]

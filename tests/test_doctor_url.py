@@ -6,10 +6,10 @@ one that adds logprob noise but never mixes (no contamination); a never-streamin
 unreachable URL and bad arguments (one line, exit 2); llama.cpp's llama-server (slow).
 
 Faults: hit_before_written (found by the multi-turn stage) in the default suite; slot_off_by_one,
-cached_k_one_ulp and lookup_ignores_salt behind `slow`. share_without_incref, abort_ignores_refcount and evict_held_block
-soon stop kvshare's engine (its block pool raises BlockPoolError), so from outside they are a server
-failure (exit 2) or one wrong answer and then failures; no_copy_on_write is not caught from
-outside (docs/doctor.md)."""
+cached_k_one_ulp and lookup_ignores_salt behind `slow`. share_without_incref, abort_ignores_refcount
+and evict_held_block soon stop kvshare's engine (its block pool raises BlockPoolError), so from
+outside they are a server failure (exit 2) or one wrong answer and then failures;
+no_copy_on_write is not caught from outside (docs/doctor.md)."""
 from __future__ import annotations
 
 import json
