@@ -79,7 +79,12 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.api_route("/version", methods=probe)
     async def version():
-        return {"version": __version__}
+        gaps = state.transparency_gaps
+        if gaps is None:
+            return {"version": __version__}
+        # vLLM's /version has only "version"; the rest tells `kvshare doctor --url` whether to demand
+        # exact equality (bit-transparent) or judge against the measured noise floor.
+        return {"version": __version__, "bit_transparent": not gaps, "transparency_gaps": list(gaps)}
 
     def model_card() -> dict:
         return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "kvshare",

@@ -101,6 +101,9 @@ def add_serve_parser(sub) -> None:
     # an audit violation on a real server (with --audit the engine stops at the violation). Hidden
     # from --help, and refused without KVSHARE_TESTING=1 or without --audit (cmd_serve).
     p.add_argument("--inject-fault", default=None, help=argparse.SUPPRESS)
+    # Test-only, with --inject-fault: no --audit, so the planted bug shows in the answers, as
+    # `kvshare doctor --url` must find it from the outside (same KVSHARE_TESTING=1 gate).
+    p.add_argument("--inject-fault-unaudited", action="store_true", help=argparse.SUPPRESS)
     # Internal: a replica serves the socket its data-parallel front end bound for it (fd inherited).
     p.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)
     add_engine_args(p)
@@ -172,11 +175,20 @@ def check_inject_fault(args: argparse.Namespace) -> None:
     from kvshare.testing.faults import FAULTS
 
     require_testing(f"--inject-fault {args.inject_fault}")
-    if not args.audit:
+    unaudited = getattr(args, "inject_fault_unaudited", False)
+    if unaudited and args.audit:
+        raise ValueError("--inject-fault-unaudited and --audit contradict each other: pick one")
+    if not args.audit and not unaudited:
         raise ValueError(f"--inject-fault {args.inject_fault} needs --audit: the planted bug corrupts the KV "
                          "cache, and only the audit stops the engine at it (a test-only option)")
     if args.inject_fault not in FAULTS:
         raise ValueError(f"--inject-fault {args.inject_fault!r} is unknown; known: {sorted(FAULTS)}")
+    if unaudited:
+        logging.getLogger("kvshare.server").warning(
+            "--inject-fault %s --inject-fault-unaudited: this server plants a KV cache bug on purpose (a test-only "
+            "option) and serves the wrong answers it causes, for `kvshare doctor --url` to find. Never use it to "
+            "serve real traffic.", args.inject_fault)
+        return
     logging.getLogger("kvshare.server").warning(
         "--inject-fault %s: this server plants a KV cache bug on purpose (a test-only option); the audit will "
         "stop the engine at the first violation. Never use it to serve real traffic.", args.inject_fault)
@@ -207,6 +219,8 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser | None =
         max_sequences_per_request=args.max_sequences_per_request, max_stop_strings=args.max_stop_strings,
         max_stop_string_length=args.max_stop_string_length, max_stop_token_ids=args.max_stop_token_ids,
     )
+    if args.inject_fault_unaudited and args.inject_fault is None:
+        raise ValueError("--inject-fault-unaudited needs --inject-fault FAULT")
     if args.inject_fault is not None:
         check_inject_fault(args)
     if args.data_parallel_size != 1:
@@ -221,6 +235,7 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser | None =
         config=cfg, engine=AsyncEngine(engine, metrics, cfg.max_waiting, cfg.retry_after_seconds), metrics=metrics,
         model_name=name, model_source=str(engine.model_source), tokenizer=engine.tokenizer,
         max_model_len=engine.layout.max_model_len, max_num_seqs=engine.config.max_num_seqs,
+        transparency_gaps=tuple(engine.transparency),
     )
     serve(state)
     return 0

@@ -30,6 +30,9 @@ class ServerState:
     tokenizer: object | None
     max_model_len: int
     max_num_seqs: int
+    # The engine's transparency gaps (kvshare.engine.model_setup.transparency_gaps; empty: a
+    # request's bits cannot depend on what it shares): /version says so, for `kvshare doctor --url`.
+    transparency_gaps: tuple[str, ...] | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False  # set by SIGTERM: new API requests get 503
     inflight: int = 0  # API requests inside the app (streams until their last byte)

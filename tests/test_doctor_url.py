@@ -1,0 +1,206 @@
+"""`kvshare doctor --url`, the black-box doctor, against real servers on loopback: a clean `kvshare
+serve` (exit 0, exact equality from /version); one with a planted fault serving its wrong answers
+(exit 1, the stage named, a repro of at most two requests that still fails replayed, and not on
+the clean server); a proxy that splices one answer into a concurrent one (the canary stage);
+one that adds logprob noise but never mixes (no contamination); a never-streaming one, a 401, an
+unreachable URL and bad arguments (one line, exit 2); llama.cpp's llama-server (slow).
+
+Faults: hit_before_written (found by the multi-turn stage) in the default suite; slot_off_by_one,
+cached_k_one_ulp and lookup_ignores_salt behind `slow`. share_without_incref, abort_ignores_refcount
+and evict_held_block soon stop kvshare's engine (its block pool raises BlockPoolError), so from
+outside they are a server failure (exit 2) or one wrong answer and then failures;
+no_copy_on_write is not caught from outside (docs/doctor.md)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from doctor_proxy import DoctorProxy
+from helpers import bundled_path
+from kvshare.cli import main
+from kvshare.testing.ports import free_port
+from server_proc import ServerProcess
+
+FAST = ["--budget", "4", "--max-tokens", "6", "--concurrency", "3"]
+
+
+@pytest.fixture(scope="module")
+def clean():
+    srv = ServerProcess().wait_ready()
+    yield srv
+    srv.close()
+
+
+def doctor(url: str, tmp_path, *extra: str) -> tuple[int, dict | None]:
+    out = tmp_path / "report.json"
+    rc = main(["doctor", "--url", url, *FAST, "--json", str(out), "--report", str(tmp_path / "report.html"),
+               "--repro-out", str(tmp_path / "repro.jsonl"), *extra])
+    return rc, json.loads(out.read_text()) if out.exists() else None
+
+
+def test_clean_kvshare_server_passes_every_stage_exactly(clean, tmp_path, capsys):
+    t0 = time.monotonic()
+    rc, report = doctor(clean.url, tmp_path)
+    assert rc == 0, capsys.readouterr().out
+    assert report["comparison"]["exact"] and report["capabilities"]["bit_transparent"] is True
+    assert [s["name"] for s in report["stages"]] == ["noise_floor", "concurrency", "cache", "canary", "abort",
+                                                     "multi_turn"]
+    assert all(s["verdict"] == "clean" and s["requests"] for s in report["stages"]), report["stages"]
+    assert report["capabilities"]["accepted"]["cache_salt"] and report["capabilities"]["accepted"]["seed"]
+    page = (tmp_path / "report.html").read_text()
+    assert page.startswith("<!doctype html>") and "no contamination found" in page
+    assert "<script" not in page and "<link" not in page  # self-contained
+    # FAST's 4 s budget, then the first group of each stage that started after it: ~12 s on a quiet
+    # machine; the bound leaves room for a 2-core box shared with other work.
+    assert report["elapsed_s"] <= time.monotonic() - t0 < 150
+
+
+def fault_server(fault: str) -> ServerProcess:
+    return ServerProcess("--inject-fault", fault, "--inject-fault-unaudited").wait_ready()
+
+
+def check_fault_found(fault: str, tmp_path, clean_url: str | None, stages: set[str], replays: bool = True,
+                      only: str | None = None, extra: tuple[str, ...] = ()) -> None:
+    srv = fault_server(fault)
+    try:
+        assert "--inject-fault-unaudited" in srv.log_text() and "test-only" in srv.log_text()
+        rc, report = doctor(srv.url, tmp_path, *(["--stages", only] if only else []), *extra)
+        assert rc == 1, report and report["summary"]
+        bad = {s["name"] for s in report["stages"] if s["verdict"] == "contamination"}
+        assert bad & stages, (bad, report["summary"])
+        repro = report["repro"]
+        assert repro["stage"] in report["summary"]
+        if replays:
+            assert repro["requests"] <= 2 and repro["minimal"]
+        assert os.path.exists(repro["curl"]) and "curl -sS" in open(repro["curl"]).read()
+        if replays:
+            assert main(["doctor", "--url", srv.url, "--replay", repro["path"]]) == 1  # still fails
+    finally:
+        srv.close()
+    if clean_url is not None and replays:  # and the same requests on a sound server do not
+        assert main(["doctor", "--url", clean_url, "--replay", repro["path"]]) == 0
+
+
+def test_a_block_published_before_its_kv_is_written_is_found_by_the_next_turn(clean, tmp_path):
+    """The essay's class of bug: the next turn hits a block holding a slot never written."""
+    check_fault_found("hit_before_written", tmp_path, clean.url, {"multi_turn"}, only="multi_turn")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault,stages,replays", [
+    ("slot_off_by_one", {"concurrency", "cache", "canary", "abort", "multi_turn"}, True),
+    # One changed block in the cache at a time (kvshare.testing.faults): once it sits cached, a
+    # rerun on fresh salts meets no new corruption, so shrinking and replays seldom reproduce it:
+    # only the finding (by exact equality) and the stage are checked. The first block published
+    # (the doctor's calibration prompt, never hit again) takes the change, so only a run long
+    # enough to evict it and change a block a later request hits finds it: a larger budget.
+    ("cached_k_one_ulp", {"concurrency", "cache", "canary", "abort", "multi_turn"}, False),
+    # Same answers (identical tokens, identical KV): only the cached-token count shows the leak.
+    ("lookup_ignores_salt", {"cache"}, True)])
+def test_planted_faults_that_change_answers_are_found(clean, tmp_path, fault, stages, replays):
+    check_fault_found(fault, tmp_path, clean.url, stages, replays,
+                      extra=("--budget", "30") if fault == "cached_k_one_ulp" else ())
+
+
+def test_a_proxy_that_splices_concurrent_answers_is_caught_by_the_canaries(clean, tmp_path):
+    proxy = DoctorProxy(clean.url, "swap")
+    try:
+        rc, report = doctor(proxy.url, tmp_path, "--stages", "canary")
+    finally:
+        proxy.close()
+    assert rc == 1 and proxy.swaps > 0
+    canary = next(s for s in report["stages"] if s["name"] == "canary")
+    assert canary["verdict"] == "contamination"
+    assert any(f["kind"] == "canary" and "canary" in f["detail"] for f in canary["findings"])
+    assert report["repro"]["kind"] == "canary" and report["repro"]["requests"] == 2
+    assert not report["comparison"]["exact"]  # the proxy does not pass kvshare's claim on
+
+
+def test_logprob_noise_that_never_mixes_is_not_contamination(clean, tmp_path):
+    proxy = DoctorProxy(clean.url, "noise")
+    try:
+        rc, report = doctor(proxy.url, tmp_path, "--stages", "concurrency,canary")
+    finally:
+        proxy.close()
+    assert rc == 0, report["summary"]
+    c = report["comparison"]
+    assert not c["exact"] and c["tolerance"] > 0 and "noise floor" in c["why"]
+    noise = report["stages"][0]
+    assert "spread 0," not in noise["notes"][0]  # the noise was measured, not absent
+
+
+def one_line_exit_2(capsys, argv) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def test_a_server_that_never_streams_cannot_be_tested(clean, capsys):
+    proxy = DoctorProxy(clean.url, "no_stream")
+    try:
+        err = one_line_exit_2(capsys, ["doctor", "--url", proxy.url, *FAST])
+    finally:
+        proxy.close()
+    assert "never streams" in err
+
+
+def test_unauthorized_unreachable_and_bad_arguments_are_one_line_exit_2(capsys):
+    proxy = DoctorProxy("http://127.0.0.1:9", "auth")
+    try:
+        assert "401" in one_line_exit_2(capsys, ["doctor", "--url", proxy.url])
+    finally:
+        proxy.close()
+    assert "cannot reach" in one_line_exit_2(capsys, ["doctor", "--url", f"http://127.0.0.1:{free_port()}"])
+    assert "http://" in one_line_exit_2(capsys, ["doctor", "--url", "ftp://example"])
+    assert "--concurrency" in one_line_exit_2(capsys, ["doctor", "--url", "http://127.0.0.1:1", "--concurrency", "0"])
+    assert "--budget" in one_line_exit_2(capsys, ["doctor", "--url", "http://127.0.0.1:1", "--budget", "-1"])
+    assert "bogus" in one_line_exit_2(capsys, ["doctor", "--url", "http://127.0.0.1:1", "--stages", "cache,bogus"])
+    assert "--url" in one_line_exit_2(capsys, ["doctor", "--report", "x.html"])
+
+
+def test_serve_refuses_the_unaudited_fault_option_without_a_fault(capsys):
+    assert main(["serve", "--inject-fault-unaudited"]) == 2
+    assert "needs --inject-fault FAULT" in capsys.readouterr().err
+
+
+LLAMA_SERVER = os.environ.get("KVSHARE_LLAMA_SERVER", "/work/main/bench_out/llama_cpp/bin/llama-server")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (os.path.exists(LLAMA_SERVER) or shutil.which(LLAMA_SERVER)),
+                    reason=f"llama-server not built at {LLAMA_SERVER} (benchmarks/build_llama_cpp.sh; or set "
+                           "KVSHARE_LLAMA_SERVER)")
+def test_llama_server_runs_what_it_can_and_gives_a_verdict(tmp_path, capsys):
+    port = free_port()
+    log = open(tmp_path / "llama.log", "w")
+    proc = subprocess.Popen([LLAMA_SERVER, "-m", bundled_path(), "--port", str(port), "-c", "2048", "-np", "4",
+                             "-t", "2"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        import httpx2
+
+        for _ in range(240):
+            try:
+                if httpx2.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx2.TransportError:
+                pass
+            time.sleep(0.5)
+        rc = main(["doctor", "--url", f"http://127.0.0.1:{port}", "--budget", "20", "--max-tokens", "8",
+                   "--concurrency", "3", "--json", str(tmp_path / "r.json")])
+        out = capsys.readouterr()
+        print(out.out, out.err)
+        report = json.loads((tmp_path / "r.json").read_text()) if (tmp_path / "r.json").exists() else None
+        assert rc in (0, 1, 2) and (report is not None or "cannot test" in out.err)
+        if report is not None:
+            assert report["verdict"] and report["capabilities"]["bit_transparent"] is None
+            assert set(report["capabilities"]["accepted"]) == {"logprobs", "cache_salt", "seed", "ignore_eos", "n"}
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
