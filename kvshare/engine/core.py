@@ -120,8 +120,9 @@ class EngineCore(Generic[Output]):
                             step=self.step_count)
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached block nobody holds (held ones stay: their holders need them)."""
-        self.kv.pool.reset_prefix_cache()
+        """Forget every cached block nobody holds (held ones stay: their holders need them), and
+        the RAM tier's (kvshare/kvcache/kv_tiers.py)."""
+        self.kv.reset_prefix_cache()
 
     def cached_block_hashes(self) -> set[bytes]:
         return set(self.kv.pool.cached)
@@ -140,7 +141,7 @@ class EngineCore(Generic[Output]):
         self.events = EventLog(path=event_log) if (audit or event_log) else None
         self.auditor = None
         if self.events is not None:
-            self.kv.pool.reset_prefix_cache()
+            self.kv.reset_prefix_cache()
             self.events.record("pool", num_blocks=self.kv.num_blocks, block_size=self.kv.block_size,
                                prefix_caching=self.config.enable_prefix_caching)
             if audit:

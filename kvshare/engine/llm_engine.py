@@ -19,7 +19,8 @@ from kvshare.engine.core import EngineCore, EngineStatus
 from kvshare.engine.intake import MULTIMODAL_PROMPT_KEYS, PROMPT_DICT_KEYS, RequestIntake  # noqa: F401 (re-exported)
 from kvshare.engine.kv_view import kv_snapshot
 from kvshare.engine.model_runner import ModelRunner, StepLogits
-from kvshare.engine.model_setup import build_kv_core, build_rank, check_tensor_parallel, plan_kv, transparency_gaps
+from kvshare.engine.model_setup import (build_kv_core, build_kv_tiers, build_rank, check_tensor_parallel, plan_kv,
+                                        transparency_gaps)
 from kvshare.engine.output_processor import OutputProcessor
 from kvshare.engine.request import RequestState, Sequence
 from kvshare.engine.sampling_step import StepSampler
@@ -85,6 +86,7 @@ class LLMEngine:
                                                             tp)
         build_seconds = time.perf_counter() - t_build
         self.runner: ModelRunner | TensorParallelRunner = rank_runner
+        self.kv_tiers = build_kv_tiers(config, self.manager, self.kv_cache, rank_runner, loaded.source, self.tokenizer)
         # Why sharing may show in a request's bits (empty: it cannot; kvshare doctor then demands equality).
         self.transparency = transparency_gaps(self.numerics, rank_runner, kv, launcher is not None)
         if launcher is not None and tp is not None:

@@ -1,0 +1,291 @@
+"""KV tiers under the pool (docs/kv_tiers.md): evicted prefix blocks kept in host RAM and on disk,
+loaded back bit for bit, isolated by tenant, validated block by block, and surviving restarts
+with a hash seed. The bundled SmolLM2 model in the default (bit-transparent) mode; the pool is
+8 blocks, so one 113-token prompt evicts everything before it."""
+from __future__ import annotations
+
+import logging
+import os
+import random
+
+import pytest
+
+from kvshare import LLM, SamplingParams
+from kvshare.bench.workloads import ENGLISH_TEXT
+from kvshare.engine.kv_tier_store import SUFFIX, read_header
+
+POOL = "3MiB"  # 8 blocks of 16 tokens (bfloat16 KV of SmolLM2-135M)
+N = 49  # a prompt of 3 full blocks that a later request can hit, and one token computed
+PARAMS = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=1)
+
+
+def _gen(llm, prompt, salt=None):
+    params = PARAMS if salt is None else SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=1,
+                                                        cache_salt=salt)
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+    return out.token_ids, [out.logprobs[i][t].logprob for i, t in enumerate(out.token_ids)]
+
+
+@pytest.fixture(scope="module")
+def ids():
+    """Real text, then three distinct re-orderings of it (so no two 100-token windows share a block)."""
+    text = LLM(kv_cache_memory=POOL).engine.tokenize(ENGLISH_TEXT)
+    out = text + text[::-1] + [t ^ 1 for t in text] + [t ^ 2 for t in text[::-1]]
+    assert len(out) >= 2600
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(ids):
+    """Caching off: what every request below must equal, bit for bit."""
+    llm = LLM(kv_cache_memory=POOL, enable_prefix_caching=False)
+    seen: dict[tuple, tuple] = {}
+    return lambda prompt: seen.get(tuple(prompt)) or seen.setdefault(tuple(prompt), _gen(llm, prompt))
+
+
+def _evict_all(llm, ids, prompt):
+    """An unrelated prompt that takes every pool block, so `prompt`'s blocks leave the pool."""
+    _gen(llm, ids[2400:2513])  # 113 + 2 tokens: 8 blocks
+    assert not llm.engine.cached_block_hashes() & set(_hashes(llm, prompt))
+
+
+def _hits(llm, tier, prompt, salt=None):
+    """(the request's result, how many of its blocks came from `tier`)."""
+    tiers = llm.engine.kv_tiers
+    before = tiers.hits[tier]
+    out = _gen(llm, prompt, salt)
+    return out, tiers.hits[tier] - before
+
+
+def _hashes(llm, prompt, salt=None):
+    from kvshare.kvcache.cache_key import CacheNamespace
+
+    return llm.engine.manager.hasher.prefix_hashes(prompt, CacheNamespace(salt))
+
+
+def _tiered(tmp_path=None, seed=None, **kw):
+    disk = {} if tmp_path is None else {"kv_disk_path": str(tmp_path)}
+    return LLM(kv_cache_memory=POOL, kv_host_memory=kw.pop("kv_host_memory", "64MiB"),
+               prefix_caching_hash_seed=seed, **disk, **kw)
+
+
+def test_ram_tier_hit_equals_caching_off_bit_for_bit(ids, reference):
+    llm = _tiered()
+    prompt = ids[:N]
+    _gen(llm, prompt)
+    _evict_all(llm, ids, prompt)
+    out, hits = _hits(llm, "cpu", prompt)
+    assert out == reference(prompt)  # == on token ids and float logprobs
+    assert hits == 3  # (N - 1) // 16 full blocks, every one from RAM
+    # The hit really read the tier's bytes: with them zeroed, the same request comes out different.
+    _evict_all(llm, ids, prompt)
+    for data, _ in llm.engine.runner.tier_store.ram.values():
+        data.zero_()
+    assert _gen(llm, prompt) != reference(prompt)
+
+
+def test_disk_tier_survives_a_restart_with_a_hash_seed(ids, reference, tmp_path):
+    prompt = ids[N:2 * N]
+    first = _tiered(tmp_path, seed="s1")
+    _gen(first, prompt)
+    _evict_all(first, ids, prompt)
+    assert {h.hex() + SUFFIX for h in _hashes(first, prompt)} <= set(os.listdir(tmp_path))
+    first.engine.close()
+    restarted = _tiered(tmp_path, seed="s1")
+    tiers = restarted.engine.kv_tiers
+    assert len(tiers.disk) >= 3 and not tiers.ram
+    out, hits = _hits(restarted, "disk", prompt)
+    assert out == reference(prompt) and hits == 3 and tiers.stats()["rejected"] == 0
+    # From RAM from now on (the disk read staged it there).
+    _evict_all(restarted, ids, prompt)
+    out, hits = _hits(restarted, "cpu", prompt)
+    assert out == reference(prompt) and hits == 3
+
+
+def test_without_a_hash_seed_the_disk_tier_is_cleared_at_start(ids, tmp_path, caplog):
+    prompt = ids[:N]
+    first = _tiered(tmp_path)
+    _gen(first, prompt)
+    _evict_all(first, ids, prompt)
+    assert any(n.endswith(SUFFIX) for n in os.listdir(tmp_path))
+    with caplog.at_level(logging.INFO, logger="kvshare"):
+        second = _tiered(tmp_path)
+    assert not any(n.endswith(SUFFIX) for n in os.listdir(tmp_path))
+    assert "cleared at start" in caplog.text and "no --prefix-caching-hash-seed" in caplog.text
+    assert _hits(second, "disk", prompt)[1] == 0
+
+
+@pytest.mark.parametrize("tier", ["cpu", "disk"])
+def test_a_salted_block_is_a_hit_for_its_salt_only_from_every_tier(ids, reference, tmp_path, tier):
+    prompt = ids[2 * N:3 * N]
+    writer = _tiered(tmp_path, seed="s1")
+    _gen(writer, prompt, salt="tenant-a")
+    _evict_all(writer, ids, prompt)
+    llm = writer
+    if tier == "disk":  # a restarted engine: the blocks are on disk only
+        writer.engine.close()
+        llm = _tiered(tmp_path, seed="s1")
+    for other in ("tenant-b", None):
+        out, hits = _hits(llm, tier, prompt, salt=other)
+        assert out == reference(prompt) and hits == 0
+        _evict_all(llm, ids, prompt)
+    out, hits = _hits(llm, tier, prompt, salt="tenant-a")
+    assert out == reference(prompt) and hits == 3
+
+
+@pytest.fixture(scope="module")
+def written_dir(ids, tmp_path_factory):
+    """A disk tier written by an engine with hash seed "s1": ids[3N:4N]'s blocks and the evictor's."""
+    path = tmp_path_factory.mktemp("written")
+    writer = _tiered(path, seed="s1")
+    _gen(writer, ids[3 * N:4 * N])
+    _evict_all(writer, ids, ids[3 * N:4 * N])
+    writer.engine.close()
+    return path
+
+
+@pytest.mark.parametrize("change", [{"block_size": 32}, {"kv_cache_dtype": "int8"},
+                                    {"prefix_caching_hash_seed": "other-seed"}, {}])
+def test_a_directory_of_another_kv_layout_or_seed_yields_zero_hits(ids, reference, written_dir, tmp_path, change):
+    import shutil
+
+    shutil.copytree(written_dir, tmp_path, dirs_exist_ok=True)
+    prompt = ids[3 * N:4 * N]
+    kw = {"seed": change.get("prefix_caching_hash_seed", "s1"),
+          **{k: v for k, v in change.items() if k != "prefix_caching_hash_seed"}}
+    other = _tiered(tmp_path, **kw)
+    tiers = other.engine.kv_tiers
+    out = _gen(other, prompt)
+    if not change:  # the control: the same engine kind finds the directory's blocks
+        assert len(tiers.disk) >= 3 and tiers.hits["disk"] == 3 and out == reference(prompt)
+        return
+    assert not tiers.disk  # every file was written for another layout or seed
+    assert tiers.hits["disk"] == 0 and tiers.hits["cpu"] == 0
+
+
+def _files(path):
+    return sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(SUFFIX))
+
+
+def _flip_payload_byte(path):
+    with open(path, "r+b") as f:
+        f.seek(-7, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-7, os.SEEK_END)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+def _truncate(path):
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 100)
+
+
+def _foreign_model(path):
+    import json
+
+    from kvshare.engine.kv_tier_store import MAGIC
+    header, offset = read_header(path)
+    with open(path, "rb") as f:
+        f.seek(offset)
+        payload = f.read()
+    header["model"] = "0" * 64  # a file written by another model, otherwise identical
+    raw = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(MAGIC + len(raw).to_bytes(8, "little") + raw + payload)
+
+
+def test_a_damaged_block_file_is_a_counted_miss_and_the_answer_stays_right(ids, reference, tmp_path):
+    damages = [(_truncate, "truncated"), (_flip_payload_byte, "checksum"), (_foreign_model, "foreign header"),
+               (os.remove, "missing")]
+    prompts = [ids[(4 + k) * N:(5 + k) * N] for k in range(len(damages))]
+    writer = _tiered(tmp_path, seed="s1")
+    for prompt in prompts:
+        _gen(writer, prompt)
+    _evict_all(writer, ids, prompts[-1])
+    writer.engine.close()
+    llm = _tiered(tmp_path, seed="s1")
+    tiers = llm.engine.kv_tiers
+    for prompt, (damage, reason) in zip(prompts, damages):
+        # The third block's file, after the start-up scan (as if between lookup and load): the first
+        # two blocks are still hits, the rest of the prompt is recomputed.
+        damage(os.path.join(tmp_path, _hashes(llm, prompt)[2].hex() + SUFFIX))
+        out, hits = _hits(llm, "disk", prompt)
+        assert out == reference(prompt) and hits == 2 and tiers.rejected[reason] == 1, reason
+    assert _gen(llm, ids[9 * N:10 * N]) == reference(ids[9 * N:10 * N])  # it keeps serving
+
+
+def test_a_full_disk_keeps_serving_from_ram(ids, reference, tmp_path, monkeypatch):
+    import errno
+
+    llm = _tiered(tmp_path, seed="s1")
+
+    def no_space(*_):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("kvshare.engine.kv_tier_store.os.replace", no_space)
+    prompt = ids[5 * N:6 * N]
+    _gen(llm, prompt)
+    _evict_all(llm, ids, prompt)
+    assert llm.engine.runner.tier_store.write_errors > 0 and not _files(tmp_path)
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]  # no half-written file left
+    out, hits = _hits(llm, "cpu", prompt)
+    assert out == reference(prompt) and hits == 3
+
+
+def test_a_tiny_disk_budget_keeps_the_newest_blocks_only(ids, tmp_path):
+    llm = _tiered(tmp_path, seed="s1", kv_disk_size="1MiB")  # 2 block files of ~370 KiB
+    _gen(llm, ids[:N])
+    _evict_all(llm, ids, ids[:N])
+    tiers = llm.engine.kv_tiers
+    assert tiers.stores > tiers.disk_blocks == 2
+    _gen(llm, ids[7 * N:8 * N])  # one more step: the last drops run
+    assert len(_files(tmp_path)) == len(tiers.disk) == 2
+
+
+def test_two_engines_sharing_one_directory_both_answer_right(ids, reference, tmp_path):
+    a = _tiered(tmp_path, seed="s1", kv_host_memory="1MiB")
+    b = _tiered(tmp_path, seed="s1", kv_host_memory="1MiB")
+    prompt = ids[10 * N:11 * N]
+    _gen(a, prompt)
+    _evict_all(a, ids, prompt)
+    out, hits = _hits(b, "disk", prompt)  # b started before a wrote them: found in the directory live
+    assert out == reference(prompt) and hits == 3
+    _evict_all(b, ids, prompt)  # b's budget may now delete files a lists
+    for llm in (a, b):
+        assert _gen(llm, prompt) == reference(prompt)
+
+
+def test_tier_flags_are_validated():
+    with pytest.raises(ValueError, match="kv_host_memory"):
+        LLM(kv_cache_memory=POOL, kv_host_memory="lots")
+    with pytest.raises(ValueError, match="need prefix caching"):
+        LLM(kv_cache_memory=POOL, kv_host_memory="1GiB", enable_prefix_caching=False)
+
+
+def test_audit_stays_clean_through_tier_hits_aborts_and_preemptions(ids):
+    llm = _tiered(kv_host_memory="16MiB", audit=True, max_num_seqs=6)
+    engine = llm.engine
+    rng = random.Random(11)
+    prefixes = [ids[k * 32:k * 32 + 32] for k in range(4)]
+    live, submitted = [], 0
+    for _ in range(80):
+        if len(live) < 6 and rng.random() < 0.5:
+            rid = f"r{submitted}"
+            submitted += 1
+            prompt = rng.choice(prefixes) + ids[2000 + submitted * 7:2000 + submitted * 7 + rng.randrange(1, 12)]
+            salt = rng.choice([None, None, "tenant-b"])
+            engine.add_request(rid, {"prompt_token_ids": prompt},
+                               SamplingParams(temperature=0, max_tokens=rng.randrange(8, 40), ignore_eos=True,
+                                              cache_salt=salt))
+            live.append(rid)
+        if live and rng.random() < 0.06:
+            engine.abort_request(live.pop(rng.randrange(len(live))))
+        for out in engine.step():
+            if out.finished and out.request_id in live:
+                live.remove(out.request_id)
+    engine.abort_request(live)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.manager.assert_idle_whole()
+    tiers = engine.kv_tiers
+    assert tiers.hits["cpu"] > 0 and tiers.stores > 0 and engine.scheduler.num_preemptions > 0
