@@ -289,3 +289,56 @@ def test_audit_stays_clean_through_tier_hits_aborts_and_preemptions(ids):
     engine.manager.assert_idle_whole()
     tiers = engine.kv_tiers
     assert tiers.hits["cpu"] > 0 and tiers.stores > 0 and engine.scheduler.num_preemptions > 0
+
+
+def test_a_restarted_server_serves_hits_from_the_disk_tier(ids, tmp_path):
+    import openai
+
+    from server_proc import MODEL, ServerProcess
+
+    engine_args = ["--kv-cache-memory", POOL, "--max-model-len", "512", "--kv-host-memory", "16MiB",
+                   "--kv-disk-path", str(tmp_path), "--prefix-caching-hash-seed", "restart-seed"]
+    prompt = ids[11 * N:12 * N]
+
+    def complete(srv, tokens):
+        client = openai.OpenAI(base_url=srv.base_url, api_key="unused")
+        c = client.completions.create(model=MODEL, prompt=tokens, max_tokens=2, temperature=0, logprobs=1)
+        return c.choices[0].text, c.choices[0].logprobs.token_logprobs
+
+    first = ServerProcess(engine_args=engine_args).wait_ready()
+    try:
+        cold = complete(first, prompt)
+        complete(first, ids[2400:2513])  # evicts the prompt's blocks from the pool: to RAM and disk
+        assert first.metric("kvshare:kv_tier_blocks", tier="disk") >= 3
+    finally:
+        first.close()
+    second = ServerProcess(engine_args=engine_args).wait_ready()
+    try:
+        assert "kept across restarts (hash seed set)" in second.log_text()
+        assert second.metric("kvshare:kv_tier_blocks", tier="disk") >= 3
+        assert complete(second, prompt) == cold  # the same text and logprobs, bit for bit
+        assert second.metric("vllm:external_prefix_cache_hits_total") == 3 * 16
+    finally:
+        second.close()
+
+
+def test_kv_events_say_where_a_block_lives_and_a_router_keeps_it_held(ids):
+    from kvshare.kvcache.prefix_updates import PrefixUpdateQueue, apply_prefix_updates
+
+    llm = _tiered(kv_host_memory="1MiB")  # 2 blocks of RAM: the tier drops too
+    pool = llm.engine.manager.pool
+    pool.prefix_updates = PrefixUpdateQueue(16)
+    prompt = ids[12 * N:13 * N]
+    _gen(llm, prompt)
+    _evict_all(llm, ids, prompt)
+    wire = [u.wire() for u in pool.prefix_updates.drain()]
+    media: dict = {}
+    held: set = set()
+    apply_prefix_updates(held, wire, media)
+    stored = {(h, ev[6]) for ev in wire if ev[0] == "BlockStored" for h in ev[1]}
+    removed = {(h, ev[2]) for ev in wire if ev[0] == "BlockRemoved" for h in ev[1]}
+    hashes = _hashes(llm, prompt)
+    assert all((h, "CPU") in stored and (h, "CPU") in removed and (h, "CPU_TIER") in stored for h in hashes)
+    kept = set(llm.engine.kv_tiers.ram)
+    assert held == set(pool.cached) | kept  # what the replica can serve: its pool and its RAM tier
+    assert {h for h in hashes if h not in kept} and not held & {h for h in hashes if h not in kept}

@@ -60,6 +60,14 @@ class EngineStatus:
     prefix_cache_hits: int = 0
     preemptions: int = 0
     step: int = 0
+    # KV tiers under the pool (kvshare/kvcache/kv_tiers.py; all 0 without them): blocks kept and
+    # the budgets in blocks, prompt tokens served from a tier, tier files refused as invalid.
+    tier_ram_blocks: int = 0
+    tier_ram_capacity_blocks: int = 0
+    tier_disk_blocks: int = 0
+    tier_disk_capacity_blocks: int = 0
+    tier_hit_tokens: int = 0
+    tier_rejected: int = 0
 
 
 class EngineCore(Generic[Output]):
@@ -117,7 +125,17 @@ class EngineCore(Generic[Output]):
         return EngineStatus(running=len(running), waiting=len(waiting), blocks_in_use=kv.num_used_blocks(),
                             blocks_total=kv.num_blocks, prefix_cache_queries=kv.stats.queries,
                             prefix_cache_hits=kv.stats.hits, preemptions=sched.num_preemptions,
-                            step=self.step_count)
+                            step=self.step_count, **self.tier_status())
+
+    def tier_status(self) -> dict:
+        tiers = self.kv.pool.tiers
+        if tiers is None:
+            return {}
+        t = tiers.stats()
+        return {"tier_ram_blocks": t["ram_blocks"], "tier_ram_capacity_blocks": t["ram_capacity_blocks"],
+                "tier_disk_blocks": t["disk_blocks"], "tier_disk_capacity_blocks": t["disk_capacity_blocks"],
+                "tier_hit_tokens": (t["hits_ram"] + t["hits_disk"]) * self.kv.block_size,
+                "tier_rejected": t["rejected"]}
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block nobody holds (held ones stay: their holders need them), and

@@ -167,6 +167,7 @@ class KVTiers:
     def clear_ram(self) -> None:
         for block_hash in self.ram:
             self._drops.append((RAM_TIER, block_hash))
+            self.pool.prefix_updates.removed(block_hash, TIER_MEDIUM[RAM_TIER])
         self.ram.clear()
 
     # ---- counters -------------------------------------------------------------------------------
@@ -182,11 +183,14 @@ class KVTiers:
         cap = self.ram_blocks if tier == RAM_TIER else self.disk_blocks
         if (tier, block_hash) in self._drops:
             self._drops.remove((tier, block_hash))  # dropped earlier this step: it stays after all
+        if block_hash not in entries:  # routers learn where it lives (vLLM's KV events' `medium`)
+            self.pool.prefix_updates.stored(block_hash, entry.parent_hash, entry.token_ids, TIER_MEDIUM[tier])
         entries[block_hash] = entry
         entries.move_to_end(block_hash)
         while len(entries) > cap:
             old, _ = entries.popitem(last=False)
             self._drops.append((tier, old))
+            self.pool.prefix_updates.removed(old, TIER_MEDIUM[tier])
             self.pool.events.record("tier_drop", hash=old.hex()[:16], tier=tier)
 
     def _touch(self, block_hash: bytes) -> None:
@@ -200,7 +204,8 @@ class KVTiers:
 
     def _reject(self, tier: str, block_hash: bytes, why: str) -> None:
         entries = self.ram if tier == RAM_TIER else self.disk
-        entries.pop(block_hash, None)
+        if entries.pop(block_hash, None) is not None:
+            self.pool.prefix_updates.removed(block_hash, TIER_MEDIUM[tier])
         self._drops.append((tier, block_hash))
         self.rejected[why.split(":")[0]] += 1
         if why.split(":")[0] not in self._logged:  # once per kind: a bad directory is not a log flood

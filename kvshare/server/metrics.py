@@ -42,6 +42,14 @@ class EngineSnapshot:
     prefix_cache_hits: int = 0
     preemptions: int = 0
     step: int = 0
+    # KV tiers under the pool (kvshare/kvcache/kv_tiers.py; all 0 without them): blocks kept and
+    # the budgets in blocks, prompt tokens served from a tier, tier files refused as invalid.
+    tier_ram_blocks: int = 0
+    tier_ram_capacity_blocks: int = 0
+    tier_disk_blocks: int = 0
+    tier_disk_capacity_blocks: int = 0
+    tier_hit_tokens: int = 0
+    tier_rejected: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -126,6 +134,12 @@ class ServerMetrics:
                 fam.add_metric([name, k], v)
             return fam
 
+        def tiers(kind, metric: str, help_text: str, ram: int, disk: int):
+            fam = kind(metric, help_text, labels=["model_name", "tier"])
+            fam.add_metric([name, "cpu"], ram)
+            fam.add_metric([name, "disk"], disk)
+            return fam
+
         def histogram(metric: str, help_text: str, h: Histogram):
             fam = HistogramMetricFamily(metric, help_text, labels=["model_name"])
             running, buckets = 0, []
@@ -148,6 +162,15 @@ class ServerMetrics:
                     snap.prefix_cache_queries),
                 one(counter, "vllm:prefix_cache_hits_total", "Prompt tokens served by the prefix cache.",
                     snap.prefix_cache_hits),
+                one(counter, "vllm:external_prefix_cache_hits_total",
+                    "Prompt tokens served from the KV tiers under the pool (host RAM, disk).", snap.tier_hit_tokens),
+                tiers(gauge, "kvshare:kv_tier_blocks", "Blocks kept in each KV tier under the pool.",
+                      snap.tier_ram_blocks, snap.tier_disk_blocks),
+                tiers(gauge, "kvshare:kv_tier_capacity_blocks", "Each KV tier's budget, in blocks.",
+                      snap.tier_ram_capacity_blocks, snap.tier_disk_capacity_blocks),
+                one(counter, "kvshare:kv_tier_rejected_total",
+                    "Tier blocks refused as invalid (a damaged file, another model's, a deleted one).",
+                    snap.tier_rejected),
                 one(counter, "vllm:num_preemptions_total", "Sequences preempted (recomputed later).", snap.preemptions),
                 one(counter, "vllm:prompt_tokens_total", "Prompt tokens of requests that reached prefill.",
                     self.prompt_tokens),
