@@ -102,6 +102,17 @@ def test_disk_tier_survives_a_restart_with_a_hash_seed(ids, reference, tmp_path)
     assert out == reference(prompt) and hits == 3
 
 
+def test_a_clean_shutdown_writes_what_the_pool_still_caches(ids, reference, tmp_path):
+    prompt = ids[13 * N:14 * N]
+    first = _tiered(tmp_path, seed="s1")
+    _gen(first, prompt)  # its blocks stay in the pool: never evicted, never stored
+    assert not _files(tmp_path)
+    first.engine.close()
+    restarted = _tiered(tmp_path, seed="s1")
+    out, hits = _hits(restarted, "disk", prompt)
+    assert out == reference(prompt) and hits == 3
+
+
 def test_without_a_hash_seed_the_disk_tier_is_cleared_at_start(ids, tmp_path, caplog):
     prompt = ids[:N]
     first = _tiered(tmp_path)
@@ -342,3 +353,24 @@ def test_kv_events_say_where_a_block_lives_and_a_router_keeps_it_held(ids):
     kept = set(llm.engine.kv_tiers.ram)
     assert held == set(pool.cached) | kept  # what the replica can serve: its pool and its RAM tier
     assert {h for h in hashes if h not in kept} and not held & {h for h in hashes if h not in kept}
+
+
+def test_cache_cli_lists_verifies_and_clears_a_disk_tier(written_dir, tmp_path, capsys):
+    import json
+    import shutil
+
+    from kvshare.cli import main
+
+    shutil.copytree(written_dir, tmp_path, dirs_exist_ok=True)
+    files = _files(tmp_path)
+    assert main(["cache", "ls", "--kv-disk-path", str(tmp_path), "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert sorted(r["hash"] + SUFFIX for r in rows) == sorted(os.path.basename(f) for f in files)
+    assert main(["cache", "stats", "--kv-disk-path", str(tmp_path)]) == 0
+    assert json.loads(capsys.readouterr().out)["blocks"] == len(files)
+    assert main(["cache", "verify", "--kv-disk-path", str(tmp_path)]) == 0
+    _flip_payload_byte(files[0])
+    assert main(["cache", "verify", "--kv-disk-path", str(tmp_path)]) == 1
+    assert f"BAD {os.path.basename(files[0])}: checksum" in capsys.readouterr().out
+    assert main(["cache", "clear", "--kv-disk-path", str(tmp_path)]) == 0
+    assert not _files(tmp_path)

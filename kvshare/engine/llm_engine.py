@@ -19,8 +19,8 @@ from kvshare.engine.core import EngineCore, EngineStatus
 from kvshare.engine.intake import MULTIMODAL_PROMPT_KEYS, PROMPT_DICT_KEYS, RequestIntake  # noqa: F401 (re-exported)
 from kvshare.engine.kv_view import kv_snapshot
 from kvshare.engine.model_runner import ModelRunner, StepLogits
-from kvshare.engine.model_setup import (build_kv_core, build_kv_tiers, build_rank, check_tensor_parallel, plan_kv,
-                                        transparency_gaps)
+from kvshare.engine.model_setup import (build_kv_core, build_kv_tiers, build_rank, check_tensor_parallel,
+                                        persist_kv_tiers, plan_kv, transparency_gaps)
 from kvshare.engine.output_processor import OutputProcessor
 from kvshare.engine.request import RequestState, Sequence
 from kvshare.engine.sampling_step import StepSampler
@@ -129,6 +129,7 @@ class LLMEngine:
     def close(self) -> None:
         """Release what outlives a step: the KV event sockets, the event log file and the
         tensor-parallel workers."""
+        persist_kv_tiers(self.kv_tiers, self.runner)  # what the pool still caches, for the next start
         close_runner = getattr(self.runner, "close", None)
         if close_runner is not None:
             close_runner()

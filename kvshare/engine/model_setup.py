@@ -169,3 +169,10 @@ def build_kv_tiers(config: EngineConfig, kv: KVCacheCoordinator, kv_cache: Paged
                        else ""))
         logger.info(f"KV tiers: disk {disk} {disk_blocks} blocks ({disk_blocks * block_bytes / 2**20:.1f} MiB); {note}")
     return tiers
+
+
+def persist_kv_tiers(tiers: KVTiers | None, runner) -> None:
+    """A clean shutdown: what the pool still caches is written to the disk tier now."""
+    if tiers is not None and runner.tier_store is not None:
+        tiers.persist_pool()
+        runner.tier_store.apply(*tiers.take_transfers())

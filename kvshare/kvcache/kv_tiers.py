@@ -83,8 +83,18 @@ class KVTiers:
 
     # ---- the pool's side ------------------------------------------------------------------------
     def on_evict(self, block_id: int, block_hash: bytes) -> None:
-        if self.suspended:
-            return
+        if not self.suspended:
+            self.keep(block_id, block_hash)
+
+    def persist_pool(self) -> None:
+        """At a clean shutdown: every block the pool still caches goes to the disk tier too (they
+        were never evicted, so never written), for the next start to find."""
+        if self.disk_blocks:
+            for block_hash, block_id in list(self.pool.cached.items()):
+                self.keep(block_id, block_hash)
+
+    def keep(self, block_id: int, block_hash: bytes) -> None:
+        """Queue a store of a cached pool block's KV into the tiers (before anything overwrites it)."""
         block = self.pool.blocks[block_id]
         if block.token_ids is None:
             return
