@@ -139,8 +139,8 @@ def run(args, disk: str) -> int:
         "returning_cached_tokens": hit_tokens,
         "restart": {**restart, "speedup_vs_cold": (restart.get("first_after_restart_ttft_plain", float("nan"))
                                                    / restart.get("first_after_restart_ttft_tiered", float("nan")))},
-        "tier_blocks": {"ram": stats.tier_ram_blocks, "disk": stats.tier_disk_blocks,
-                        "tier_hit_tokens_since_restart": stats.tier_hit_tokens},
+        "tier_blocks": {"ram": stats.tiers.get("ram_blocks", 0), "disk": stats.tiers.get("disk_blocks", 0),
+                        "tier_hit_tokens_since_restart": stats.tiers.get("hit_tokens", 0)},
         "same_tokens_with_and_without_tiers": same,
     }
     if args.json:

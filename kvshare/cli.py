@@ -69,12 +69,12 @@ def cmd_info(args: argparse.Namespace) -> int:
         "kv_pool_bytes": lay.pool_bytes, "max_model_len": lay.max_model_len,
         "max_len_sequences_that_fit": round(lay.max_len_seqs, 2),
     }
-    status = engine.status()
+    tiers = engine.status().tiers
     if engine.config.kv_host_memory is not None:
-        info["kv_tier_host_memory"] = f"{status.tier_ram_capacity_blocks} blocks ({engine.config.kv_host_memory} bytes)"
+        info["kv_tier_host_memory"] = f"{tiers['ram_capacity_blocks']} blocks ({engine.config.kv_host_memory} bytes)"
     if engine.config.kv_disk_path is not None:
-        info["kv_tier_disk"] = (f"{engine.config.kv_disk_path}: {status.tier_disk_capacity_blocks} blocks "
-                                f"({engine.config.kv_disk_size} bytes), {status.tier_disk_blocks} kept")
+        info["kv_tier_disk"] = (f"{engine.config.kv_disk_path}: {tiers['disk_capacity_blocks']} blocks "
+                                f"({engine.config.kv_disk_size} bytes), {tiers['disk_blocks']} kept")
     if lay.num_kv_groups > 1:  # several tables share the blocks: say how
         from kvshare.memory_plan import group_summary
 

@@ -8,7 +8,7 @@ writes, execute, publish the blocks the step completed, hand over the output, au
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
 from kvshare.config import EngineConfig
@@ -60,14 +60,9 @@ class EngineStatus:
     prefix_cache_hits: int = 0
     preemptions: int = 0
     step: int = 0
-    # KV tiers under the pool (kvshare/kvcache/kv_tiers.py; all 0 without them): blocks kept and
-    # the budgets in blocks, prompt tokens served from a tier, tier files refused as invalid.
-    tier_ram_blocks: int = 0
-    tier_ram_capacity_blocks: int = 0
-    tier_disk_blocks: int = 0
-    tier_disk_capacity_blocks: int = 0
-    tier_hit_tokens: int = 0
-    tier_rejected: int = 0
+    # The KV tiers under the pool (kvshare/kvcache/kv_tiers.py; empty without them): blocks kept and
+    # budgets in blocks per tier, prompt tokens served from a tier, tier blocks refused as invalid.
+    tiers: dict[str, int] = field(default_factory=dict)
 
 
 class EngineCore(Generic[Output]):
@@ -125,17 +120,15 @@ class EngineCore(Generic[Output]):
         return EngineStatus(running=len(running), waiting=len(waiting), blocks_in_use=kv.num_used_blocks(),
                             blocks_total=kv.num_blocks, prefix_cache_queries=kv.stats.queries,
                             prefix_cache_hits=kv.stats.hits, preemptions=sched.num_preemptions,
-                            step=self.step_count, **self.tier_status())
+                            step=self.step_count, tiers=self.tier_status())
 
-    def tier_status(self) -> dict:
+    def tier_status(self) -> dict[str, int]:
         tiers = self.kv.pool.tiers
         if tiers is None:
             return {}
         t = tiers.stats()
-        return {"tier_ram_blocks": t["ram_blocks"], "tier_ram_capacity_blocks": t["ram_capacity_blocks"],
-                "tier_disk_blocks": t["disk_blocks"], "tier_disk_capacity_blocks": t["disk_capacity_blocks"],
-                "tier_hit_tokens": (t["hits_ram"] + t["hits_disk"]) * self.kv.block_size,
-                "tier_rejected": t["rejected"]}
+        keys = ("ram_blocks", "ram_capacity_blocks", "disk_blocks", "disk_capacity_blocks", "rejected")
+        return {**{k: t[k] for k in keys}, "hit_tokens": (t["hits_ram"] + t["hits_disk"]) * self.kv.block_size}
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block nobody holds (held ones stay: their holders need them), and

@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 import math
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -42,14 +42,7 @@ class EngineSnapshot:
     prefix_cache_hits: int = 0
     preemptions: int = 0
     step: int = 0
-    # KV tiers under the pool (kvshare/kvcache/kv_tiers.py; all 0 without them): blocks kept and
-    # the budgets in blocks, prompt tokens served from a tier, tier files refused as invalid.
-    tier_ram_blocks: int = 0
-    tier_ram_capacity_blocks: int = 0
-    tier_disk_blocks: int = 0
-    tier_disk_capacity_blocks: int = 0
-    tier_hit_tokens: int = 0
-    tier_rejected: int = 0
+    tiers: dict = field(default_factory=dict)  # EngineStatus.tiers: the KV tiers' blocks, budgets, hits
 
     @property
     def kv_cache_usage(self) -> float:
@@ -134,6 +127,9 @@ class ServerMetrics:
                 fam.add_metric([name, k], v)
             return fam
 
+        def tier(key: str) -> int:
+            return snap.tiers.get(key, 0)
+
         def tiers(kind, metric: str, help_text: str, ram: int, disk: int):
             fam = kind(metric, help_text, labels=["model_name", "tier"])
             fam.add_metric([name, "cpu"], ram)
@@ -163,14 +159,14 @@ class ServerMetrics:
                 one(counter, "vllm:prefix_cache_hits_total", "Prompt tokens served by the prefix cache.",
                     snap.prefix_cache_hits),
                 one(counter, "vllm:external_prefix_cache_hits_total",
-                    "Prompt tokens served from the KV tiers under the pool (host RAM, disk).", snap.tier_hit_tokens),
+                    "Prompt tokens served from the KV tiers under the pool (host RAM, disk).", tier("hit_tokens")),
                 tiers(gauge, "kvshare:kv_tier_blocks", "Blocks kept in each KV tier under the pool.",
-                      snap.tier_ram_blocks, snap.tier_disk_blocks),
+                      tier("ram_blocks"), tier("disk_blocks")),
                 tiers(gauge, "kvshare:kv_tier_capacity_blocks", "Each KV tier's budget, in blocks.",
-                      snap.tier_ram_capacity_blocks, snap.tier_disk_capacity_blocks),
+                      tier("ram_capacity_blocks"), tier("disk_capacity_blocks")),
                 one(counter, "kvshare:kv_tier_rejected_total",
                     "Tier blocks refused as invalid (a damaged file, another model's, a deleted one).",
-                    snap.tier_rejected),
+                    tier("rejected")),
                 one(counter, "vllm:num_preemptions_total", "Sequences preempted (recomputed later).", snap.preemptions),
                 one(counter, "vllm:prompt_tokens_total", "Prompt tokens of requests that reached prefill.",
                     self.prompt_tokens),
