@@ -252,6 +252,11 @@ class EngineConfig:
         "directory of the disk tier under the KV pool (one file per block, named by its hash; kept across "
         "restarts with --prefix-caching-hash-seed, else cleared at start; default: none)", metavar="DIR"))
     kv_disk_size: int | str = option("8GiB", Flag("the disk tier's budget, e.g. 20GiB (default: {default})"))
+    # At start-up the engine times loading a block from each tier against recomputing it, and keeps
+    # no tier that loses (tiny models, slow disks), saying so; False keeps the tiers as configured.
+    kv_tier_probe: bool = option(True, Flag(
+        "keep the KV tiers even where loading a block measures slower than recomputing it", name="--no-kv-tier-probe",
+        negate=True))
     # This engine's rank among data-parallel replicas (`kvshare serve --data-parallel-size` sets it):
     # its KV event batches carry it, as vLLM's do, so a consumer of several replicas' events can
     # tell them apart. None: a single engine, batches without it.

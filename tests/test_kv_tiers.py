@@ -374,3 +374,27 @@ def test_cache_cli_lists_verifies_and_clears_a_disk_tier(written_dir, tmp_path, 
     assert f"BAD {os.path.basename(files[0])}: checksum" in capsys.readouterr().out
     assert main(["cache", "clear", "--kv-disk-path", str(tmp_path)]) == 0
     assert not _files(tmp_path)
+
+
+@pytest.mark.parametrize("timing, ram, disk", [({"recompute": 1.0, "ram": 0.001, "disk": 0.01}, True, True),
+                                               ({"recompute": 1.0, "ram": 0.001, "disk": 2.0}, True, False),
+                                               ({"recompute": 1.0, "ram": 1.5, "disk": 2.0}, False, False)])
+def test_a_tier_that_loads_slower_than_recomputing_is_turned_off_and_says_so(tmp_path, monkeypatch, caplog, timing,
+                                                                          ram, disk):
+    from kvshare.engine import kv_tier_store, model_setup
+
+    measured = {}
+
+    def probe(store, runner):
+        measured.update(kv_tier_store.probe_tier_loads(store, runner))  # the real probe runs, then loses or wins
+        return timing
+
+    monkeypatch.setattr(model_setup, "probe_tier_loads", probe)
+    with caplog.at_level(logging.INFO, logger="kvshare"):
+        llm = _tiered(tmp_path, seed="s1")
+    assert 0 < measured["ram"] < measured["recompute"] and measured["disk"] is not None
+    tiers = llm.engine.kv_tiers
+    assert (tiers is not None) == ram and (tiers is not None and tiers.disk_blocks > 0) == disk
+    assert ("KV tiers off" in caplog.text) == (not ram)
+    assert ("KV disk tier off" in caplog.text) == (ram and not disk)
+    assert not _files(tmp_path)  # the probe's file is gone

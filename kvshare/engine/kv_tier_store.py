@@ -18,6 +18,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 import uuid
 from typing import Callable
 
@@ -92,7 +93,8 @@ def read_block_file(path: str) -> tuple[dict, bytes]:
 
 
 class KVTierStore:
-    def __init__(self, kv_cache, identity: dict, disk_path: str | None, describe: Callable[[bytes], dict]) -> None:
+    def __init__(self, kv_cache, identity: dict, disk_path: str | None,
+                 describe: Callable[[bytes], dict | None]) -> None:
         self.kv_cache = kv_cache
         self.identity = identity
         self.disk_path = disk_path
@@ -145,10 +147,11 @@ class KVTierStore:
 
     def _write_file(self, key: bytes) -> None:
         path = self.path_of(key)
-        if os.path.exists(path):
-            return  # content-addressed: the same block, from before a restart or another engine
+        described = self.describe(key)
+        if described is None or os.path.exists(path):
+            return  # dropped again already; or content-addressed: the same block, from a restart or another engine
         payload = self._payload(key)
-        header = {**self.identity, **self.describe(key), "payload_bytes": len(payload),
+        header = {**self.identity, **described, "payload_bytes": len(payload),
                   "checksum": hashlib.blake2b(payload, digest_size=16).hexdigest()}
         raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
         tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
@@ -261,3 +264,55 @@ class KVTierStore:
         if self.kv_cache.scales is not None:
             n += self.kv_cache.scales[..., 0:bs].numel() * self.kv_cache.scales.element_size()
         return n + 1024 + 8 * bs
+
+
+def probe_tier_loads(store: KVTierStore, runner, repeats: int = 3) -> dict:
+    """Seconds to recompute one block (a prefill of block_size tokens into pool block 0, free at
+    start-up, zeroed again after), to load one from host RAM, and from disk (a probe file written,
+    read back with validation, removed; None without a disk tier): medians of `repeats`."""
+    from kvshare.engine.step_plan import ChunkPlan, StepPlan
+
+    kv, bs = store.kv_cache, store.kv_cache.block_size
+    chunk = ChunkPlan("kv-tier-probe", 0, list(range(100, 100 + bs)), 0, list(range(bs)), [0], None, False)
+    key = hashlib.sha256(b"kvshare-tier-probe" + uuid.uuid4().bytes).digest()
+
+    def median(fn) -> float:
+        fn()  # warm-up: first-touch pages, kernel threads
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2]
+
+    out: dict = {"recompute": median(lambda: runner.execute(StepPlan(chunks=[chunk])))}
+    store.ram[key] = store._copy_out(0)
+    out["ram"] = median(lambda: store.apply([], [(0, key)], []))
+    out["disk"] = None
+    if store.disk_path is not None:
+        expected = {"hash": key.hex(), "parent": None, "tokens": chunk.token_ids, "namespace": "probe", "group": 0}
+        describe, store.describe = store.describe, lambda _: expected
+        try:
+            store._write_file(key)
+
+            def from_disk() -> None:
+                if store.fetch(key, expected) is not None:
+                    raise OSError("the probe block did not read back")
+                store.apply([], [(0, key)], [])
+
+            out["disk"] = median(from_disk)
+        except OSError:
+            out["disk"] = float("inf")  # unwritable or unreadable: no faster than anything
+        finally:
+            store.describe = describe
+            store.files_written = store.write_errors = 0
+            store._write_error_logged = False
+            try:
+                os.remove(store.path_of(key))
+            except OSError:
+                pass
+    store.ram.pop(key, None)
+    kv.data[..., 0:bs, :] = 0  # as a new pool: block 0 is free
+    if kv.scales is not None:
+        kv.scales[..., 0:bs] = 0
+    return out

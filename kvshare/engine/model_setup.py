@@ -10,7 +10,8 @@ import os
 from dataclasses import dataclass
 
 from kvshare.config import EngineConfig
-from kvshare.engine.kv_tier_store import FORMAT_VERSION, KVTierStore, model_identity, tokenizer_identity
+from kvshare.engine.kv_tier_store import (FORMAT_VERSION, KVTierStore, model_identity, probe_tier_loads,
+                                          tokenizer_identity)
 from kvshare.engine.model_runner import ModelRunner
 from kvshare.engine.startup import KVLayout, ReportedModel
 from kvshare.kvcache.coordinator import KVCacheCoordinator
@@ -133,7 +134,8 @@ def build_kv_tiers(config: EngineConfig, kv: KVCacheCoordinator, kv_cache: Paged
         return None
     if kv.num_groups > 1:
         raise ValueError(f"kv_host_memory / kv_disk_path support models with one KV cache group for now; this one "
-                         f"has {kv.num_groups} (try kv_cache_groups=False / --no-kv-cache-groups)")
+                         f"has {kv.num_groups} (kv_cache_groups=False / --disable-hybrid-kv-cache-manager puts every "
+                         f"layer in one)")
     layout = list(kv_cache.data.shape)
     layout[3] = kv_cache.block_size  # one block's slots
     identity = {"format": FORMAT_VERSION, "model": model_identity(source), "tokenizer": tokenizer_identity(tokenizer),
@@ -141,7 +143,25 @@ def build_kv_tiers(config: EngineConfig, kv: KVCacheCoordinator, kv_cache: Paged
                 "layout": layout + (["scales"] if kv_cache.scales is not None else []),
                 "hash_seed": hashlib.sha256(kv.hasher.root).hexdigest()}
     disk = config.kv_disk_path
+    if disk is not None:
+        try:
+            os.makedirs(disk, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"kv_disk_path={disk!r} is invalid: cannot create the directory ({e})") from None
     store = KVTierStore(kv_cache, identity, disk, lambda key: tiers.describe(key))
+    if config.kv_tier_probe:
+        timing = probe_tier_loads(store, runner)
+        recompute, ram, on_disk = timing["recompute"], timing["ram"], timing["disk"]
+        logger.info(f"KV tiers: one block recomputed in {recompute * 1e3:.2f} ms, loaded from host RAM in "
+                    f"{ram * 1e3:.2f} ms" + (f", from disk in {on_disk * 1e3:.2f} ms" if on_disk is not None else ""))
+        if ram >= recompute:
+            logger.warning("KV tiers off: loading a block from host RAM measured no faster than recomputing it "
+                           "(--no-kv-tier-probe keeps them)")
+            return None
+        if on_disk is not None and on_disk >= recompute:
+            logger.warning("KV disk tier off: loading a block from disk measured no faster than recomputing it "
+                           "(--no-kv-tier-probe keeps it)")
+            disk = store.disk_path = None
     block_bytes = store.file_bytes()
     ram_blocks = int(config.kv_host_memory or 0) // block_bytes
     disk_blocks = int(config.kv_disk_size) // block_bytes if disk else 0
@@ -152,10 +172,6 @@ def build_kv_tiers(config: EngineConfig, kv: KVCacheCoordinator, kv_cache: Paged
     runner.tier_store = store
     logger.info(f"KV tiers: host RAM {ram_blocks} blocks ({ram_blocks * block_bytes / 2**20:.1f} MiB)")
     if disk is not None:
-        try:
-            os.makedirs(disk, exist_ok=True)
-        except OSError as e:
-            raise ValueError(f"kv_disk_path={disk!r} is invalid: cannot create the directory ({e})") from None
         if config.prefix_caching_hash_seed is None:
             removed = store.clear_disk()
             note = (f"no --prefix-caching-hash-seed: block hashes are this process's, so the disk tier is too "

@@ -162,12 +162,11 @@ class KVTiers:
     def has_transfers(self) -> bool:
         return bool(self._stores or self._loads or self._drops)
 
-    def describe(self, block_hash: bytes) -> dict:
-        """What a disk header records of an entry (the byte store asks when it writes the file)."""
+    def describe(self, block_hash: bytes) -> dict | None:
+        """What a disk header records of an entry (the byte store asks when it writes the file);
+        None when both tiers let it go again in the step that stored it (nothing to write)."""
         entry = self.ram.get(block_hash) or self.disk.get(block_hash)
-        if entry is None:
-            raise KeyError(f"block {block_hash.hex()[:16]} is in no tier")
-        return self._expected(block_hash, entry)
+        return None if entry is None else self._expected(block_hash, entry)
 
     def adopt_disk(self, found: list[tuple[bytes, TierEntry]]) -> None:
         """At start-up: the disk tier's valid files, oldest first (a restart with a hash seed)."""
