@@ -398,3 +398,40 @@ def test_a_tier_that_loads_slower_than_recomputing_is_turned_off_and_says_so(tmp
     assert ("KV tiers off" in caplog.text) == (not ram)
     assert ("KV disk tier off" in caplog.text) == (ram and not disk)
     assert not _files(tmp_path)  # the probe's file is gone
+
+
+def test_tier_bookkeeping_without_a_model():
+    """The tiers' own rules (kvcache/kv_tiers.py) on a bare pool: evictions queue stores in order,
+    a full tier drops its least recently used entry, a hit needs the requester's namespace, and a
+    key dropped and stored again in one step keeps no drop."""
+    from kvshare.kvcache.block_pool import BlockPool
+    from kvshare.kvcache.cache_key import CacheNamespace
+    from kvshare.kvcache.hashing import BlockHasher
+    from kvshare.kvcache.kv_tiers import KVTiers
+
+    pool, hasher = BlockPool(4), BlockHasher(4, root=b"r" * 16)
+    tiers = KVTiers(pool, hasher, ram_blocks=1, disk_blocks=0)
+    salted = CacheNamespace("tenant-a")
+    hashes = []
+    for i in range(3):
+        block = pool.allocate("s", salted)
+        tokens = (i,) * 4
+        hashes.append(hasher.hash_block(None, tokens, hasher.extra_keys(salted)))
+        pool.publish(block, hashes[-1], tokens)
+        pool.decref(block, "s")
+    held = [pool.allocate("t", salted) for _ in range(4)]  # evicts the three cached blocks, oldest first
+    stores, loads, drops = tiers.take_transfers()
+    assert [key for _, key in stores] == hashes and not loads
+    assert drops == [("cpu", hashes[0]), ("cpu", hashes[1])] and list(tiers.ram) == [hashes[2]]
+    assert tiers.describe(hashes[0]) is None and tiers.describe(hashes[2])["tokens"] == [2] * 4
+    assert tiers.find(hashes[2], (2,) * 4, CacheNamespace("tenant-b")) is None  # another tenant: a counted miss
+    assert tiers.rejected and hashes[2] not in tiers.ram
+    # Stored again in the step its drop (the rejection above) was queued: the drop is cancelled.
+    block = held[0]
+    pool.publish(block, hashes[2], (2,) * 4)
+    pool.decref(block, "t")
+    pool.allocate("u")  # evicts it again: a store of the same key
+    stores, _, drops = tiers.take_transfers()
+    assert ("cpu", hashes[2]) not in drops and [key for _, key in stores] == [hashes[2]]
+    hit = tiers.find(hashes[2], (2,) * 4, salted)
+    assert hit is not None and hit.tier == "cpu" and hit.block_id == -1
