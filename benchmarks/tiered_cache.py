@@ -16,6 +16,11 @@ so both engines must produce the same tokens (checked: the default mode is bit-t
         --conversations 8 --turns 4 --user-tokens 400 --reply-tokens 32 --kv-cache-memory 64MiB \\
         --kv-host-memory 2GiB
 
+With --llama-server PATH the same returning requests (the same token ids, in the same order) also
+go to llama.cpp's llama-server with --cache-ram (its host-RAM prompt cache, the kvshare RAM tier's
+budget), one slot; its TTFT is the request's wall time less its generated tokens after the first
+(its own per-token timing). llama-server's cache does not survive a restart: no restart row for it.
+
 Numbers are meaningful on a quiet machine only (nothing else running).
 """
 from __future__ import annotations
@@ -23,14 +28,21 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import shutil
 import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 
-from kvshare import LLM, SamplingParams
-from kvshare.bench.workloads import ENGLISH_TEXT
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from kvshare import LLM, SamplingParams  # noqa: E402
+from kvshare.bench.workloads import ENGLISH_TEXT  # noqa: E402
+from kvshare.config import parse_bytes  # noqa: E402
+from kvshare.model.loader import bundled_model_path  # noqa: E402
+from kvshare.testing.ports import free_port  # noqa: E402
 
 
 def conversations_text(llm: LLM, num: int, user_tokens: int, turns: int) -> list[list[list[int]]]:
@@ -78,6 +90,9 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-disk-size", default="2GiB")
     ap.add_argument("--kv-disk-path", default=None, help="default: a new temporary directory, removed after")
     ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--llama-server", default=None, metavar="PATH",
+                    help="also time llama.cpp's llama-server --cache-ram on the same requests")
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="llama-server's threads")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     disk = args.kv_disk_path or tempfile.mkdtemp(prefix="kvshare-tiers-")
@@ -99,6 +114,7 @@ def run(args, disk: str) -> int:
     ttft: dict[str, list[float]] = {"plain": [], "tiered": []}
     hit_tokens = {"plain": 0, "tiered": 0}
     same = True
+    returning: list[list[int]] = []  # the returning requests, in order (for llama-server)
     restart_turn = args.turns // 2
     restart: dict = {}
     for turn in range(args.turns):
@@ -117,6 +133,8 @@ def run(args, disk: str) -> int:
             replies = {}
             for name, llm in (("plain", plain), ("tiered", tiered)):
                 prompt = history[name][c] + msgs[turn]
+                if name == "plain" and turn > 0:
+                    returning.append(prompt)
                 t, reply, cached = one(llm, prompt, args.reply_tokens)
                 replies[name] = reply
                 history[name][c] = prompt + reply
@@ -127,6 +145,7 @@ def run(args, disk: str) -> int:
                     restart[f"first_after_restart_ttft_{name}"] = t
                     restart[f"first_after_restart_cached_tokens_{name}"] = cached
             same = same and replies["plain"] == replies["tiered"]
+
     stats = tiered.engine.status()
     med = {k: statistics.median(v) if v else float("nan") for k, v in ttft.items()}
     result = {
@@ -143,6 +162,10 @@ def run(args, disk: str) -> int:
                         "tier_hit_tokens_since_restart": stats.tiers.get("hit_tokens", 0)},
         "same_tokens_with_and_without_tiers": same,
     }
+    if args.llama_server:
+        llama = llama_server_ttft(args, [msgs[0] for msgs in convs], returning)
+        result["llama_server_cache_ram"] = llama
+        result["returning_ttft_vs_llama_server"] = llama["returning_ttft_median_s"] / med["tiered"]
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -159,7 +182,52 @@ def run(args, disk: str) -> int:
                   f" {restart['first_after_restart_cached_tokens_tiered']} tokens from the disk tier); engine start "
                   f"{restart['start_seconds']:.2f} s")
         print(f"same tokens with and without tiers: {same}")
+        if args.llama_server:
+            ll = result["llama_server_cache_ram"]
+            print(f"llama-server --cache-ram {ll['cache_ram_mib']} MiB, returning conversations, median TTFT "
+                  f"{ll['returning_ttft_median_s'] * 1e3:.1f} ms (kvshare with tiers: "
+                  f"{result['returning_ttft_vs_llama_server']:.2f}x faster); prompt tokens from its cache "
+                  f"{ll['cached_tokens']}")
     return 0 if same else 1
+
+
+def llama_server_ttft(args, first_turn: list[list[int]], returning: list[list[int]]) -> dict:
+    """The returning requests' TTFT on llama-server with --cache-ram (after each conversation's
+    first turn, in the workload's order), one slot."""
+    from serve_vs_hf import Server
+
+    cache_mib = parse_bytes(args.kv_host_memory, "kv_host_memory") // 2**20
+    port = free_port()
+    log_dir = tempfile.mkdtemp(prefix="kvshare-tiers-llama-")
+    cmd = [args.llama_server, "-m", args.model or bundled_model_path(), "--host", "127.0.0.1", "--port", str(port),
+           "-t", str(args.threads), "-np", "1", "-c", str(args.max_model_len), "--cache-ram", str(cache_mib)]
+    srv = Server("llama-server", cmd, port, "/health", log_dir, dict(os.environ))
+    try:
+        srv.wait_ready()
+
+        def complete(prompt: list[int]) -> tuple[float, int]:
+            body = json.dumps({"prompt": prompt, "n_predict": args.reply_tokens, "temperature": 0,
+                               "cache_prompt": True, "ignore_eos": True}).encode()
+            req = urllib.request.Request(srv.url + "/completion", body, {"Content-Type": "application/json"})
+            t0 = time.perf_counter()
+            with urllib.request.urlopen(req, timeout=600) as r:
+                out = json.loads(r.read())
+            wall = time.perf_counter() - t0
+            t = out.get("timings", {})
+            later = max(0, t.get("predicted_n", 1) - 1) * t.get("predicted_per_token_ms", 0.0) / 1e3
+            return wall - later, len(prompt) - int(t.get("prompt_n", len(prompt)))
+
+        complete(first_turn[0][:16])  # warm-up
+        for prompt in first_turn:
+            complete(prompt)
+        ttfts, cached = [], 0
+        for prompt in returning:
+            t, c = complete(prompt)
+            ttfts.append(t)
+            cached += c
+    finally:
+        srv.stop()
+    return {"cache_ram_mib": cache_mib, "returning_ttft_median_s": statistics.median(ttfts), "cached_tokens": cached}
 
 
 if __name__ == "__main__":
