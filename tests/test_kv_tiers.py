@@ -225,13 +225,14 @@ def test_a_damaged_block_file_is_a_counted_miss_and_the_answer_stays_right(ids, 
     assert _gen(llm, ids[9 * N:10 * N]) == reference(ids[9 * N:10 * N])  # it keeps serving
 
 
-def test_a_full_disk_keeps_serving_from_ram(ids, reference, tmp_path, monkeypatch):
+@pytest.mark.parametrize("code", ["ENOSPC", "EROFS"])  # a full disk; a read-only one (root ignores mode bits)
+def test_a_full_or_read_only_disk_keeps_serving_from_ram(ids, reference, tmp_path, monkeypatch, code):
     import errno
 
     llm = _tiered(tmp_path, seed="s1")
 
     def no_space(*_):
-        raise OSError(errno.ENOSPC, "No space left on device")
+        raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
 
     monkeypatch.setattr("kvshare.engine.kv_tier_store.os.replace", no_space)
     prompt = ids[5 * N:6 * N]
