@@ -1,4 +1,4 @@
-"""Command line: `kvshare generate`, `kvshare info`, `kvshare memory`."""
+"""Command line: `kvshare generate`, `kvshare info`, `kvshare memory`, `kvshare cache`."""
 from __future__ import annotations
 
 import argparse
@@ -7,6 +7,7 @@ import logging
 import sys
 
 from kvshare.bench.serve import add_bench_parser
+from kvshare.cache_cli import add_cache_parser
 from kvshare.doctor_cli import add_doctor_parsers
 from kvshare.engine_args import add_engine_args, engine_options
 from kvshare.memory_cli import add_memory_parser
@@ -68,6 +69,12 @@ def cmd_info(args: argparse.Namespace) -> int:
         "kv_pool_bytes": lay.pool_bytes, "max_model_len": lay.max_model_len,
         "max_len_sequences_that_fit": round(lay.max_len_seqs, 2),
     }
+    tiers = engine.status().tiers
+    if engine.config.kv_host_memory is not None:
+        info["kv_tier_host_memory"] = f"{tiers['ram_capacity_blocks']} blocks ({engine.config.kv_host_memory} bytes)"
+    if engine.config.kv_disk_path is not None:
+        info["kv_tier_disk"] = (f"{engine.config.kv_disk_path}: {tiers['disk_capacity_blocks']} blocks "
+                                f"({engine.config.kv_disk_size} bytes), {tiers['disk_blocks']} kept")
     if lay.num_kv_groups > 1:  # several tables share the blocks: say how
         from kvshare.memory_plan import group_summary
 
@@ -114,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.set_defaults(func=cmd_info)
 
     add_memory_parser(sub)
+    add_cache_parser(sub)
     add_doctor_parsers(sub)
     add_serve_parser(sub)
     add_bench_parser(sub)

@@ -243,6 +243,20 @@ class EngineConfig:
         "derive prefix-cache block hashes from this seed instead of a random per-process root, so replicas (and a "
         "router) compute the same hashes from token ids (default: ${env}, which keeps it off the command line "
         "other users can read)", env=HASH_SEED_ENV))
+    # KV tiers under the pool (docs/kv_tiers.md): cached blocks the pool evicts are kept in host RAM
+    # and, write-through, in files; a prefix lookup that misses the pool continues there. With
+    # prefix_caching_hash_seed set the disk tier survives restarts; without, it is this process's.
+    kv_host_memory: int | str | None = option(None, Flag(
+        "host-RAM tier under the KV pool for evicted prefix blocks, e.g. 2GiB (default: none)"))
+    kv_disk_path: str | None = option(None, Flag(
+        "directory of the disk tier under the KV pool (one file per block, named by its hash; kept across "
+        "restarts with --prefix-caching-hash-seed, else cleared at start; default: none)", metavar="DIR"))
+    kv_disk_size: int | str = option("8GiB", Flag("the disk tier's budget, e.g. 20GiB (default: {default})"))
+    # At start-up the engine times loading a block from each tier against recomputing it, and keeps
+    # no tier that loses (tiny models, slow disks), saying so; False keeps the tiers as configured.
+    kv_tier_probe: bool = option(True, Flag(
+        "keep the KV tiers even where loading a block measures slower than recomputing it", name="--no-kv-tier-probe",
+        negate=True))
     # This engine's rank among data-parallel replicas (`kvshare serve --data-parallel-size` sets it):
     # its KV event batches carry it, as vLLM's do, so a consumer of several replicas' events can
     # tell them apart. None: a single engine, batches without it.
@@ -297,6 +311,7 @@ class EngineConfig:
                              "(shared memory where kvshare's C++ library is built, else gloo) and 'gloo'")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        self._check_kv_tiers()
         if not (0.0 < self.kv_cache_memory_fraction <= 0.95):
             raise ValueError(
                 f"kv_cache_memory_fraction={self.kv_cache_memory_fraction!r} is invalid: must be in (0, 0.95]"
@@ -331,6 +346,24 @@ class EngineConfig:
                 not isinstance(self.prefix_caching_hash_seed, str) or not self.prefix_caching_hash_seed):
             raise ValueError(f"prefix_caching_hash_seed={self.prefix_caching_hash_seed!r} is invalid: must be a "
                              "non-empty string")
+
+    def _check_kv_tiers(self) -> None:
+        if self.kv_host_memory is not None:
+            self.kv_host_memory = parse_bytes(self.kv_host_memory, "kv_host_memory")
+        self.kv_disk_size = parse_bytes(self.kv_disk_size, "kv_disk_size")
+        if self.kv_disk_path is not None and (not isinstance(self.kv_disk_path, str) or not self.kv_disk_path):
+            raise ValueError(f"kv_disk_path={self.kv_disk_path!r} is invalid: must be a directory path")
+        if self.kv_tiers and not self.enable_prefix_caching:
+            raise ValueError("kv_host_memory / kv_disk_path keep evicted prefix-cache blocks: they need prefix caching "
+                             "(drop --no-prefix-caching, or the tier flags)")
+        if self.kv_tiers and self.tensor_parallel_size > 1:
+            raise ValueError("kv_host_memory / kv_disk_path are not supported with tensor_parallel_size > 1 yet "
+                             "(each rank would need its shard of every kept block)")
+
+    @property
+    def kv_tiers(self) -> bool:
+        """Whether a KV tier (host RAM or disk) is configured under the pool."""
+        return self.kv_host_memory is not None or self.kv_disk_path is not None
 
     def _check_kv_policy(self) -> None:
         if isinstance(self.sink_max_tokens, bool) or not isinstance(self.sink_max_tokens, int) or self.sink_max_tokens < 1:

@@ -655,3 +655,25 @@ def test_injected_audit_violation_is_highlighted_on_the_named_block(browser):
         ctx.close()
     finally:
         srv.close()
+
+
+def test_the_page_shows_kv_tier_occupancy(browser, tmp_path):
+    """A server with KV tiers (docs/kv_tiers.md): the page's tier line shows each tier's blocks
+    against its budget, as /metrics reports them."""
+    srv = ServerProcess(engine_args=["--kv-cache-memory", "3MiB", "--max-model-len", "512", "--kv-host-memory",
+                                     "16MiB", "--kv-disk-path", str(tmp_path), "--kv-disk-size", "64MiB"]).wait_ready()
+    try:
+        for prompt in (list(range(300, 349)), list(range(400, 513))):  # the second evicts the first: into the tiers
+            status, _ = srv.post_json("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2})
+            assert status == 200
+        ctx, page = open_dashboard(browser, srv, None)
+        page.wait_for_function("() => kvDashboard.tiers && kvDashboard.tiers.kept.cpu > 0", timeout=30_000)
+        tiers = page.evaluate("() => kvDashboard.tiers")
+        assert tiers["kept"] == {"cpu": srv.metric("kvshare:kv_tier_blocks", tier="cpu"),
+                                 "disk": srv.metric("kvshare:kv_tier_blocks", tier="disk")}
+        assert tiers["budget"]["cpu"] == srv.metric("kvshare:kv_tier_capacity_blocks", tier="cpu") > 0
+        assert page.is_visible("[data-tiers]")
+        assert page.text_content('[data-tier="cpu"]') == f"{int(tiers['kept']['cpu'])} / {int(tiers['budget']['cpu'])}"
+        ctx.close()
+    finally:
+        srv.close()

@@ -25,7 +25,8 @@ def full_plan() -> StepPlan:
                 ChunkPlan("req-2", 0, [1, 2, 3], 0, (GroupAccess([16, 17, 18], [1], None), GroupAccess([16, 17, 18], [1], [0]),
                                                     GroupAccess([33, 34, 35], [2], None)), False, (0, 2))],
         preempted=["req-3", "req-4#1"], block_copies=[(4, 11), (5, 12)], rotations=[("req-1#0", [3, 9], -16)],
-        block_loads=[(20, b"\x00\xffhash-a"), (21, b"hash-b")], block_stores=[(3, b"hash-c")])
+        block_loads=[(20, b"\x00\xffhash-a"), (21, b"hash-b")], block_stores=[(3, b"hash-c")],
+        tier_drops=[("cpu", b"hash-d"), ("disk", b"hash-e")])
 
 
 def test_a_plan_round_trips_through_the_wire_equal_to_itself():
@@ -34,10 +35,11 @@ def test_a_plan_round_trips_through_the_wire_equal_to_itself():
     got = over_the_wire(_encode, _decode, plan)
     assert got == plan
     assert got.block_loads == [(20, b"\x00\xffhash-a"), (21, b"hash-b")] and got.block_stores == [(3, b"hash-c")]
+    assert got.tier_drops == [("cpu", b"hash-d"), ("disk", b"hash-e")]
     assert got.chunks[1].prompt_logits == (0, 2) and got.chunks[1].kv[2].read_index is None
     assert got.logit_rows() == plan.logit_rows()
     assert over_the_wire(_encode, _decode, StepPlan()) == StepPlan()  # block_loads / stores default empty
-    assert StepPlan().block_loads == [] and StepPlan().block_stores == []
+    assert StepPlan().block_loads == [] and StepPlan().block_stores == [] and StepPlan().tier_drops == []
 
 
 def test_the_plan_holds_ids_not_records():

@@ -8,7 +8,7 @@ writes, execute, publish the blocks the step completed, hand over the output, au
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
 from kvshare.config import EngineConfig
@@ -60,6 +60,9 @@ class EngineStatus:
     prefix_cache_hits: int = 0
     preemptions: int = 0
     step: int = 0
+    # The KV tiers under the pool (kvshare/kvcache/kv_tiers.py; empty without them): blocks kept and
+    # budgets in blocks per tier, prompt tokens served from a tier, tier blocks refused as invalid.
+    tiers: dict[str, int] = field(default_factory=dict)
 
 
 class EngineCore(Generic[Output]):
@@ -117,11 +120,20 @@ class EngineCore(Generic[Output]):
         return EngineStatus(running=len(running), waiting=len(waiting), blocks_in_use=kv.num_used_blocks(),
                             blocks_total=kv.num_blocks, prefix_cache_queries=kv.stats.queries,
                             prefix_cache_hits=kv.stats.hits, preemptions=sched.num_preemptions,
-                            step=self.step_count)
+                            step=self.step_count, tiers=self.tier_status())
+
+    def tier_status(self) -> dict[str, int]:
+        tiers = self.kv.pool.tiers
+        if tiers is None:
+            return {}
+        t = tiers.stats()
+        keys = ("ram_blocks", "ram_capacity_blocks", "disk_blocks", "disk_capacity_blocks", "rejected")
+        return {**{k: t[k] for k in keys}, "hit_tokens": (t["hits_ram"] + t["hits_disk"]) * self.kv.block_size}
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached block nobody holds (held ones stay: their holders need them)."""
-        self.kv.pool.reset_prefix_cache()
+        """Forget every cached block nobody holds (held ones stay: their holders need them), and
+        the RAM tier's (kvshare/kvcache/kv_tiers.py)."""
+        self.kv.reset_prefix_cache()
 
     def cached_block_hashes(self) -> set[bytes]:
         return set(self.kv.pool.cached)
@@ -140,7 +152,7 @@ class EngineCore(Generic[Output]):
         self.events = EventLog(path=event_log) if (audit or event_log) else None
         self.auditor = None
         if self.events is not None:
-            self.kv.pool.reset_prefix_cache()
+            self.kv.reset_prefix_cache()
             self.events.record("pool", num_blocks=self.kv.num_blocks, block_size=self.kv.block_size,
                                prefix_caching=self.config.enable_prefix_caching)
             if audit:

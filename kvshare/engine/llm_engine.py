@@ -20,7 +20,8 @@ from kvshare.engine.engine_api import ENGINE_API
 from kvshare.engine.intake import MULTIMODAL_PROMPT_KEYS, PROMPT_DICT_KEYS, RequestIntake  # noqa: F401 (re-exported)
 from kvshare.engine.kv_view import kv_snapshot
 from kvshare.engine.model_runner import ModelRunner, StepLogits
-from kvshare.engine.model_setup import build_kv_core, build_rank, check_tensor_parallel, plan_kv, transparency_gaps
+from kvshare.engine.model_setup import (build_kv_core, build_kv_tiers, build_rank, check_tensor_parallel,
+                                        persist_kv_tiers, plan_kv, transparency_gaps)
 from kvshare.engine.output_processor import OutputProcessor
 from kvshare.engine.request import RequestState, Sequence
 from kvshare.engine.sampling_step import StepSampler
@@ -88,6 +89,7 @@ class LLMEngine:
                                                             tp)
         build_seconds = time.perf_counter() - t_build
         self.runner: ModelRunner | TensorParallelRunner = rank_runner
+        self.kv_tiers = build_kv_tiers(config, self.manager, self.kv_cache, rank_runner, loaded.source, self.tokenizer)
         # Why sharing may show in a request's bits (empty: it cannot; kvshare doctor then demands equality).
         self.transparency = transparency_gaps(self.numerics, rank_runner, kv, launcher is not None)
         if launcher is not None and tp is not None:
@@ -129,11 +131,9 @@ class LLMEngine:
             self.prefix_update_publisher = start_publisher(config, self.manager.pool)
 
     def close(self) -> None:
-        """Release what outlives a step: the KV event sockets, the event log file and the
-        tensor-parallel workers."""
-        close_runner = getattr(self.runner, "close", None)
-        if close_runner is not None:
-            close_runner()
+        """Release what outlives a step: KV event sockets, the event log file, the TP workers."""
+        persist_kv_tiers(self.kv_tiers, self.runner)  # what the pool still caches, for the next start
+        getattr(self.runner, "close", lambda: None)()
         if self.prefix_update_publisher is not None:
             self.publish_prefix_updates()
             self.prefix_update_publisher.close()
@@ -154,8 +154,7 @@ class LLMEngine:
     def set_view_tap(self, tap: ViewTap | None) -> None:
         self.core.set_view_tap(tap)
 
-    def take_view_events(self) -> list[dict] | None:
-        """The live view's block events since the last call (None: no view tap attached)."""
+    def take_view_events(self) -> list[dict] | None:  # since the last call (None: no view tap)
         return None if self.core.view_tap is None else self.core.view_tap.take()
 
     def compile_grammar(self, spec) -> object:  # so that a request using `spec` finds it compiled

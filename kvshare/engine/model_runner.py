@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvshare.engine.kv_tier_store import KVTierStore
 from kvshare.engine.step_plan import ChunkPlan, GroupAccess, StepPlan
 from kvshare.model.attention import AttentionMetadata, DecodeGroup, PagedKVStorage, PrefillChunk
 from kvshare.model.attention_masks import visible
@@ -66,6 +67,9 @@ class ModelRunner:
         self.layer_slots = layer_slots
         self.block_size = kv_cache.block_size
         self._inv_freq = rope_inv_freq(model.config)
+        # The KV tiers' bytes (kvshare.engine.kv_tier_store), when tiers are configured: it applies
+        # the plan's stores, loads and drops before anything else in a step.
+        self.tier_store: KVTierStore | None = None
 
     def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Packed inputs for the plan's chunks (decode rows first, then prefill chunks).
@@ -216,6 +220,8 @@ class ModelRunner:
                 groups[v].append(DecodeGroup(r0, n, table, bias.view(1, n, 1, width * bs)))
 
     def execute(self, plan: StepPlan) -> StepLogits:
+        if self.tier_store is not None and (plan.block_stores or plan.block_loads or plan.tier_drops):
+            self.tier_store.apply(plan.block_stores, plan.block_loads, plan.tier_drops)
         if plan.block_copies:
             self.kv_cache.copy_blocks(plan.block_copies)
         for _, block_ids, shift in plan.rotations:  # after the copies: a copy takes unrotated keys

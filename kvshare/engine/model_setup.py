@@ -4,15 +4,21 @@ in its own process; with tensor parallelism each worker rank builds its shard th
 (kvshare.engine.tensor_parallel), so the ranks cannot disagree on how a step plan is run."""
 from __future__ import annotations
 
+import hashlib
+import logging
+import os
 from dataclasses import dataclass
 
 from kvshare.config import EngineConfig
+from kvshare.engine.kv_tier_store import (FORMAT_VERSION, KVTierStore, model_identity, probe_tier_loads,
+                                          tokenizer_identity)
 from kvshare.engine.model_runner import ModelRunner
 from kvshare.engine.startup import KVLayout, ReportedModel
 from kvshare.kvcache.coordinator import KVCacheCoordinator
 from kvshare.kvcache.hashing import BlockHasher
 from kvshare.kvcache.kv_groups import (KVCacheGroup, grouped_blocks_per_seq, layer_slots, layers_per_block, one_group,
                                        plan_kv_groups)
+from kvshare.kvcache.kv_tiers import KVTiers, TierEntry
 from kvshare.kvcache.kv_policy import AttentionPolicy, SinkWindow, build_kv_policy
 from kvshare.memory_plan import kv_pool_blocks
 from kvshare.model.attention import PagedKVStorage, TorchPagedAttention
@@ -21,6 +27,8 @@ from kvshare.model.families import REGISTRY, build_model
 from kvshare.model.kernels.qmatmul import qmatmul_paths
 from kvshare.model.numerics import NumericsPolicy
 from kvshare.model.tensor_parallel import TPCollectives, check_shardable, shard_weights
+
+logger = logging.getLogger("kvshare")
 
 
 @dataclass
@@ -115,3 +123,72 @@ def transparency_gaps(numerics: NumericsPolicy, runner: ModelRunner, kv: KVPlan,
     if tensor_parallel:
         gaps.append("tensor parallel: not verified bit-transparent (ranks' partial sums meet in an all-reduce)")
     return tuple(gaps)
+
+
+def build_kv_tiers(config: EngineConfig, kv: KVCacheCoordinator, kv_cache: PagedKVStorage, runner: ModelRunner,
+                   source: str, tokenizer) -> KVTiers | None:
+    """The KV tiers under the pool (kvshare/kvcache/kv_tiers.py) and their bytes (the runner's
+    `tier_store`), with the disk tier's start: adopted with a hash seed, cleared without one.
+    None when no tier is configured."""
+    if not config.kv_tiers:
+        return None
+    if kv.num_groups > 1:
+        raise ValueError(f"kv_host_memory / kv_disk_path support models with one KV cache group for now; this one "
+                         f"has {kv.num_groups} (kv_cache_groups=False / --disable-hybrid-kv-cache-manager puts every "
+                         f"layer in one)")
+    layout = list(kv_cache.data.shape)
+    layout[3] = kv_cache.block_size  # one block's slots
+    identity = {"format": FORMAT_VERSION, "model": model_identity(source), "tokenizer": tokenizer_identity(tokenizer),
+                "block_size": config.block_size, "kv_dtype": str(kv_cache.data.dtype).replace("torch.", ""),
+                "layout": layout + (["scales"] if kv_cache.scales is not None else []),
+                "hash_seed": hashlib.sha256(kv.hasher.root).hexdigest()}
+    disk = config.kv_disk_path
+    if disk is not None:
+        try:
+            os.makedirs(disk, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"kv_disk_path={disk!r} is invalid: cannot create the directory ({e})") from None
+    store = KVTierStore(kv_cache, identity, disk, lambda key: tiers.describe(key))
+    if config.kv_tier_probe:
+        timing = probe_tier_loads(store, runner)
+        recompute, ram, on_disk = timing["recompute"], timing["ram"], timing["disk"]
+        logger.info(f"KV tiers: one block recomputed in {recompute * 1e3:.2f} ms, loaded from host RAM in "
+                    f"{ram * 1e3:.2f} ms" + (f", from disk in {on_disk * 1e3:.2f} ms" if on_disk is not None else ""))
+        if ram >= recompute:
+            logger.warning("KV tiers off: loading a block from host RAM measured no faster than recomputing it "
+                           "(--no-kv-tier-probe keeps them)")
+            return None
+        if on_disk is not None and on_disk >= recompute:
+            logger.warning("KV disk tier off: loading a block from disk measured no faster than recomputing it "
+                           "(--no-kv-tier-probe keeps it)")
+            disk = store.disk_path = None
+    block_bytes = store.file_bytes()
+    ram_blocks = int(config.kv_host_memory or 0) // block_bytes
+    disk_blocks = int(config.kv_disk_size) // block_bytes if disk else 0
+    # A directory shared with other engines is read live only where hashes agree across processes.
+    shared = disk is not None and config.prefix_caching_hash_seed is not None
+    tiers = KVTiers(kv.pool, kv.hasher, ram_blocks, disk_blocks, store.fetch if disk else None,
+                    store.discover if shared else None)
+    runner.tier_store = store
+    logger.info(f"KV tiers: host RAM {ram_blocks} blocks ({ram_blocks * block_bytes / 2**20:.1f} MiB)")
+    if disk is not None:
+        if config.prefix_caching_hash_seed is None:
+            removed = store.clear_disk()
+            note = (f"no --prefix-caching-hash-seed: block hashes are this process's, so the disk tier is too "
+                    f"(cleared at start: {removed} files removed)")
+        else:
+            found, foreign = store.scan()
+            tiers.adopt_disk([(key, TierEntry(tuple(h["tokens"]), bytes.fromhex(h["parent"]) if h["parent"] else None,
+                                              h["namespace"])) for key, h in found])
+            note = (f"kept across restarts (hash seed set): {len(found)} blocks found"
+                    + (f", {foreign} files of another model, tokenizer, KV layout or hash seed ignored" if foreign
+                       else ""))
+        logger.info(f"KV tiers: disk {disk} {disk_blocks} blocks ({disk_blocks * block_bytes / 2**20:.1f} MiB); {note}")
+    return tiers
+
+
+def persist_kv_tiers(tiers: KVTiers | None, runner) -> None:
+    """A clean shutdown: what the pool still caches is written to the disk tier now."""
+    if tiers is not None and runner.tier_store is not None:
+        tiers.persist_pool()
+        runner.tier_store.apply(*tiers.take_transfers())

@@ -80,6 +80,8 @@ class Scheduler:
 
         out.block_copies = self.manager.take_pending_copies()
         out.rotations = self.manager.take_pending_rotations()
+        if scheduled:  # no forward, no transfers: they wait for the next step that runs one
+            out.block_stores, out.block_loads, out.tier_drops = self.manager.take_tier_transfers()
         self.scheduled_seqs = {c.seq.seq_id: c.seq for c in scheduled.values()}
         plans = [self._plan(c) for c in scheduled.values()]
         # Decode rows by how many blocks they read (rows of one padded width are adjacent), then prefills.

@@ -79,12 +79,15 @@ class StepPlan:
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), before the forward
     # Sink sequences' kept keys to re-rotate after the copies: (seq id, block ids, position shift).
     rotations: list[tuple[str, list[int], int]] = field(default_factory=list)
-    # KV moving between the pool and a tier outside it (a host-memory tier, a later issue; empty
-    # until then), as (block id, tier key) pairs, the tier key being what the tier keeps that KV
-    # under (the block's hash). Loads fill pool blocks from the tier before the forward, so this
-    # step can read them; stores copy blocks' KV out to the tier after the forward wrote it.
-    block_loads: list[tuple[int, bytes]] = field(default_factory=list)
+    # KV moving between the pool and the KV tiers (host RAM, disk: kvshare/kvcache/kv_tiers.py), as
+    # (block id, tier key) pairs, the tier key being what the tiers keep that KV under (the block's
+    # hash). The runner applies them before anything else in the step, in this order: stores copy
+    # out the KV of blocks evicted while planning this step (before the step overwrites them),
+    # loads fill pool blocks from the RAM tier (so this step can read them), drops forget entries
+    # the tiers pushed out: (tier name, key).
     block_stores: list[tuple[int, bytes]] = field(default_factory=list)
+    block_loads: list[tuple[int, bytes]] = field(default_factory=list)
+    tier_drops: list[tuple[str, bytes]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

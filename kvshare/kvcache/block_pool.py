@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 from kvshare.kvcache.cache_key import DEFAULT_NAMESPACE, CacheNamespace
 from kvshare.kvcache.events import EventLog, Recorder
@@ -34,6 +34,31 @@ class Block:
     generation: int = 0  # bumped on every allocation: new data, old KV meaningless
 
 
+@dataclass
+class TierBlock(Block):
+    """A prefix hit whose KV is in a KV tier (kvshare/kvcache/kv_tiers.py), not yet in the pool
+    (block_id -1, no holder): admitting it loads it into a free pool block first."""
+
+    tier: str = "cpu"
+
+
+class PoolTiers(Protocol):
+    """What the pool and the coordinator ask of the KV tiers under the pool (kvshare/kvcache/kv_tiers.py's
+    KVTiers)."""
+
+    suspended: bool  # True while a reset evicts: those evictions forget, they keep nothing
+
+    def find(self, block_hash: bytes, token_ids: tuple[int, ...], namespace: CacheNamespace) -> TierBlock | None: ...
+
+    def loaded(self, block: Block, hit: TierBlock) -> None: ...
+
+    def clear_ram(self) -> None: ...
+
+    def stats(self) -> dict: ...
+
+    def take_transfers(self) -> tuple[list[tuple[int, bytes]], list[tuple[int, bytes]], list[tuple[str, bytes]]]: ...
+
+
 EvictHook = Callable[[int, bytes], None]  # (block id, its hash), called before the hash is dropped
 
 
@@ -55,6 +80,7 @@ class BlockPool:
         # installs a PrefixUpdateQueue when a publisher is configured.
         self.prefix_updates: PrefixUpdateQueue | NullPrefixUpdateQueue = NullPrefixUpdateQueue()
         self.on_evict: list[EvictHook] = [on_evict] if on_evict is not None else []
+        self.tiers: PoolTiers | None = None  # KV tiers under the pool (kvcache/kv_tiers.py), which set it
 
     @property
     def num_free(self) -> int:
@@ -136,14 +162,43 @@ class BlockPool:
                            parent=parent_hash.hex()[:16] if parent_hash else None,
                            **block.namespace.event_fields(), tokens=list(token_ids))
 
-    def lookup(self, block_hash: bytes, token_ids: tuple[int, ...]) -> Block | None:
+    def lookup(self, block_hash: bytes, token_ids: tuple[int, ...], namespace: CacheNamespace | None = None
+               ) -> Block | None:
+        """The cached block for this hash, or (a pool miss) the KV tiers' `TierBlock`, or None."""
         block_id = self.cached.get(block_hash)
         if block_id is None:
-            return None
+            if self.tiers is None or namespace is None:
+                return None
+            return self.tiers.find(block_hash, token_ids, namespace)
         block = self.blocks[block_id]
         # Confirm by content, so a hash collision can never serve another prompt's KV.
         if block.token_ids != token_ids:
             return None
+        return block
+
+    def pin(self, block: Block) -> None:
+        """Take a cached free block out of the free queue ahead of its revival (its incref, in the
+        same admission), so the allocations in between cannot evict it."""
+        self._free.pop(block.block_id, None)
+
+    def take_for_load(self, hit: TierBlock) -> Block:
+        """A free block for a tier hit's KV: cached at once under the hit's hash (its load runs
+        before any forward reads it) and back in the free queue, unheld, until the admission that
+        found the hit revives it (every tier hit of one admission: k <= free blocks, so none of them
+        reaches the head of the queue meanwhile)."""
+        assert self.tiers is not None and hit.block_hash is not None and hit.token_ids is not None
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            self.evict(block)
+        block.namespace = hit.namespace
+        block.generation += 1
+        self.num_allocations += 1
+        self._free[block_id] = None
+        self.events.record("tier_load", block=block_id, hash=hit.block_hash.hex()[:16], tier=hit.tier,
+                           **hit.namespace.event_fields())
+        self.tiers.loaded(block, hit)
+        self.publish(block, hit.block_hash, hit.token_ids, hit.parent_hash)
         return block
 
     def reset_prefix_cache(self) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 
-from kvshare.kvcache.block_pool import Block, BlockPool, BlockPoolError, EvictHook
+from kvshare.kvcache.block_pool import Block, BlockPool, BlockPoolError, EvictHook, TierBlock
 from kvshare.kvcache.cache_key import CacheNamespace
 from kvshare.kvcache.events import EventLog, as_event_log
 from kvshare.kvcache.hashing import BlockHasher
@@ -189,7 +189,7 @@ class KVCacheCoordinator:
         # of cached blocks ending just before n.
         windows = []
         for m, g in self._window_groups:
-            cached = m.cached_blocks(seq_id, token_ids, limit)
+            cached = list(m.cached_blocks(seq_id, token_ids, limit))  # (window groups: no KV tiers)
             run = [0] * (limit + 1)
             for i, b in enumerate(cached):
                 run[i + 1] = run[i] + 1 if b is not None else 0
@@ -223,7 +223,23 @@ class KVCacheCoordinator:
             m.slide(seq_id, num_computed)
 
     def reset_prefix_cache(self) -> None:
-        self.pool.reset_prefix_cache()
+        """Forget the cached blocks nobody holds, and the RAM tier with them (the disk tier is
+        kept: `kvshare cache clear` empties it)."""
+        tiers = self.pool.tiers
+        if tiers is None:
+            self.pool.reset_prefix_cache()
+            return
+        tiers.suspended = True
+        try:
+            self.pool.reset_prefix_cache()
+        finally:
+            tiers.suspended = False
+        tiers.clear_ram()
+
+    def take_tier_transfers(self) -> tuple[list[tuple[int, bytes]], list[tuple[int, bytes]], list[tuple[str, bytes]]]:
+        """(stores, loads, drops) between the pool and the KV tiers the next forward performs first."""
+        tiers = self.pool.tiers
+        return ([], [], []) if tiers is None else tiers.take_transfers()
 
     # ---- admission ------------------------------------------------------------------------------
     def plan_admission(self, seq_id: str, token_ids: list[int], namespace: CacheNamespace, max_new_tokens: int,
@@ -246,8 +262,9 @@ class KVCacheCoordinator:
         if use_cache and inflight and self._first_missing_hash(seq_id, token_ids, num_hit) in inflight:
             plan.refusal = "waits a step for a prefix block another sequence is computing"
             return plan
-        needed = len(self.groups) * self.blocks_needed(num_computed + num_new) - len(flat)
-        revived = sum(1 for b in flat if b is not None and b.ref_count == 0)
+        loads = sum(1 for b in flat if isinstance(b, TierBlock))  # each takes a free block
+        needed = len(self.groups) * self.blocks_needed(num_computed + num_new) - len(flat) + loads
+        revived = sum(1 for b in flat if b is not None and b.ref_count == 0 and not isinstance(b, TierBlock))
         if needed > self.pool.num_free - revived:
             groups = f" ({self.num_groups} KV cache groups)" if self.num_groups > 1 else ""
             plan.refusal = f"needs {needed} new blocks + {revived} revived{groups}, {self.pool.num_free} free"
@@ -268,10 +285,21 @@ class KVCacheCoordinator:
         self._hits += plan.num_computed if plan.num_lookup_tokens else 0
         # Every group's hits are revived before any group allocates: an allocation evicts from
         # the head of the free queue, where another group's cached hit may be waiting.
-        for m, hits in zip(self.groups, plan.group_hits or [plan.hits]):
+        for m, hits in zip(self.groups, self._load_tier_hits(plan.group_hits or [plan.hits])):
             m.adopt_hits(AdmissionPlan(plan.seq_id, hits, plan.num_computed, plan.num_new, plan.num_lookup_tokens))
         if not self.allocate_slots(plan.seq_id, plan.num_computed, plan.num_new):
             raise BlockPoolError(f"admission of {plan.seq_id}: the pool changed between plan and commit")
+
+    def _load_tier_hits(self, group_hits: list[list[Block | None]]) -> list[list[Block | None]]:
+        """Tier hits become pool blocks (their loads queued for the next forward), after the pool's
+        own hits are pinned out of the free queue, where taking a block could evict them."""
+        if not any(isinstance(b, TierBlock) for hits in group_hits for b in hits):
+            return group_hits
+        for hits in group_hits:
+            for b in hits:
+                if b is not None and not isinstance(b, TierBlock) and b.ref_count == 0:
+                    self.pool.pin(b)
+        return [[self.pool.take_for_load(b) if isinstance(b, TierBlock) else b for b in hits] for hits in group_hits]
 
     # ---- growth, forks, windows, release ----------------------------------------------------------
     def allocate_slots(self, seq_id: str, num_computed: int, num_new_tokens: int) -> bool:

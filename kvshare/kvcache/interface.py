@@ -65,6 +65,10 @@ class KVCore(Protocol):
 
     def take_pending_rotations(self) -> list[tuple[str, list[int], int]]: ...
 
+    def take_tier_transfers(self) -> tuple[list[tuple[int, bytes]], list[tuple[int, bytes]], list[tuple[str, bytes]]]:
+        """(stores, loads, drops) between the pool and the KV tiers, for the next forward."""
+        ...
+
     # ---- limits (the scheduler's admission and chunking) ------------------------------------
     def chunk_limit(self, start: int) -> int | None: ...
 

@@ -64,7 +64,8 @@ class IsolationChecker:
         self._handlers = {
             "pool": self._pool, "admit": self._admit, "fork": self._fork, "alloc": self._alloc,
             "incref": self._incref, "cache_hit": self._cache_hit, "decref": self._decref, "free": self._free,
-            "register": self._register, "evict": self._evict, "copy": self._copy, "rotate": self._rotate,
+            "register": self._register, "evict": self._evict,
+            "tier_load": self._tier_load, "copy": self._copy, "rotate": self._rotate,
             "access": self._accesses.append, "forward": self._forward, "step": self._step,
         }  # cow, preempt, abort: the allocs and decrefs around them carry all that changes
 
@@ -136,6 +137,18 @@ class IsolationChecker:
         self._before_reuse.setdefault(b, self.written.get(b, 0))
         self.written[b] = 0
         self.block_namespace[b] = self.seq_namespace.get(seq, DEFAULT_NAMESPACE)
+        self.published.discard(b)
+        self._dirty.add(b)
+
+    def _tier_load(self, e: dict) -> None:
+        """A free block takes a KV tier's copy of a block (kvcache/kv_tiers.py): whole, under the
+        namespace the tier kept it for, loaded by the runner before the next forward reads it."""
+        b = e["block"]
+        if self._num_holders(b) or b in self.busy:
+            self._pending.append(("free_xor_referenced", b, "a tier's KV loaded into a block in use", ()))
+        self._before_reuse.setdefault(b, self.written.get(b, 0))
+        self.written[b] = (1 << self.block_size) - 1
+        self.block_namespace[b] = CacheNamespace.from_event(e)
         self.published.discard(b)
         self._dirty.add(b)
 

@@ -11,6 +11,7 @@ full attention nothing is ever released."""
 from __future__ import annotations
 
 from itertools import takewhile
+from typing import Iterator
 
 from kvshare.kvcache.block_pool import Block, BlockPool, BlockPoolError
 from kvshare.kvcache.cache_key import CacheNamespace
@@ -125,12 +126,12 @@ class KVCacheManager:
         cached = self.cached_blocks(seq_id, token_ids, max_blocks)
         return [b for b in takewhile(lambda b: b is not None, cached) if b is not None]  # (narrowed for mypy)
 
-    def cached_blocks(self, seq_id: str, token_ids: list[int], num_blocks: int) -> list[Block | None]:
-        """The cached block for each of the first `num_blocks` full blocks of `token_ids`, None
-        where there is none (a window group may miss early blocks and still hit later ones)."""
-        hashes = self._block_hashes(self.record(seq_id), token_ids, num_blocks)
+    def cached_blocks(self, seq_id: str, token_ids: list[int], num_blocks: int) -> Iterator[Block | None]:
+        """Each of the first `num_blocks` full blocks' cached block (or a KV tier's) or None, lazily."""
+        hashes = self._block_hashes(rec := self.record(seq_id), token_ids, num_blocks)
         bs = self.block_size
-        return [self.pool.lookup(hashes[i], tuple(token_ids[i * bs:(i + 1) * bs])) for i in range(num_blocks)]
+        return (self.pool.lookup(hashes[i], tuple(token_ids[i * bs:(i + 1) * bs]), rec.namespace)
+                for i in range(num_blocks))
 
     @staticmethod
     def _set_namespace(rec: SeqKV, namespace: CacheNamespace) -> None:

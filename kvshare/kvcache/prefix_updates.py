@@ -59,12 +59,14 @@ class PrefixUpdateQueue:
         self.medium = medium
         self._updates: list[PrefixUpdate] = []
 
-    def stored(self, block_hash: bytes, parent_hash: bytes | None, token_ids: tuple[int, ...]) -> None:
+    def stored(self, block_hash: bytes, parent_hash: bytes | None, token_ids: tuple[int, ...],
+               medium: str | None = None) -> None:
+        """medium: where the block now lives when not in the pool (a KV tier: kvcache/kv_tiers.py)."""
         self._updates.append(BlockStored((block_hash,), parent_hash, tuple(token_ids), self.block_size,
-                                        None, self.medium))
+                                        None, medium or self.medium))
 
-    def removed(self, block_hash: bytes) -> None:
-        self._updates.append(BlockRemoved((block_hash,), self.medium))
+    def removed(self, block_hash: bytes, medium: str | None = None) -> None:
+        self._updates.append(BlockRemoved((block_hash,), medium or self.medium))
 
     def cleared(self) -> None:
         self._updates.append(AllBlocksCleared())
@@ -79,10 +81,11 @@ class NullPrefixUpdateQueue:
 
     enabled = False
 
-    def stored(self, block_hash: bytes, parent_hash: bytes | None, token_ids: tuple[int, ...]) -> None:
+    def stored(self, block_hash: bytes, parent_hash: bytes | None, token_ids: tuple[int, ...],
+               medium: str | None = None) -> None:
         pass
 
-    def removed(self, block_hash: bytes) -> None:
+    def removed(self, block_hash: bytes, medium: str | None = None) -> None:
         pass
 
     def cleared(self) -> None:
@@ -92,16 +95,31 @@ class NullPrefixUpdateQueue:
         return []
 
 
-def apply_prefix_updates(held: set[bytes], updates) -> None:
-    """Update a subscriber's set of cached block hashes with decoded wire updates, in order."""
+def apply_prefix_updates(held: set[bytes], updates, media: dict[bytes, set] | None = None) -> None:
+    """Update a subscriber's set of cached block hashes with decoded wire updates, in order. With
+    `media` (hash -> where it lives: the pool, a KV tier), a block stays held until it has left every
+    medium; without, the last update about a hash decides."""
     for ev in updates:
         tag = ev[0]
         if tag == "BlockStored":
             held.update(ev[1])
+            if media is not None:
+                for h in ev[1]:
+                    media.setdefault(h, set()).add(ev[6] if len(ev) > 6 else None)
         elif tag == "BlockRemoved":
-            held.difference_update(ev[1])
+            if media is None:
+                held.difference_update(ev[1])
+                continue
+            for h in ev[1]:
+                where = media.get(h, set())
+                where.discard(ev[2] if len(ev) > 2 else None)
+                if not where:
+                    media.pop(h, None)
+                    held.discard(h)
         elif tag == "AllBlocksCleared":
             held.clear()
+            if media is not None:
+                media.clear()
         else:
             raise ValueError(f"unknown KV event tag {tag!r}: allowed are BlockStored, BlockRemoved, AllBlocksCleared")
 

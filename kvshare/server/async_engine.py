@@ -144,6 +144,7 @@ class AsyncEngine:
         # put the engine thread's workers to sleep between parallel regions
         # (openmp.release_openmp_workers; a Ray replica releases where it built the engine).
         openmp.release_openmp_workers()
+        self.snapshot = self._take_snapshot()  # before any step: what it started with (a disk tier a restart found)
         self._thread = threading.Thread(target=self._run, name="kvshare-engine", daemon=True)
         self._thread.start()
 

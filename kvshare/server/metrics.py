@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 import math
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -42,6 +42,7 @@ class EngineSnapshot:
     prefix_cache_hits: int = 0
     preemptions: int = 0
     step: int = 0
+    tiers: dict = field(default_factory=dict)  # EngineStatus.tiers: the KV tiers' blocks, budgets, hits
 
     @property
     def kv_cache_usage(self) -> float:
@@ -126,6 +127,15 @@ class ServerMetrics:
                 fam.add_metric([name, k], v)
             return fam
 
+        def tier(key: str) -> int:
+            return snap.tiers.get(key, 0)
+
+        def tiers(kind, metric: str, help_text: str, ram: int, disk: int):
+            fam = kind(metric, help_text, labels=["model_name", "tier"])
+            fam.add_metric([name, "cpu"], ram)
+            fam.add_metric([name, "disk"], disk)
+            return fam
+
         def histogram(metric: str, help_text: str, h: Histogram):
             fam = HistogramMetricFamily(metric, help_text, labels=["model_name"])
             running, buckets = 0, []
@@ -148,6 +158,15 @@ class ServerMetrics:
                     snap.prefix_cache_queries),
                 one(counter, "vllm:prefix_cache_hits_total", "Prompt tokens served by the prefix cache.",
                     snap.prefix_cache_hits),
+                one(counter, "vllm:external_prefix_cache_hits_total",
+                    "Prompt tokens served from the KV tiers under the pool (host RAM, disk).", tier("hit_tokens")),
+                tiers(gauge, "kvshare:kv_tier_blocks", "Blocks kept in each KV tier under the pool.",
+                      tier("ram_blocks"), tier("disk_blocks")),
+                tiers(gauge, "kvshare:kv_tier_capacity_blocks", "Each KV tier's budget, in blocks.",
+                      tier("ram_capacity_blocks"), tier("disk_capacity_blocks")),
+                one(counter, "kvshare:kv_tier_rejected_total",
+                    "Tier blocks refused as invalid (a damaged file, another model's, a deleted one).",
+                    tier("rejected")),
                 one(counter, "vllm:num_preemptions_total", "Sequences preempted (recomputed later).", snap.preemptions),
                 one(counter, "vllm:prompt_tokens_total", "Prompt tokens of requests that reached prefill.",
                     self.prompt_tokens),

@@ -34,6 +34,7 @@ ROUTING_POLICIES = ("prefix_aware", "round_robin", "least_loaded")
 class ReplicaState:
     index: int
     cached: set[bytes] = field(default_factory=set)  # block hashes, from the replica's KV events
+    media: dict[bytes, set] = field(default_factory=dict)  # where each lives there: the pool, a KV tier
     pending: dict[bytes, int] = field(default_factory=dict)  # block hashes of requests in flight there -> count
     in_flight: int = 0  # requests routed to it and not finished
     kv_usage: float = 0.0  # fraction of its KV blocks in use, as the replica last reported it
@@ -41,7 +42,7 @@ class ReplicaState:
 
     def apply(self, events) -> None:
         """Decoded wire events ([tag, fields...]) of one batch, in order."""
-        apply_prefix_updates(self.cached, events)
+        apply_prefix_updates(self.cached, events, self.media)
 
     def holds(self, block_hash: bytes) -> bool:
         return block_hash in self.cached or block_hash in self.pending

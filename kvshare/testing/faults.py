@@ -128,7 +128,7 @@ def _unsalted_lookups(engine, group) -> None:
 
     def unsalted(seq_id, lookup, namespace):
         key = seq_id + "\0lookup"  # a fresh record: hashes in the default namespace
-        hits = lookup(key)
+        hits = list(lookup(key))
         group.seqs.pop(key, None)
         foreign = [b.block_id for b in hits if b is not None and b.namespace != namespace]
         if foreign:

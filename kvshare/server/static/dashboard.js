@@ -582,9 +582,17 @@
   }
 
   // ---- metrics ----------------------------------------------------------------------------------
-  function metricValue(text, name) {
+  // The sum of a metric's samples; `tier`: only the samples labelled tier="..." (name then ends
+  // inside its labels: "metric{model_name").
+  function metricValue(text, name, tier) {
     let sum = null;
     for (const line of text.split("\n")) {
+      if (tier !== undefined) {
+        if (line.startsWith(name) && line.includes(`tier="${tier}"`)) {
+          sum = (sum ?? 0) + Number(line.slice(line.lastIndexOf(" ") + 1));
+        }
+        continue;
+      }
       if (line.startsWith(name) && (line[name.length] === " " || line[name.length] === "{")) {
         sum = (sum ?? 0) + Number(line.slice(line.lastIndexOf(" ") + 1));
       }
@@ -989,6 +997,23 @@
       tip.style.top = `${this.hover.y + 14}px`;
     }
 
+    // The KV tiers under the pool (docs/kv_tiers.md): blocks kept / budget per tier, from /metrics;
+    // the line stays hidden on a server without tiers (every budget 0).
+    showTiers(text) {
+      const kept = {}, budget = {};
+      for (const tier of ["cpu", "disk"]) {
+        kept[tier] = metricValue(text, `kvshare:kv_tier_blocks{model_name`, tier);
+        budget[tier] = metricValue(text, `kvshare:kv_tier_capacity_blocks{model_name`, tier);
+      }
+      const line = document.querySelector("[data-tiers]");
+      line.hidden = !(budget.cpu || budget.disk);
+      for (const tier of ["cpu", "disk"]) {
+        document.querySelector(`[data-tier="${tier}"]`).textContent =
+          budget[tier] ? `${kept[tier]} / ${budget[tier]}` : "off";
+      }
+      this.tiers = { kept, budget };
+    }
+
     // Once a second: the rates, and KV usage and the prefix hit rate (from /metrics).
     async sample() {
       if (this.paused || !this.ready) return;
@@ -998,6 +1023,7 @@
       try {
         const resp = await fetch("metrics", { cache: "no-store" });
         const text = await resp.text();
+        this.showTiers(text);
         const prefix = { hits: metricValue(text, "vllm:prefix_cache_hits_total"),
           queries: metricValue(text, "vllm:prefix_cache_queries_total") };
         // Prompts arrive now and then: the rate over the last few seconds' lookups, not just this one's.
@@ -1038,6 +1064,7 @@
     get error() { return dash.error; },
     get paused() { return dash.paused; },
     get step() { return dash.model.step; },
+    get tiers() { return dash.tiers; },
     get numBlocks() { return dash.model.numBlocks; },
     get blocksPerCell() { return dash.grid ? dash.grid.perCell : null; },
     // Grid paints so far: a test that saw the model change waits for the next one before reading pixels.
