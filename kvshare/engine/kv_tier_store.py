@@ -270,10 +270,10 @@ def probe_tier_loads(store: KVTierStore, runner, repeats: int = 3) -> dict:
     """Seconds to recompute one block (a prefill of block_size tokens into pool block 0, free at
     start-up, zeroed again after), to load one from host RAM, and from disk (a probe file written,
     read back with validation, removed; None without a disk tier): medians of `repeats`."""
-    from kvshare.engine.step_plan import ChunkPlan, StepPlan
+    from kvshare.engine.step_plan import ChunkPlan, GroupAccess, StepPlan
 
     kv, bs = store.kv_cache, store.kv_cache.block_size
-    chunk = ChunkPlan("kv-tier-probe", 0, list(range(100, 100 + bs)), 0, list(range(bs)), [0], None, False)
+    chunk = ChunkPlan("kv-tier-probe", 0, list(range(100, 100 + bs)), 0, (GroupAccess(list(range(bs)), [0], None),), False)
     key = hashlib.sha256(b"kvshare-tier-probe" + uuid.uuid4().bytes).digest()
 
     def median(fn) -> float:
