@@ -44,6 +44,18 @@ def test_names_labels_and_values_as_vllm_names_them():
     assert {"process_resident_memory_bytes", "process_cpu_seconds_total", "python_info"} <= names
 
 
+def test_requests_by_priority_and_timeouts():
+    m = ServerMetrics("tiny")
+    m.on_finished("timeout", 0.5)
+    samples = _scrape(m, EngineSnapshot(running=3, waiting=1, running_by_priority={0: 1, 5: 2},
+                                        waiting_by_priority={-1: 1}))
+    got = {(n, lab.get("priority", lab.get("finished_reason"))): v for n, lab, v in samples}
+    assert got[("kvshare:num_requests_running_by_priority", "0")] == 1
+    assert got[("kvshare:num_requests_running_by_priority", "5")] == 2
+    assert got[("kvshare:num_requests_waiting_by_priority", "-1")] == 1
+    assert got[("vllm:request_success_total", "timeout")] == 1
+
+
 def test_each_server_has_its_own_registry():
     a, b = ServerMetrics("a"), ServerMetrics("b")
     a.on_tokens(5, 0, None, None)

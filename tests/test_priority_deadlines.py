@@ -11,7 +11,7 @@ import pytest
 
 import fake_engine
 from helpers import EXACT, tiny_model
-from kvshare import BeamSearchParams, SamplingParams
+from kvshare import LLM, BeamSearchParams, SamplingParams
 from kvshare.config import EngineConfig
 from kvshare.engine.llm_engine import LLMEngine
 from kvshare.engine.request import Sequence
@@ -94,6 +94,8 @@ def test_an_urgent_request_preempts_the_least_important_running_one():
     # old-low is the oldest, so FCFS would keep it; by priority it is the one that goes.
     assert plan.preempted == ["old-low"]
     assert "urgent" in {c.seq_id for c in plan.chunks}
+    status = core.status()
+    assert status.running_by_priority == {0: 1, 1: 1} and status.waiting_by_priority == {9: 1}
     assert run_to_end(core)[-1] == "old-low"
     kv.assert_idle_whole()
 
@@ -291,3 +293,16 @@ def test_preempted_low_priority_request_finishes_with_its_tokens_alone():
     alone = drain(engine, {})["low-alone"].outputs[0]
     assert finals["low"].outputs[0].token_ids == alone.token_ids
     assert finals["low"].outputs[0].text == alone.text
+
+
+def test_llm_generate_takes_vllms_priority_list(tiny_dir):
+    llm = LLM(**EXACT, model=tiny_dir, scheduling_policy="priority", max_num_seqs=1,
+              kv_cache_memory=24 * 16 * 2 * 2 * 2 * 16 * 4, block_size=16)
+    outs = llm.generate([[1, 2, 3], [4, 5, 6]], greedy(2), priority=[3, -1], use_tqdm=False)
+    assert [o.outputs[0].finish_reason for o in outs] == ["length", "length"]  # in prompt order
+    # One seat: the more important second prompt ran first.
+    assert outs[1].metrics.first_scheduled_time < outs[0].metrics.first_scheduled_time
+    with pytest.raises(InvalidRequestError, match="one integer per prompt"):
+        llm.generate([[1, 2, 3], [4, 5, 6]], greedy(2), priority=[0])
+    with pytest.raises(InvalidRequestError, match="priority"):
+        llm.generate([[1, 2, 3]], greedy(2), priority=[0.5])

@@ -90,10 +90,6 @@ def _check_storm(srv, results: list) -> None:
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4  # still serving
 
 
-def test_a_storm_of_short_deadlines_leaves_the_server_serving(server):
-    _check_storm(server, _storm(server, 20))
-
-
-@pytest.mark.slow
 def test_a_storm_of_200_short_deadlines_leaves_the_server_serving(server):
+    # ~5 s on 2 Zen 4 cores: small enough for the default suite.
     _check_storm(server, _storm(server, 200))

@@ -8,7 +8,8 @@ writes, execute, publish the blocks the step completed, hand over the output, au
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
 from kvshare.config import EngineConfig
@@ -60,6 +61,9 @@ class EngineStatus:
     prefix_cache_hits: int = 0
     preemptions: int = 0
     step: int = 0
+    # Requests running / waiting by their priority (as `running` and `waiting`; all 0 under fcfs).
+    running_by_priority: dict[int, int] = field(default_factory=dict)
+    waiting_by_priority: dict[int, int] = field(default_factory=dict)
 
 
 class EngineCore(Generic[Output]):
@@ -112,12 +116,13 @@ class EngineCore(Generic[Output]):
 
     def status(self) -> EngineStatus:
         sched, kv = self.scheduler, self.kv
-        running = {s.request_id for s in sched.running}
-        waiting = {s.request_id for s in sched.waiting} - running
+        running = {s.request_id: s.params.priority for s in sched.running}
+        waiting = {s.request_id: s.params.priority for s in sched.waiting if s.request_id not in running}
         return EngineStatus(running=len(running), waiting=len(waiting), blocks_in_use=kv.num_used_blocks(),
                             blocks_total=kv.num_blocks, prefix_cache_queries=kv.stats.queries,
                             prefix_cache_hits=kv.stats.hits, preemptions=sched.num_preemptions,
-                            step=self.step_count)
+                            step=self.step_count, running_by_priority=dict(Counter(running.values())),
+                            waiting_by_priority=dict(Counter(waiting.values())))
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block nobody holds (held ones stay: their holders need them)."""
