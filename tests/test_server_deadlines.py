@@ -44,6 +44,14 @@ def test_a_deadline_before_any_token_is_408_naming_the_field(server):
     assert status == 408, body
 
 
+def test_a_stream_past_its_deadline_ends_with_a_timeout_chunk(server):
+    # A stream's status line is sent before any token: no 408, its last chunk says "timeout".
+    chunks = list(client(server).completions.create(model=MODEL, prompt=PROMPT, max_tokens=50, stream=True,
+                                                    extra_body={"timeout": 1e-6}))
+    assert chunks[-1].choices[0].finish_reason == "timeout"
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ""
+
+
 @pytest.mark.parametrize("body, param", [({"timeout": 0}, "timeout"), ({"timeout": -1}, "timeout"),
                                          ({"timeout": "soon"}, "timeout"), ({"priority": 1.5}, "priority"),
                                          ({"priority": "high"}, "priority")])

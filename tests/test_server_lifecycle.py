@@ -156,6 +156,13 @@ def test_request_timeout_ends_with_finish_reason_timeout(secure_server):
     assert srv.wait_idle()["kvshare:kv_cache_blocks_in_use"] == 0
 
 
+def test_a_priority_under_fcfs_is_a_400_naming_the_flag(secure_server):
+    status, body = secure_server.post_json("/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "priority": 1},
+                                           {"Authorization": f"Bearer {KEY}"})
+    assert status == 400, body
+    assert body["error"]["param"] == "priority" and "--scheduling-policy priority" in body["error"]["message"]
+
+
 def test_sigterm_aborts_what_outlives_the_shutdown_timeout(secure_server):
     srv = secure_server
 
