@@ -263,7 +263,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         now = self.clock()  # deadlines, between steps: a request past its own ends before this step plans
-        for st in [s for s in self.requests.values() if not s.finished and (s.deadline or now + 1) <= now]:
+        for st in [r for r in self.requests.values() if not r.finished and r.deadline is not None and r.deadline <= now]:
             self.outputs.end_request(st, "timeout")
         plan = self.core.step()
         scheduled = self.scheduler.scheduled_seqs
