@@ -107,6 +107,7 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str, prefill_dtype: str, 
 QUANTIZATION_CHOICES = ("auto", "none")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 KV_POLICIES = ("sink",)
+SCHEDULING_POLICIES = ("fcfs", "priority")
 TENSOR_PARALLEL_BACKENDS = ("auto", "gloo")
 # How a data-parallel front end hands its replicas the hash seed: not on their command lines.
 HASH_SEED_ENV = "KVSHARE_PREFIX_CACHING_HASH_SEED"
@@ -179,6 +180,11 @@ class EngineConfig:
     max_model_len: int | None = option(None)  # None: the model's context length, capped by the pool
     max_num_seqs: int = option(128)
     max_num_batched_tokens: int = option(2048)
+    # vLLM's: "fcfs" admits by arrival; "priority" by (SamplingParams.priority, arrival), lower
+    # first, and preempts the running request with the largest (priority, arrival) first.
+    scheduling_policy: str = option("fcfs", Flag(
+        "fcfs: first come first served; priority: by each request's priority (lower first), then arrival; "
+        "the least important running request is preempted first", choices=SCHEDULING_POLICIES))
     enable_prefix_caching: bool = option(True, Flag("disable automatic prefix caching", name="--no-prefix-caching",
                                                     negate=True))
     # Models mixing global and sliding-window layers keep one block table per group of layers of
@@ -293,6 +299,9 @@ class EngineConfig:
                              "weights quantized) and None / 'none' (dequantize: the exact path)")
         self.prefill_dtype = resolve_prefill_dtype(_canonical(self.prefill_dtype), self.dtype, self.quantization)
         check_kv_cache_dtype(self.kv_cache_dtype)
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy={self.scheduling_policy!r} is invalid: must be one of "
+                             f"{', '.join(SCHEDULING_POLICIES)}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:

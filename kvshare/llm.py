@@ -1,12 +1,14 @@
 """The offline API, shaped like vLLM's: LLM(...).generate(...) and LLM(...).chat(...)."""
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Sequence as Seq
 
 from kvshare.config import EngineConfig
 from kvshare.engine.llm_engine import LLMEngine
 from kvshare.engine.beam_search import BeamSearchParams
+from kvshare.errors import InvalidRequestError
 from kvshare.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from kvshare.sampling_params import SamplingParams
 
@@ -21,7 +23,9 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Seq[int] | None = None) -> list[RequestOutput]:
+        """`priority` (vLLM's): one per prompt, under --scheduling-policy priority (lower first); it
+        overrides the params' own."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -36,6 +40,11 @@ class LLM:
                     f"sampling_params has {len(params_list)} entries but there are {len(prompts)} prompts: "
                     "give one SamplingParams or one per prompt"
                 )
+        if priority is not None:
+            if isinstance(priority, (int, str)) or len(priority) != len(prompts):
+                raise InvalidRequestError(f"priority={priority!r} is invalid: must be a list of one integer per "
+                                          f"prompt ({len(prompts)})", "priority")
+            params_list = [dataclasses.replace(p, priority=q) for p, q in zip(params_list, priority)]
         ids: list[str] = []
         try:
             for prompt, params in zip(prompts, params_list):

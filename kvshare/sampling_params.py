@@ -68,6 +68,18 @@ class StructuredOutputsParams:
                 self.whitespace_pattern)
 
 
+def check_priority_and_timeout(owner: str, priority, timeout) -> None:
+    """A request's scheduling fields (SamplingParams, BeamSearchParams): an int priority and a
+    finite timeout > 0 seconds (or None)."""
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise InvalidRequestError(f"{owner}.priority={priority!r} is invalid: must be an integer "
+                                  "(lower is scheduled first)", "priority")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not 0 < timeout < float("inf")):
+        raise InvalidRequestError(f"{owner}.timeout={timeout!r} is invalid: must be a number of seconds > 0, "
+                                  "or None for no deadline", "timeout")
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -92,6 +104,12 @@ class SamplingParams:
     cache_salt: str | None = None
     # Constrained decoding (JSON schema, regex, choice, grammar); None = unconstrained.
     structured_outputs: StructuredOutputsParams | None = None
+    # Under --scheduling-policy priority: lower is scheduled first (vLLM's convention); under fcfs
+    # only 0 is accepted (the engine refuses others, naming the policy).
+    priority: int = 0
+    # Seconds from arrival after which the engine ends the request with finish_reason "timeout"
+    # (checked between steps); None: no deadline.
+    timeout: float | None = None
     stop_list: list[str] = field(init=False, default_factory=list)
     # stop_token_ids for the per-token membership test (the list keeps the caller's order)
     stop_token_id_set: frozenset[int] = field(init=False, default=frozenset(), repr=False)
@@ -152,6 +170,7 @@ class SamplingParams:
             raise bad("stop_token_ids", self.stop_token_ids, "a list of non-negative token ids")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", self.seed, "an integer or None")
+        check_priority_and_timeout("SamplingParams", self.priority, self.timeout)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise bad("structured_outputs", self.structured_outputs, "a StructuredOutputsParams or None")
 

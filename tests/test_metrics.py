@@ -16,7 +16,7 @@ def test_names_labels_and_values_as_vllm_names_them():
     m.on_tokens(prompt_tokens=7, generation_tokens=1, ttft=0.03, itl=None)
     m.on_tokens(prompt_tokens=0, generation_tokens=2, ttft=None, itl=0.02)
     m.on_finished("stop", 0.4)
-    m.on_abort("timeout", 2)
+    m.on_abort("client_disconnect", 2)
     m.on_rejected("queue_full")
     samples = _scrape(m, EngineSnapshot(running=1, waiting=2, blocks_in_use=3, blocks_total=12, step=9))
     got = {(n, tuple(sorted(lab.items()))): v for n, lab, v in samples}
@@ -29,7 +29,7 @@ def test_names_labels_and_values_as_vllm_names_them():
     assert value("vllm:prompt_tokens_total") == 7 and value("vllm:generation_tokens_total") == 3
     assert value("vllm:request_success_total", finished_reason="stop") == 1
     assert value("vllm:request_success_total", finished_reason="length") == 0
-    assert value("kvshare:aborted_requests_total", reason="timeout") == 1
+    assert value("kvshare:aborted_requests_total", reason="client_disconnect") == 1
     assert value("kvshare:rejected_requests_total", reason="queue_full") == 1
     assert value("kvshare:abort_delay_steps_max") == 2 and value("kvshare:engine_steps_total") == 9
     # Histograms: cumulative buckets at vLLM's edges, spelled as before ("0.02", "1.0", "+Inf").
@@ -42,6 +42,18 @@ def test_names_labels_and_values_as_vllm_names_them():
     names = {n for n, _, _ in samples}
     assert not any(n.endswith("_created") for n in names)  # no extra series beside the old exposition
     assert {"process_resident_memory_bytes", "process_cpu_seconds_total", "python_info"} <= names
+
+
+def test_requests_by_priority_and_timeouts():
+    m = ServerMetrics("tiny")
+    m.on_finished("timeout", 0.5)
+    samples = _scrape(m, EngineSnapshot(running=3, waiting=1, running_by_priority={0: 1, 5: 2},
+                                        waiting_by_priority={-1: 1}))
+    got = {(n, lab.get("priority", lab.get("finished_reason"))): v for n, lab, v in samples}
+    assert got[("kvshare:num_requests_running_by_priority", "0")] == 1
+    assert got[("kvshare:num_requests_running_by_priority", "5")] == 2
+    assert got[("kvshare:num_requests_waiting_by_priority", "-1")] == 1
+    assert got[("vllm:request_success_total", "timeout")] == 1
 
 
 def test_each_server_has_its_own_registry():

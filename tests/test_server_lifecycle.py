@@ -131,14 +131,14 @@ def test_log_prompts_logs_the_prompt(secure_server):
 LONG_GENERATION = 4000  # tokens: a request the 3 s --request-timeout always cuts short
 
 
-def test_request_timeout_aborts_with_finish_reason_abort(secure_server):
+def test_request_timeout_ends_with_finish_reason_timeout(secure_server):
     srv = secure_server
     client = openai.OpenAI(base_url=srv.base_url, api_key=KEY, max_retries=0, timeout=300)
     # 4,000 tokens take far longer than 3 s on a CPU (500 did not: ~4 ms a token on a quiet Zen 4
     # finished them in 2 s); the timeout ends the request early.
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=LONG_GENERATION, temperature=0,
                                   extra_body={"ignore_eos": True})
-    assert r.choices[0].finish_reason == "abort"
+    assert r.choices[0].finish_reason == "timeout"
     assert 0 < r.usage.completion_tokens < LONG_GENERATION
     assert len(r.choices[0].text) > 0
 
@@ -150,10 +150,17 @@ def test_request_timeout_aborts_with_finish_reason_abort(secure_server):
             await aclient.close()
 
     text, finish, n = asyncio.run(streamed())
-    assert finish == "abort" and 0 < n < LONG_GENERATION and text
-    assert srv.metric("kvshare:aborted_requests_total", reason="timeout") == 2
-    assert srv.metric("vllm:request_success_total", finished_reason="abort") == 2
+    assert finish == "timeout" and 0 < n < LONG_GENERATION and text
+    # The engine ends it (its deadline), not the server: a finish reason, not a server abort.
+    assert srv.metric("vllm:request_success_total", finished_reason="timeout") == 2
     assert srv.wait_idle()["kvshare:kv_cache_blocks_in_use"] == 0
+
+
+def test_a_priority_under_fcfs_is_a_400_naming_the_flag(secure_server):
+    status, body = secure_server.post_json("/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "priority": 1},
+                                           {"Authorization": f"Bearer {KEY}"})
+    assert status == 400, body
+    assert body["error"]["param"] == "priority" and "--scheduling-policy priority" in body["error"]["message"]
 
 
 def test_sigterm_aborts_what_outlives_the_shutdown_timeout(secure_server):

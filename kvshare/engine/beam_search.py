@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from kvshare.engine.request import RequestState, Sequence, SeqStatus
-from kvshare.sampling_params import StructuredOutputsParams
+from kvshare.sampling_params import StructuredOutputsParams, check_priority_and_timeout
 
 if TYPE_CHECKING:
     from kvshare.engine.scheduler import Scheduler
@@ -40,8 +40,11 @@ class BeamSearchParams:
     include_stop_str_in_output: bool = False
     # Every beam constrained to the grammar; each beam carries its own matcher.
     structured_outputs: StructuredOutputsParams | None = None
+    priority: int = 0  # as SamplingParams.priority and .timeout (checked there)
+    timeout: float | None = None
 
     def __post_init__(self) -> None:
+        check_priority_and_timeout("BeamSearchParams", self.priority, self.timeout)
         if not isinstance(self.beam_width, int) or self.beam_width < 1:
             raise ValueError(f"BeamSearchParams.beam_width={self.beam_width!r} is invalid: must be an integer >= 1")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -141,7 +144,8 @@ class BeamRequest:
         first: the finished set once the request is done, else the live beams."""
         if request_finished and self.search.finished:
             return [(h.token_ids, h.cum_logprob, h.finish_reason, h.score) for h in self.search.finished]
-        live = sorted((s for s in seqs if not s.is_finished), key=lambda s: -self.score(s))
+        # A deadline ends the live beams with "timeout" (pruned ones end "abort"): they are its partial output.
+        live = sorted((s for s in seqs if not s.is_finished or s.finish_reason == "timeout"), key=lambda s: -self.score(s))
         return [(s.output_token_ids, self.score(s), None, self.score(s)) for s in live]
 
 

@@ -8,6 +8,7 @@ writes, execute, publish the blocks the step completed, hand over the output, au
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -63,6 +64,9 @@ class EngineStatus:
     # The KV tiers under the pool (kvshare/kvcache/kv_tiers.py; empty without them): blocks kept and
     # budgets in blocks per tier, prompt tokens served from a tier, tier blocks refused as invalid.
     tiers: dict[str, int] = field(default_factory=dict)
+    # Requests running / waiting by their priority (as `running` and `waiting`; all 0 under fcfs).
+    running_by_priority: dict[int, int] = field(default_factory=dict)
+    waiting_by_priority: dict[int, int] = field(default_factory=dict)
 
 
 class EngineCore(Generic[Output]):
@@ -115,12 +119,14 @@ class EngineCore(Generic[Output]):
 
     def status(self) -> EngineStatus:
         sched, kv = self.scheduler, self.kv
-        running = {s.request_id for s in sched.running}
-        waiting = {s.request_id for s in sched.waiting} - running
+        running = {s.request_id: s.params.priority for s in sched.running}
+        waiting = {s.request_id: s.params.priority for s in sched.waiting if s.request_id not in running}
         return EngineStatus(running=len(running), waiting=len(waiting), blocks_in_use=kv.num_used_blocks(),
                             blocks_total=kv.num_blocks, prefix_cache_queries=kv.stats.queries,
                             prefix_cache_hits=kv.stats.hits, preemptions=sched.num_preemptions,
-                            step=self.step_count, tiers=self.tier_status())
+                            step=self.step_count, tiers=self.tier_status(),
+                            running_by_priority=dict(Counter(running.values())),
+                            waiting_by_priority=dict(Counter(waiting.values())))
 
     def tier_status(self) -> dict[str, int]:
         tiers = self.kv.pool.tiers

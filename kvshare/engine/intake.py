@@ -28,8 +28,9 @@ class RequestIntake:
 
     def __init__(self, tokenizer, vocab_size: int, layout: KVLayout, kv_policy,
                  max_num_batched_tokens: int, length_unbounded: bool, seq_blocks=None,
-                 sink_max_tokens: int | None = None) -> None:
+                 sink_max_tokens: int | None = None, scheduling_policy: str = "fcfs") -> None:
         self.tokenizer = tokenizer
+        self.scheduling_policy = scheduling_policy
         # KV cache groups: tokens -> most blocks one sequence holds across the groups (None: one group).
         self.seq_blocks = seq_blocks
         self.vocab_size = vocab_size
@@ -43,6 +44,11 @@ class RequestIntake:
     def prepare(self, prompt, params: SamplingParams) -> tuple[str | None, list[int], SamplingParams]:
         """(prompt text, prompt token ids, params): params is a copy when max_tokens or cache_salt
         had to be filled in, so the caller's object is never changed."""
+        if params.priority != 0 and self.scheduling_policy != "priority":
+            # As vLLM: a priority the scheduler would ignore is refused rather than dropped.
+            raise InvalidRequestError(f"priority={params.priority} is set but the scheduling policy is "
+                                      f"{self.scheduling_policy!r}: a priority other than 0 needs "
+                                      "--scheduling-policy priority", "priority")
         text, token_ids, salt = self.resolve_prompt(prompt)
         salt = agreed_salt(salt, params.cache_salt)
         max_tokens = self.check_lengths(token_ids, params)

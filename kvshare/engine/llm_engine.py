@@ -116,13 +116,15 @@ class LLMEngine:
         def seq_blocks(n: int) -> int | None:  # most blocks n tokens hold over the groups (None: one group)
             return grouped_blocks_per_seq(kv.groups, config.block_size, n, config.max_num_batched_tokens)
         self.intake = RequestIntake(self.tokenizer, mc.vocab_size, self.layout, self.kv_policy,
-                                    config.max_num_batched_tokens, length_unbounded, seq_blocks, config.sink_max_tokens)
+                                    config.max_num_batched_tokens, length_unbounded, seq_blocks, config.sink_max_tokens,
+                                    config.scheduling_policy)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler, self.eos_token_ids, max_model_len,
                                        length_unbounded)
         self.beams = BeamSearchDriver(self.scheduler, self.sampling.new_seq, self.outputs.finish_seq,
                                       self.outputs.maybe_finish_request, self.sampling.constrain_beam)
         self.sampling.beams = self.beams
         self._ids = itertools.count()
+        self.clock = time.monotonic  # arrivals and deadlines (tests put a fake clock here)
         self.set_audit(config.audit, config.kv_event_log)
         self.prefix_update_publisher = None
         if config.kv_events_endpoint:
@@ -216,6 +218,7 @@ class LLMEngine:
             # Beams stop themselves (EOS, length); the sequences underneath just decode.
             beam_params = params
             params = SamplingParams(temperature=0, max_tokens=params.max_tokens, ignore_eos=True,
+                                    priority=params.priority, timeout=params.timeout,
                                     structured_outputs=params.structured_outputs)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
@@ -224,7 +227,7 @@ class LLMEngine:
         text, token_ids, params = self.intake.prepare(prompt, params)
         # Compiled (or found in the cache: the server compiles off this thread) before anything is queued.
         grammar = self.structured.compile(params.structured_outputs) if params.structured_outputs else None
-        now = arrival_time if arrival_time is not None else time.monotonic()
+        now = arrival_time if arrival_time is not None else self.clock()
         metrics = RequestMetrics(arrival_time=now, num_prompt_tokens=len(token_ids))
         state = RequestState(request_id, text, token_ids, params, [], metrics)
         if beam_params is not None:
@@ -244,19 +247,12 @@ class LLMEngine:
 
     # ---- lifecycle -----------------------------------------------------------------------
     def abort_request(self, request_ids: str | list[str]) -> None:
-        if isinstance(request_ids, str):
-            request_ids = [request_ids]
-        for rid in request_ids:
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
             state = self.requests.get(rid)
-            if state is None or state.finished:
-                continue  # unknown or already done: aborting twice is a no-op
-            for seq in state.seqs:
-                if not seq.is_finished:
-                    self.manager.events.record("abort", seq=seq.seq_id)
-                self.outputs.finish_seq(seq, "abort")
-            self.outputs.maybe_finish_request(state)
-            if self.auditor is not None:
-                self.auditor.check_state()
+            if state is not None and not state.finished:  # unknown or already done: a no-op
+                self.outputs.end_request(state, "abort")
+                if self.auditor is not None:
+                    self.auditor.check_state()
 
     def has_unfinished_requests(self) -> bool:
         return any(not s.reported_final for s in self.requests.values())
@@ -265,6 +261,9 @@ class LLMEngine:
         return sum(1 for s in self.requests.values() if not s.finished)
 
     def step(self) -> list[RequestOutput]:
+        now = self.clock()  # deadlines, between steps: a request past its own ends before this step plans
+        for st in [r for r in self.requests.values() if not r.finished and r.deadline is not None and r.deadline <= now]:
+            self.outputs.end_request(st, "timeout")
         plan = self.core.step()
         scheduled = self.scheduler.scheduled_seqs
         touched = {rid: self.requests[rid] for rid in (scheduled[c.seq_id].request_id for c in plan.chunks)}

@@ -99,6 +99,16 @@ class OutputProcessor:
         if seq.detokenizer is not None:
             seq.text_delta += seq.detokenizer.flush()
 
+    def end_request(self, st: RequestState, reason: str) -> None:
+        """End a request from outside a step (an abort, a deadline): each sequence goes through
+        finish_seq, the one release path, as when it stops by itself."""
+        for seq in st.seqs:
+            if not seq.is_finished:
+                self.scheduler.manager.events.record("abort", seq=seq.seq_id, reason=reason)
+            self.finish_seq(seq, reason)
+        st.ended_by = reason
+        self.maybe_finish_request(st)
+
     def maybe_finish_request(self, st: RequestState) -> None:
         if all(s.is_finished for s in st.seqs) and not st.finished:
             st.finished = True
@@ -142,7 +152,7 @@ class OutputProcessor:
         for i, (ids, cum, reason, score) in enumerate(hyps):
             text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
             outs.append(CompletionOutput(index=i, text=text, token_ids=list(ids), cumulative_logprob=cum,
-                                         logprobs=None, finish_reason=reason or ("abort" if st.finished else None)))
+                                         logprobs=None, finish_reason=reason or ((st.ended_by or "abort") if st.finished else None)))
         m = st.metrics
         m.num_output_tokens = len(outs[0].token_ids) if outs else 0
         return RequestOutput(request_id=st.request_id, prompt=st.prompt, prompt_token_ids=st.prompt_token_ids,

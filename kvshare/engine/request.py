@@ -92,3 +92,10 @@ class RequestState:
     finished: bool = False
     prompt_logprobs_owner: Sequence | None = None
     reported_final: bool = False
+    ended_by: str | None = None  # "abort" or "timeout" when ended from outside a step
+
+    @property
+    def deadline(self) -> float | None:
+        """When the engine ends it with finish_reason "timeout" (the engine's monotonic clock)."""
+        timeout = self.params.timeout
+        return None if timeout is None else self.metrics.arrival_time + timeout

@@ -4,6 +4,10 @@ Order within a step: running decodes (one token each, so decode is never starved
 running requests still in chunked prefill, then waiting requests FCFS. When the pool runs out
 of blocks, the most recently admitted running sequence is preempted: its blocks go back through
 the manager's one release path and it is recomputed later from its tokens so far.
+
+Under --scheduling-policy priority (vLLM's) the waiting queue is kept in (priority, arrival)
+order, the running sequence with the largest (priority, arrival) is the one preempted, and a
+waiting request that does not fit preempts running ones of a strictly larger priority value.
 """
 from __future__ import annotations
 
@@ -36,12 +40,25 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order; the tail is preempted first
         self.num_preemptions = 0
+        self.by_priority = config.scheduling_policy == "priority"
         # The last plan's sequences by id: the plan names them by id only (it is plain data),
         # and step_done and the engine's sampling act on these records.
         self.scheduled_seqs: dict[str, Sequence] = {}
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        if self.by_priority:
+            self._queue(seq)
+        else:
+            self.waiting.append(seq)
+
+    def _queue(self, seq: Sequence) -> None:
+        """Into the waiting queue in (priority, arrival) order, after its equals (FCFS among them)."""
+        key = _rank(seq)
+        at = next((i for i, w in enumerate(self.waiting) if _rank(w) > key), len(self.waiting))
+        self.waiting.insert(at, seq)
+
+    def _victim(self) -> Sequence:
+        return max(self.running, key=_rank) if self.by_priority else self.running[-1]
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -62,7 +79,7 @@ class Scheduler:
             # Blocks that fell out of the window go back first: they may be what makes room.
             while not (self.manager.slide(seq.seq_id, seq.num_computed_tokens)
                        and self.manager.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)):
-                victim = self.running[-1]
+                victim = self._victim()
                 undone = scheduled.pop(victim.seq_id, None)
                 if undone is not None:
                     budget += undone.num_tokens
@@ -76,7 +93,7 @@ class Scheduler:
 
         # Admitting new work in a step that had to preempt would only thrash.
         if not out.preempted:
-            budget = self._admit_waiting(budget, scheduled)
+            budget = self._admit_waiting(budget, scheduled, out.preempted)
 
         out.block_copies = self.manager.take_pending_copies()
         out.rotations = self.manager.take_pending_rotations()
@@ -135,24 +152,30 @@ class Scheduler:
         shared = sum(1 for b in cached if b is not None and b.ref_count > 0)  # held already: no new block
         return peak - shared <= mgr.num_free_blocks() - reserve
 
-    def _admit_waiting(self, budget: int, scheduled: dict[str, _Chunk]) -> int:
+    def _admit_waiting(self, budget: int, scheduled: dict[str, _Chunk], preempted: list[str]) -> int:
         mgr = self.manager
         # Blocks being computed this step are not hits yet (their KV is unwritten). A request
         # that would compute one of them again waits a step and then hits the cache instead.
         inflight: set[bytes] = set()
         for c in scheduled.values():
             inflight.update(mgr.hashes_completed_by(c.seq.seq_id, c.seq.token_ids, c.start, c.end))
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
-            if seq.pending_forks and len(self.running) + 1 + seq.pending_forks > self.config.max_num_seqs:
-                break  # its forks will need seats too
+            if len(self.running) + 1 + seq.pending_forks > self.config.max_num_seqs:  # forks need seats too
+                if self._preempt_for(seq, scheduled, preempted):
+                    budget = self.config.max_num_batched_tokens - sum(c.num_tokens for c in scheduled.values())
+                    continue
+                break
             # prompt_logprobs need logits for every prompt position, so such requests compute
             # their whole prompt (they still publish their blocks for others).
             uses_cache = seq.prompt_logprobs is None or seq.prompt_logprobs_done()
             plan = mgr.plan_admission(seq.seq_id, seq.token_ids, seq.namespace, budget,
                                       use_cache=uses_cache, inflight=inflight)
             if plan.refusal is not None or not self._room_to_peak(seq, plan.hits):
-                break  # FCFS: nobody overtakes the head of the queue
+                if (plan.refusal is None or plan.short_of_blocks) and self._preempt_for(seq, scheduled, preempted):
+                    budget = self.config.max_num_batched_tokens - sum(c.num_tokens for c in scheduled.values())
+                    continue
+                break  # nobody overtakes the head of the queue (FCFS, or the most important under priority)
             self.waiting.popleft()
             mgr.commit_admission(plan)
             seq.num_computed_tokens = plan.num_computed
@@ -166,6 +189,20 @@ class Scheduler:
             inflight.update(mgr.hashes_completed_by(seq.seq_id, seq.token_ids, chunk.start, chunk.end))
             budget -= plan.num_new
         return budget
+
+    def _preempt_for(self, seq: Sequence, scheduled: dict[str, _Chunk], preempted: list[str]) -> bool:
+        """Priority policy: make room for `seq` by preempting the least important running
+        sequence, if it is strictly less important (equal priorities never preempt each other:
+        that would only thrash). False: nothing to preempt."""
+        if not self.by_priority or not self.running:
+            return False
+        victim = self._victim()
+        if victim.params.priority <= seq.params.priority:
+            return False
+        scheduled.pop(victim.seq_id, None)
+        self.preempt(victim)
+        preempted.append(victim.seq_id)
+        return True
 
     def add_forked(self, parent: Sequence, child: Sequence) -> None:
         """A fork shares its parent's blocks and progress: it is running from birth."""
@@ -184,7 +221,10 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        if self.by_priority:
+            self._queue(seq)  # behind more important waiting requests
+        else:
+            self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
         """Finish (or abort) a sequence wherever it is; a second call is a no-op."""
@@ -201,3 +241,8 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
+
+
+def _rank(seq: Sequence) -> tuple[int, float]:
+    """Priority policy order: lower first, then earlier arrival (vLLM's (priority, arrival_time))."""
+    return seq.params.priority, seq.arrival_time

@@ -268,6 +268,7 @@ class KVCacheCoordinator:
         if needed > self.pool.num_free - revived:
             groups = f" ({self.num_groups} KV cache groups)" if self.num_groups > 1 else ""
             plan.refusal = f"needs {needed} new blocks + {revived} revived{groups}, {self.pool.num_free} free"
+            plan.short_of_blocks = True
         return plan
 
     def _first_missing_hash(self, seq_id: str, token_ids: list[int], num_cached_blocks: int) -> bytes | None:

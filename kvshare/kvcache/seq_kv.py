@@ -55,5 +55,6 @@ class AdmissionPlan:
     num_new: int  # tokens to compute this step
     num_lookup_tokens: int  # tokens looked up in the prefix cache (0: the cache is not used)
     refusal: str | None = None  # why not now (None: it fits)
+    short_of_blocks: bool = False  # refused for want of free blocks (freeing some could help)
     # KV cache groups (kv_groups.py): each group's hits; `hits` is then all of them together.
     group_hits: list[list[Block | None]] | None = None

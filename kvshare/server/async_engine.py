@@ -462,9 +462,10 @@ class AsyncEngine:
 
 
 def request_finish_reason(out: RequestOutput) -> str:
-    """One reason per request (vLLM's label): abort if any choice aborted, else length, else stop."""
+    """One reason per request (vLLM's label): abort if any choice aborted, else timeout, else
+    length, else stop."""
     reasons = {c.finish_reason for c in out.outputs}
-    for r in ("abort", "length"):
+    for r in ("abort", "timeout", "length"):
         if r in reasons:
             return r
     return "stop"

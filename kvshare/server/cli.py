@@ -38,7 +38,8 @@ def add_serve_parser(sub) -> None:
     g.add_argument("--max-waiting", type=int, default=None,
                    help="answer 429 when this many requests already wait to be scheduled (default: unbounded)")
     g.add_argument("--request-timeout", type=float, default=None,
-                   help="abort a request this many seconds after arrival (finish_reason 'abort')")
+                   help="end a request this many seconds after arrival with finish_reason 'timeout' (its partial "
+                        "output; 408 if it produced nothing); a request's own `timeout` may only be shorter")
     g.add_argument("--shutdown-timeout", type=float, default=server_default("shutdown_timeout"),
                    help="on SIGTERM, seconds in-flight requests get to finish before they are aborted")
     g.add_argument("--max-body-bytes", default=str(DEFAULT_MAX_BODY_BYTES),

@@ -24,8 +24,9 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
-FINISH_REASONS = ("stop", "length", "abort")
-ABORT_REASONS = ("client_disconnect", "timeout", "shutdown")
+FINISH_REASONS = ("stop", "length", "abort", "timeout")
+# A deadline is not a server abort: the engine ends the request (vllm:request_success_total{finished_reason="timeout"}).
+ABORT_REASONS = ("client_disconnect", "shutdown")
 REJECT_REASONS = ("queue_full", "unauthorized", "body_too_large", "shutting_down", "invalid_request", "not_found",
                   "engine_dead")
 
@@ -43,6 +44,8 @@ class EngineSnapshot:
     preemptions: int = 0
     step: int = 0
     tiers: dict = field(default_factory=dict)  # EngineStatus.tiers: the KV tiers' blocks, budgets, hits
+    running_by_priority: dict[int, int] = field(default_factory=dict)
+    waiting_by_priority: dict[int, int] = field(default_factory=dict)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -145,11 +148,22 @@ class ServerMetrics:
             fam.add_metric([name], buckets, h.sum)
             return fam
 
+        def by_priority(metric: str, help_text: str, values: dict[int, int]):
+            fam = GaugeMetricFamily(metric, help_text, labels=["model_name", "priority"])
+            for prio, count in sorted(values.items()):
+                fam.add_metric([name, str(prio)], count)
+            return fam
+
         gauge, counter = GaugeMetricFamily, CounterMetricFamily
         with self._lock:
             return [
                 one(gauge, "vllm:num_requests_running", "Requests with a sequence in the running batch.", snap.running),
                 one(gauge, "vllm:num_requests_waiting", "Requests waiting to be scheduled.", snap.waiting),
+                by_priority("kvshare:num_requests_running_by_priority",
+                            "vllm:num_requests_running by the requests' priority (--scheduling-policy priority).",
+                            snap.running_by_priority),
+                by_priority("kvshare:num_requests_waiting_by_priority",
+                            "vllm:num_requests_waiting by the requests' priority.", snap.waiting_by_priority),
                 one(gauge, "vllm:kv_cache_usage_perc", "KV-cache usage: fraction of blocks referenced (0 to 1).",
                     snap.kv_cache_usage),
                 one(gauge, "kvshare:kv_cache_blocks_in_use", "KV blocks referenced by a sequence.", snap.blocks_in_use),

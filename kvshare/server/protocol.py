@@ -165,6 +165,8 @@ class _Sampling(_Strict):
     structured_outputs: StructuredOutputsRequest | None = None
     response_format: ResponseFormat | None = None  # vLLM takes it on completions too
     prompt_logprobs: int | None = Field(None, ge=0, le=20)  # not with stream: true (as vLLM)
+    priority: int = Field(0, ge=-INT64, lt=INT64)  # vLLM's; other than 0 only with --scheduling-policy priority
+    timeout: float | None = Field(None, gt=0, allow_inf_nan=False)  # seconds from arrival: then finish_reason "timeout"
 
 
 class CompletionRequest(_Sampling):

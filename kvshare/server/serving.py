@@ -167,7 +167,8 @@ class OpenAIServing:
                 ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
                 logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
                 cache_salt=effective_cache_salt(self.state.config, raw.scope, req.cache_salt),
-                structured_outputs=structured_params(req),
+                structured_outputs=structured_params(req), priority=req.priority,
+                timeout=request_timeout(req.timeout, self.state.config.request_timeout),
             )
         except InvalidRequestError as e:
             param = rename.get(e.param, e.param)
@@ -208,39 +209,31 @@ class OpenAIServing:
             if rename.get("prompt") == "messages":
                 msg = msg.replace("prompt", "the rendered chat prompt", 1)
             raise InvalidRequestError(msg, param) from None
-        timeout = self.state.config.request_timeout
-        deadline = asyncio.get_running_loop().time() + timeout - (time.monotonic() - arrival) if timeout else None
+        # A deadline (params.timeout) is the engine's: it ends the request with finish_reason "timeout".
         if job.stream:
             # on_close: a no-op when the requests finished; an abort when the client left
-            return ClosingSSEResponse(self._events(job, stream, fmt, deadline),
+            return ClosingSSEResponse(self._events(job, stream, fmt),
                                       on_close=lambda: self.engine.abort(stream, "client_disconnect"))
-        finals = await self._collect(stream, raw, deadline)
-        return JSONResponse(fmt.response([finals[job.engine_id(i)] for i in range(len(job.prompts))]))
+        finals = await self._collect(stream, raw)
+        outs = [finals[job.engine_id(i)] for i in range(len(job.prompts))]
+        if all(c.finish_reason == "timeout" and not c.token_ids for o in outs for c in o.outputs):
+            raise APIError(408, f"the request reached its deadline ({params.timeout:g}s after arrival) before it "
+                                "produced a token", param="timeout", code="request_timeout")
+        return JSONResponse(fmt.response(outs))
 
-    async def _outputs(self, stream: RequestStream, deadline: float | None) -> AsyncIterator[RequestOutput]:
+    async def _outputs(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
         remaining = set(stream.request_ids)
         while remaining:
-            try:
-                if deadline is not None and not stream.abort_requested:
-                    async with asyncio.timeout_at(deadline):
-                        out = await stream.get()
-                else:
-                    out = await stream.get()
-            except TimeoutError:
-                # Aborted like any other request: its last output carries finish_reason "abort".
-                self.engine.abort(stream, "timeout")
-                deadline = None
-                continue
+            out = await stream.get()
             if out.finished:
                 remaining.discard(out.request_id)
             yield out
 
-    async def _events(self, job: Job, stream: RequestStream, fmt: BaseFormatter,
-                      deadline: float | None) -> AsyncIterator[str]:
+    async def _events(self, job: Job, stream: RequestStream, fmt: BaseFormatter) -> AsyncIterator[str]:
         try:
             for chunk in fmt.opening_chunks():
                 yield sse(chunk)
-            async for out in self._outputs(stream, deadline):
+            async for out in self._outputs(stream):
                 for chunk in fmt.chunks(out):
                     yield sse(chunk)
             if job.include_usage:
@@ -249,11 +242,11 @@ class OpenAIServing:
             yield sse(e.body())
         yield "data: [DONE]\n\n"
 
-    async def _collect(self, stream: RequestStream, raw: Request, deadline: float | None) -> dict:
+    async def _collect(self, stream: RequestStream, raw: Request) -> dict:
         watcher = asyncio.create_task(self._watch_disconnect(stream, raw))
         try:
             finals = {}
-            async for out in self._outputs(stream, deadline):
+            async for out in self._outputs(stream):
                 if out.finished:
                     finals[out.request_id] = out
             return finals
@@ -276,3 +269,10 @@ class OpenAIServing:
         else:
             logger.info("request %s: %d prompt(s), %d prompt tokens, max_tokens=%s, n=%d, stream=%s", job.id,
                         len(job.prompts), n_tokens, params.max_tokens, params.n, job.stream)
+
+
+def request_timeout(body: float | None, server: float | None) -> float | None:
+    """A request's deadline in seconds: its own `timeout`, bounded by the server's --request-timeout
+    (an operator's limit a client cannot lift); either alone when the other is absent."""
+    given = [t for t in (body, server) if t is not None]
+    return min(given) if given else None
