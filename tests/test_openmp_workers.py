@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from kvshare.engine.core import EngineStatus
 from kvshare.model.kernels import openmp
 from kvshare.server import async_engine
 from kvshare.server.metrics import ServerMetrics
@@ -56,7 +57,7 @@ def test_the_server_releases_its_workers_before_the_engine_thread_starts(monkeyp
     monkeypatch.setattr(openmp, "release_openmp_workers",
                         lambda: calls.append(ae._thread) or True)
     engine = SimpleNamespace(layout=SimpleNamespace(num_blocks=8), has_unfinished_requests=lambda: False,
-                             close=lambda: None)
+                             close=lambda: None, status=EngineStatus)
     ae = async_engine.AsyncEngine(engine, ServerMetrics("m"))
     ae.start(loop=None)
     try:
