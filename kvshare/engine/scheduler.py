@@ -163,7 +163,7 @@ class Scheduler:
             seq = self.waiting[0]
             if len(self.running) + 1 + seq.pending_forks > self.config.max_num_seqs:  # forks need seats too
                 if self._preempt_for(seq, scheduled, preempted):
-                    budget = self.config.max_num_batched_tokens - sum(c.num_tokens for c in scheduled.values())
+                    budget = self._budget_left(scheduled)
                     continue
                 break
             # prompt_logprobs need logits for every prompt position, so such requests compute
@@ -173,7 +173,7 @@ class Scheduler:
                                       use_cache=uses_cache, inflight=inflight)
             if plan.refusal is not None or not self._room_to_peak(seq, plan.hits):
                 if (plan.refusal is None or plan.short_of_blocks) and self._preempt_for(seq, scheduled, preempted):
-                    budget = self.config.max_num_batched_tokens - sum(c.num_tokens for c in scheduled.values())
+                    budget = self._budget_left(scheduled)
                     continue
                 break  # nobody overtakes the head of the queue (FCFS, or the most important under priority)
             self.waiting.popleft()
@@ -189,6 +189,10 @@ class Scheduler:
             inflight.update(mgr.hashes_completed_by(seq.seq_id, seq.token_ids, chunk.start, chunk.end))
             budget -= plan.num_new
         return budget
+
+    def _budget_left(self, scheduled: dict[str, _Chunk]) -> int:
+        """The step's token budget left after what is scheduled (a preemption gives its chunk back)."""
+        return self.config.max_num_batched_tokens - sum(c.num_tokens for c in scheduled.values())
 
     def _preempt_for(self, seq: Sequence, scheduled: dict[str, _Chunk], preempted: list[str]) -> bool:
         """Priority policy: make room for `seq` by preempting the least important running
