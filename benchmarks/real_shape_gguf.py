@@ -103,7 +103,9 @@ def _tensors(s: Shape, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
 
 def _metadata(w, s: Shape, name: str, vocab: int) -> None:
     a = s.arch
-    w.add_name(f"random-weight {name}")
+    # llama.cpp gives models named "phi-3" special-token attributes (<|end|>, ...) that the
+    # bundled tokenizer lacks, and then refuses the file: no family name in general.name.
+    w.add_name(f"random-weight {name.replace('-', '_')}")
     w.add_file_type(1)  # mostly float16
     w.add_block_count(s.layers)
     w.add_context_length(8192)
