@@ -44,8 +44,23 @@ def reference(w: GroupAffine, vnni: bool) -> tuple[torch.Tensor, torch.Tensor, t
     return q, scale, zero
 
 
+def full_layout(got):
+    """A repack's (q, scales, zeros[, compact]) with compact scales and zeros (VNNI blocks of
+    K-quant weights) expanded to the full layout's float32 [N / 16, K / g, 16]."""
+    if len(got) == 3:
+        return got
+    q, s, z, compact = got
+    if not compact:
+        return q, s, z
+    n = q.shape[0] * 16
+    k = q.shape[1] * 4 * (2 if q.dtype == torch.uint8 else 1)
+    g = 16 * k // (s.shape[1] - 64 * (k // 256))  # bytes per block: 16 * (K / g) + 64 * (K / 256)
+    blocks = qmatmul.VnniBlocks(q, s, z, n, k, g, q.dtype == torch.uint8, compact=True)
+    return q, blocks._expanded(s), None if z is None else blocks._expanded(z)
+
+
 def assert_same(got, want) -> None:
-    (gq, gs, gz), (wq, ws, wz) = got, want
+    (gq, gs, gz), (wq, ws, wz) = full_layout(got), full_layout(want)
     assert gq.dtype == wq.dtype and torch.equal(gq, wq)
     assert gs.shape == ws.shape and torch.equal(gs.view(torch.int32), ws.view(torch.int32))
     assert (gz is None) == (wz is None)
@@ -173,11 +188,20 @@ def test_make_linear_from_blocks_equals_reference(qtype):
     got = make_linear(GGUFBlocks.of_tensor(raw, qtype, (n, k)), torch.float32, DequantScratch())
     want = make_linear(to_group_affine(raw, qtype, (n, k)), torch.float32, DequantScratch())
     assert type(got) is type(want) and (got.blocks is None) == (want.blocks is None)
-    assert_same((got.q, got.scale, got.zero), (want.q, want.scale, want.zero))
-    x = torch.randn(3, k)
-    assert torch.equal(got(x), want(x))
+    # The K-quants keep compact scales in VNNI blocks (a base per super-block, a code per group);
+    # the group form's layer holds them in full. The same values, and every path the same bits.
+    compact = got.blocks is not None and got.blocks.compact
+    assert compact == (got.blocks is not None and qtype in (QT.Q4_K, QT.Q6_K))
+    assert_same((got.q, got.scale, got.zero, compact), (want.q, want.scale, want.zero))
+    for m in (1, 3, 12, 40):  # decode tiles, the panel path (M > 8), the GEMM path (M > 16)
+        x = torch.randn(m, k)
+        assert torch.equal(got(x, decode_rows=m), want(x, decode_rows=m)), m
     ids = torch.tensor([0, 5, 47])
     assert torch.equal(got.rows(ids), want.rows(ids))
+    for dtype in (torch.float32, torch.bfloat16):  # the prefill scratch's dense copy
+        assert torch.equal(got.dense(torch.empty(n, k, dtype=dtype)), want.dense(torch.empty(n, k, dtype=dtype)))
+    if compact:
+        assert got.nbytes < want.nbytes
 
 
 def test_repack_refuses_what_the_layout_cannot_take():

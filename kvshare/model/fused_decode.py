@@ -112,8 +112,11 @@ def _linear(lin, bias: torch.Tensor | None) -> _Linear | None:
         return view
     if type(lin) not in (GroupInt8Linear, GroupInt4Linear):
         return None
-    # 1 int8 / 2 int4 codes in rows; 3 / 4 the same in VNNI blocks (the avx512-vnni path)
-    kind = (2 if isinstance(lin, GroupInt4Linear) else 1) + (2 if lin.blocks is not None else 0)
+    # 1 int8 / 2 int4 codes in rows; 3 / 4 the same in VNNI blocks (the avx512-vnni path); 6 / 7 in
+    # VNNI blocks with compact scales
+    kind = 2 if isinstance(lin, GroupInt4Linear) else 1
+    if lin.blocks is not None:
+        kind += 5 if lin.blocks.compact else 2
     return _Linear(kind, lin.q.data_ptr(), lin.scale.data_ptr(), _ptr_of(lin.zero), _ptr_of(bias),
                    lin.out_features, lin.in_features, lin.group)
 

@@ -124,10 +124,10 @@ class GroupInt8Linear:
         if isinstance(w, GGUFBlocks) and self._kernel_ready:
             # Still the file's blocks: decoded once, in C++ across threads, straight into the final
             # layout (the same arrays the steps below make from w.q / w.scale / w.zero).
-            self.q, self.scale, self.zero = w.repack(self.packed_int4, vnni)
+            self.q, self.scale, self.zero, compact = w.repack(self.packed_int4, vnni)
             if vnni:
                 self.blocks = qmatmul.VnniBlocks(self.q, self.scale, self.zero, self.out_features,
-                                                 self.in_features, self.group, self.packed_int4)
+                                                 self.in_features, self.group, self.packed_int4, compact)
         else:
             self.q = self._pack(w.q)
             self.scale = w.scale.float().contiguous()
@@ -250,8 +250,8 @@ class GroupInt8Linear:
 
     @property
     def nbytes(self) -> int:
-        zero = 0 if self.zero is None else self.zero.numel() * 4
-        return self.q.numel() * self.q.element_size() + self.scale.numel() * 4 + zero
+        zero = 0 if self.zero is None else self.zero.numel() * self.zero.element_size()
+        return self.q.numel() * self.q.element_size() + self.scale.numel() * self.scale.element_size() + zero
 
 
 class GroupInt4Linear(GroupInt8Linear):
@@ -328,6 +328,12 @@ def make_linear(weight: torch.Tensor | GroupAffine | RowBlocks, dtype: torch.dty
 _ZERO_OFFSET_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q5_1", "Q5_K", "Q2_K"})
 _GROUP_16_TYPES = frozenset({"Q6_K", "Q2_K", "Q3_K"})
 _INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})
+_COMPACT_TYPES = frozenset({"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"})  # (qmatmul.COMPACT_GGML_TYPES)
+
+
+def _vnni_cpu() -> bool:
+    """Whether weights are kept in VNNI blocks here (the kernels' own answer for a common shape)."""
+    return qmatmul.vnni_blocks_fit(16, 256, 32)
 
 
 def resident_bytes_per_weight(type_name: str) -> float | None:
@@ -338,6 +344,9 @@ def resident_bytes_per_weight(type_name: str) -> float | None:
     if type_name not in {t.name for t in GROUP_AFFINE_TYPES}:
         return None
     group = 16 if type_name in _GROUP_16_TYPES else 32
-    per_group = 4 + (4 if type_name in _ZERO_OFFSET_TYPES else 0)  # float32 scale (+ offset)
+    arrays = 2 if type_name in _ZERO_OFFSET_TYPES else 1  # scales (+ offsets)
     code = 0.5 if type_name in _INT4_TYPES else 1  # 4-bit codes two per byte, else one int8
-    return code + per_group / group
+    if type_name in _COMPACT_TYPES and _vnni_cpu():
+        # VNNI blocks with compact scales: an int8 code per group, a float32 base per 256
+        return code + arrays * (1 / group + 4 / qmatmul.COMPACT_SUPER_BLOCK)
+    return code + arrays * 4 / group  # a float32 per group

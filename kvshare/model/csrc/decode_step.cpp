@@ -39,11 +39,11 @@ namespace dec {
 
 struct Linear {
   // 1: int8 codes [N, K]; 2: 4-bit codes two per byte [N, K / 2]; 3 / 4: the same in VNNI blocks;
-  // 5: row blocks kept at their own formats (a Q4_K_M file's Q4_K q/k and Q6_K v), `parts` in
+  // 6 / 7: in VNNI blocks with compact scales and zeros (qmatmul.cpp, kLayoutCompact); 5: row blocks kept at their own formats (a Q4_K_M file's Q4_K q/k and Q6_K v), `parts` in
   // output order, each writing its own columns of the one output row.
   int64_t kind;
   const void* q;
-  const float* scales;  // [N, K / group]
+  const float* scales;  // [N, K / group] (kinds 6 / 7: compact, as bytes)
   const float* zeros;   // [N, K / group] or null
   const float* bias;    // [N] or null
   int64_t N, K, group;
@@ -458,17 +458,18 @@ static int linear(const Linear& L, const float* x, int64_t M, float* y, int num_
     return 0;
   }
   int rc;
-  if (L.kind < 1 || L.kind > 4) {
+  if (L.kind < 1 || L.kind > 7) {
     std::snprintf(err, size_t(err_len), "unknown linear kind %lld", (long long)L.kind);
     return 1;
   }
-  const bool blocks = L.kind >= 3;  // (qmatmul.cpp, "VNNI blocks")
-  if (L.kind == 1 || L.kind == 3)
+  // (qmatmul.cpp's layouts: rows, "VNNI blocks", compact scales)
+  const int layout = L.kind >= 6 ? qmm::kLayoutCompact : L.kind >= 3 ? qmm::kLayoutBlocks : qmm::kLayoutRows;
+  if (L.kind == 1 || L.kind == 3 || L.kind == 6)
     rc = qmm::group_matmul<qmm::I8>(x, L.K, 0, static_cast<const uint8_t*>(L.q), L.scales, L.zeros, y, y_stride, M,
-                                    L.N, L.K, L.group, 0, num_threads, err, err_len, blocks);
+                                    L.N, L.K, L.group, 0, num_threads, err, err_len, layout);
   else
     rc = qmm::group_matmul<qmm::U4>(x, L.K, 0, static_cast<const uint8_t*>(L.q), L.scales, L.zeros, y, y_stride, M,
-                                    L.N, L.K, L.group, 0, num_threads, err, err_len, blocks);
+                                    L.N, L.K, L.group, 0, num_threads, err, err_len, layout);
   return rc;  // the output's rounding and the bias: out_row, per row
 }
 

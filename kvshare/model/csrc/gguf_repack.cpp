@@ -21,9 +21,15 @@
 // * vnni = 1: the same bytes in VNNI blocks (qmatmul.cpp "VNNI blocks"): q [N / 16, row_bytes / 4,
 //   16, 4], scales and zeros [N / 16, K / g, 16]. Threads take whole 16-row blocks, so no two
 //   write the same cache line.
+// * vnni = 2 (the K-quants and IQ4_XS): VNNI blocks with compact scales and zeros (qmatmul.cpp,
+//   kLayoutCompact): per 16-row block, int8 codes [G][16] and then the float32 bases [G / sub][16]
+//   of its super-blocks (d, and -dmin for the zeros), so that base * code is the scale (zero)
+//   above. Each one is checked bit for bit against the full layout's value as it is written;
+//   a weight where one differs (a non-finite d, say) is refused (the caller keeps the full layout).
 //
 // The block layouts follow ggml's definitions (ggml-common.h), as gguf_quants.py's decoders do.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -256,6 +262,30 @@ inline void pack_nibble_halves(const uint8_t* qs, int nbytes, uint8_t* out) {
   }
 }
 
+// The float32 bases of a super-block's group scales and zeros (compact scales): scale = sbase *
+// code, zero = zbase * code for small integer codes. False for formats without super-blocks.
+inline bool superblock_bases(int type, const uint8_t* b, float* sbase, float* zbase) {
+  switch (type) {
+    case Q4_K:
+    case Q5_K: *sbase = f16(b); *zbase = -f16(b + 2); return true;
+    case Q6_K: *sbase = f16(b + 208); *zbase = 0.f; return true;
+    case Q2_K: *sbase = f16(b + 80); *zbase = -f16(b + 82); return true;
+    case Q3_K: *sbase = f16(b + 108); *zbase = 0.f; return true;
+    case IQ4_XS: *sbase = f16(b); *zbase = 0.f; return true;
+    default: return false;
+  }
+}
+
+// The int8 code c with base * c == v bit for bit, if there is one.
+inline bool compact_code(float v, float base, int8_t* code) {
+  long c = 0;
+  if (base != 0.f && std::isfinite(base)) c = std::lrint(double(v) / double(base));
+  if (c < -128 || c > 127) return false;
+  const float back = float(c) * base;
+  *code = int8_t(c);
+  return std::memcmp(&back, &v, 4) == 0;
+}
+
 // One block of Q4_0 / Q4_1 / Q4_K as packed bytes (block / 2 of them) and its groups' scales and
 // zeros, the values decode_block gives.
 inline void decode_block_int4(int type, const uint8_t* b, uint8_t* packed, float* s, float* z) {
@@ -286,14 +316,15 @@ struct Job {
   int64_t rows, row0, n_total, k;
   Format f;
   int type;
-  bool int4, vnni;
+  bool int4, vnni, compact;
   uint8_t* q;
   float *scales, *zeros;
+  std::atomic<bool>* not_compact;  // set when a scale or zero has no compact form
 };
 
 // One file row (blocks at `src`) decoded into `out` (its row bytes: packed or int8 codes) and its
 // groups' scales `s` and zeros `z` (K / g floats each; zeros 0 for a symmetric format).
-inline void decode_row(const Job& j, const uint8_t* src, uint8_t* out, float* s, float* z) {
+inline void decode_row(const Job& j, const uint8_t* src, uint8_t* out, float* s, float* z, float* bases = nullptr) {
   const int64_t gpb = j.f.block / j.f.group, blocks = j.k / j.f.block;
   if (j.int4) {
     for (int64_t i = 0; i < blocks; ++i)
@@ -303,6 +334,31 @@ inline void decode_row(const Job& j, const uint8_t* src, uint8_t* out, float* s,
       decode_block(j.type, src + i * j.f.type_size, out + i * j.f.block, s + i * gpb, z + i * gpb);
   }
   if (!j.f.has_zero) std::fill(z, z + j.k / j.f.group, 0.0f);
+  if (bases)  // (compact scales) per super-block: its scale base, then its zero base
+    for (int64_t i = 0; i < blocks; ++i) superblock_bases(j.type, src + i * j.f.type_size, bases + 2 * i, bases + 2 * i + 1);
+}
+
+// A span's scales and zeros (s_buf / z_buf [16][G], bases [16][G / sub][2]) in compact layout at
+// cs / cz (rows lane_lo .. lane_hi - 1 of the block), each value checked against its full form.
+inline void write_compact(const Job& j, int64_t lane_lo, int64_t lane_hi, const float* s_buf, const float* z_buf,
+                          const float* bases, uint8_t* cs, uint8_t* cz) {
+  const int64_t G = j.k / j.f.group, sub = j.f.block / j.f.group, S = G / sub;
+  for (int64_t lane = lane_lo; lane < lane_hi; ++lane) {
+    for (int64_t g = 0; g < G; ++g) {
+      const float sb = bases[(lane * S + g / sub) * 2], zb = bases[(lane * S + g / sub) * 2 + 1];
+      int8_t c;
+      if (!compact_code(s_buf[lane * G + g], sb, &c)) *j.not_compact = true;
+      cs[g * 16 + lane] = uint8_t(c);
+      if (cz) {
+        if (!compact_code(z_buf[lane * G + g], zb, &c)) *j.not_compact = true;
+        cz[g * 16 + lane] = uint8_t(c);
+      }
+    }
+    for (int64_t t = 0; t < S; ++t) {
+      std::memcpy(cs + 16 * G + (t * 16 + lane) * 4, &bases[(lane * S + t) * 2], 4);
+      if (cz) std::memcpy(cz + 16 * G + (t * 16 + lane) * 4, &bases[(lane * S + t) * 2 + 1], 4);
+    }
+  }
 }
 
 // Packed 4-bit codes of a row (code i at bits 4i of a little-endian 4-byte unit) as a VNNI
@@ -349,7 +405,7 @@ inline void transpose_block(const uint8_t* in, int64_t stride, int64_t units, ui
 // thread's scratch (16 rows: at most a few hundred KB, cache-resident) and then written out line
 // by line, each 64-byte line whole (about 10% faster than 4 bytes into every line per row).
 inline void repack_span(const Job& j, int64_t span, int64_t lo, int64_t hi, uint8_t* rows_buf, float* s_buf,
-                        float* z_buf) {
+                        float* z_buf, float* bases) {
   const int64_t G = j.k / j.f.group, row_bytes = j.int4 ? j.k / 2 : j.k;
   const auto src = [&](int64_t row) { return reinterpret_cast<const uint8_t*>(j.row_addrs[row - j.row0]); };
   if (!j.vnni) {
@@ -362,7 +418,8 @@ inline void repack_span(const Job& j, int64_t span, int64_t lo, int64_t hi, uint
   const int64_t lane_lo = lo - span * 16, lane_hi = hi - span * 16, lines = row_bytes / 4;
   for (int64_t lane = lane_lo; lane < lane_hi; ++lane) {
     uint8_t* row = rows_buf + lane * row_bytes;
-    decode_row(j, src(span * 16 + lane), row, s_buf + lane * G, z_buf + lane * G);
+    decode_row(j, src(span * 16 + lane), row, s_buf + lane * G, z_buf + lane * G,
+               j.compact ? bases + lane * (j.k / j.f.block) * 2 : nullptr);
     if (j.int4)  // each 4-byte unit's codes as the VNNI kernel takes them (qmatmul.cpp VnniCodes<U4>)
       for (int64_t u = 0; u < lines; ++u) {
         uint32_t v;
@@ -374,6 +431,19 @@ inline void repack_span(const Job& j, int64_t span, int64_t lo, int64_t hi, uint
   uint8_t* qb = j.q + span * lines * 64;
   float* sb = j.scales + span * G * 16;
   float* zb = j.zeros ? j.zeros + span * G * 16 : nullptr;
+  if (j.compact) {
+    const int64_t cs = 16 * G + 64 * (j.k / j.f.block);  // (qmatmul.cpp compact_block_bytes)
+    write_compact(j, lane_lo, lane_hi, s_buf, z_buf, bases, reinterpret_cast<uint8_t*>(j.scales) + span * cs,
+                  j.zeros ? reinterpret_cast<uint8_t*>(j.zeros) + span * cs : nullptr);
+    if (lane_lo == 0 && lane_hi == 16) {
+      transpose_block(rows_buf, row_bytes, lines, qb);
+    } else {
+      for (int64_t c = 0; c < lines; ++c)
+        for (int64_t lane = lane_lo; lane < lane_hi; ++lane)
+          std::memcpy(qb + c * 64 + lane * 4, rows_buf + lane * row_bytes + c * 4, 4);
+    }
+    return;
+  }
   if (lane_lo == 0 && lane_hi == 16) {
     transpose_block(rows_buf, row_bytes, lines, qb);
     transpose_block(reinterpret_cast<const uint8_t*>(s_buf), G * 4, G, reinterpret_cast<uint8_t*>(sb));
@@ -405,10 +475,11 @@ inline void run(const Job& j, int num_threads) {
   const auto work = [&]() {
     std::vector<uint8_t> rows_buf(size_t(j.vnni ? 16 * row_bytes : 0));
     std::vector<float> s_buf(size_t(16 * G)), z_buf(size_t(16 * G));
+    std::vector<float> bases(size_t(j.compact ? 16 * (j.k / j.f.block) * 2 : 0));
     for (int64_t at = next.fetch_add(chunk); at < last; at = next.fetch_add(chunk))
       for (int64_t span = at; span < std::min(at + chunk, last); ++span)
         repack_span(j, span, std::max(span * 16, j.row0), std::min(span * 16 + 16, j.row0 + j.rows),
-                    rows_buf.data(), s_buf.data(), z_buf.data());
+                    rows_buf.data(), s_buf.data(), z_buf.data(), bases.data());
 #if defined(__SSE2__)
     _mm_sfence();  // (the non-temporal stores visible before the weights are used)
 #endif
@@ -444,10 +515,16 @@ extern "C" int kvs_gguf_repack(const int64_t* row_addrs, int64_t rows, int64_t r
   if (rows < 0 || row0 < 0 || row0 + rows > n_total) return fail("rows out of the weight's range");
   if (int4 && !f.int4_ok) return fail("only Q4_0, Q4_1 and Q4_K codes pack two per byte");
   if (f.has_zero && !zeros) return fail("this format has offsets: zeros must be given");
+  if (vnni < 0 || vnni > 2) return fail("vnni must be 0 (rows), 1 (VNNI blocks) or 2 (compact scales)");
   if (vnni && (n_total % 16 || (int4 ? k / 2 : k) % 4))
     return fail("VNNI blocks need N % 16 == 0 and row bytes % 4 == 0");
+  if (vnni == 2 && !(type == Q4_K || type == Q5_K || type == Q6_K || type == Q2_K || type == Q3_K || type == IQ4_XS))
+    return fail("compact scales are for the K-quants and IQ4_XS only");
   if (rows == 0) return 0;
-  Job j{row_addrs, rows, row0, n_total, k, f, type, int4 != 0, vnni != 0, static_cast<uint8_t*>(q), scales, zeros};
+  std::atomic<bool> not_compact{false};
+  Job j{row_addrs, rows, row0, n_total, k, f, type, int4 != 0, vnni != 0, vnni == 2, static_cast<uint8_t*>(q),
+        scales, zeros, &not_compact};
   run(j, num_threads);
+  if (not_compact) return fail("a scale or zero has no compact form (base * int8 code)");
   return 0;
 }

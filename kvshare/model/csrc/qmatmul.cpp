@@ -102,7 +102,28 @@ struct Problem {
   const int16_t* xq = nullptr;
   const float* xd = nullptr;
   const float* xz = nullptr;
+  // VNNI blocks with compact scales (kLayoutCompact, below): scales / zeros then point at bytes,
+  // cs_bytes of them per 16-row block, and a scale is base[g / sub] * code[g].
+  bool compact = false;
+  int64_t sub = 0, cs_bytes = 0;
 };
+
+// Weight layouts group_matmul takes: rows, VNNI blocks, or VNNI blocks with compact scales.
+// Compact scales are for weights whose group scales (and zeros) are a float32 base per
+// super-block of 256 weights times a small integer per group, as the K-quants and IQ4_XS store
+// them (d * sc: a float16 times at most 8 bits, exact in float32). Per 16-row block: int8 codes
+// [G][16] then float32 bases [G / sub][16], sub = 256 / g groups a super-block; zeros alike. The
+// kernels form base * code in float32, the very value the full layout stores, so both layouts
+// give the same bits; they read ~0.09 bytes per weight of scales and zeros where the full layout
+// reads 0.25 (g = 32), and at batch 1 decode is bound by the bytes it reads.
+enum : int { kLayoutRows = 0, kLayoutBlocks = 1, kLayoutCompact = 2 };
+constexpr int64_t kSuperBlock = 256;
+static inline int64_t compact_block_bytes(int64_t G, int64_t sub) { return 16 * G + 64 * (G / sub); }
+static inline float compact_at(const uint8_t* block, int64_t G, int64_t sub, int64_t gi, int r) {
+  float base;
+  std::memcpy(&base, block + 16 * G + ((gi / sub) * 16 + r) * 4, 4);
+  return float(int8_t(block[gi * 16 + r])) * base;
+}
 
 // Weight formats: how many bytes `codes` codes take, and code k of a row (scalar path).
 struct I8 {
@@ -603,9 +624,31 @@ QMM_VNNI static QMM_INLINE __m512i dpwssd(__m512i acc, __m512i a, __m512i b) {
 // MB x rows (m0 ..) against block `blk`. PANEL: the block's code pairs were unpacked once into
 // `panel` [K / 2][16] (many x rows: each pair vector is then one load per 8 rows); else they are
 // unpacked from the block's lines here (few rows: one pass).
-template <class F, int MB, bool ZEROS, bool PANEL>
+// The 16 scales (or zeros) of group gi of a block in compact layout (`block` its bytes).
+QMM_VNNI static QMM_INLINE __m512 compact_vec(const uint8_t* block, int64_t G, int64_t sub, int64_t gi) {
+  const __m512 code = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + gi * 16))));
+  return _mm512_mul_ps(code, _mm512_loadu_ps(reinterpret_cast<const float*>(block + 16 * G) + (gi / sub) * 16));
+}
+
+// Blocks blk .. blk + nb - 1's compact scales as the full layout's, [nb][G][16] into out, and
+// (ZEROS) their zeros likewise after them.
+template <bool ZEROS>
+QMM_VNNI static void expand_compact(const Problem& P, int64_t blk, int nb, float* out) {
+  for (int b = 0; b < nb; ++b) {
+    const uint8_t* cs = reinterpret_cast<const uint8_t*>(P.scales) + (blk + b) * P.cs_bytes;
+    const uint8_t* cz = ZEROS ? reinterpret_cast<const uint8_t*>(P.zeros) + (blk + b) * P.cs_bytes : nullptr;
+    for (int64_t gi = 0; gi < P.G; ++gi) {
+      _mm512_store_ps(out + (b * P.G + gi) * 16, compact_vec(cs, P.G, P.sub, gi));
+      if (ZEROS) _mm512_store_ps(out + ((nb + b) * P.G + gi) * 16, compact_vec(cz, P.G, P.sub, gi));
+    }
+  }
+}
+
+template <class F, int MB, bool ZEROS, bool PANEL, bool COMPACT>
 QMM_VNNI static QMM_INLINE void vnni_tile(const Problem& P, int64_t blk, const int32_t* panel, const __m512i* ctl,
                                           int64_t m0) {
+  // Compact scales are formed group by group here (for the panel path's row tiles, once per
+  // tile: expanding a block's once into a buffer first measured no faster at M = 12).
   using C = VnniCodes<F>;
   __m512 acc[MB];
   QMM_UNROLL for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
@@ -613,6 +656,8 @@ QMM_VNNI static QMM_INLINE void vnni_tile(const Problem& P, int64_t blk, const i
   const uint8_t* qb = P.q + blk * 16 * P.q_s0;
   const float* sb = P.scales + blk * 16 * P.G;
   const float* zb = ZEROS ? P.zeros + blk * 16 * P.G : nullptr;
+  const uint8_t* cs = reinterpret_cast<const uint8_t*>(P.scales) + blk * P.cs_bytes;
+  const uint8_t* cz = ZEROS ? reinterpret_cast<const uint8_t*>(P.zeros) + blk * P.cs_bytes : nullptr;
   const int16_t* xr = P.xq + m0 * P.K;
   for (int64_t gi = 0; gi < P.G; ++gi) {
     __m512i ia[MB];
@@ -635,12 +680,22 @@ QMM_VNNI static QMM_INLINE void vnni_tile(const Problem& P, int64_t blk, const i
         }
       }
     }
-    const __m512 s = _mm512_loadu_ps(sb + gi * 16);
+    if (COMPACT && !PANEL) {
+      // The next block's compact scales (and zeros) into L1 as this block's codes stream by, in
+      // step with them (cs_bytes / G = 16 + 64 / sub bytes a group): the code stream's own
+      // line-ahead prefetch does not reach other arrays. (Past the last block: a prefetch
+      // never faults.)
+      const int64_t at = P.cs_bytes + gi * (P.cs_bytes / P.G);
+      _mm_prefetch(reinterpret_cast<const char*>(cs + at), _MM_HINT_T0);
+      if (ZEROS) _mm_prefetch(reinterpret_cast<const char*>(cz + at), _MM_HINT_T0);
+    }
+    const __m512 s = COMPACT ? compact_vec(cs, P.G, P.sub, gi) : _mm512_loadu_ps(sb + gi * 16);
+    __m512 z = _mm512_setzero_ps();
+    if (ZEROS) z = COMPACT ? compact_vec(cz, P.G, P.sub, gi) : _mm512_loadu_ps(zb + gi * 16);
     QMM_UNROLL for (int i = 0; i < MB; ++i) {
       const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(P.xd[(m0 + i) * P.G + gi]));
       acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[i]), sd, acc[i]);
-      if (ZEROS)
-        acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(zb + gi * 16), _mm512_set1_ps(P.xz[(m0 + i) * P.G + gi]), acc[i]);
+      if (ZEROS) acc[i] = _mm512_fmadd_ps(z, _mm512_set1_ps(P.xz[(m0 + i) * P.G + gi]), acc[i]);
     }
   }
   const int64_t n0 = blk * 16;
@@ -656,24 +711,24 @@ QMM_VNNI static QMM_INLINE void vnni_tile(const Problem& P, int64_t blk, const i
   }
 }
 
-template <class F, bool ZEROS, bool PANEL>
+template <class F, bool ZEROS, bool PANEL, bool COMPACT>
 QMM_VNNI static void vnni_rows_of_block(const Problem& P, int64_t blk, const int32_t* panel, const __m512i* ctl) {
   int64_t m0 = 0;
-  for (; m0 + 8 <= P.M; m0 += 8) vnni_tile<F, 8, ZEROS, PANEL>(P, blk, panel, ctl, m0);
+  for (; m0 + 8 <= P.M; m0 += 8) vnni_tile<F, 8, ZEROS, PANEL, COMPACT>(P, blk, panel, ctl, m0);
   switch (P.M - m0) {
-    case 7: vnni_tile<F, 7, ZEROS, PANEL>(P, blk, panel, ctl, m0); break;
-    case 6: vnni_tile<F, 6, ZEROS, PANEL>(P, blk, panel, ctl, m0); break;
-    case 5: vnni_tile<F, 5, ZEROS, PANEL>(P, blk, panel, ctl, m0); break;
-    case 4: vnni_tile<F, 4, ZEROS, PANEL>(P, blk, panel, ctl, m0); break;
-    case 3: vnni_tile<F, 3, ZEROS, PANEL>(P, blk, panel, ctl, m0); break;
-    case 2: vnni_tile<F, 2, ZEROS, PANEL>(P, blk, panel, ctl, m0); break;
-    case 1: vnni_tile<F, 1, ZEROS, PANEL>(P, blk, panel, ctl, m0); break;
+    case 7: vnni_tile<F, 7, ZEROS, PANEL, COMPACT>(P, blk, panel, ctl, m0); break;
+    case 6: vnni_tile<F, 6, ZEROS, PANEL, COMPACT>(P, blk, panel, ctl, m0); break;
+    case 5: vnni_tile<F, 5, ZEROS, PANEL, COMPACT>(P, blk, panel, ctl, m0); break;
+    case 4: vnni_tile<F, 4, ZEROS, PANEL, COMPACT>(P, blk, panel, ctl, m0); break;
+    case 3: vnni_tile<F, 3, ZEROS, PANEL, COMPACT>(P, blk, panel, ctl, m0); break;
+    case 2: vnni_tile<F, 2, ZEROS, PANEL, COMPACT>(P, blk, panel, ctl, m0); break;
+    case 1: vnni_tile<F, 1, ZEROS, PANEL, COMPACT>(P, blk, panel, ctl, m0); break;
     default: break;
   }
 }
 
 // Output rows [n0, n1) (n0 a multiple of 16): block by block.
-template <class F, bool ZEROS>
+template <class F, bool ZEROS, bool COMPACT>
 QMM_VNNI static void rows_vnni_t(const Problem& P, int64_t n0, int64_t n1) {
   using C = VnniCodes<F>;
   __m512i ctl[C::kPairsPerLine];
@@ -689,18 +744,28 @@ QMM_VNNI static void rows_vnni_t(const Problem& P, int64_t n0, int64_t n1) {
   for (int64_t blk = n0 / 16; blk * 16 < n1; ++blk) {
     const uint8_t* qb = P.q + blk * 16 * P.q_s0;
     if (!panel) {  // (vnni_tile prefetches its own stream, line by line)
-      vnni_rows_of_block<F, ZEROS, false>(P, blk, nullptr, ctl);
+      vnni_rows_of_block<F, ZEROS, false, COMPACT>(P, blk, nullptr, ctl);
       continue;
     }
-    // The next block (16 * q_s0 contiguous bytes) into L2 while this one is unpacked and used.
-    if ((blk + 1) * 16 < n1)
+    // The next block (16 * q_s0 contiguous bytes, and its compact scales) into L2 while this one
+    // is unpacked and used.
+    if ((blk + 1) * 16 < n1) {
       for (int64_t b = 0; b < 16 * P.q_s0; b += 64) _mm_prefetch(reinterpret_cast<const char*>(qb + 16 * P.q_s0 + b), _MM_HINT_T1);
+      if (COMPACT) {
+        const char* ns = reinterpret_cast<const char*>(P.scales) + (blk + 1) * P.cs_bytes;
+        const char* nz = ZEROS ? reinterpret_cast<const char*>(P.zeros) + (blk + 1) * P.cs_bytes : nullptr;
+        for (int64_t b = 0; b < P.cs_bytes; b += 64) {
+          _mm_prefetch(ns + b, _MM_HINT_T1);
+          if (ZEROS) _mm_prefetch(nz + b, _MM_HINT_T1);
+        }
+      }
+    }
     for (int64_t c = 0; c < lines; ++c) {
       const __m512i line = _mm512_loadu_si512(qb + c * 64);
       QMM_UNROLL for (int p = 0; p < C::kPairsPerLine; ++p)
         _mm512_store_si512(pan + (c * C::kPairsPerLine + p) * 16, C::pair(line, ctl[p]));
     }
-    vnni_rows_of_block<F, ZEROS, true>(P, blk, pan, ctl);
+    vnni_rows_of_block<F, ZEROS, true, COMPACT>(P, blk, pan, ctl);
   }
 }
 
@@ -743,10 +808,10 @@ QMM_VNNI static void quantize_x_avx512(const float* x, int64_t s0, int64_t M, in
 
 template <class F>
 static void rows_vnni(const Problem& P, int64_t n0, int64_t n1) {
-  if (P.zeros)
-    rows_vnni_t<F, true>(P, n0, n1);
+  if (P.compact)
+    P.zeros ? rows_vnni_t<F, true, true>(P, n0, n1) : rows_vnni_t<F, false, true>(P, n0, n1);
   else
-    rows_vnni_t<F, false>(P, n0, n1);
+    P.zeros ? rows_vnni_t<F, true, false>(P, n0, n1) : rows_vnni_t<F, false, false>(P, n0, n1);
 }
 
 // ---- Many rows (M > kVnniTileMaxRows) --------------------------------------------------------
@@ -825,9 +890,9 @@ QMM_VNNI static void gemm_tail(int r, const Problem& P, const int32_t* panel, co
 }
 
 // Rows [m0, m1) x NB blocks from blk: one K slice at a time (the panel unpacked), every row tile.
-template <class F, int NB, bool ZEROS>
+template <class F, int NB, bool ZEROS, bool COMPACT>
 QMM_VNNI static void gemm_item(const Problem& P, int64_t blk, int64_t m0, int64_t m1, const __m512i* ctl,
-                               int32_t* panel, float* facc) {
+                               int32_t* panel, float* facc, float* sexp) {
   using C = VnniCodes<F>;
   const int64_t slice_groups = std::max<int64_t>(1, kVnniSliceCodes / P.g);
   const int64_t lines_per_group = P.g / (2 * C::kPairsPerLine);
@@ -835,6 +900,13 @@ QMM_VNNI static void gemm_item(const Problem& P, int64_t blk, int64_t m0, int64_
   std::memset(facc, 0, size_t(rows * NB * 16) * sizeof(float));
   const float* sb = P.scales + blk * 16 * P.G;
   const float* zb = ZEROS ? P.zeros + blk * 16 * P.G : nullptr;
+  if (COMPACT) {
+    // The item's scales (and zeros) in the full layout once per item: the tiles then read them
+    // as they read the full layout's (the item's M x K work dwarfs this).
+    expand_compact<ZEROS>(P, blk, NB, sexp);
+    sb = sexp;
+    zb = ZEROS ? sexp + NB * 16 * P.G : nullptr;
+  }
   for (int64_t g0 = 0; g0 < P.G; g0 += slice_groups) {
     const int64_t g1 = std::min(P.G, g0 + slice_groups);
     for (int64_t c = g0 * lines_per_group; c < g1 * lines_per_group; ++c) {
@@ -869,17 +941,17 @@ QMM_VNNI static void gemm_item(const Problem& P, int64_t blk, int64_t m0, int64_
 }
 
 // An item of nb <= kGemmNB blocks.
-template <class F, int NB, bool ZEROS>
+template <class F, int NB, bool ZEROS, bool COMPACT>
 QMM_VNNI static void gemm_item_any(const Problem& P, int64_t blk, int nb, int64_t m0, int64_t m1, const __m512i* ctl,
-                                   int32_t* panel, float* facc) {
+                                   int32_t* panel, float* facc, float* sexp) {
   if constexpr (NB > 1) {
-    if (nb < NB) return gemm_item_any<F, NB - 1, ZEROS>(P, blk, nb, m0, m1, ctl, panel, facc);
+    if (nb < NB) return gemm_item_any<F, NB - 1, ZEROS, COMPACT>(P, blk, nb, m0, m1, ctl, panel, facc, sexp);
   }
-  gemm_item<F, NB, ZEROS>(P, blk, m0, m1, ctl, panel, facc);
+  gemm_item<F, NB, ZEROS, COMPACT>(P, blk, m0, m1, ctl, panel, facc, sexp);
 }
 
 // All of y for many rows: work items of kGemmNB blocks x a range of rows, handed out dynamically.
-template <class F, bool ZEROS>
+template <class F, bool ZEROS, bool COMPACT>
 QMM_VNNI static void vnni_gemm_t(const Problem& P, int nt) {
   using C = VnniCodes<F>;
   const int64_t blocks = (P.N + 15) / 16;
@@ -906,6 +978,8 @@ QMM_VNNI static void vnni_gemm_t(const Problem& P, int nt) {
     }
     std::vector<int32_t> pbuf(size_t(slice_pairs * kGemmNB * 16 + 16));
     std::vector<float> fbuf(size_t(mrows * kGemmNB * 16 + 16));
+    std::vector<float> sbuf(COMPACT ? size_t(2 * kGemmNB * 16 * P.G + 16) : 0);
+    float* sexp = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sbuf.data()) + 63) & ~uintptr_t(63));
     int32_t* panel = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(pbuf.data()) + 63) & ~uintptr_t(63));
     float* facc = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(fbuf.data()) + 63) & ~uintptr_t(63));
     // Items row range fastest: consecutive items of a thread reuse the same blocks' codes.
@@ -916,17 +990,18 @@ QMM_VNNI static void vnni_gemm_t(const Problem& P, int nt) {
       const int64_t nc = it / mchunks, mc = it % mchunks;
       const int64_t blk = nc * kGemmNB;
       const int nb = int(std::min<int64_t>(kGemmNB, blocks - blk));
-      gemm_item_any<F, kGemmNB, ZEROS>(P, blk, nb, mc * mrows, std::min(P.M, (mc + 1) * mrows), ctl, panel, facc);
+      gemm_item_any<F, kGemmNB, ZEROS, COMPACT>(P, blk, nb, mc * mrows, std::min(P.M, (mc + 1) * mrows), ctl, panel,
+                                                facc, sexp);
     }
   }
 }
 
 template <class F>
 static void vnni_gemm(const Problem& P, int nt) {
-  if (P.zeros)
-    vnni_gemm_t<F, true>(P, nt);
+  if (P.compact)
+    P.zeros ? vnni_gemm_t<F, true, true>(P, nt) : vnni_gemm_t<F, false, true>(P, nt);
   else
-    vnni_gemm_t<F, false>(P, nt);
+    P.zeros ? vnni_gemm_t<F, true, false>(P, nt) : vnni_gemm_t<F, false, false>(P, nt);
 }
 #else
 static bool cpu_has_vnni() { return false; }
@@ -1010,13 +1085,24 @@ static bool vnni_blocks_fit(int64_t K, int64_t group_size) {
   return cpu_has_vnni() && group_size >= 8 && group_size % 8 == 0 && group_size <= 256 && K % group_size == 0;
 }
 
-// Shared by both formats: checks, path choice, threading. vnni_blocks: q, scales and zeros are in
-// VNNI blocks (then the avx512-vnni path runs, and only it can); else rows.
+// Shared by both formats: checks, path choice, threading. layout: kLayoutRows, or q, scales and
+// zeros in VNNI blocks (kLayoutBlocks, or kLayoutCompact: compact scales and zeros), and then the
+// avx512-vnni path runs, and only it can.
 template <class F>
 static int group_matmul(const void* x, int64_t x_s0, int x_bf16, const uint8_t* q, const float* scales,
                         const float* zeros, void* y, int64_t y_s0, int64_t M, int64_t N, int64_t K,
                         int64_t group_size, int impl, int num_threads, char* err, int64_t err_len,
-                        bool vnni_blocks = false) {
+                        int layout = kLayoutRows) {
+  const bool vnni_blocks = layout != kLayoutRows;
+  if (layout < kLayoutRows || layout > kLayoutCompact) {
+    std::snprintf(err, size_t(err_len), "unknown weight layout %d", layout);
+    return 1;
+  }
+  if (layout == kLayoutCompact && (kSuperBlock % group_size != 0 || K % kSuperBlock != 0)) {
+    std::snprintf(err, size_t(err_len), "compact scales need K (%lld) a multiple of %lld and a group size "
+                  "dividing it (got %lld)", (long long)K, (long long)kSuperBlock, (long long)group_size);
+    return 1;
+  }
   if (group_size < 1 || K % group_size != 0) {
     std::snprintf(err, size_t(err_len), "group_size %lld must be >= 1 and divide K=%lld", (long long)group_size,
                   (long long)K);
@@ -1050,6 +1136,11 @@ static int group_matmul(const void* x, int64_t x_s0, int x_bf16, const uint8_t* 
   P.q = q; P.q_s0 = F::bytes(K); P.scales = scales; P.zeros = zeros;
   P.M = M; P.N = N; P.K = K; P.g = group_size; P.G = K / group_size;
   P.y = y; P.y_s0 = y_s0; P.y_bf16 = x_bf16 != 0;
+  if (layout == kLayoutCompact) {
+    P.compact = true;
+    P.sub = kSuperBlock / group_size;
+    P.cs_bytes = compact_block_bytes(P.G, P.sub);
+  }
 
   // The path: the requested one (0: the best) if its step divides the group, else the next.
   void (*rows)(const Problem&, int64_t, int64_t) = &rows_scalar<F>;
@@ -1246,7 +1337,8 @@ QMM_AVX2 static void dequant_rows_avx2(const uint8_t* q, int64_t q_s0, const flo
 
 template <class F, bool BF16>
 static void dequantize(const uint8_t* q, const float* scales, const float* zeros, void* out, int64_t N, int64_t K,
-                       int64_t g, int num_threads, bool vnni_blocks) {
+                       int64_t g, int num_threads, int layout) {
+  const bool vnni_blocks = layout != kLayoutRows, compact = layout == kLayoutCompact;
   auto rows = &dequant_rows_scalar<F, BF16>;
 #if QMM_X86
   if (cpu_has_avx512())
@@ -1279,11 +1371,22 @@ static void dequantize(const uint8_t* q, const float* scales, const float* zeros
             if (F::kCodesPerByte == 2) lane = u4_lane_to_row(lane);
             std::memcpy(&tq[size_t(r * q_s0 + 4 * c)], &lane, 4);
           }
-        for (int r = 0; r < 16; ++r)
-          for (int64_t gi = 0; gi < G; ++gi) {
-            ts[size_t(r * G + gi)] = scales[(b * G + gi) * 16 + r];
-            if (zeros) tz[size_t(r * G + gi)] = zeros[(b * G + gi) * 16 + r];
-          }
+        if (compact) {
+          const int64_t sub = kSuperBlock / g, cs = compact_block_bytes(G, sub);
+          const uint8_t* sbk = reinterpret_cast<const uint8_t*>(scales) + b * cs;
+          const uint8_t* zbk = zeros ? reinterpret_cast<const uint8_t*>(zeros) + b * cs : nullptr;
+          for (int r = 0; r < 16; ++r)
+            for (int64_t gi = 0; gi < G; ++gi) {
+              ts[size_t(r * G + gi)] = compact_at(sbk, G, sub, gi, r);
+              if (zeros) tz[size_t(r * G + gi)] = compact_at(zbk, G, sub, gi, r);
+            }
+        } else {
+          for (int r = 0; r < 16; ++r)
+            for (int64_t gi = 0; gi < G; ++gi) {
+              ts[size_t(r * G + gi)] = scales[(b * G + gi) * 16 + r];
+              if (zeros) tz[size_t(r * G + gi)] = zeros[(b * G + gi) * 16 + r];
+            }
+        }
         const int64_t nb = std::min<int64_t>(16, N - b * 16);
         void* ob = static_cast<char*>(out) + b * 16 * K * (BF16 ? 2 : 4);
         rows(tq.data(), q_s0, ts.data(), zeros ? tz.data() : nullptr, K, g, ob, 0, nb);
@@ -1314,13 +1417,14 @@ extern "C" int kvs_qmm_vnni_blocks_fit(int64_t K, int64_t group_size) { return q
 // Shapes, dtypes and strides are checked by the Python wrapper. Returns 0, or 1 with a message
 // in err. impl: 0 best, 1 scalar, 2 avx512, 3 avx2, 4 avx512-vnni; a vector path whose lane
 // count does not divide group_size falls back to the next one that does (the scalar path takes
-// any). vnni_blocks: q, scales and zeros are in VNNI blocks (impl 0 or 4: the avx512-vnni path).
+// any). layout: 0 rows; 1 q, scales and zeros in VNNI blocks, 2 the same with compact scales and
+// zeros (both: impl 0 or 4, the avx512-vnni path).
 extern "C" int kvs_int8_group_matmul(const void* x, int64_t x_s0, int x_bf16, const int8_t* q, const float* scales,
                                      const float* zeros, void* y, int64_t y_s0, int64_t M, int64_t N, int64_t K,
                                      int64_t group_size, int impl, int num_threads, char* err, int64_t err_len,
-                                     int vnni_blocks) {
+                                     int layout) {
   return qmm::group_matmul<qmm::I8>(x, x_s0, x_bf16, reinterpret_cast<const uint8_t*>(q), scales, zeros, y, y_s0, M,
-                                    N, K, group_size, impl, num_threads, err, err_len, vnni_blocks != 0);
+                                    N, K, group_size, impl, num_threads, err, err_len, layout);
 }
 
 // As kvs_int8_group_matmul, with q the packed 4-bit codes: uint8 [N, K / 2], K even (layout at
@@ -1328,20 +1432,20 @@ extern "C" int kvs_int8_group_matmul(const void* x, int64_t x_s0, int x_bf16, co
 extern "C" int kvs_int4_group_matmul(const void* x, int64_t x_s0, int x_bf16, const uint8_t* packed,
                                      const float* scales, const float* zeros, void* y, int64_t y_s0, int64_t M,
                                      int64_t N, int64_t K, int64_t group_size, int impl, int num_threads, char* err,
-                                     int64_t err_len, int vnni_blocks) {
+                                     int64_t err_len, int layout) {
   return qmm::group_matmul<qmm::U4>(x, x_s0, x_bf16, packed, scales, zeros, y, y_s0, M, N, K, group_size, impl,
-                                    num_threads, err, err_len, vnni_blocks != 0);
+                                    num_threads, err, err_len, layout);
 }
 
 // Dense weights out [N, K] (contiguous; float32, or bfloat16 when out_bf16) from int8 codes
 // (int4 = 0, q int8 [N, K]) or packed 4-bit codes (int4 = 1, q uint8 [N, K / 2]), in rows or (with
-// vnni_blocks) in VNNI blocks; scales / zeros as for the matmuls. Shapes are checked by the Python
+// layout 1 or 2) in VNNI blocks; scales / zeros as for the matmuls. Shapes are checked by the Python
 // wrapper. Returns 0.
 extern "C" int kvs_group_dequantize(const uint8_t* q, int int4, const float* scales, const float* zeros, void* out,
                                     int out_bf16, int64_t N, int64_t K, int64_t group_size, int num_threads,
-                                    int vnni_blocks) {
+                                    int layout) {
   if (N <= 0 || K <= 0) return 0;
-  const bool vb = vnni_blocks != 0;
+  const int vb = layout;
   if (int4)
     out_bf16 ? qmm::dequantize<qmm::U4, true>(q, scales, zeros, out, N, K, group_size, num_threads, vb)
              : qmm::dequantize<qmm::U4, false>(q, scales, zeros, out, N, K, group_size, num_threads, vb);

@@ -29,17 +29,17 @@ def _setup_qmatmul(lib: ctypes.CDLL) -> None:
                       _ptr, _i64,  # y, its row stride
                       _i64, _i64, _i64, _i64,  # M, N, K, group_size
                       _int, _int, ctypes.c_char_p, _i64,  # impl, threads, error buffer
-                      _int]  # weights in VNNI blocks?
+                      _int]  # weight layout (_LAYOUT_*)
     f = lib.kvs_group_dequantize
     f.restype = _int
     f.argtypes = [_ptr, _int, _ptr, _ptr, _ptr, _int,  # q, 4-bit?, scales, zeros, out, out bf16?
-                  _i64, _i64, _i64, _int, _int]  # N, K, group_size, threads, VNNI blocks?
+                  _i64, _i64, _i64, _int, _int]  # N, K, group_size, threads, weight layout
     lib.kvs_qmm_vnni_blocks_fit.restype = _int
     lib.kvs_qmm_vnni_blocks_fit.argtypes = [_i64, _i64]
     f = lib.kvs_gguf_repack
     f.restype = _int
     f.argtypes = [_ptr, _i64, _i64, _int,  # row addresses, rows, first output row, ggml type
-                  _i64, _i64, _int, _int,  # N, K, 4-bit packed?, VNNI blocks?
+                  _i64, _i64, _int, _int,  # N, K, 4-bit packed?, layout (0 rows, 1 VNNI, 2 compact)
                   _ptr, _ptr, _ptr, _int,  # q, scales, zeros (null: none), threads
                   ctypes.c_char_p, _i64]  # error buffer
 
@@ -47,6 +47,14 @@ def _setup_qmatmul(lib: ctypes.CDLL) -> None:
 # gguf_repack.cpp turns GGUF blocks into these kernels' layouts (`repack_gguf_rows`).
 QMATMUL = KernelLibrary("qmatmul", ("qmatmul.cpp", "gguf_repack.cpp"), _setup_qmatmul)
 
+
+# qmatmul.cpp's weight layouts: rows, VNNI blocks, VNNI blocks with compact scales and zeros.
+_LAYOUT_ROWS, _LAYOUT_BLOCKS, _LAYOUT_COMPACT = 0, 1, 2
+# Compact scales (qmatmul.cpp kLayoutCompact): a float32 base per super-block of this many weights
+# times an int8 code per group. GGUF types whose scales take that form (ggml type ids): Q2_K, Q3_K,
+# Q4_K, Q5_K, Q6_K, IQ4_XS.
+COMPACT_SUPER_BLOCK = 256
+COMPACT_GGML_TYPES = frozenset({10, 11, 12, 13, 14, 23})
 
 _QMM_IMPLS = {"auto": 0, "scalar": 1, "avx512": 2, "avx2": 3, "avx512-vnni": 4}
 
@@ -164,7 +172,10 @@ class VnniBlocks:
     """A group-quantized weight [N, K] (int8 codes, or 4-bit codes packed two per byte) in the
     layout the avx512-vnni path reads (qmatmul.cpp, "VNNI blocks"): rows in blocks of 16, each
     block as 64-byte lines of 4 bytes from each of its rows: q [N / 16, row_bytes / 4, 16, 4];
-    scales and zeros [N / 16, K / g, 16]. Built by `to_vnni_blocks`; `rows` reads rows back."""
+    scales and zeros float32 [N / 16, K / g, 16], or with `compact` (K-quant weights repacked
+    from a GGUF file: qmatmul.cpp kLayoutCompact) uint8 [N / 16, cs] holding per block int8
+    codes [K / g, 16] and float32 bases [K / 256, 16], scale = base * code (the same float32
+    values). Built by `to_vnni_blocks` or `repack_gguf_rows`; `rows` reads rows back."""
 
     q: torch.Tensor
     scales: torch.Tensor
@@ -173,6 +184,18 @@ class VnniBlocks:
     k: int
     group: int
     int4: bool
+    compact: bool = False
+
+    @property
+    def layout(self) -> int:
+        return _LAYOUT_COMPACT if self.compact else _LAYOUT_BLOCKS
+
+    def _expanded(self, t: torch.Tensor) -> torch.Tensor:
+        """Compact scales or zeros as the full layout's float32 [N / 16, K / g, 16]."""
+        groups = self.k // self.group
+        codes = t[:, :16 * groups].view(torch.int8).reshape(-1, groups, 16).float()
+        bases = t[:, 16 * groups:].contiguous().view(torch.float32).reshape(-1, self.k // COMPACT_SUPER_BLOCK, 16)
+        return codes * bases.repeat_interleave(COMPACT_SUPER_BLOCK // self.group, dim=1)
 
     def rows(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The codes (int8 [R, K] or packed uint8 [R, K / 2]), scales and zeros [R, K / g] of rows
@@ -181,7 +204,9 @@ class VnniBlocks:
         q = self.q[b, :, r, :]
         if self.int4:
             q = _u4_lanes(q, to_blocks=False)
-        return q.reshape(len(idx), -1), self.scales[b, :, r], None if self.zeros is None else self.zeros[b, :, r]
+        scales = self._expanded(self.scales) if self.compact else self.scales
+        zeros = self.zeros if self.zeros is None or not self.compact else self._expanded(self.zeros)
+        return q.reshape(len(idx), -1), scales[b, :, r], None if zeros is None else zeros[b, :, r]
 
     def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """y = x @ w.T on the avx512-vnni path (x rounded to int16 per row and group, exact int32
@@ -193,7 +218,7 @@ class VnniBlocks:
             raise ValueError(f"x must have contiguous rows (unit last stride); got strides {x.stride()}")
         fn = "kvs_int4_group_matmul" if self.int4 else "kvs_int8_group_matmul"
         return _call_group_matmul(fn, x, self.q, self.scales, self.zeros, self.n, self.group, out, "auto",
-                                  vnni_blocks=True)
+                                  layout=self.layout)
 
     def dequantize(self, out: torch.Tensor) -> torch.Tensor:
         """The dense weights into out [N, K] (float32 or bfloat16, contiguous), the values
@@ -205,7 +230,7 @@ class VnniBlocks:
         QMATMUL.lib().kvs_group_dequantize(
             self.q.data_ptr(), int(self.int4), self.scales.data_ptr(),
             self.zeros.data_ptr() if self.zeros is not None else None, out.data_ptr(),
-            int(out.dtype == torch.bfloat16), self.n, self.k, self.group, torch.get_num_threads(), 1)
+            int(out.dtype == torch.bfloat16), self.n, self.k, self.group, torch.get_num_threads(), self.layout)
         return out
 
 
@@ -249,7 +274,8 @@ def _u4_lanes(lanes: torch.Tensor, to_blocks: bool) -> torch.Tensor:
 
 
 def repack_gguf_rows(runs: list[tuple[torch.Tensor, int]], n: int, k: int, group_size: int, zeros: bool,
-                     int4: bool, vnni: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                     int4: bool, vnni: bool, compact: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A weight [N, K] stored as GGUF blocks, in the layout the group kernels read, by one C++
     pass over its rows on torch's threads (csrc/gguf_repack.cpp). runs: (row addresses int64 [R],
     ggml type id) per run of rows, in order, R summing to N; each address is where that row's
@@ -257,25 +283,33 @@ def repack_gguf_rows(runs: list[tuple[torch.Tensor, int]], n: int, k: int, group
     int4 packed uint8 [N, K / 2] (Q4_0 / Q4_1 / Q4_K only) or int8 [N, K] codes and float32
     [N, K / g] scales and zeros (None unless `zeros`), as `pack_int4_rows` / qlinear's int8 codes
     of gguf_quants.to_group_affine give them; with vnni, in VNNI blocks as `to_vnni_blocks` lays
-    them out (N % 16 == 0). Raises ValueError for what the layout cannot take."""
+    them out (N % 16 == 0); with compact too (every run a K-quant or IQ4_XS: COMPACT_GGML_TYPES),
+    scales and zeros in compact layout (VnniBlocks.compact): uint8 [N / 16, bytes per block].
+    Raises ValueError for what the layout cannot take (compact: a scale with no compact form)."""
     if sum(len(addrs) for addrs, _ in runs) != n:
         raise ValueError(f"runs of rows must add up to N={n}")
     row_bytes = k // 2 if int4 else k
     g = k // group_size
+    compact = compact and vnni
     if vnni:
         q = torch.empty(n // 16, row_bytes // 4, 16, 4, dtype=torch.uint8 if int4 else torch.int8)
         shape = (n // 16, g, 16)
     else:
         q = torch.empty(n, row_bytes, dtype=torch.uint8 if int4 else torch.int8)
         shape = (n, g)
-    scales = torch.empty(shape, dtype=torch.float32)
-    zero_t = torch.empty(shape, dtype=torch.float32) if zeros else None
+    if compact:  # (qmatmul.cpp compact_block_bytes)
+        shape, sdtype = (n // 16, 16 * g + 64 * (k // COMPACT_SUPER_BLOCK)), torch.uint8
+    else:
+        sdtype = torch.float32
+    scales = torch.empty(shape, dtype=sdtype)
+    zero_t = torch.empty(shape, dtype=sdtype) if zeros else None
+    layout = _LAYOUT_COMPACT if compact else int(vnni)
     lib = QMATMUL.lib()
     err = ctypes.create_string_buffer(256)
     row0 = 0
     for addrs, qtype in runs:
         addrs = addrs.to(torch.int64).contiguous()
-        rc = lib.kvs_gguf_repack(addrs.data_ptr(), len(addrs), row0, int(qtype), n, k, int(int4), int(vnni),
+        rc = lib.kvs_gguf_repack(addrs.data_ptr(), len(addrs), row0, int(qtype), n, k, int(int4), layout,
                                  q.data_ptr(), scales.data_ptr(), zero_t.data_ptr() if zero_t is not None else None,
                                  torch.get_num_threads(), err, len(err))
         if rc:
@@ -337,11 +371,11 @@ def _group_matmul(fn: str, x: torch.Tensor, q_name: str, q: torch.Tensor, scales
             raise ValueError(f"{name} must be contiguous")
     if impl not in _QMM_IMPLS:
         raise ValueError(f"impl={impl!r} must be one of {sorted(_QMM_IMPLS)}")
-    return _call_group_matmul(fn, x, q, scales, zeros, n, group_size, out, impl, vnni_blocks=False)
+    return _call_group_matmul(fn, x, q, scales, zeros, n, group_size, out, impl, layout=_LAYOUT_ROWS)
 
 
 def _call_group_matmul(fn: str, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                       n: int, group_size: int, out: torch.Tensor | None, impl: str, vnni_blocks: bool) -> torch.Tensor:
+                       n: int, group_size: int, out: torch.Tensor | None, impl: str, layout: int) -> torch.Tensor:
     """`out` checked (or made) and the C call, for weights in rows and in VNNI blocks alike (x and
     the weight checked by the caller)."""
     m, k = x.shape
@@ -359,7 +393,7 @@ def _call_group_matmul(fn: str, x: torch.Tensor, q: torch.Tensor, scales: torch.
         x.data_ptr(), x.stride(0), x.dtype == torch.bfloat16,
         q.data_ptr(), scales.data_ptr(), zeros.data_ptr() if zeros is not None else None,
         out.data_ptr(), out.stride(0), m, n, k, group_size,
-        _QMM_IMPLS[impl], torch.get_num_threads(), err, len(err), int(vnni_blocks))
+        _QMM_IMPLS[impl], torch.get_num_threads(), err, len(err), layout)
     if rc:
         raise ValueError(err.value.decode(errors="replace"))
     return out
