@@ -204,9 +204,11 @@ class VnniBlocks:
         q = self.q[b, :, r, :]
         if self.int4:
             q = _u4_lanes(q, to_blocks=False)
-        scales = self._expanded(self.scales) if self.compact else self.scales
-        zeros = self.zeros if self.zeros is None or not self.compact else self._expanded(self.zeros)
-        return q.reshape(len(idx), -1), scales[b, :, r], None if zeros is None else zeros[b, :, r]
+        if not self.compact:
+            return q.reshape(len(idx), -1), self.scales[b, :, r], None if self.zeros is None else self.zeros[b, :, r]
+        # (only the blocks the rows are in: an embedding looks up a few rows of a large table)
+        zeros = None if self.zeros is None else self._expanded(self.zeros[b])[torch.arange(len(idx)), :, r]
+        return q.reshape(len(idx), -1), self._expanded(self.scales[b])[torch.arange(len(idx)), :, r], zeros
 
     def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """y = x @ w.T on the avx512-vnni path (x rounded to int16 per row and group, exact int32
