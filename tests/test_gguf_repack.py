@@ -54,7 +54,7 @@ def full_layout(got):
         return q, s, z
     n = q.shape[0] * 16
     k = q.shape[1] * 4 * (2 if q.dtype == torch.uint8 else 1)
-    g = 16 * k // (s.shape[1] - 64 * (k // 256))  # bytes per block: 16 * (K / g) + 64 * (K / 256)
+    g = 16 * k // (s.shape[1] - 32 * (k // 256))  # bytes per block: 16 * (K / g) + 32 * (K / 256)
     blocks = qmatmul.VnniBlocks(q, s, z, n, k, g, q.dtype == torch.uint8, compact=True)
     return q, blocks._expanded(s), None if z is None else blocks._expanded(z)
 

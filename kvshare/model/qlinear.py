@@ -347,6 +347,6 @@ def resident_bytes_per_weight(type_name: str) -> float | None:
     arrays = 2 if type_name in _ZERO_OFFSET_TYPES else 1  # scales (+ offsets)
     code = 0.5 if type_name in _INT4_TYPES else 1  # 4-bit codes two per byte, else one int8
     if type_name in _COMPACT_TYPES and _vnni_cpu():
-        # VNNI blocks with compact scales: an int8 code per group, a float32 base per 256
-        return code + arrays * (1 / group + 4 / qmatmul.COMPACT_SUPER_BLOCK)
+        # VNNI blocks with compact scales: an int8 code per group, a float16 base per 256
+        return code + arrays * (1 / group + 2 / qmatmul.COMPACT_SUPER_BLOCK)
     return code + arrays * 4 / group  # a float32 per group

@@ -22,7 +22,7 @@
 //   16, 4], scales and zeros [N / 16, K / g, 16]. Threads take whole 16-row blocks, so no two
 //   write the same cache line.
 // * vnni = 2 (the K-quants and IQ4_XS): VNNI blocks with compact scales and zeros (qmatmul.cpp,
-//   kLayoutCompact): per 16-row block, int8 codes [G][16] and then the float32 bases [G / sub][16]
+//   kLayoutCompact): per 16-row block, int8 codes [G][16] and then the float16 bases [G / sub][16]
 //   of its super-blocks (d, and -dmin for the zeros), so that base * code is the scale (zero)
 //   above. Each one is checked bit for bit against the full layout's value as it is written;
 //   a weight where one differs (a non-finite d, say) is refused (the caller keeps the full layout).
@@ -74,29 +74,10 @@ inline bool format_of(int type, Format* f) {
   }
 }
 
-// IEEE half -> float, every value (subnormals, infinities, NaN payloads) as numpy converts it.
-inline float f16(const uint8_t* p) {
-  const uint32_t h = uint32_t(p[0]) | uint32_t(p[1]) << 8;
-  const uint32_t sign = (h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
-  if (exp == 0x1F) {
-    bits = sign | 0x7F800000u | man << 13;
-  } else if (exp != 0) {
-    bits = sign | (exp + 112) << 23 | man << 13;
-  } else if (man == 0) {
-    bits = sign;
-  } else {  // subnormal: shift the mantissa up to its leading 1
-    int e = 0;
-    while (!(man & 0x400)) {
-      man <<= 1;
-      ++e;
-    }
-    bits = sign | uint32_t(113 - e) << 23 | (man & 0x3FF) << 13;
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
+// A float16 at p (little-endian), as float (qmatmul.cpp's f16_to_f32: this file follows it in
+// the library's one translation unit).
+inline uint16_t half_bits(const uint8_t* p) { return uint16_t(p[0] | p[1] << 8); }
+inline float f16(const uint8_t* p) { return qmm::f16_to_f32(half_bits(p)); }
 
 const int8_t kIq4nlValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
@@ -262,16 +243,17 @@ inline void pack_nibble_halves(const uint8_t* qs, int nbytes, uint8_t* out) {
   }
 }
 
-// The float32 bases of a super-block's group scales and zeros (compact scales): scale = sbase *
-// code, zero = zbase * code for small integer codes. False for formats without super-blocks.
-inline bool superblock_bases(int type, const uint8_t* b, float* sbase, float* zbase) {
+// The float16 bases of a super-block's group scales and zeros (compact scales), as the file has
+// them (d; -dmin is dmin with its sign flipped): scale = sbase * code, zero = zbase * code for
+// small integer codes. False for formats without super-blocks.
+inline bool superblock_bases(int type, const uint8_t* b, uint16_t* sbase, uint16_t* zbase) {
   switch (type) {
     case Q4_K:
-    case Q5_K: *sbase = f16(b); *zbase = -f16(b + 2); return true;
-    case Q6_K: *sbase = f16(b + 208); *zbase = 0.f; return true;
-    case Q2_K: *sbase = f16(b + 80); *zbase = -f16(b + 82); return true;
-    case Q3_K: *sbase = f16(b + 108); *zbase = 0.f; return true;
-    case IQ4_XS: *sbase = f16(b); *zbase = 0.f; return true;
+    case Q5_K: *sbase = half_bits(b); *zbase = half_bits(b + 2) ^ 0x8000; return true;
+    case Q6_K: *sbase = half_bits(b + 208); *zbase = 0; return true;
+    case Q2_K: *sbase = half_bits(b + 80); *zbase = half_bits(b + 82) ^ 0x8000; return true;
+    case Q3_K: *sbase = half_bits(b + 108); *zbase = 0; return true;
+    case IQ4_XS: *sbase = half_bits(b); *zbase = 0; return true;
     default: return false;
   }
 }
@@ -324,7 +306,7 @@ struct Job {
 
 // One file row (blocks at `src`) decoded into `out` (its row bytes: packed or int8 codes) and its
 // groups' scales `s` and zeros `z` (K / g floats each; zeros 0 for a symmetric format).
-inline void decode_row(const Job& j, const uint8_t* src, uint8_t* out, float* s, float* z, float* bases = nullptr) {
+inline void decode_row(const Job& j, const uint8_t* src, uint8_t* out, float* s, float* z, uint16_t* bases = nullptr) {
   const int64_t gpb = j.f.block / j.f.group, blocks = j.k / j.f.block;
   if (j.int4) {
     for (int64_t i = 0; i < blocks; ++i)
@@ -338,14 +320,16 @@ inline void decode_row(const Job& j, const uint8_t* src, uint8_t* out, float* s,
     for (int64_t i = 0; i < blocks; ++i) superblock_bases(j.type, src + i * j.f.type_size, bases + 2 * i, bases + 2 * i + 1);
 }
 
-// A span's scales and zeros (s_buf / z_buf [16][G], bases [16][G / sub][2]) in compact layout at
-// cs / cz (rows lane_lo .. lane_hi - 1 of the block), each value checked against its full form.
+// A span's scales and zeros (s_buf / z_buf [16][G], float16 bases [16][G / sub][2]) in compact
+// layout at cs / cz (rows lane_lo .. lane_hi - 1 of the block), each value checked against its
+// full form.
 inline void write_compact(const Job& j, int64_t lane_lo, int64_t lane_hi, const float* s_buf, const float* z_buf,
-                          const float* bases, uint8_t* cs, uint8_t* cz) {
+                          const uint16_t* bases, uint8_t* cs, uint8_t* cz) {
   const int64_t G = j.k / j.f.group, sub = j.f.block / j.f.group, S = G / sub;
   for (int64_t lane = lane_lo; lane < lane_hi; ++lane) {
     for (int64_t g = 0; g < G; ++g) {
-      const float sb = bases[(lane * S + g / sub) * 2], zb = bases[(lane * S + g / sub) * 2 + 1];
+      const float sb = qmm::f16_to_f32(bases[(lane * S + g / sub) * 2]);
+      const float zb = qmm::f16_to_f32(bases[(lane * S + g / sub) * 2 + 1]);
       int8_t c;
       if (!compact_code(s_buf[lane * G + g], sb, &c)) *j.not_compact = true;
       cs[g * 16 + lane] = uint8_t(c);
@@ -355,8 +339,8 @@ inline void write_compact(const Job& j, int64_t lane_lo, int64_t lane_hi, const 
       }
     }
     for (int64_t t = 0; t < S; ++t) {
-      std::memcpy(cs + 16 * G + (t * 16 + lane) * 4, &bases[(lane * S + t) * 2], 4);
-      if (cz) std::memcpy(cz + 16 * G + (t * 16 + lane) * 4, &bases[(lane * S + t) * 2 + 1], 4);
+      std::memcpy(cs + 16 * G + (t * 16 + lane) * 2, &bases[(lane * S + t) * 2], 2);
+      if (cz) std::memcpy(cz + 16 * G + (t * 16 + lane) * 2, &bases[(lane * S + t) * 2 + 1], 2);
     }
   }
 }
@@ -405,7 +389,7 @@ inline void transpose_block(const uint8_t* in, int64_t stride, int64_t units, ui
 // thread's scratch (16 rows: at most a few hundred KB, cache-resident) and then written out line
 // by line, each 64-byte line whole (about 10% faster than 4 bytes into every line per row).
 inline void repack_span(const Job& j, int64_t span, int64_t lo, int64_t hi, uint8_t* rows_buf, float* s_buf,
-                        float* z_buf, float* bases) {
+                        float* z_buf, uint16_t* bases) {
   const int64_t G = j.k / j.f.group, row_bytes = j.int4 ? j.k / 2 : j.k;
   const auto src = [&](int64_t row) { return reinterpret_cast<const uint8_t*>(j.row_addrs[row - j.row0]); };
   if (!j.vnni) {
@@ -432,7 +416,7 @@ inline void repack_span(const Job& j, int64_t span, int64_t lo, int64_t hi, uint
   float* sb = j.scales + span * G * 16;
   float* zb = j.zeros ? j.zeros + span * G * 16 : nullptr;
   if (j.compact) {
-    const int64_t cs = 16 * G + 64 * (j.k / j.f.block);  // (qmatmul.cpp compact_block_bytes)
+    const int64_t cs = 16 * G + 32 * (j.k / j.f.block);  // (qmatmul.cpp compact_block_bytes)
     write_compact(j, lane_lo, lane_hi, s_buf, z_buf, bases, reinterpret_cast<uint8_t*>(j.scales) + span * cs,
                   j.zeros ? reinterpret_cast<uint8_t*>(j.zeros) + span * cs : nullptr);
     if (lane_lo == 0 && lane_hi == 16) {
@@ -475,7 +459,7 @@ inline void run(const Job& j, int num_threads) {
   const auto work = [&]() {
     std::vector<uint8_t> rows_buf(size_t(j.vnni ? 16 * row_bytes : 0));
     std::vector<float> s_buf(size_t(16 * G)), z_buf(size_t(16 * G));
-    std::vector<float> bases(size_t(j.compact ? 16 * (j.k / j.f.block) * 2 : 0));
+    std::vector<uint16_t> bases(size_t(j.compact ? 16 * (j.k / j.f.block) * 2 : 0));
     for (int64_t at = next.fetch_add(chunk); at < last; at = next.fetch_add(chunk))
       for (int64_t span = at; span < std::min(at + chunk, last); ++span)
         repack_span(j, span, std::max(span * 16, j.row0), std::min(span * 16 + 16, j.row0 + j.rows),

@@ -77,6 +77,29 @@ static inline float bf16_to_f32(uint16_t h) {
   return f;
 }
 
+// IEEE half -> float, every value (subnormals, infinities, NaN payloads) as numpy converts it.
+static inline float f16_to_f32(uint16_t h) {
+  const uint32_t sign = (uint32_t(h) & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000u | man << 13;
+  } else if (exp != 0) {
+    bits = sign | (exp + 112) << 23 | man << 13;
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: shift the mantissa up to its leading 1
+    int e = 0;
+    while (!(man & 0x400)) {
+      man <<= 1;
+      ++e;
+    }
+    bits = sign | uint32_t(113 - e) << 23 | (man & 0x3FF) << 13;
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
 // Round to nearest even, as torch does; NaN stays NaN.
 static inline uint16_t f32_to_bf16(float f) {
   uint32_t u;
@@ -112,17 +135,18 @@ struct Problem {
 // Compact scales are for weights whose group scales (and zeros) are a float32 base per
 // super-block of 256 weights times a small integer per group, as the K-quants and IQ4_XS store
 // them (d * sc: a float16 times at most 8 bits, exact in float32). Per 16-row block: int8 codes
-// [G][16] then float32 bases [G / sub][16], sub = 256 / g groups a super-block; zeros alike. The
+// [G][16] then float16 bases [G / sub][16] (d as the file has it), sub = 256 / g groups a
+// super-block; zeros alike. The
 // kernels form base * code in float32, the very value the full layout stores, so both layouts
-// give the same bits; they read ~0.09 bytes per weight of scales and zeros where the full layout
+// give the same bits; they read ~0.08 bytes per weight of scales and zeros where the full layout
 // reads 0.25 (g = 32), and at batch 1 decode is bound by the bytes it reads.
 enum : int { kLayoutRows = 0, kLayoutBlocks = 1, kLayoutCompact = 2 };
 constexpr int64_t kSuperBlock = 256;
-static inline int64_t compact_block_bytes(int64_t G, int64_t sub) { return 16 * G + 64 * (G / sub); }
+static inline int64_t compact_block_bytes(int64_t G, int64_t sub) { return 16 * G + 32 * (G / sub); }
 static inline float compact_at(const uint8_t* block, int64_t G, int64_t sub, int64_t gi, int r) {
-  float base;
-  std::memcpy(&base, block + 16 * G + ((gi / sub) * 16 + r) * 4, 4);
-  return float(int8_t(block[gi * 16 + r])) * base;
+  uint16_t base;
+  std::memcpy(&base, block + 16 * G + ((gi / sub) * 16 + r) * 2, 2);
+  return float(int8_t(block[gi * 16 + r])) * f16_to_f32(base);
 }
 
 // Weight formats: how many bytes `codes` codes take, and code k of a row (scalar path).
@@ -627,7 +651,8 @@ QMM_VNNI static QMM_INLINE __m512i dpwssd(__m512i acc, __m512i a, __m512i b) {
 // The 16 scales (or zeros) of group gi of a block in compact layout (`block` its bytes).
 QMM_VNNI static QMM_INLINE __m512 compact_vec(const uint8_t* block, int64_t G, int64_t sub, int64_t gi) {
   const __m512 code = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + gi * 16))));
-  return _mm512_mul_ps(code, _mm512_loadu_ps(reinterpret_cast<const float*>(block + 16 * G) + (gi / sub) * 16));
+  const __m256i base = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16 * G + (gi / sub) * 32));
+  return _mm512_mul_ps(code, _mm512_cvtph_ps(base));
 }
 
 // Blocks blk .. blk + nb - 1's compact scales as the full layout's, [nb][G][16] into out, and
@@ -682,7 +707,7 @@ QMM_VNNI static QMM_INLINE void vnni_tile(const Problem& P, int64_t blk, const i
     }
     if (COMPACT && !PANEL) {
       // The next block's compact scales (and zeros) into L1 as this block's codes stream by, in
-      // step with them (cs_bytes / G = 16 + 64 / sub bytes a group): the code stream's own
+      // step with them (cs_bytes / G = 16 + 32 / sub bytes a group): the code stream's own
       // line-ahead prefetch does not reach other arrays. (Past the last block: a prefetch
       // never faults.)
       const int64_t at = P.cs_bytes + gi * (P.cs_bytes / P.G);

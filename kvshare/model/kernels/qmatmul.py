@@ -50,7 +50,7 @@ QMATMUL = KernelLibrary("qmatmul", ("qmatmul.cpp", "gguf_repack.cpp"), _setup_qm
 
 # qmatmul.cpp's weight layouts: rows, VNNI blocks, VNNI blocks with compact scales and zeros.
 _LAYOUT_ROWS, _LAYOUT_BLOCKS, _LAYOUT_COMPACT = 0, 1, 2
-# Compact scales (qmatmul.cpp kLayoutCompact): a float32 base per super-block of this many weights
+# Compact scales (qmatmul.cpp kLayoutCompact): a float16 base per super-block of this many weights
 # times an int8 code per group. GGUF types whose scales take that form (ggml type ids): Q2_K, Q3_K,
 # Q4_K, Q5_K, Q6_K, IQ4_XS.
 COMPACT_SUPER_BLOCK = 256
@@ -174,8 +174,9 @@ class VnniBlocks:
     block as 64-byte lines of 4 bytes from each of its rows: q [N / 16, row_bytes / 4, 16, 4];
     scales and zeros float32 [N / 16, K / g, 16], or with `compact` (K-quant weights repacked
     from a GGUF file: qmatmul.cpp kLayoutCompact) uint8 [N / 16, cs] holding per block int8
-    codes [K / g, 16] and float32 bases [K / 256, 16], scale = base * code (the same float32
-    values). Built by `to_vnni_blocks` or `repack_gguf_rows`; `rows` reads rows back."""
+    codes [K / g, 16] and float16 bases [K / 256, 16] (d as the file has it), scale = base *
+    code (the same float32 values). Built by `to_vnni_blocks` or `repack_gguf_rows`; `rows` reads
+    rows back."""
 
     q: torch.Tensor
     scales: torch.Tensor
@@ -194,7 +195,7 @@ class VnniBlocks:
         """Compact scales or zeros as the full layout's float32 [N / 16, K / g, 16]."""
         groups = self.k // self.group
         codes = t[:, :16 * groups].view(torch.int8).reshape(-1, groups, 16).float()
-        bases = t[:, 16 * groups:].contiguous().view(torch.float32).reshape(-1, self.k // COMPACT_SUPER_BLOCK, 16)
+        bases = t[:, 16 * groups:].contiguous().view(torch.float16).float().reshape(-1, self.k // COMPACT_SUPER_BLOCK, 16)
         return codes * bases.repeat_interleave(COMPACT_SUPER_BLOCK // self.group, dim=1)
 
     def rows(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -300,7 +301,7 @@ def repack_gguf_rows(runs: list[tuple[torch.Tensor, int]], n: int, k: int, group
         q = torch.empty(n, row_bytes, dtype=torch.uint8 if int4 else torch.int8)
         shape = (n, g)
     if compact:  # (qmatmul.cpp compact_block_bytes)
-        shape, sdtype = (n // 16, 16 * g + 64 * (k // COMPACT_SUPER_BLOCK)), torch.uint8
+        shape, sdtype = (n // 16, 16 * g + 32 * (k // COMPACT_SUPER_BLOCK)), torch.uint8
     else:
         sdtype = torch.float32
     scales = torch.empty(shape, dtype=sdtype)
