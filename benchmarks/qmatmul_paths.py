@@ -62,7 +62,7 @@ def _baseline_library(path: str, tmp: str) -> ctypes.CDLL:
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                        ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_int64,
-                       ctypes.c_int]
+                       ctypes.c_int, ctypes.c_float]  # (a library from before zero_mul ignores the last)
     return lib
 
 
@@ -74,7 +74,7 @@ def _baseline_matmul(lib: ctypes.CDLL, blocks: qmatmul.VnniBlocks, x: torch.Tens
     fn = lib.kvs_int4_group_matmul if blocks.int4 else lib.kvs_int8_group_matmul
     rc = fn(x.data_ptr(), x.stride(0), 0, blocks.q.data_ptr(), blocks.scales.data_ptr(),
             blocks.zeros.data_ptr() if blocks.zeros is not None else None, y.data_ptr(), y.stride(0), m, blocks.n, k,
-            blocks.group, 4, torch.get_num_threads(), err, len(err), 1)
+            blocks.group, 4, torch.get_num_threads(), err, len(err), blocks.layout, blocks.zero_mul)
     if rc:
         raise RuntimeError(err.value.decode())
     return y

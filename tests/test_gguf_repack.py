@@ -49,18 +49,23 @@ def full_layout(got):
     K-quant weights) expanded to the full layout's float32 [N / 16, K / g, 16]."""
     if len(got) == 3:
         return got
-    q, s, z, compact = got
-    if not compact:
+    q, s, z, form = got
+    if form == "full":
         return q, s, z
     n = q.shape[0] * 16
     k = q.shape[1] * 4 * (2 if q.dtype == torch.uint8 else 1)
-    g = 16 * k // (s.shape[1] - 32 * (k // 256))  # bytes per block: 16 * (K / g) + 32 * (K / 256)
-    blocks = qmatmul.VnniBlocks(q, s, z, n, k, g, q.dtype == torch.uint8, compact=True)
+    if form == "half":
+        g = 32 * k // s.shape[1]  # bytes per block: 32 * (K / g)
+    else:
+        g = 16 * k // (s.shape[1] - 32 * (k // 256))  # bytes per block: 16 * (K / g) + 32 * (K / 256)
+    blocks = qmatmul.VnniBlocks(q, s, z, n, k, g, q.dtype == torch.uint8, form)
     return q, blocks._expanded(s), None if z is None else blocks._expanded(z)
 
 
 def assert_same(got, want) -> None:
     (gq, gs, gz), (wq, ws, wz) = full_layout(got), full_layout(want)
+    if gz is None and wz is not None and len(got) == 4 and got[3] == "half":
+        gz = gs * qmatmul.Q4_0_ZERO_MUL  # (Q4_0 in float16 scales: the kernel forms each zero)
     assert gq.dtype == wq.dtype and torch.equal(gq, wq)
     assert gs.shape == ws.shape and torch.equal(gs.view(torch.int32), ws.view(torch.int32))
     assert (gz is None) == (wz is None)
@@ -178,21 +183,24 @@ def test_every_float16_scale():
         assert_same(got, reference(ref, False))
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K, QT.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0], ids=lambda t: t.name)
 def test_make_linear_from_blocks_equals_reference(qtype):
     """qlinear's layer built from the file's blocks holds the same arrays, and gives the same
     outputs, as one built from the group form."""
-    n, bpr = 48, 2 if qtype != QT.Q8_0 else 16
+    n, bpr = 48, 2 if gguf.GGML_QUANT_SIZES[qtype][0] == 256 else 16
     k = bpr * gguf.GGML_QUANT_SIZES[qtype][0]
     raw = raw_rows(qtype, n, bpr, seed=4)
     got = make_linear(GGUFBlocks.of_tensor(raw, qtype, (n, k)), torch.float32, DequantScratch())
     want = make_linear(to_group_affine(raw, qtype, (n, k)), torch.float32, DequantScratch())
     assert type(got) is type(want) and (got.blocks is None) == (want.blocks is None)
-    # The K-quants keep compact scales in VNNI blocks (a base per super-block, a code per group);
-    # the group form's layer holds them in full. The same values, and every path the same bits.
-    compact = got.blocks is not None and got.blocks.compact
-    assert compact == (got.blocks is not None and qtype in (QT.Q4_K, QT.Q6_K))
-    assert_same((got.q, got.scale, got.zero, compact), (want.q, want.scale, want.zero))
+    # In VNNI blocks the scales keep the file's form: compact for the K-quants (a base per
+    # super-block, a code per group), float16 for the rest (Q4_0 without a zeros array); the group
+    # form's layer holds them in full. The same values, and every path the same bits.
+    form = "full" if got.blocks is None else got.blocks.scale_form
+    if got.blocks is not None:
+        assert form == ("compact" if qtype in (QT.Q4_K, QT.Q6_K) else "half")
+        assert (got.zero is None) == (qtype in (QT.Q4_0, QT.Q5_0, QT.Q8_0, QT.Q6_K))
+    assert_same((got.q, got.scale, got.zero, form), (want.q, want.scale, want.zero))
     for m in (1, 3, 12, 40):  # decode tiles, the panel path (M > 8), the GEMM path (M > 16)
         x = torch.randn(m, k)
         assert torch.equal(got(x, decode_rows=m), want(x, decode_rows=m)), m
@@ -200,7 +208,7 @@ def test_make_linear_from_blocks_equals_reference(qtype):
     assert torch.equal(got.rows(ids), want.rows(ids))
     for dtype in (torch.float32, torch.bfloat16):  # the prefill scratch's dense copy
         assert torch.equal(got.dense(torch.empty(n, k, dtype=dtype)), want.dense(torch.empty(n, k, dtype=dtype)))
-    if compact:
+    if form != "full":
         assert got.nbytes < want.nbytes
 
 

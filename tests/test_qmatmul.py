@@ -519,7 +519,7 @@ def test_vector_paths_this_cpu_lacks_under_simde(tmp_path):
         rc = fn(x.data_ptr(), x.stride(0), x.dtype == torch.bfloat16, q.data_ptr(),
                 scales.data_ptr(), zeros.data_ptr() if zeros is not None else None,
                 y.data_ptr(), y.stride(0), x.shape[0], q.shape[0], x.shape[1], group,
-                impl, 2, err, len(err))
+                impl, 2, err, len(err), 0, 0.0)
         assert rc == 0, err.value
         return y
 
@@ -561,7 +561,7 @@ def test_vector_paths_this_cpu_lacks_under_simde(tmp_path):
             for dtype in (torch.float32, torch.bfloat16):
                 out = torch.full((96, 576), float("nan"), dtype=dtype)
                 lib.kvs_group_dequantize(packed.data_ptr(), int(int4), scales.data_ptr(), zeros.data_ptr(),
-                                         out.data_ptr(), int(dtype == torch.bfloat16), 96, 576, group, 2)
+                                         out.data_ptr(), int(dtype == torch.bfloat16), 96, 576, group, 2, 0, 0.0)
                 ulp = 2.0**-23 if dtype == torch.float32 else 2.0**-8
                 assert ((out.double() - ref).abs() <= ulp * ((codes.double() * s).abs() + z.abs())).all()
 

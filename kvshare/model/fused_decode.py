@@ -74,7 +74,7 @@ class _Linear(ctypes.Structure):
 
 _Linear._fields_ = [("kind", _i64), ("q", _ptr), ("scales", _ptr), ("zeros", _ptr), ("bias", _ptr),
                     ("N", _i64), ("K", _i64), ("group", _i64), ("parts", ctypes.POINTER(_Linear)),
-                    ("num_parts", _i64)]
+                    ("num_parts", _i64), ("zero_mul", ctypes.c_double)]
 
 
 class _Layer(ctypes.Structure):
@@ -113,12 +113,13 @@ def _linear(lin, bias: torch.Tensor | None) -> _Linear | None:
     if type(lin) not in (GroupInt8Linear, GroupInt4Linear):
         return None
     # 1 int8 / 2 int4 codes in rows; 3 / 4 the same in VNNI blocks (the avx512-vnni path); 6 / 7 in
-    # VNNI blocks with compact scales
+    # VNNI blocks with compact scales, 8 / 9 with float16 ones
     kind = 2 if isinstance(lin, GroupInt4Linear) else 1
     if lin.blocks is not None:
-        kind += 5 if lin.blocks.compact else 2
+        kind += {"full": 2, "compact": 5, "half": 7}[lin.blocks.scale_form]
+    zero_mul = 0.0 if lin.blocks is None else lin.blocks.zero_mul
     return _Linear(kind, lin.q.data_ptr(), lin.scale.data_ptr(), _ptr_of(lin.zero), _ptr_of(bias),
-                   lin.out_features, lin.in_features, lin.group)
+                   lin.out_features, lin.in_features, lin.group, None, 0, zero_mul)
 
 
 class FusedDecode:

@@ -333,22 +333,25 @@ class GGUFBlocks(GroupAffine):
     def zero(self) -> torch.Tensor | None:  # type: ignore[override]
         return self.materialize().zero
 
-    def repack(self, int4: bool, vnni: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool]:
-        """(q, scales, zeros, compact) in a group kernel's layout, straight from the blocks in C++
-        (qmatmul.repack_gguf_rows; the kernel library must be loaded): the values
-        materialize() + qlinear's packing give, bit for bit. In VNNI blocks, K-quant and IQ4_XS
-        weights keep their scales compact (a base per super-block times a code per group, as the
-        file has them: ~0.16 bytes per weight fewer to read at g = 32) unless one has no such form
-        (a non-finite d, say); compact says which."""
+    def repack(self, int4: bool, vnni: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, str]:
+        """(q, scales, zeros, scale form) in a group kernel's layout, straight from the blocks in
+        C++ (qmatmul.repack_gguf_rows; the kernel library must be loaded): the values
+        materialize() + qlinear's packing give, bit for bit. In VNNI blocks the scales stay in
+        the file's form where every part has one ("compact": K-quants and IQ4_XS, a float16 base
+        per super-block times a code per group; "half": one float16 per group), so decode reads
+        ~0.06-0.2 bytes per weight less, unless a value has no such form (a non-finite d, say,
+        or Q4_0 fused with Q4_1): then "full" (float32 per group)."""
         n, k = self.shape
         runs = [(p.row_addresses(), int(p.qtype)) for p in self.parts]
-        if vnni and all(int(p.qtype) in qmatmul.COMPACT_GGML_TYPES for p in self.parts):
+        types = {int(p.qtype) for p in self.parts}
+        form = "compact" if types <= qmatmul.COMPACT_GGML_TYPES else "half" if types <= qmatmul.HALF_GGML_TYPES else "full"
+        if vnni and form != "full":
             try:
-                return (*qmatmul.repack_gguf_rows(runs, n, k, self.group, self._has_zero, int4, vnni, compact=True), True)
+                return (*qmatmul.repack_gguf_rows(runs, n, k, self.group, self._has_zero, int4, vnni, form), form)
             except ValueError as e:
-                if "no compact form" not in str(e):
+                if "no compact or float16 form" not in str(e):
                     raise
-        return (*qmatmul.repack_gguf_rows(runs, n, k, self.group, self._has_zero, int4, vnni), False)
+        return (*qmatmul.repack_gguf_rows(runs, n, k, self.group, self._has_zero, int4, vnni), "full")
 
     def row_slice(self, lo: int, hi: int) -> "GGUFBlocks":
         parts, start = [], 0

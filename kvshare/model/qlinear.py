@@ -124,10 +124,12 @@ class GroupInt8Linear:
         if isinstance(w, GGUFBlocks) and self._kernel_ready:
             # Still the file's blocks: decoded once, in C++ across threads, straight into the final
             # layout (the same arrays the steps below make from w.q / w.scale / w.zero).
-            self.q, self.scale, self.zero, compact = w.repack(self.packed_int4, vnni)
+            self.q, self.scale, self.zero, form = w.repack(self.packed_int4, vnni)
             if vnni:
+                # (Q4_0 in float16 scales: no zeros array, each zero -8 x its scale)
+                zero_mul = qmatmul.Q4_0_ZERO_MUL if form == "half" and self.zero is None and w.has_zero else 0.0
                 self.blocks = qmatmul.VnniBlocks(self.q, self.scale, self.zero, self.out_features,
-                                                 self.in_features, self.group, self.packed_int4, compact)
+                                                 self.in_features, self.group, self.packed_int4, form, zero_mul)
         else:
             self.q = self._pack(w.q)
             self.scale = w.scale.float().contiguous()
@@ -329,6 +331,7 @@ _ZERO_OFFSET_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q5_1", "Q5_K", "Q2_K"})
 _GROUP_16_TYPES = frozenset({"Q6_K", "Q2_K", "Q3_K"})
 _INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})
 _COMPACT_TYPES = frozenset({"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"})  # (qmatmul.COMPACT_GGML_TYPES)
+_HALF_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"})  # (qmatmul.HALF_GGML_TYPES)
 
 
 def _vnni_cpu() -> bool:
@@ -349,4 +352,7 @@ def resident_bytes_per_weight(type_name: str) -> float | None:
     if type_name in _COMPACT_TYPES and _vnni_cpu():
         # VNNI blocks with compact scales: an int8 code per group, a float16 base per 256
         return code + arrays * (1 / group + 2 / qmatmul.COMPACT_SUPER_BLOCK)
+    if type_name in _HALF_TYPES and _vnni_cpu():
+        # VNNI blocks with float16 scales (Q4_0: no zeros, each -8 x its scale)
+        return code + (1 if type_name == "Q4_0" else arrays) * 2 / group
     return code + arrays * 4 / group  # a float32 per group

@@ -39,16 +39,18 @@ namespace dec {
 
 struct Linear {
   // 1: int8 codes [N, K]; 2: 4-bit codes two per byte [N, K / 2]; 3 / 4: the same in VNNI blocks;
-  // 6 / 7: in VNNI blocks with compact scales and zeros (qmatmul.cpp, kLayoutCompact); 5: row blocks kept at their own formats (a Q4_K_M file's Q4_K q/k and Q6_K v), `parts` in
+  // 6 / 7: in VNNI blocks with compact scales and zeros (qmatmul.cpp, kLayoutCompact), 8 / 9: with
+  // float16 ones (kLayoutHalf); 5: row blocks kept at their own formats (a Q4_K_M file's Q4_K q/k and Q6_K v), `parts` in
   // output order, each writing its own columns of the one output row.
   int64_t kind;
   const void* q;
-  const float* scales;  // [N, K / group] (kinds 6 / 7: compact, as bytes)
+  const float* scales;  // [N, K / group] (kinds 6 to 9: compact or float16, as bytes)
   const float* zeros;   // [N, K / group] or null
   const float* bias;    // [N] or null
   int64_t N, K, group;
   const Linear* parts;  // kind 5
   int64_t num_parts;
+  double zero_mul;  // kinds 8 / 9 without zeros: each zero is its scale times this (Q4_0: -8)
 };
 
 struct Layer {
@@ -458,18 +460,21 @@ static int linear(const Linear& L, const float* x, int64_t M, float* y, int num_
     return 0;
   }
   int rc;
-  if (L.kind < 1 || L.kind > 7) {
+  if (L.kind < 1 || L.kind > 9) {
     std::snprintf(err, size_t(err_len), "unknown linear kind %lld", (long long)L.kind);
     return 1;
   }
   // (qmatmul.cpp's layouts: rows, "VNNI blocks", compact scales)
-  const int layout = L.kind >= 6 ? qmm::kLayoutCompact : L.kind >= 3 ? qmm::kLayoutBlocks : qmm::kLayoutRows;
-  if (L.kind == 1 || L.kind == 3 || L.kind == 6)
+  const int layout = L.kind >= 8   ? qmm::kLayoutHalf
+                     : L.kind >= 6 ? qmm::kLayoutCompact
+                     : L.kind >= 3 ? qmm::kLayoutBlocks
+                                   : qmm::kLayoutRows;
+  if (L.kind == 1 || L.kind == 3 || L.kind == 6 || L.kind == 8)  // int8 codes (2, 4, 7, 9: 4-bit)
     rc = qmm::group_matmul<qmm::I8>(x, L.K, 0, static_cast<const uint8_t*>(L.q), L.scales, L.zeros, y, y_stride, M,
-                                    L.N, L.K, L.group, 0, num_threads, err, err_len, layout);
+                                    L.N, L.K, L.group, 0, num_threads, err, err_len, layout, float(L.zero_mul));
   else
     rc = qmm::group_matmul<qmm::U4>(x, L.K, 0, static_cast<const uint8_t*>(L.q), L.scales, L.zeros, y, y_stride, M,
-                                    L.N, L.K, L.group, 0, num_threads, err, err_len, layout);
+                                    L.N, L.K, L.group, 0, num_threads, err, err_len, layout, float(L.zero_mul));
   return rc;  // the output's rounding and the bias: out_row, per row
 }
 

@@ -26,6 +26,9 @@
 //   of its super-blocks (d, and -dmin for the zeros), so that base * code is the scale (zero)
 //   above. Each one is checked bit for bit against the full layout's value as it is written;
 //   a weight where one differs (a non-finite d, say) is refused (the caller keeps the full layout).
+// * vnni = 3 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): VNNI blocks with float16 scales and zeros (kLayoutHalf):
+//   per 16-row block float16 [G][16], the file's d (and m); zeros null for Q4_0 (its zero, -8 d, is
+//   formed by the kernel), and refused for a Q4_0 run inside a weight with a zeros array.
 //
 // The block layouts follow ggml's definitions (ggml-common.h), as gguf_quants.py's decoders do.
 #include <algorithm>
@@ -243,11 +246,17 @@ inline void pack_nibble_halves(const uint8_t* qs, int nbytes, uint8_t* out) {
   }
 }
 
-// The float16 bases of a super-block's group scales and zeros (compact scales), as the file has
-// them (d; -dmin is dmin with its sign flipped): scale = sbase * code, zero = zbase * code for
-// small integer codes. False for formats without super-blocks.
-inline bool superblock_bases(int type, const uint8_t* b, uint16_t* sbase, uint16_t* zbase) {
+// The float16s of a block's scales and zeros, as the file has them: for the K-quants and IQ4_XS
+// the bases of compact scales (d; -dmin is dmin with its sign flipped: scale = sbase * code, zero =
+// zbase * code for small integer codes), for the one-group formats the scale d and zero m
+// themselves (0 where the format has no offset; Q4_0's -8 d is not a float16 of the file).
+inline bool block_halves(int type, const uint8_t* b, uint16_t* sbase, uint16_t* zbase) {
   switch (type) {
+    case Q4_0:
+    case Q5_0:
+    case Q8_0: *sbase = half_bits(b); *zbase = 0; return true;
+    case Q4_1:
+    case Q5_1: *sbase = half_bits(b); *zbase = half_bits(b + 2); return true;
     case Q4_K:
     case Q5_K: *sbase = half_bits(b); *zbase = half_bits(b + 2) ^ 0x8000; return true;
     case Q6_K: *sbase = half_bits(b + 208); *zbase = 0; return true;
@@ -298,7 +307,7 @@ struct Job {
   int64_t rows, row0, n_total, k;
   Format f;
   int type;
-  bool int4, vnni, compact;
+  bool int4, vnni, compact, half;
   uint8_t* q;
   float *scales, *zeros;
   std::atomic<bool>* not_compact;  // set when a scale or zero has no compact form
@@ -316,8 +325,8 @@ inline void decode_row(const Job& j, const uint8_t* src, uint8_t* out, float* s,
       decode_block(j.type, src + i * j.f.type_size, out + i * j.f.block, s + i * gpb, z + i * gpb);
   }
   if (!j.f.has_zero) std::fill(z, z + j.k / j.f.group, 0.0f);
-  if (bases)  // (compact scales) per super-block: its scale base, then its zero base
-    for (int64_t i = 0; i < blocks; ++i) superblock_bases(j.type, src + i * j.f.type_size, bases + 2 * i, bases + 2 * i + 1);
+  if (bases)  // (compact or float16 scales) per block: its scale half, then its zero half
+    for (int64_t i = 0; i < blocks; ++i) block_halves(j.type, src + i * j.f.type_size, bases + 2 * i, bases + 2 * i + 1);
 }
 
 // A span's scales and zeros (s_buf / z_buf [16][G], float16 bases [16][G / sub][2]) in compact
@@ -388,6 +397,24 @@ inline void transpose_block(const uint8_t* in, int64_t stride, int64_t units, ui
 // decoded straight into its place. For a VNNI block, the span's rows are decoded into the
 // thread's scratch (16 rows: at most a few hundred KB, cache-resident) and then written out line
 // by line, each 64-byte line whole (about 10% faster than 4 bytes into every line per row).
+// A span's float16 scales and zeros (the file's, in bases [16][G][2]) at cs / cz, each checked
+// against its full form (cz null: Q4_0's zeros, formed by the kernel).
+inline void write_half(const Job& j, int64_t lane_lo, int64_t lane_hi, const float* s_buf, const float* z_buf,
+                       const uint16_t* bases, uint8_t* cs, uint8_t* cz) {
+  const int64_t G = j.k / j.f.group;
+  for (int64_t lane = lane_lo; lane < lane_hi; ++lane)
+    for (int64_t g = 0; g < G; ++g) {
+      const uint16_t sh = bases[(lane * G + g) * 2], zh = bases[(lane * G + g) * 2 + 1];
+      const float s = qmm::f16_to_f32(sh), z = qmm::f16_to_f32(zh);
+      if (std::memcmp(&s, &s_buf[lane * G + g], 4) != 0) *j.not_compact = true;
+      std::memcpy(cs + (g * 16 + lane) * 2, &sh, 2);
+      if (cz) {
+        if (std::memcmp(&z, &z_buf[lane * G + g], 4) != 0) *j.not_compact = true;
+        std::memcpy(cz + (g * 16 + lane) * 2, &zh, 2);
+      }
+    }
+}
+
 inline void repack_span(const Job& j, int64_t span, int64_t lo, int64_t hi, uint8_t* rows_buf, float* s_buf,
                         float* z_buf, uint16_t* bases) {
   const int64_t G = j.k / j.f.group, row_bytes = j.int4 ? j.k / 2 : j.k;
@@ -403,7 +430,7 @@ inline void repack_span(const Job& j, int64_t span, int64_t lo, int64_t hi, uint
   for (int64_t lane = lane_lo; lane < lane_hi; ++lane) {
     uint8_t* row = rows_buf + lane * row_bytes;
     decode_row(j, src(span * 16 + lane), row, s_buf + lane * G, z_buf + lane * G,
-               j.compact ? bases + lane * (j.k / j.f.block) * 2 : nullptr);
+               j.compact || j.half ? bases + lane * (j.k / j.f.block) * 2 : nullptr);
     if (j.int4)  // each 4-byte unit's codes as the VNNI kernel takes them (qmatmul.cpp VnniCodes<U4>)
       for (int64_t u = 0; u < lines; ++u) {
         uint32_t v;
@@ -415,10 +442,14 @@ inline void repack_span(const Job& j, int64_t span, int64_t lo, int64_t hi, uint
   uint8_t* qb = j.q + span * lines * 64;
   float* sb = j.scales + span * G * 16;
   float* zb = j.zeros ? j.zeros + span * G * 16 : nullptr;
-  if (j.compact) {
-    const int64_t cs = 16 * G + 32 * (j.k / j.f.block);  // (qmatmul.cpp compact_block_bytes)
-    write_compact(j, lane_lo, lane_hi, s_buf, z_buf, bases, reinterpret_cast<uint8_t*>(j.scales) + span * cs,
-                  j.zeros ? reinterpret_cast<uint8_t*>(j.zeros) + span * cs : nullptr);
+  if (j.compact || j.half) {
+    // (qmatmul.cpp compact_block_bytes, half_block_bytes)
+    const int64_t cs = j.compact ? 16 * G + 32 * (j.k / j.f.block) : 32 * G;
+    uint8_t* cz = j.zeros ? reinterpret_cast<uint8_t*>(j.zeros) + span * cs : nullptr;
+    if (j.compact)
+      write_compact(j, lane_lo, lane_hi, s_buf, z_buf, bases, reinterpret_cast<uint8_t*>(j.scales) + span * cs, cz);
+    else
+      write_half(j, lane_lo, lane_hi, s_buf, z_buf, bases, reinterpret_cast<uint8_t*>(j.scales) + span * cs, cz);
     if (lane_lo == 0 && lane_hi == 16) {
       transpose_block(rows_buf, row_bytes, lines, qb);
     } else {
@@ -459,7 +490,7 @@ inline void run(const Job& j, int num_threads) {
   const auto work = [&]() {
     std::vector<uint8_t> rows_buf(size_t(j.vnni ? 16 * row_bytes : 0));
     std::vector<float> s_buf(size_t(16 * G)), z_buf(size_t(16 * G));
-    std::vector<uint16_t> bases(size_t(j.compact ? 16 * (j.k / j.f.block) * 2 : 0));
+    std::vector<uint16_t> bases(size_t(j.compact || j.half ? 16 * (j.k / j.f.block) * 2 : 0));
     for (int64_t at = next.fetch_add(chunk); at < last; at = next.fetch_add(chunk))
       for (int64_t span = at; span < std::min(at + chunk, last); ++span)
         repack_span(j, span, std::max(span * 16, j.row0), std::min(span * 16 + 16, j.row0 + j.rows),
@@ -498,17 +529,21 @@ extern "C" int kvs_gguf_repack(const int64_t* row_addrs, int64_t rows, int64_t r
   if (k <= 0 || k % f.block) return fail("K must be a positive multiple of the format's block size");
   if (rows < 0 || row0 < 0 || row0 + rows > n_total) return fail("rows out of the weight's range");
   if (int4 && !f.int4_ok) return fail("only Q4_0, Q4_1 and Q4_K codes pack two per byte");
-  if (f.has_zero && !zeros) return fail("this format has offsets: zeros must be given");
-  if (vnni < 0 || vnni > 2) return fail("vnni must be 0 (rows), 1 (VNNI blocks) or 2 (compact scales)");
+  if (f.has_zero && !zeros && !(vnni == 3 && type == Q4_0))
+    return fail("this format has offsets: zeros must be given");
+  if (vnni < 0 || vnni > 3)
+    return fail("vnni must be 0 (rows), 1 (VNNI blocks), 2 (compact scales) or 3 (float16 scales)");
   if (vnni && (n_total % 16 || (int4 ? k / 2 : k) % 4))
     return fail("VNNI blocks need N % 16 == 0 and row bytes % 4 == 0");
   if (vnni == 2 && !(type == Q4_K || type == Q5_K || type == Q6_K || type == Q2_K || type == Q3_K || type == IQ4_XS))
     return fail("compact scales are for the K-quants and IQ4_XS only");
+  if (vnni == 3 && !(type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0))
+    return fail("float16 scales are for Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 only");
   if (rows == 0) return 0;
   std::atomic<bool> not_compact{false};
-  Job j{row_addrs, rows, row0, n_total, k, f, type, int4 != 0, vnni != 0, vnni == 2, static_cast<uint8_t*>(q),
+  Job j{row_addrs, rows, row0, n_total, k, f, type, int4 != 0, vnni != 0, vnni == 2, vnni == 3, static_cast<uint8_t*>(q),
         scales, zeros, &not_compact};
   run(j, num_threads);
-  if (not_compact) return fail("a scale or zero has no compact form (base * int8 code)");
+  if (not_compact) return fail("a scale or zero has no compact or float16 form");
   return 0;
 }

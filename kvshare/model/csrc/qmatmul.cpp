@@ -125,10 +125,12 @@ struct Problem {
   const int16_t* xq = nullptr;
   const float* xd = nullptr;
   const float* xz = nullptr;
-  // VNNI blocks with compact scales (kLayoutCompact, below): scales / zeros then point at bytes,
-  // cs_bytes of them per 16-row block, and a scale is base[g / sub] * code[g].
-  bool compact = false;
+  // VNNI blocks with compact or float16 scales (kLayoutCompact / kLayoutHalf, below): scales /
+  // zeros then point at bytes, cs_bytes of them per 16-row block. zero_mul != 0 (float16 scales
+  // only): no zeros array, each group's zero is its scale times zero_mul (Q4_0: -8).
+  int layout = 0;
   int64_t sub = 0, cs_bytes = 0;
+  float zero_mul = 0.f;
 };
 
 // Weight layouts group_matmul takes: rows, VNNI blocks, or VNNI blocks with compact scales.
@@ -140,13 +142,24 @@ struct Problem {
 // kernels form base * code in float32, the very value the full layout stores, so both layouts
 // give the same bits; they read ~0.08 bytes per weight of scales and zeros where the full layout
 // reads 0.25 (g = 32), and at batch 1 decode is bound by the bytes it reads.
-enum : int { kLayoutRows = 0, kLayoutBlocks = 1, kLayoutCompact = 2 };
+//
+// Float16 scales (kLayoutHalf) are for the formats whose scale is one float16 per group of 32 (Q4_0,
+// Q4_1, Q5_0, Q5_1, Q8_0): per 16-row block, float16 [G][16], zeros alike or (Q4_0, whose zero is
+// -8 d) none: zero_mul. Exact too (the file's float16 widened; -8 d exact in float32). Scales
+// read then are 0.0625 bytes per weight against 0.125 (Q4_0: 0.25 with its zeros).
+enum : int { kLayoutRows = 0, kLayoutBlocks = 1, kLayoutCompact = 2, kLayoutHalf = 3 };
 constexpr int64_t kSuperBlock = 256;
 static inline int64_t compact_block_bytes(int64_t G, int64_t sub) { return 16 * G + 32 * (G / sub); }
-static inline float compact_at(const uint8_t* block, int64_t G, int64_t sub, int64_t gi, int r) {
-  uint16_t base;
-  std::memcpy(&base, block + 16 * G + ((gi / sub) * 16 + r) * 2, 2);
-  return float(int8_t(block[gi * 16 + r])) * f16_to_f32(base);
+static inline int64_t half_block_bytes(int64_t G) { return 32 * G; }
+// Scale (or zero) of row r, group gi of a block of scale bytes in compact or float16 layout.
+static inline float scale_at(int layout, const uint8_t* block, int64_t G, int64_t sub, int64_t gi, int r) {
+  uint16_t h;
+  if (layout == kLayoutHalf) {
+    std::memcpy(&h, block + (gi * 16 + r) * 2, 2);
+    return f16_to_f32(h);
+  }
+  std::memcpy(&h, block + 16 * G + ((gi / sub) * 16 + r) * 2, 2);
+  return float(int8_t(block[gi * 16 + r])) * f16_to_f32(h);
 }
 
 // Weight formats: how many bytes `codes` codes take, and code k of a row (scalar path).
@@ -655,34 +668,46 @@ QMM_VNNI static QMM_INLINE __m512 compact_vec(const uint8_t* block, int64_t G, i
   return _mm512_mul_ps(code, _mm512_cvtph_ps(base));
 }
 
-// Blocks blk .. blk + nb - 1's compact scales as the full layout's, [nb][G][16] into out, and
-// (ZEROS) their zeros likewise after them.
-template <bool ZEROS>
-QMM_VNNI static void expand_compact(const Problem& P, int64_t blk, int nb, float* out) {
-  for (int b = 0; b < nb; ++b) {
-    const uint8_t* cs = reinterpret_cast<const uint8_t*>(P.scales) + (blk + b) * P.cs_bytes;
-    const uint8_t* cz = ZEROS ? reinterpret_cast<const uint8_t*>(P.zeros) + (blk + b) * P.cs_bytes : nullptr;
-    for (int64_t gi = 0; gi < P.G; ++gi) {
-      _mm512_store_ps(out + (b * P.G + gi) * 16, compact_vec(cs, P.G, P.sub, gi));
-      if (ZEROS) _mm512_store_ps(out + ((nb + b) * P.G + gi) * 16, compact_vec(cz, P.G, P.sub, gi));
-    }
-  }
+// The 16 scales of group gi of block blk in scale layout SL (kLayoutBlocks / Compact / Half).
+template <int SL>
+QMM_VNNI static QMM_INLINE __m512 scale_vec(const Problem& P, const void* arr, int64_t blk, int64_t gi) {
+  if (SL == kLayoutBlocks) return _mm512_loadu_ps(static_cast<const float*>(arr) + (blk * P.G + gi) * 16);
+  const uint8_t* b = static_cast<const uint8_t*>(arr) + blk * P.cs_bytes;
+  if (SL == kLayoutCompact) return compact_vec(b, P.G, P.sub, gi);
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + gi * 32)));
 }
 
-template <class F, int MB, bool ZEROS, bool PANEL, bool COMPACT>
+// The zeros to go with scales s: the zeros array's, or s * zero_mul (float16 scales, Q4_0).
+template <int SL>
+QMM_VNNI static QMM_INLINE __m512 zero_vec(const Problem& P, int64_t blk, int64_t gi, __m512 s) {
+  if (SL == kLayoutHalf && P.zeros == nullptr) return _mm512_mul_ps(s, _mm512_set1_ps(P.zero_mul));
+  return scale_vec<SL>(P, P.zeros, blk, gi);
+}
+
+// Blocks blk .. blk + nb - 1's scales in the full layout, [nb][G][16] into out, and (ZEROS) their
+// zeros likewise after them.
+template <int SL, bool ZEROS>
+QMM_VNNI static void expand_scales(const Problem& P, int64_t blk, int nb, float* out) {
+  for (int b = 0; b < nb; ++b)
+    for (int64_t gi = 0; gi < P.G; ++gi) {
+      const __m512 s = scale_vec<SL>(P, P.scales, blk + b, gi);
+      _mm512_store_ps(out + (b * P.G + gi) * 16, s);
+      if (ZEROS) _mm512_store_ps(out + ((nb + b) * P.G + gi) * 16, zero_vec<SL>(P, blk + b, gi, s));
+    }
+}
+
+template <class F, int MB, bool ZEROS, bool PANEL, int SL>
 QMM_VNNI static QMM_INLINE void vnni_tile(const Problem& P, int64_t blk, const int32_t* panel, const __m512i* ctl,
                                           int64_t m0) {
-  // Compact scales are formed group by group here (for the panel path's row tiles, once per
-  // tile: expanding a block's once into a buffer first measured no faster at M = 12).
+  // Compact and float16 scales are formed group by group here (for the panel path's row tiles,
+  // once per tile: expanding a block's once into a buffer first measured no faster at M = 12).
   using C = VnniCodes<F>;
   __m512 acc[MB];
   QMM_UNROLL for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
   const int64_t lines_per_group = P.g / (2 * C::kPairsPerLine);
   const uint8_t* qb = P.q + blk * 16 * P.q_s0;
-  const float* sb = P.scales + blk * 16 * P.G;
-  const float* zb = ZEROS ? P.zeros + blk * 16 * P.G : nullptr;
   const uint8_t* cs = reinterpret_cast<const uint8_t*>(P.scales) + blk * P.cs_bytes;
-  const uint8_t* cz = ZEROS ? reinterpret_cast<const uint8_t*>(P.zeros) + blk * P.cs_bytes : nullptr;
+  const uint8_t* cz = P.zeros ? reinterpret_cast<const uint8_t*>(P.zeros) + blk * P.cs_bytes : nullptr;
   const int16_t* xr = P.xq + m0 * P.K;
   for (int64_t gi = 0; gi < P.G; ++gi) {
     __m512i ia[MB];
@@ -705,18 +730,18 @@ QMM_VNNI static QMM_INLINE void vnni_tile(const Problem& P, int64_t blk, const i
         }
       }
     }
-    if (COMPACT && !PANEL) {
-      // The next block's compact scales (and zeros) into L1 as this block's codes stream by, in
-      // step with them (cs_bytes / G = 16 + 32 / sub bytes a group): the code stream's own
-      // line-ahead prefetch does not reach other arrays. (Past the last block: a prefetch
-      // never faults.)
+    if (SL != kLayoutBlocks && !PANEL) {
+      // The next block's compact or float16 scales (and zeros) into L1 as this block's codes
+      // stream by, in step with them (cs_bytes / G bytes a group: 16 + 32 / sub, or 32): the
+      // code stream's own line-ahead prefetch does not reach other arrays. (Past the last
+      // block: a prefetch never faults.)
       const int64_t at = P.cs_bytes + gi * (P.cs_bytes / P.G);
       _mm_prefetch(reinterpret_cast<const char*>(cs + at), _MM_HINT_T0);
-      if (ZEROS) _mm_prefetch(reinterpret_cast<const char*>(cz + at), _MM_HINT_T0);
+      if (cz) _mm_prefetch(reinterpret_cast<const char*>(cz + at), _MM_HINT_T0);
     }
-    const __m512 s = COMPACT ? compact_vec(cs, P.G, P.sub, gi) : _mm512_loadu_ps(sb + gi * 16);
+    const __m512 s = scale_vec<SL>(P, P.scales, blk, gi);
     __m512 z = _mm512_setzero_ps();
-    if (ZEROS) z = COMPACT ? compact_vec(cz, P.G, P.sub, gi) : _mm512_loadu_ps(zb + gi * 16);
+    if (ZEROS) z = zero_vec<SL>(P, blk, gi, s);
     QMM_UNROLL for (int i = 0; i < MB; ++i) {
       const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(P.xd[(m0 + i) * P.G + gi]));
       acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[i]), sd, acc[i]);
@@ -736,24 +761,24 @@ QMM_VNNI static QMM_INLINE void vnni_tile(const Problem& P, int64_t blk, const i
   }
 }
 
-template <class F, bool ZEROS, bool PANEL, bool COMPACT>
+template <class F, bool ZEROS, bool PANEL, int SL>
 QMM_VNNI static void vnni_rows_of_block(const Problem& P, int64_t blk, const int32_t* panel, const __m512i* ctl) {
   int64_t m0 = 0;
-  for (; m0 + 8 <= P.M; m0 += 8) vnni_tile<F, 8, ZEROS, PANEL, COMPACT>(P, blk, panel, ctl, m0);
+  for (; m0 + 8 <= P.M; m0 += 8) vnni_tile<F, 8, ZEROS, PANEL, SL>(P, blk, panel, ctl, m0);
   switch (P.M - m0) {
-    case 7: vnni_tile<F, 7, ZEROS, PANEL, COMPACT>(P, blk, panel, ctl, m0); break;
-    case 6: vnni_tile<F, 6, ZEROS, PANEL, COMPACT>(P, blk, panel, ctl, m0); break;
-    case 5: vnni_tile<F, 5, ZEROS, PANEL, COMPACT>(P, blk, panel, ctl, m0); break;
-    case 4: vnni_tile<F, 4, ZEROS, PANEL, COMPACT>(P, blk, panel, ctl, m0); break;
-    case 3: vnni_tile<F, 3, ZEROS, PANEL, COMPACT>(P, blk, panel, ctl, m0); break;
-    case 2: vnni_tile<F, 2, ZEROS, PANEL, COMPACT>(P, blk, panel, ctl, m0); break;
-    case 1: vnni_tile<F, 1, ZEROS, PANEL, COMPACT>(P, blk, panel, ctl, m0); break;
+    case 7: vnni_tile<F, 7, ZEROS, PANEL, SL>(P, blk, panel, ctl, m0); break;
+    case 6: vnni_tile<F, 6, ZEROS, PANEL, SL>(P, blk, panel, ctl, m0); break;
+    case 5: vnni_tile<F, 5, ZEROS, PANEL, SL>(P, blk, panel, ctl, m0); break;
+    case 4: vnni_tile<F, 4, ZEROS, PANEL, SL>(P, blk, panel, ctl, m0); break;
+    case 3: vnni_tile<F, 3, ZEROS, PANEL, SL>(P, blk, panel, ctl, m0); break;
+    case 2: vnni_tile<F, 2, ZEROS, PANEL, SL>(P, blk, panel, ctl, m0); break;
+    case 1: vnni_tile<F, 1, ZEROS, PANEL, SL>(P, blk, panel, ctl, m0); break;
     default: break;
   }
 }
 
 // Output rows [n0, n1) (n0 a multiple of 16): block by block.
-template <class F, bool ZEROS, bool COMPACT>
+template <class F, bool ZEROS, int SL>
 QMM_VNNI static void rows_vnni_t(const Problem& P, int64_t n0, int64_t n1) {
   using C = VnniCodes<F>;
   __m512i ctl[C::kPairsPerLine];
@@ -769,19 +794,19 @@ QMM_VNNI static void rows_vnni_t(const Problem& P, int64_t n0, int64_t n1) {
   for (int64_t blk = n0 / 16; blk * 16 < n1; ++blk) {
     const uint8_t* qb = P.q + blk * 16 * P.q_s0;
     if (!panel) {  // (vnni_tile prefetches its own stream, line by line)
-      vnni_rows_of_block<F, ZEROS, false, COMPACT>(P, blk, nullptr, ctl);
+      vnni_rows_of_block<F, ZEROS, false, SL>(P, blk, nullptr, ctl);
       continue;
     }
-    // The next block (16 * q_s0 contiguous bytes, and its compact scales) into L2 while this one
-    // is unpacked and used.
+    // The next block (16 * q_s0 contiguous bytes, and its compact or float16 scales) into L2
+    // while this one is unpacked and used.
     if ((blk + 1) * 16 < n1) {
       for (int64_t b = 0; b < 16 * P.q_s0; b += 64) _mm_prefetch(reinterpret_cast<const char*>(qb + 16 * P.q_s0 + b), _MM_HINT_T1);
-      if (COMPACT) {
+      if (SL != kLayoutBlocks) {
         const char* ns = reinterpret_cast<const char*>(P.scales) + (blk + 1) * P.cs_bytes;
-        const char* nz = ZEROS ? reinterpret_cast<const char*>(P.zeros) + (blk + 1) * P.cs_bytes : nullptr;
+        const char* nz = P.zeros ? reinterpret_cast<const char*>(P.zeros) + (blk + 1) * P.cs_bytes : nullptr;
         for (int64_t b = 0; b < P.cs_bytes; b += 64) {
           _mm_prefetch(ns + b, _MM_HINT_T1);
-          if (ZEROS) _mm_prefetch(nz + b, _MM_HINT_T1);
+          if (nz) _mm_prefetch(nz + b, _MM_HINT_T1);
         }
       }
     }
@@ -790,7 +815,7 @@ QMM_VNNI static void rows_vnni_t(const Problem& P, int64_t n0, int64_t n1) {
       QMM_UNROLL for (int p = 0; p < C::kPairsPerLine; ++p)
         _mm512_store_si512(pan + (c * C::kPairsPerLine + p) * 16, C::pair(line, ctl[p]));
     }
-    vnni_rows_of_block<F, ZEROS, true, COMPACT>(P, blk, pan, ctl);
+    vnni_rows_of_block<F, ZEROS, true, SL>(P, blk, pan, ctl);
   }
 }
 
@@ -833,10 +858,12 @@ QMM_VNNI static void quantize_x_avx512(const float* x, int64_t s0, int64_t M, in
 
 template <class F>
 static void rows_vnni(const Problem& P, int64_t n0, int64_t n1) {
-  if (P.compact)
-    P.zeros ? rows_vnni_t<F, true, true>(P, n0, n1) : rows_vnni_t<F, false, true>(P, n0, n1);
-  else
-    P.zeros ? rows_vnni_t<F, true, false>(P, n0, n1) : rows_vnni_t<F, false, false>(P, n0, n1);
+  const bool z = P.zeros || P.zero_mul != 0.f;
+  switch (P.layout) {
+    case kLayoutCompact: return z ? rows_vnni_t<F, true, kLayoutCompact>(P, n0, n1) : rows_vnni_t<F, false, kLayoutCompact>(P, n0, n1);
+    case kLayoutHalf: return z ? rows_vnni_t<F, true, kLayoutHalf>(P, n0, n1) : rows_vnni_t<F, false, kLayoutHalf>(P, n0, n1);
+    default: return z ? rows_vnni_t<F, true, kLayoutBlocks>(P, n0, n1) : rows_vnni_t<F, false, kLayoutBlocks>(P, n0, n1);
+  }
 }
 
 // ---- Many rows (M > kVnniTileMaxRows) --------------------------------------------------------
@@ -915,7 +942,7 @@ QMM_VNNI static void gemm_tail(int r, const Problem& P, const int32_t* panel, co
 }
 
 // Rows [m0, m1) x NB blocks from blk: one K slice at a time (the panel unpacked), every row tile.
-template <class F, int NB, bool ZEROS, bool COMPACT>
+template <class F, int NB, bool ZEROS, int SL>
 QMM_VNNI static void gemm_item(const Problem& P, int64_t blk, int64_t m0, int64_t m1, const __m512i* ctl,
                                int32_t* panel, float* facc, float* sexp) {
   using C = VnniCodes<F>;
@@ -925,10 +952,10 @@ QMM_VNNI static void gemm_item(const Problem& P, int64_t blk, int64_t m0, int64_
   std::memset(facc, 0, size_t(rows * NB * 16) * sizeof(float));
   const float* sb = P.scales + blk * 16 * P.G;
   const float* zb = ZEROS ? P.zeros + blk * 16 * P.G : nullptr;
-  if (COMPACT) {
+  if (SL != kLayoutBlocks) {
     // The item's scales (and zeros) in the full layout once per item: the tiles then read them
     // as they read the full layout's (the item's M x K work dwarfs this).
-    expand_compact<ZEROS>(P, blk, NB, sexp);
+    expand_scales<SL, ZEROS>(P, blk, NB, sexp);
     sb = sexp;
     zb = ZEROS ? sexp + NB * 16 * P.G : nullptr;
   }
@@ -966,17 +993,17 @@ QMM_VNNI static void gemm_item(const Problem& P, int64_t blk, int64_t m0, int64_
 }
 
 // An item of nb <= kGemmNB blocks.
-template <class F, int NB, bool ZEROS, bool COMPACT>
+template <class F, int NB, bool ZEROS, int SL>
 QMM_VNNI static void gemm_item_any(const Problem& P, int64_t blk, int nb, int64_t m0, int64_t m1, const __m512i* ctl,
                                    int32_t* panel, float* facc, float* sexp) {
   if constexpr (NB > 1) {
-    if (nb < NB) return gemm_item_any<F, NB - 1, ZEROS, COMPACT>(P, blk, nb, m0, m1, ctl, panel, facc, sexp);
+    if (nb < NB) return gemm_item_any<F, NB - 1, ZEROS, SL>(P, blk, nb, m0, m1, ctl, panel, facc, sexp);
   }
-  gemm_item<F, NB, ZEROS, COMPACT>(P, blk, m0, m1, ctl, panel, facc, sexp);
+  gemm_item<F, NB, ZEROS, SL>(P, blk, m0, m1, ctl, panel, facc, sexp);
 }
 
 // All of y for many rows: work items of kGemmNB blocks x a range of rows, handed out dynamically.
-template <class F, bool ZEROS, bool COMPACT>
+template <class F, bool ZEROS, int SL>
 QMM_VNNI static void vnni_gemm_t(const Problem& P, int nt) {
   using C = VnniCodes<F>;
   const int64_t blocks = (P.N + 15) / 16;
@@ -1003,7 +1030,7 @@ QMM_VNNI static void vnni_gemm_t(const Problem& P, int nt) {
     }
     std::vector<int32_t> pbuf(size_t(slice_pairs * kGemmNB * 16 + 16));
     std::vector<float> fbuf(size_t(mrows * kGemmNB * 16 + 16));
-    std::vector<float> sbuf(COMPACT ? size_t(2 * kGemmNB * 16 * P.G + 16) : 0);
+    std::vector<float> sbuf(SL != kLayoutBlocks ? size_t(2 * kGemmNB * 16 * P.G + 16) : 0);
     float* sexp = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sbuf.data()) + 63) & ~uintptr_t(63));
     int32_t* panel = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(pbuf.data()) + 63) & ~uintptr_t(63));
     float* facc = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(fbuf.data()) + 63) & ~uintptr_t(63));
@@ -1015,7 +1042,7 @@ QMM_VNNI static void vnni_gemm_t(const Problem& P, int nt) {
       const int64_t nc = it / mchunks, mc = it % mchunks;
       const int64_t blk = nc * kGemmNB;
       const int nb = int(std::min<int64_t>(kGemmNB, blocks - blk));
-      gemm_item_any<F, kGemmNB, ZEROS, COMPACT>(P, blk, nb, mc * mrows, std::min(P.M, (mc + 1) * mrows), ctl, panel,
+      gemm_item_any<F, kGemmNB, ZEROS, SL>(P, blk, nb, mc * mrows, std::min(P.M, (mc + 1) * mrows), ctl, panel,
                                                 facc, sexp);
     }
   }
@@ -1023,10 +1050,12 @@ QMM_VNNI static void vnni_gemm_t(const Problem& P, int nt) {
 
 template <class F>
 static void vnni_gemm(const Problem& P, int nt) {
-  if (P.compact)
-    P.zeros ? vnni_gemm_t<F, true, true>(P, nt) : vnni_gemm_t<F, false, true>(P, nt);
-  else
-    P.zeros ? vnni_gemm_t<F, true, false>(P, nt) : vnni_gemm_t<F, false, false>(P, nt);
+  const bool z = P.zeros || P.zero_mul != 0.f;
+  switch (P.layout) {
+    case kLayoutCompact: return z ? vnni_gemm_t<F, true, kLayoutCompact>(P, nt) : vnni_gemm_t<F, false, kLayoutCompact>(P, nt);
+    case kLayoutHalf: return z ? vnni_gemm_t<F, true, kLayoutHalf>(P, nt) : vnni_gemm_t<F, false, kLayoutHalf>(P, nt);
+    default: return z ? vnni_gemm_t<F, true, kLayoutBlocks>(P, nt) : vnni_gemm_t<F, false, kLayoutBlocks>(P, nt);
+  }
 }
 #else
 static bool cpu_has_vnni() { return false; }
@@ -1111,16 +1140,20 @@ static bool vnni_blocks_fit(int64_t K, int64_t group_size) {
 }
 
 // Shared by both formats: checks, path choice, threading. layout: kLayoutRows, or q, scales and
-// zeros in VNNI blocks (kLayoutBlocks, or kLayoutCompact: compact scales and zeros), and then the
-// avx512-vnni path runs, and only it can.
+// zeros in VNNI blocks (kLayoutBlocks, kLayoutCompact: compact scales and zeros, kLayoutHalf:
+// float16 ones, zero_mul as in Problem), and then the avx512-vnni path runs, and only it can.
 template <class F>
 static int group_matmul(const void* x, int64_t x_s0, int x_bf16, const uint8_t* q, const float* scales,
                         const float* zeros, void* y, int64_t y_s0, int64_t M, int64_t N, int64_t K,
                         int64_t group_size, int impl, int num_threads, char* err, int64_t err_len,
-                        int layout = kLayoutRows) {
+                        int layout = kLayoutRows, float zero_mul = 0.f) {
   const bool vnni_blocks = layout != kLayoutRows;
-  if (layout < kLayoutRows || layout > kLayoutCompact) {
+  if (layout < kLayoutRows || layout > kLayoutHalf) {
     std::snprintf(err, size_t(err_len), "unknown weight layout %d", layout);
+    return 1;
+  }
+  if (zero_mul != 0.f && (layout != kLayoutHalf || zeros != nullptr)) {
+    std::snprintf(err, size_t(err_len), "zeros as a multiple of the scales need float16 scales and no zeros array");
     return 1;
   }
   if (layout == kLayoutCompact && (kSuperBlock % group_size != 0 || K % kSuperBlock != 0)) {
@@ -1161,10 +1194,13 @@ static int group_matmul(const void* x, int64_t x_s0, int x_bf16, const uint8_t* 
   P.q = q; P.q_s0 = F::bytes(K); P.scales = scales; P.zeros = zeros;
   P.M = M; P.N = N; P.K = K; P.g = group_size; P.G = K / group_size;
   P.y = y; P.y_s0 = y_s0; P.y_bf16 = x_bf16 != 0;
+  P.layout = layout;
+  P.zero_mul = zero_mul;
   if (layout == kLayoutCompact) {
-    P.compact = true;
     P.sub = kSuperBlock / group_size;
     P.cs_bytes = compact_block_bytes(P.G, P.sub);
+  } else if (layout == kLayoutHalf) {
+    P.cs_bytes = half_block_bytes(P.G);
   }
 
   // The path: the requested one (0: the best) if its step divides the group, else the next.
@@ -1362,8 +1398,9 @@ QMM_AVX2 static void dequant_rows_avx2(const uint8_t* q, int64_t q_s0, const flo
 
 template <class F, bool BF16>
 static void dequantize(const uint8_t* q, const float* scales, const float* zeros, void* out, int64_t N, int64_t K,
-                       int64_t g, int num_threads, int layout) {
-  const bool vnni_blocks = layout != kLayoutRows, compact = layout == kLayoutCompact;
+                       int64_t g, int num_threads, int layout, float zero_mul) {
+  const bool vnni_blocks = layout != kLayoutRows, packed_scales = layout >= kLayoutCompact;
+  const bool any_zeros = zeros != nullptr || zero_mul != 0.f;
   auto rows = &dequant_rows_scalar<F, BF16>;
 #if QMM_X86
   if (cpu_has_avx512())
@@ -1383,7 +1420,7 @@ static void dequantize(const uint8_t* q, const float* scales, const float* zeros
 #endif
     {
       std::vector<uint8_t> tq(size_t(16 * q_s0));
-      std::vector<float> ts(size_t(16 * G)), tz(zeros ? size_t(16 * G) : 0);
+      std::vector<float> ts(size_t(16 * G)), tz(any_zeros ? size_t(16 * G) : 0);
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
@@ -1396,14 +1433,16 @@ static void dequantize(const uint8_t* q, const float* scales, const float* zeros
             if (F::kCodesPerByte == 2) lane = u4_lane_to_row(lane);
             std::memcpy(&tq[size_t(r * q_s0 + 4 * c)], &lane, 4);
           }
-        if (compact) {
-          const int64_t sub = kSuperBlock / g, cs = compact_block_bytes(G, sub);
+        if (packed_scales) {
+          const int64_t sub = layout == kLayoutCompact ? kSuperBlock / g : 1;
+          const int64_t cs = layout == kLayoutCompact ? compact_block_bytes(G, sub) : half_block_bytes(G);
           const uint8_t* sbk = reinterpret_cast<const uint8_t*>(scales) + b * cs;
           const uint8_t* zbk = zeros ? reinterpret_cast<const uint8_t*>(zeros) + b * cs : nullptr;
           for (int r = 0; r < 16; ++r)
             for (int64_t gi = 0; gi < G; ++gi) {
-              ts[size_t(r * G + gi)] = compact_at(sbk, G, sub, gi, r);
-              if (zeros) tz[size_t(r * G + gi)] = compact_at(zbk, G, sub, gi, r);
+              const float s = scale_at(layout, sbk, G, sub, gi, r);
+              ts[size_t(r * G + gi)] = s;
+              if (any_zeros) tz[size_t(r * G + gi)] = zbk ? scale_at(layout, zbk, G, sub, gi, r) : s * zero_mul;
             }
         } else {
           for (int r = 0; r < 16; ++r)
@@ -1414,7 +1453,7 @@ static void dequantize(const uint8_t* q, const float* scales, const float* zeros
         }
         const int64_t nb = std::min<int64_t>(16, N - b * 16);
         void* ob = static_cast<char*>(out) + b * 16 * K * (BF16 ? 2 : 4);
-        rows(tq.data(), q_s0, ts.data(), zeros ? tz.data() : nullptr, K, g, ob, 0, nb);
+        rows(tq.data(), q_s0, ts.data(), any_zeros ? tz.data() : nullptr, K, g, ob, 0, nb);
       }
     }
     return;
@@ -1443,13 +1482,14 @@ extern "C" int kvs_qmm_vnni_blocks_fit(int64_t K, int64_t group_size) { return q
 // in err. impl: 0 best, 1 scalar, 2 avx512, 3 avx2, 4 avx512-vnni; a vector path whose lane
 // count does not divide group_size falls back to the next one that does (the scalar path takes
 // any). layout: 0 rows; 1 q, scales and zeros in VNNI blocks, 2 the same with compact scales and
-// zeros (both: impl 0 or 4, the avx512-vnni path).
+// zeros, 3 with float16 ones (all three: impl 0 or 4, the avx512-vnni path); zero_mul != 0 (layout
+// 3, zeros null): each zero is its scale times zero_mul.
 extern "C" int kvs_int8_group_matmul(const void* x, int64_t x_s0, int x_bf16, const int8_t* q, const float* scales,
                                      const float* zeros, void* y, int64_t y_s0, int64_t M, int64_t N, int64_t K,
                                      int64_t group_size, int impl, int num_threads, char* err, int64_t err_len,
-                                     int layout) {
+                                     int layout, float zero_mul) {
   return qmm::group_matmul<qmm::I8>(x, x_s0, x_bf16, reinterpret_cast<const uint8_t*>(q), scales, zeros, y, y_s0, M,
-                                    N, K, group_size, impl, num_threads, err, err_len, layout);
+                                    N, K, group_size, impl, num_threads, err, err_len, layout, zero_mul);
 }
 
 // As kvs_int8_group_matmul, with q the packed 4-bit codes: uint8 [N, K / 2], K even (layout at
@@ -1457,9 +1497,9 @@ extern "C" int kvs_int8_group_matmul(const void* x, int64_t x_s0, int x_bf16, co
 extern "C" int kvs_int4_group_matmul(const void* x, int64_t x_s0, int x_bf16, const uint8_t* packed,
                                      const float* scales, const float* zeros, void* y, int64_t y_s0, int64_t M,
                                      int64_t N, int64_t K, int64_t group_size, int impl, int num_threads, char* err,
-                                     int64_t err_len, int layout) {
+                                     int64_t err_len, int layout, float zero_mul) {
   return qmm::group_matmul<qmm::U4>(x, x_s0, x_bf16, packed, scales, zeros, y, y_s0, M, N, K, group_size, impl,
-                                    num_threads, err, err_len, layout);
+                                    num_threads, err, err_len, layout, zero_mul);
 }
 
 // Dense weights out [N, K] (contiguous; float32, or bfloat16 when out_bf16) from int8 codes
@@ -1468,14 +1508,14 @@ extern "C" int kvs_int4_group_matmul(const void* x, int64_t x_s0, int x_bf16, co
 // wrapper. Returns 0.
 extern "C" int kvs_group_dequantize(const uint8_t* q, int int4, const float* scales, const float* zeros, void* out,
                                     int out_bf16, int64_t N, int64_t K, int64_t group_size, int num_threads,
-                                    int layout) {
+                                    int layout, float zero_mul) {
   if (N <= 0 || K <= 0) return 0;
   const int vb = layout;
   if (int4)
-    out_bf16 ? qmm::dequantize<qmm::U4, true>(q, scales, zeros, out, N, K, group_size, num_threads, vb)
-             : qmm::dequantize<qmm::U4, false>(q, scales, zeros, out, N, K, group_size, num_threads, vb);
+    out_bf16 ? qmm::dequantize<qmm::U4, true>(q, scales, zeros, out, N, K, group_size, num_threads, vb, zero_mul)
+             : qmm::dequantize<qmm::U4, false>(q, scales, zeros, out, N, K, group_size, num_threads, vb, zero_mul);
   else
-    out_bf16 ? qmm::dequantize<qmm::I8, true>(q, scales, zeros, out, N, K, group_size, num_threads, vb)
-             : qmm::dequantize<qmm::I8, false>(q, scales, zeros, out, N, K, group_size, num_threads, vb);
+    out_bf16 ? qmm::dequantize<qmm::I8, true>(q, scales, zeros, out, N, K, group_size, num_threads, vb, zero_mul)
+             : qmm::dequantize<qmm::I8, false>(q, scales, zeros, out, N, K, group_size, num_threads, vb, zero_mul);
   return 0;
 }

@@ -29,17 +29,17 @@ def _setup_qmatmul(lib: ctypes.CDLL) -> None:
                       _ptr, _i64,  # y, its row stride
                       _i64, _i64, _i64, _i64,  # M, N, K, group_size
                       _int, _int, ctypes.c_char_p, _i64,  # impl, threads, error buffer
-                      _int]  # weight layout (_LAYOUT_*)
+                      _int, ctypes.c_float]  # weight layout (_LAYOUT_*), zeros = scales x this (or 0)
     f = lib.kvs_group_dequantize
     f.restype = _int
     f.argtypes = [_ptr, _int, _ptr, _ptr, _ptr, _int,  # q, 4-bit?, scales, zeros, out, out bf16?
-                  _i64, _i64, _i64, _int, _int]  # N, K, group_size, threads, weight layout
+                  _i64, _i64, _i64, _int, _int, ctypes.c_float]  # N, K, group_size, threads, layout, zero_mul
     lib.kvs_qmm_vnni_blocks_fit.restype = _int
     lib.kvs_qmm_vnni_blocks_fit.argtypes = [_i64, _i64]
     f = lib.kvs_gguf_repack
     f.restype = _int
     f.argtypes = [_ptr, _i64, _i64, _int,  # row addresses, rows, first output row, ggml type
-                  _i64, _i64, _int, _int,  # N, K, 4-bit packed?, layout (0 rows, 1 VNNI, 2 compact)
+                  _i64, _i64, _int, _int,  # N, K, 4-bit packed?, layout (0 rows, 1 VNNI, 2 compact, 3 half)
                   _ptr, _ptr, _ptr, _int,  # q, scales, zeros (null: none), threads
                   ctypes.c_char_p, _i64]  # error buffer
 
@@ -48,13 +48,18 @@ def _setup_qmatmul(lib: ctypes.CDLL) -> None:
 QMATMUL = KernelLibrary("qmatmul", ("qmatmul.cpp", "gguf_repack.cpp"), _setup_qmatmul)
 
 
-# qmatmul.cpp's weight layouts: rows, VNNI blocks, VNNI blocks with compact scales and zeros.
-_LAYOUT_ROWS, _LAYOUT_BLOCKS, _LAYOUT_COMPACT = 0, 1, 2
+# qmatmul.cpp's weight layouts: rows, VNNI blocks, VNNI blocks with compact scales and zeros, VNNI
+# blocks with float16 scales and zeros.
+_LAYOUT_ROWS, _LAYOUT_BLOCKS, _LAYOUT_COMPACT, _LAYOUT_HALF = 0, 1, 2, 3
 # Compact scales (qmatmul.cpp kLayoutCompact): a float16 base per super-block of this many weights
 # times an int8 code per group. GGUF types whose scales take that form (ggml type ids): Q2_K, Q3_K,
 # Q4_K, Q5_K, Q6_K, IQ4_XS.
 COMPACT_SUPER_BLOCK = 256
 COMPACT_GGML_TYPES = frozenset({10, 11, 12, 13, 14, 23})
+# Float16 scales (qmatmul.cpp kLayoutHalf): the types whose scale (and offset) is one float16 per
+# group of 32: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0. Q4_0's zero is -8 x its scale (no zeros array).
+HALF_GGML_TYPES = frozenset({2, 3, 6, 7, 8})
+Q4_0_ZERO_MUL = -8.0
 
 _QMM_IMPLS = {"auto": 0, "scalar": 1, "avx512": 2, "avx2": 3, "avx512-vnni": 4}
 
@@ -144,7 +149,8 @@ def group_dequantize(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor 
         raise ValueError(f"zeros must be None or like scales; got {_desc(zeros)}")
     QMATMUL.lib().kvs_group_dequantize(q.data_ptr(), int(int4), scales.data_ptr(),
                                        zeros.data_ptr() if zeros is not None else None, out.data_ptr(),
-                                       int(out.dtype == torch.bfloat16), n, k, group_size, torch.get_num_threads(), 0)
+                                       int(out.dtype == torch.bfloat16), n, k, group_size, torch.get_num_threads(),
+                                       _LAYOUT_ROWS, 0.0)
     return out
 
 
@@ -172,11 +178,13 @@ class VnniBlocks:
     """A group-quantized weight [N, K] (int8 codes, or 4-bit codes packed two per byte) in the
     layout the avx512-vnni path reads (qmatmul.cpp, "VNNI blocks"): rows in blocks of 16, each
     block as 64-byte lines of 4 bytes from each of its rows: q [N / 16, row_bytes / 4, 16, 4];
-    scales and zeros float32 [N / 16, K / g, 16], or with `compact` (K-quant weights repacked
-    from a GGUF file: qmatmul.cpp kLayoutCompact) uint8 [N / 16, cs] holding per block int8
-    codes [K / g, 16] and float16 bases [K / 256, 16] (d as the file has it), scale = base *
-    code (the same float32 values). Built by `to_vnni_blocks` or `repack_gguf_rows`; `rows` reads
-    rows back."""
+    scales and zeros float32 [N / 16, K / g, 16] (scale_form "full"), or, for weights repacked
+    from a GGUF file, as the file has them (the same float32 values): "compact" (K-quants:
+    qmatmul.cpp kLayoutCompact) uint8 [N / 16, cs] holding per block int8 codes [K / g, 16] and
+    float16 bases [K / 256, 16], scale = base * code; "half" (Q4_0, Q8_0, ...: kLayoutHalf)
+    uint8 [N / 16, 32 K / g], float16 [K / g, 16] per block, and with zero_mul != 0 no zeros
+    array (Q4_0: zero = -8 x scale). Built by `to_vnni_blocks` or `repack_gguf_rows`; `rows`
+    reads rows back."""
 
     q: torch.Tensor
     scales: torch.Tensor
@@ -185,15 +193,18 @@ class VnniBlocks:
     k: int
     group: int
     int4: bool
-    compact: bool = False
+    scale_form: str = "full"
+    zero_mul: float = 0.0
 
     @property
     def layout(self) -> int:
-        return _LAYOUT_COMPACT if self.compact else _LAYOUT_BLOCKS
+        return {"full": _LAYOUT_BLOCKS, "compact": _LAYOUT_COMPACT, "half": _LAYOUT_HALF}[self.scale_form]
 
     def _expanded(self, t: torch.Tensor) -> torch.Tensor:
-        """Compact scales or zeros as the full layout's float32 [N / 16, K / g, 16]."""
+        """Compact or float16 scales or zeros as the full layout's float32 [N / 16, K / g, 16]."""
         groups = self.k // self.group
+        if self.scale_form == "half":
+            return t.contiguous().view(torch.float16).float().reshape(-1, groups, 16)
         codes = t[:, :16 * groups].view(torch.int8).reshape(-1, groups, 16).float()
         bases = t[:, 16 * groups:].contiguous().view(torch.float16).float().reshape(-1, self.k // COMPACT_SUPER_BLOCK, 16)
         return codes * bases.repeat_interleave(COMPACT_SUPER_BLOCK // self.group, dim=1)
@@ -205,11 +216,15 @@ class VnniBlocks:
         q = self.q[b, :, r, :]
         if self.int4:
             q = _u4_lanes(q, to_blocks=False)
-        if not self.compact:
+        if self.scale_form == "full":
             return q.reshape(len(idx), -1), self.scales[b, :, r], None if self.zeros is None else self.zeros[b, :, r]
         # (only the blocks the rows are in: an embedding looks up a few rows of a large table)
-        zeros = None if self.zeros is None else self._expanded(self.zeros[b])[torch.arange(len(idx)), :, r]
-        return q.reshape(len(idx), -1), self._expanded(self.scales[b])[torch.arange(len(idx)), :, r], zeros
+        scales = self._expanded(self.scales[b])[torch.arange(len(idx)), :, r]
+        if self.zeros is not None:
+            zeros = self._expanded(self.zeros[b])[torch.arange(len(idx)), :, r]
+        else:
+            zeros = scales * self.zero_mul if self.zero_mul else None
+        return q.reshape(len(idx), -1), scales, zeros
 
     def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """y = x @ w.T on the avx512-vnni path (x rounded to int16 per row and group, exact int32
@@ -221,7 +236,7 @@ class VnniBlocks:
             raise ValueError(f"x must have contiguous rows (unit last stride); got strides {x.stride()}")
         fn = "kvs_int4_group_matmul" if self.int4 else "kvs_int8_group_matmul"
         return _call_group_matmul(fn, x, self.q, self.scales, self.zeros, self.n, self.group, out, "auto",
-                                  layout=self.layout)
+                                  layout=self.layout, zero_mul=self.zero_mul)
 
     def dequantize(self, out: torch.Tensor) -> torch.Tensor:
         """The dense weights into out [N, K] (float32 or bfloat16, contiguous), the values
@@ -233,7 +248,8 @@ class VnniBlocks:
         QMATMUL.lib().kvs_group_dequantize(
             self.q.data_ptr(), int(self.int4), self.scales.data_ptr(),
             self.zeros.data_ptr() if self.zeros is not None else None, out.data_ptr(),
-            int(out.dtype == torch.bfloat16), self.n, self.k, self.group, torch.get_num_threads(), self.layout)
+            int(out.dtype == torch.bfloat16), self.n, self.k, self.group, torch.get_num_threads(), self.layout,
+            self.zero_mul)
         return out
 
 
@@ -277,7 +293,7 @@ def _u4_lanes(lanes: torch.Tensor, to_blocks: bool) -> torch.Tensor:
 
 
 def repack_gguf_rows(runs: list[tuple[torch.Tensor, int]], n: int, k: int, group_size: int, zeros: bool,
-                     int4: bool, vnni: bool, compact: bool = False
+                     int4: bool, vnni: bool, scale_form: str = "full"
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A weight [N, K] stored as GGUF blocks, in the layout the group kernels read, by one C++
     pass over its rows on torch's threads (csrc/gguf_repack.cpp). runs: (row addresses int64 [R],
@@ -286,27 +302,33 @@ def repack_gguf_rows(runs: list[tuple[torch.Tensor, int]], n: int, k: int, group
     int4 packed uint8 [N, K / 2] (Q4_0 / Q4_1 / Q4_K only) or int8 [N, K] codes and float32
     [N, K / g] scales and zeros (None unless `zeros`), as `pack_int4_rows` / qlinear's int8 codes
     of gguf_quants.to_group_affine give them; with vnni, in VNNI blocks as `to_vnni_blocks` lays
-    them out (N % 16 == 0); with compact too (every run a K-quant or IQ4_XS: COMPACT_GGML_TYPES),
-    scales and zeros in compact layout (VnniBlocks.compact): uint8 [N / 16, bytes per block].
-    Raises ValueError for what the layout cannot take (compact: a scale with no compact form)."""
+    them out (N % 16 == 0); with vnni and scale_form "compact" (every run in COMPACT_GGML_TYPES) or
+    "half" (every run in HALF_GGML_TYPES), scales and zeros in that form (VnniBlocks.scale_form):
+    uint8 [N / 16, bytes per block]; "half" with every run Q4_0 writes no zeros (zero_mul).
+    Raises ValueError for what the layout cannot take (a scale with no such form, say)."""
     if sum(len(addrs) for addrs, _ in runs) != n:
         raise ValueError(f"runs of rows must add up to N={n}")
     row_bytes = k // 2 if int4 else k
     g = k // group_size
-    compact = compact and vnni
+    if not vnni:
+        scale_form = "full"
+    if scale_form == "half" and all(int(qtype) == 2 for _, qtype in runs):
+        zeros = False  # (Q4_0: zero = -8 x scale, formed by the kernel)
     if vnni:
         q = torch.empty(n // 16, row_bytes // 4, 16, 4, dtype=torch.uint8 if int4 else torch.int8)
         shape = (n // 16, g, 16)
     else:
         q = torch.empty(n, row_bytes, dtype=torch.uint8 if int4 else torch.int8)
         shape = (n, g)
-    if compact:  # (qmatmul.cpp compact_block_bytes)
+    if scale_form == "compact":  # (qmatmul.cpp compact_block_bytes)
         shape, sdtype = (n // 16, 16 * g + 32 * (k // COMPACT_SUPER_BLOCK)), torch.uint8
+    elif scale_form == "half":  # (half_block_bytes)
+        shape, sdtype = (n // 16, 32 * g), torch.uint8
     else:
         sdtype = torch.float32
     scales = torch.empty(shape, dtype=sdtype)
     zero_t = torch.empty(shape, dtype=sdtype) if zeros else None
-    layout = _LAYOUT_COMPACT if compact else int(vnni)
+    layout = {"compact": _LAYOUT_COMPACT, "half": _LAYOUT_HALF}.get(scale_form, int(vnni))
     lib = QMATMUL.lib()
     err = ctypes.create_string_buffer(256)
     row0 = 0
@@ -378,7 +400,8 @@ def _group_matmul(fn: str, x: torch.Tensor, q_name: str, q: torch.Tensor, scales
 
 
 def _call_group_matmul(fn: str, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                       n: int, group_size: int, out: torch.Tensor | None, impl: str, layout: int) -> torch.Tensor:
+                       n: int, group_size: int, out: torch.Tensor | None, impl: str, layout: int,
+                       zero_mul: float = 0.0) -> torch.Tensor:
     """`out` checked (or made) and the C call, for weights in rows and in VNNI blocks alike (x and
     the weight checked by the caller)."""
     m, k = x.shape
@@ -396,7 +419,7 @@ def _call_group_matmul(fn: str, x: torch.Tensor, q: torch.Tensor, scales: torch.
         x.data_ptr(), x.stride(0), x.dtype == torch.bfloat16,
         q.data_ptr(), scales.data_ptr(), zeros.data_ptr() if zeros is not None else None,
         out.data_ptr(), out.stride(0), m, n, k, group_size,
-        _QMM_IMPLS[impl], torch.get_num_threads(), err, len(err), layout)
+        _QMM_IMPLS[impl], torch.get_num_threads(), err, len(err), layout, zero_mul)
     if rc:
         raise ValueError(err.value.decode(errors="replace"))
     return out
