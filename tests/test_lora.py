@@ -287,3 +287,20 @@ def test_bad_adapters_and_requests_get_clear_errors(bundled, tmp_path):
         llm.generate(["hi"], PARAMS, lora_request=LoRARequest("z", 1, bundled["b"]), use_tqdm=False)
     with pytest.raises(ValueError, match="lora_int_id"):
         LoRARequest("a", 0, bundled["a"])
+
+
+def test_a_lookup_that_drops_the_adapter_is_caught_as_adapter_isolation_in_its_step(bundled):
+    from kvshare.kvcache.audit import AuditError
+    from kvshare.testing.faults import plant
+
+    llm = LLM(kv_cache_memory="16MiB", enable_lora=True, audit=True)
+    engine = llm.engine
+    plant(engine, "lookup_ignores_adapter")
+    prompt = {"prompt_token_ids": bundled["prompt"] * 3}
+    llm.generate([prompt], PARAMS, use_tqdm=False)  # the base model's blocks, cached
+    assert not engine.fault_fired
+    with pytest.raises(AuditError) as info:  # the same prompt under adapter A
+        llm.generate([prompt], PARAMS, lora_request=LoRARequest("A", 1, bundled["a"]), use_tqdm=False)
+    assert engine.fault_fired, "the scenario never triggered the planted bug"
+    assert info.value.invariant == "adapter_isolation", str(info.value)
+    assert info.value.step == engine.fault_fired[0][0]
