@@ -247,5 +247,6 @@ class LoRABatch:
                 # Per row, a fixed-order sum over each reduced dimension: no GEMM's row blocking.
                 t = (xr.unsqueeze(1) * a.unsqueeze(0)).sum(-1)
                 delta[:, cols] = (t.unsqueeze(1) * b.unsqueeze(0)).sum(-1) * adapter.scale
-            y = y.index_add(0, idx, delta.to(y.dtype))
+            # In place (y is the linear's fresh output): each row's y + delta, as alone.
+            y.index_copy_(0, idx, y.index_select(0, idx) + delta.to(y.dtype))
         return y
