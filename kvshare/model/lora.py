@@ -59,6 +59,10 @@ class LoRAAdapter:
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
     digest: str  # sha256 over the weights and the scale
 
+    def __post_init__(self) -> None:
+        # B transposed, [r, out]: the delta adds one row of it per rank column (LoRABatch.apply).
+        self.b_t = {k: b.t().contiguous() for k, (_, b) in self.weights.items()}
+
     @property
     def key(self) -> str:
         """The adapter's part of the cache namespace: another name, other weights or another
@@ -240,13 +244,18 @@ class LoRABatch:
                 continue
             xr = x.index_select(0, idx).float()
             delta = torch.zeros(idx.numel(), y.shape[1], dtype=torch.float32)
-            for ab, cols in zip(parts, self.cols[site]):
+            for m, ab, cols in zip(SITES[site], parts, self.cols[site]):
                 if ab is None:
                     continue
-                a, b = ab
+                a, b_t = ab[0], adapter.b_t[(layer, m)]
                 # Per row, a fixed-order sum over each reduced dimension: no GEMM's row blocking.
+                # x A^T: a contiguous sum over in_features; then B over the r columns of t one at a
+                # time (plain multiplies and adds, IEEE-rounded alike on every path).
                 t = (xr.unsqueeze(1) * a.unsqueeze(0)).sum(-1)
-                delta[:, cols] = (t.unsqueeze(1) * b.unsqueeze(0)).sum(-1) * adapter.scale
+                d = t[:, 0:1] * b_t[0]
+                for j in range(1, b_t.shape[0]):
+                    d = d + t[:, j:j + 1] * b_t[j]
+                delta[:, cols] = d * adapter.scale
             # In place (y is the linear's fresh output): each row's y + delta, as alone.
             y.index_copy_(0, idx, y.index_select(0, idx) + delta.to(y.dtype))
         return y
