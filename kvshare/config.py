@@ -179,6 +179,11 @@ class EngineConfig:
     kv_cache_memory_fraction: float = option(KV_CACHE_MEMORY_FRACTION, None)
     max_model_len: int | None = option(None)  # None: the model's context length, capped by the pool
     max_num_seqs: int = option(128)
+    # LoRA adapters (vLLM's options; kvshare.model.lora, docs/lora.md): requests may name an adapter
+    # loaded on the engine; at most max_loras distinct adapters loaded at once, each of rank <= max_lora_rank.
+    enable_lora: bool = option(False, Flag("serve LoRA adapters over the base model"))
+    max_loras: int = option(1, Flag("most LoRA adapters loaded at once"))
+    max_lora_rank: int = option(16, Flag("largest LoRA rank an adapter may have"))
     max_num_batched_tokens: int = option(2048)
     # vLLM's: "fcfs" admits by arrival; "priority" by (SamplingParams.priority, arrival), lower
     # first, and preempts the running request with the largest (priority, arrival) first.
@@ -302,7 +307,7 @@ class EngineConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy={self.scheduling_policy!r} is invalid: must be one of "
                              f"{', '.join(SCHEDULING_POLICIES)}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_loras", "max_lora_rank"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name}={v!r} is invalid: must be an integer >= 1")

@@ -9,6 +9,7 @@ from kvshare.config import EngineConfig
 from kvshare.engine.llm_engine import LLMEngine
 from kvshare.engine.beam_search import BeamSearchParams
 from kvshare.errors import InvalidRequestError
+from kvshare.lora_request import LoRARequest
 from kvshare.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from kvshare.sampling_params import SamplingParams
 
@@ -23,9 +24,11 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Seq[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Seq[int] | None = None,
+                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """`priority` (vLLM's): one per prompt, under --scheduling-policy priority (lower first); it
-        overrides the params' own."""
+        overrides the params' own. `lora_request` (vLLM's): one adapter for every prompt, or one
+        (or None: the base model) per prompt."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -45,10 +48,17 @@ class LLM:
                 raise InvalidRequestError(f"priority={priority!r} is invalid: must be a list of one integer per "
                                           f"prompt ({len(prompts)})", "priority")
             params_list = [dataclasses.replace(p, priority=q) for p, q in zip(params_list, priority)]
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise InvalidRequestError(f"lora_request has {len(loras)} entries but there are {len(prompts)} "
+                                          f"prompts: give one LoRARequest or one per prompt", "lora_request")
         ids: list[str] = []
         try:
-            for prompt, params in zip(prompts, params_list):
-                ids.append(self.engine.add_request(self._next_id(), prompt, params))
+            for prompt, params, lora in zip(prompts, params_list, loras):
+                ids.append(self.engine.add_request(self._next_id(), prompt, params, lora_request=lora))
         except Exception:
             # A bad prompt in the list must not leave its siblings running in the engine.
             self.engine.abort_request(ids)

@@ -14,13 +14,14 @@ from kvshare.config import EngineConfig
 from kvshare.engine.llm_engine import LLMEngine
 from kvshare.kvcache.audit import AuditError
 from kvshare.kvcache.replay import replay
-from kvshare.testing.faults import FAULTS, NUMERIC_FAULTS, plant
+from kvshare.testing.faults import ADAPTER_FAULTS, FAULTS, NUMERIC_FAULTS, plant
 
 VOCAB = 320
 # The planted faults that break a bookkeeping invariant. The others (NUMERIC_FAULTS) only change a
 # block's bits: the audit cannot see them; tests/test_doctor.py shows the doctor's exact comparison
 # catches them, and test_a_numeric_fault_changes_one_ulp_on_a_grouped_gemma3_engine that they fire here.
-AUDITED = sorted(set(FAULTS) - NUMERIC_FAULTS)
+# ADAPTER_FAULTS need requests under LoRA adapters: tests/test_lora.py plants them.
+AUDITED = sorted(set(FAULTS) - NUMERIC_FAULTS - ADAPTER_FAULTS)
 BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # tiny model: 2 layers x 2 kv heads x head_dim 16, fp32
 
 

@@ -9,6 +9,8 @@ ENGINE_API = frozenset((
     # requests
     "tokenize", "compile_grammar", "add_request", "abort_request", "step", "has_request", "unfinished",
     "has_unfinished_requests", "get_num_unfinished_requests",
+    # LoRA adapters (vLLM's names)
+    "add_lora", "remove_lora", "list_loras",
     # state, audit and the live view
     "status", "step_count", "is_idle", "kv_snapshot", "cached_block_hashes", "audit_checks", "set_audit",
     "set_view_tap", "take_view_events", "publish_prefix_updates",

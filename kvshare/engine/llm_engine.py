@@ -19,6 +19,7 @@ from kvshare.engine.core import EngineCore, EngineStatus
 from kvshare.engine.engine_api import ENGINE_API
 from kvshare.engine.intake import MULTIMODAL_PROMPT_KEYS, PROMPT_DICT_KEYS, RequestIntake  # noqa: F401 (re-exported)
 from kvshare.engine.kv_view import kv_snapshot
+from kvshare.engine.lora_registry import LORA_ENGINE_METHODS, LoRARegistry, LoRARequest
 from kvshare.engine.model_runner import ModelRunner, StepLogits
 from kvshare.engine.model_setup import (build_kv_core, build_kv_tiers, build_rank, check_tensor_parallel,
                                         persist_kv_tiers, plan_kv, transparency_gaps)
@@ -44,6 +45,7 @@ logger = logging.getLogger("kvshare")
 
 class LLMEngine:
     API = ENGINE_API  # what callers may use (kvshare.engine.engine_api)
+    add_lora, remove_lora, list_loras = LORA_ENGINE_METHODS  # vLLM's names (kvshare.engine.lora_registry)
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -103,6 +105,7 @@ class LLMEngine:
         for line in self.startup.lines():
             logger.info(line)
         self.core = EngineCore(config, self.manager, self.runner, self)
+        self.loras = LoRARegistry(config, mc, rank_runner, self.manager, tensor_parallel=launcher is not None)
         self.scheduler = self.core.scheduler
         self.stats = self.core.stats
         self.requests: dict[str, RequestState] = {}
@@ -211,15 +214,14 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt: str | list[int] | dict,
                     params: SamplingParams | BeamSearchParams | None = None,
-                    arrival_time: float | None = None) -> str:
+                    arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> str:
         params = params or SamplingParams()
         beam_params = None
         if isinstance(params, BeamSearchParams):
             # Beams stop themselves (EOS, length); the sequences underneath just decode.
             beam_params = params
-            params = SamplingParams(temperature=0, max_tokens=params.max_tokens, ignore_eos=True,
-                                    priority=params.priority, timeout=params.timeout,
-                                    structured_outputs=params.structured_outputs)
+            params = SamplingParams(temperature=0, max_tokens=params.max_tokens, ignore_eos=True, priority=params.priority,
+                                    timeout=params.timeout, structured_outputs=params.structured_outputs)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         if request_id in self.requests:
@@ -229,7 +231,7 @@ class LLMEngine:
         grammar = self.structured.compile(params.structured_outputs) if params.structured_outputs else None
         now = arrival_time if arrival_time is not None else self.clock()
         metrics = RequestMetrics(arrival_time=now, num_prompt_tokens=len(token_ids))
-        state = RequestState(request_id, text, token_ids, params, [], metrics)
+        state = RequestState(request_id, text, token_ids, params, [], metrics, adapter=self.loras.adapter_for(lora_request))
         if beam_params is not None:
             self.beams.start(request_id, beam_params, self.eos_token_ids)
         # n > 1: one sequence computes the prompt; the others fork off it when it samples.

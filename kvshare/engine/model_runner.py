@@ -17,6 +17,7 @@ from kvshare.engine.step_plan import ChunkPlan, GroupAccess, StepPlan
 from kvshare.model.attention import AttentionMetadata, DecodeGroup, PagedKVStorage, PrefillChunk
 from kvshare.model.attention_masks import visible
 from kvshare.model.layers import rope_inv_freq
+from kvshare.model.lora import LoRAAdapter, LoRABatch
 from kvshare.model.rerotate import rerotate_keys
 
 _NEG_INF = float("-inf")
@@ -70,6 +71,8 @@ class ModelRunner:
         # The KV tiers' bytes (kvshare.engine.kv_tier_store), when tiers are configured: it applies
         # the plan's stores, loads and drops before anything else in a step.
         self.tier_store: KVTierStore | None = None
+        # LoRA adapters by cache key (kvshare.model.lora), those a chunk may name: the engine's.
+        self.adapters: dict[str, LoRAAdapter] = {}
 
     def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Packed inputs for the plan's chunks (decode rows first, then prefill chunks).
@@ -219,6 +222,19 @@ class ModelRunner:
                 bias.masked_fill_(~(visible(v, q_pos, k_pos) & (k_pos >= 0)), _NEG_INF)
                 groups[v].append(DecodeGroup(r0, n, table, bias.view(1, n, 1, width * bs)))
 
+    def _lora_batch(self, plan: StepPlan) -> LoRABatch | None:
+        """Which rows (in the plan's chunk order, as `prepare` lays them out) use which adapter."""
+        if not any(c.adapter for c in plan.chunks):
+            return None
+        rows: dict[str, list[int]] = {}
+        row = 0
+        for c in plan.chunks:
+            if c.adapter is not None:
+                rows.setdefault(c.adapter, []).extend(range(row, row + c.num_tokens))
+            row += c.num_tokens
+        return LoRABatch([(self.adapters[k], torch.tensor(r, dtype=torch.long)) for k, r in rows.items()],
+                         self.model.config)
+
     def execute(self, plan: StepPlan) -> StepLogits:
         if self.tier_store is not None and (plan.block_stores or plan.block_loads or plan.tier_drops):
             self.tier_store.apply(plan.block_stores, plan.block_loads, plan.tier_drops)
@@ -227,7 +243,7 @@ class ModelRunner:
         for _, block_ids, shift in plan.rotations:  # after the copies: a copy takes unrotated keys
             rerotate_keys(self.kv_cache, block_ids, shift, self._inv_freq)
         input_ids, positions, meta = self.prepare(plan)
-        hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)
+        hidden = self.model.forward(input_ids, positions, meta, self.kv_cache, lora=self._lora_batch(plan))
         rows, spans, sample_chunks = plan.logit_rows()
         if not rows:  # no row scores anything: neither prompt logprobs nor a sample
             return StepLogits(sample_chunks, None, [])

@@ -51,9 +51,11 @@ class Sequence:
     # The prefix cache's namespace: the request's cache_salt as the intake agreed it on params
     # (the one place the wire's salt becomes the cache key), fixed for the sequence's life.
     namespace: CacheNamespace = field(init=False)
+    # The LoRA adapter's cache key (kvshare.model.lora.LoRAAdapter.key) the sequence runs under.
+    adapter: str | None = None
 
     def __post_init__(self) -> None:
-        self.namespace = CacheNamespace(salt=self.params.cache_salt)
+        self.namespace = CacheNamespace(salt=self.params.cache_salt, adapter=self.adapter)
 
     @property
     def num_tokens(self) -> int:
@@ -93,6 +95,7 @@ class RequestState:
     prompt_logprobs_owner: Sequence | None = None
     reported_final: bool = False
     ended_by: str | None = None  # "abort" or "timeout" when ended from outside a step
+    adapter: str | None = None  # the LoRA adapter's cache key (every sequence of the request runs under it)
 
     @property
     def deadline(self) -> float | None:

@@ -120,7 +120,7 @@ class StepSampler:
         seq = Sequence(
             seq_id=f"{state.request_id}#{index}" if several else state.request_id,
             request_id=state.request_id, index=index, token_ids=token_ids,
-            num_prompt_tokens=len(state.prompt_token_ids), params=params, arrival_time=now,
+            num_prompt_tokens=len(state.prompt_token_ids), params=params, arrival_time=now, adapter=state.adapter,
         )
         seq.generator = self._generator_for(params, index)
         if self.tokenizer is not None:

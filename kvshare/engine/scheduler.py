@@ -119,7 +119,7 @@ class Scheduler:
             seq_id=seq.seq_id, start=c.start, token_ids=seq.token_ids[c.start:c.end],
             rope_start=c.start - mgr.rope_offset(seq.seq_id),
             kv=tuple(GroupAccess(*a) for a in mgr.access_by_group(seq.seq_id, c.start, c.end)),
-            samples=c.end == seq.num_tokens, prompt_logits=prompt_logits)
+            samples=c.end == seq.num_tokens, prompt_logits=prompt_logits, adapter=seq.namespace.adapter)
 
     def step_done(self, plan: StepPlan) -> None:
         """After the forward pass: the chunks' KV is written, so their full blocks are published."""

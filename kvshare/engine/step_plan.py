@@ -43,6 +43,8 @@ class ChunkPlan:
     # Rows whose logits score prompt tokens (prompt_logprobs): (first position, count); position
     # p's logits predict the prompt token at p + 1.
     prompt_logits: tuple[int, int] | None = None
+    # The LoRA adapter the rows run under (its cache key, kvshare.model.lora.LoRAAdapter.key), or None.
+    adapter: str | None = None
 
     def access(self, group: int) -> GroupAccess:
         """The writes and reads of KV cache group `group`."""

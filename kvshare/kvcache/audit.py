@@ -17,6 +17,8 @@ Invariants:
                             in use + free uncached + free cached = total.
   salt_isolation            every holder of a block has the block's cache namespace (tenant
                             salt, adapter: kvshare/kvcache/cache_key.py).
+  adapter_isolation         the same, for a holder whose LoRA adapter differs from the one the
+                            block's KV was computed under (another adapter, or the base model).
   cached_block_matches_hash a cached block's hash recomputes from (parent hash, namespace, its
                             token ids), and a sequence holding it has those tokens at that
                             position; a prefix-cache hit is on a block published for reuse, under
@@ -43,7 +45,7 @@ from typing import Callable, Iterable, Mapping
 from kvshare.kvcache.cache_key import DEFAULT_NAMESPACE
 from kvshare.kvcache.events import EventLog
 from kvshare.kvcache.hashing import BlockHasher
-from kvshare.kvcache.isolation import IsolationChecker, Violation
+from kvshare.kvcache.isolation import IsolationChecker, Violation, namespace_violation
 
 
 class AuditError(AssertionError):
@@ -150,7 +152,8 @@ class KVAuditor:
                 foreign = sorted(s for s in mine if namespaces.get(s, DEFAULT_NAMESPACE) != b.namespace)
                 logged = ck.block_namespace.get(bid, DEFAULT_NAMESPACE)
                 if foreign or logged != b.namespace:
-                    raise self._error("salt_isolation", f"holder(s) {foreign} have "
+                    mine_ns = namespaces.get(foreign[0], DEFAULT_NAMESPACE) if foreign else logged
+                    raise self._error(namespace_violation(mine_ns, b.namespace), f"holder(s) {foreign} have "
                                       f"{namespaces.get(foreign[0]) if foreign else None!r}, the block's data belongs "
                                       f"to {b.namespace!r} (the event log says {logged!r})", bid, foreign)
         if pool.num_free != pool.num_blocks - len(ck.busy):

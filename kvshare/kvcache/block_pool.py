@@ -201,6 +201,17 @@ class BlockPool:
         self.publish(block, hit.block_hash, hit.token_ids, hit.parent_hash)
         return block
 
+    def drop_adapter(self, adapter: str) -> int:
+        """Forget every cached block nobody holds whose KV was computed under this LoRA adapter
+        (its cache key); returns how many."""
+        dropped = 0
+        for block_id in list(self.cached.values()):
+            block = self.blocks[block_id]
+            if block.ref_count == 0 and block.namespace.adapter == adapter:
+                self.evict(block)
+                dropped += 1
+        return dropped
+
     def reset_prefix_cache(self) -> None:
         for block_hash, block_id in list(self.cached.items()):
             block = self.blocks[block_id]

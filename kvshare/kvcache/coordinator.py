@@ -222,6 +222,18 @@ class KVCacheCoordinator:
         for m, _ in self._window_groups:
             m.slide(seq_id, num_computed)
 
+    def drop_adapter(self, adapter: str) -> int:
+        """Forget the unheld cached blocks of one LoRA adapter (its cache key), keeping none of
+        them in a tier (evictions while the tiers are suspended forget)."""
+        tiers = self.pool.tiers
+        if tiers is not None:
+            tiers.suspended = True
+        try:
+            return self.pool.drop_adapter(adapter)
+        finally:
+            if tiers is not None:
+                tiers.suspended = False
+
     def reset_prefix_cache(self) -> None:
         """Forget the cached blocks nobody holds, and the RAM tier with them (the disk tier is
         kept: `kvshare cache clear` empties it)."""

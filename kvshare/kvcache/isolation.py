@@ -24,8 +24,14 @@ from typing import Mapping
 from kvshare.kvcache.cache_key import DEFAULT_NAMESPACE, CacheNamespace
 
 # The per-block structural rules, in the order they are reported for one block.
-STATE_ORDER = ("refcount_matches_tables", "free_xor_referenced", "salt_isolation", "cached_block_matches_hash",
-               "cached_block_written")
+STATE_ORDER = ("refcount_matches_tables", "free_xor_referenced", "adapter_isolation", "salt_isolation",
+               "cached_block_matches_hash", "cached_block_written")
+
+
+def namespace_violation(mine: CacheNamespace, theirs: CacheNamespace) -> str:
+    """The invariant a holder of another namespace's block breaks: a block computed under another
+    LoRA adapter (or the base model) is other bits, named apart from another tenant's salt."""
+    return "adapter_isolation" if mine.adapter != theirs.adapter else "salt_isolation"
 
 
 class Violation(Exception):
@@ -168,7 +174,8 @@ class IsolationChecker:
         mine = self.seq_namespace.get(seq, DEFAULT_NAMESPACE)
         theirs = self.block_namespace.get(b, DEFAULT_NAMESPACE)
         if theirs != mine:
-            self._pending.append(("salt_isolation", b, f"{seq} ({mine!r}) hit a block of {theirs!r}", (seq,)))
+            self._pending.append((namespace_violation(mine, theirs), b, f"{seq} ({mine!r}) hit a block of {theirs!r}",
+                                  (seq,)))
         self._join(seq, b)
         self._dirty.add(b)
 
@@ -306,7 +313,8 @@ class IsolationChecker:
             owner = self.block_namespace.get(b, DEFAULT_NAMESPACE)
             foreign = sorted(s for s in tables | set(held) if self.seq_namespace.get(s, DEFAULT_NAMESPACE) != owner)
             if foreign:
-                findings.append(("salt_isolation", b, f"holder(s) {foreign} have "
+                findings.append((namespace_violation(self.seq_namespace.get(foreign[0], DEFAULT_NAMESPACE), owner), b,
+                                 f"holder(s) {foreign} have "
                                  f"{self.seq_namespace.get(foreign[0], DEFAULT_NAMESPACE)!r}, the block's data "
                                  f"belongs to {owner!r}",
                                  tuple(foreign)))

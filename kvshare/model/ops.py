@@ -96,21 +96,26 @@ class Ops:
         logits = lm_head(x).float()
         return logits if self.tp is None else self.tp.gather_logits(logits)
 
-    def step(self, meta: AttentionMetadata, kv_cache: PagedKVStorage) -> "StepOps":
-        return StepOps(self, meta, kv_cache)
+    def step(self, meta: AttentionMetadata, kv_cache: PagedKVStorage, lora=None) -> "StepOps":
+        return StepOps(self, meta, kv_cache, lora)
 
 
 class StepOps:
     """The ops of one forward over one set of rows: rows [0, num_decode) are decode rows."""
 
-    def __init__(self, ops: Ops, meta: AttentionMetadata, kv_cache: PagedKVStorage) -> None:
+    def __init__(self, ops: Ops, meta: AttentionMetadata, kv_cache: PagedKVStorage, lora=None) -> None:
         self.ops, self.meta, self.kv_cache = ops, meta, kv_cache
         self.num_decode = meta.num_decode
+        self.lora = lora  # the step's adapter rows (kvshare.model.lora.LoRABatch), or None
 
-    def linear(self, lin, x: torch.Tensor, row_parallel: bool = False) -> torch.Tensor:
+    def linear(self, lin, x: torch.Tensor, row_parallel: bool = False, site: tuple[int, str] | None = None
+               ) -> torch.Tensor:
         """x @ lin.T, each row on its kind's kernel. row_parallel: under TP the weight holds this
-        rank's input columns, and the result is the sum over ranks."""
+        rank's input columns, and the result is the sum over ranks. site: (layer, linear) where an
+        adapter may add its delta to its rows (kvshare.model.lora.SITES)."""
         y = lin(x, self.num_decode)
+        if self.lora is not None and site is not None:
+            y = self.lora.apply(site[0], site[1], x, y)
         tp = self.ops.tp
         return y if tp is None or not row_parallel else tp.all_reduce(y)
 
@@ -129,6 +134,10 @@ class Model:
     fused q/k/v, an optional q/k/v bias and per-head q/k norm, pre-norm SiLU-gated MLP; or Gemma's,
     with its (1 + w) norms around both blocks and a GELU-gated MLP) describes it in `fused_layers`;
     tensor parallelism comes with Ops for any family whose weights shard."""
+
+    # Whether the family's layer names its linears' sites to StepOps.linear, so that LoRA adapters
+    # (kvshare.model.lora) apply to it.
+    lora_sites = False
 
     def __init__(self, config: ModelArchConfig, weights: dict, ops: Ops) -> None:
         self.config = config
@@ -177,9 +186,37 @@ class Model:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: PagedKVStorage) -> torch.Tensor:
+                kv_cache: PagedKVStorage, lora=None) -> torch.Tensor:
         h = self.embed_rows(self.ops, input_ids)
         tables = self.rope_tables(positions)
+        if lora is not None:
+            return self._forward_with_adapters(h, tables, meta, kv_cache, lora)
+        return self._forward(h, tables, meta, kv_cache)
+
+    def _forward_with_adapters(self, h: torch.Tensor, tables: list, meta: AttentionMetadata,
+                               kv_cache: PagedKVStorage, lora) -> torch.Tensor:
+        """Adapter rows layer by layer (the fused C++ step takes no adapters), the other rows as
+        they go without adapters: token rows (every row a decode row) are split so that a base row
+        keeps the fused stack's bits whatever shares its step; a step with prompt chunks (not the
+        bit-transparent mode) runs all its rows layer by layer."""
+        n = h.shape[0]
+        if meta.prefills or meta.decode_groups or meta.num_decode != n or any(m.prefills for m in (meta.layer_metadata or [])):
+            return self.layers_forward(self.ops.step(meta, kv_cache, lora), h, tables)
+        adapter_rows = torch.zeros(n, dtype=torch.bool)
+        for _, idx in lora.groups:
+            adapter_rows[idx] = True
+        with_a = adapter_rows.nonzero().squeeze(1)
+        base = (~adapter_rows).nonzero().squeeze(1)
+        out = torch.empty_like(h)
+        sub = lambda idx: [(c[idx], s[idx]) for c, s in tables]  # noqa: E731
+        out[with_a] = self.layers_forward(self.ops.step(select_rows(meta, with_a), kv_cache, lora.rows(with_a)),
+                                          h[with_a], sub(with_a))
+        if base.numel():
+            out[base] = self._forward(h[base], sub(base), select_rows(meta, base), kv_cache)
+        return out
+
+    def _forward(self, h: torch.Tensor, tables: list, meta: AttentionMetadata, kv_cache: PagedKVStorage
+                 ) -> torch.Tensor:
         nd = meta.num_decode
         fused_meta = decode_rows(meta)
         if nd == 0 or self.fused_decode.reason(fused_meta, nd, kv_cache) is not None:
@@ -187,7 +224,7 @@ class Model:
         # The decode rows through the fused stack, the other rows (if any) layer by layer: a
         # decode row's arithmetic is the same whatever shares its step.
         out = self.fused_decode.run(h[:nd], [(c[:nd], s[:nd]) for c, s in tables], fused_meta, kv_cache)
-        if nd == input_ids.shape[0]:
+        if nd == h.shape[0]:
             return out
         rest = [(c[nd:], s[nd:]) for c, s in tables]
         return torch.cat([out, self.layers_forward(self.ops.step(prompt_rows(meta), kv_cache), h[nd:], rest)])
@@ -216,6 +253,18 @@ def decode_rows(meta: AttentionMetadata) -> AttentionMetadata:
     nd = meta.num_decode
     layers = None if meta.layer_metadata is None else [decode_rows(m) for m in meta.layer_metadata]
     return dataclasses.replace(meta, slot_mapping=meta.slot_mapping[:nd], prefills=[], layer_metadata=layers)
+
+
+def select_rows(meta: AttentionMetadata, idx: torch.Tensor) -> AttentionMetadata:
+    """The metadata of some decode rows of an all-decode step (`idx`, sorted), in that order."""
+    def pick(t):
+        return None if t is None else t[idx]
+    layers = None if meta.layer_metadata is None else [select_rows(m, idx) for m in meta.layer_metadata]
+    return dataclasses.replace(meta, slot_mapping=meta.slot_mapping[idx], num_decode=int(idx.numel()),
+                               decode_block_tables=pick(meta.decode_block_tables),
+                               decode_context_lens=pick(meta.decode_context_lens),
+                               decode_sink_end=pick(meta.decode_sink_end),
+                               decode_window_start=pick(meta.decode_window_start), layer_metadata=layers)
 
 
 def prompt_rows(meta: AttentionMetadata) -> AttentionMetadata:

@@ -19,21 +19,26 @@ does harm on a hybrid engine (Gemma 3) as on a single-group one.
                              it (a stray write, a bad copy): every invariant holds, only bits
                              change, so the audit cannot see it; only an exact comparison can
                              (`kvshare doctor` on a bit-transparent engine), any tolerance hides it
+  lookup_ignores_adapter (i) the prefix lookup hashes without the request's LoRA adapter (its
+                             salt kept): llama.cpp #26207's bug, a request under one adapter (or
+                             the base model) served KV computed under another
 """
 from __future__ import annotations
 
 import torch
 
-from kvshare.kvcache.cache_key import DEFAULT_NAMESPACE
+from kvshare.kvcache.cache_key import DEFAULT_NAMESPACE, CacheNamespace
 from kvshare.testing.environment import require_testing
 
 FAULTS = {
     "share_without_incref": "a", "no_copy_on_write": "b", "abort_ignores_refcount": "c",
     "evict_held_block": "d", "lookup_ignores_salt": "e", "slot_off_by_one": "f", "hit_before_written": "g",
-    "cached_k_one_ulp": "h",
+    "cached_k_one_ulp": "h", "lookup_ignores_adapter": "i",
 }
 # Faults that break no bookkeeping invariant, only a block's bits: the audit is blind to them.
 NUMERIC_FAULTS = frozenset({"cached_k_one_ulp"})
+# Faults that do harm only where requests name LoRA adapters (an engine with enable_lora=True).
+ADAPTER_FAULTS = frozenset({"lookup_ignores_adapter"})
 
 
 def plant(engine, fault: str) -> None:
@@ -123,11 +128,22 @@ def _lookup_ignores_salt(engine) -> None:
         _unsalted_lookups(engine, group)
 
 
-def _unsalted_lookups(engine, group) -> None:
+def _lookup_ignores_adapter(engine) -> None:
+    for group in engine.manager.groups:
+        _unsalted_lookups(engine, group, keep_salt=True)
+
+
+def _unsalted_lookups(engine, group, keep_salt: bool = False) -> None:
+    """keep_salt: only the adapter is dropped from the key (lookup_ignores_adapter)."""
     find, cached = group.find_cached_prefix, group.cached_blocks
 
+    def lookup_namespace(namespace):
+        return CacheNamespace(salt=namespace.salt) if keep_salt else DEFAULT_NAMESPACE
+
     def unsalted(seq_id, lookup, namespace):
-        key = seq_id + "\0lookup"  # a fresh record: hashes in the default namespace
+        key = seq_id + "\0lookup"  # a fresh record: hashes in the lookup's namespace
+        if keep_salt:
+            group._set_namespace(group.record(key), lookup_namespace(namespace))
         hits = list(lookup(key))
         group.seqs.pop(key, None)
         foreign = [b.block_id for b in hits if b is not None and b.namespace != namespace]
@@ -136,7 +152,7 @@ def _unsalted_lookups(engine, group) -> None:
         return hits
 
     group.find_cached_prefix = lambda seq_id, token_ids, namespace: unsalted(
-        seq_id, lambda key: find(key, token_ids, DEFAULT_NAMESPACE), namespace)
+        seq_id, lambda key: find(key, token_ids, lookup_namespace(namespace)), namespace)
     group.cached_blocks = lambda seq_id, token_ids, num_blocks: unsalted(
         seq_id, lambda key: cached(key, token_ids, num_blocks), group.record(seq_id).namespace)
 

@@ -24,6 +24,8 @@ class LlamaModel(O.Model):
     With tensor parallelism `config` and the weights are this rank's shard (its heads, its part of
     the MLP and of the vocabulary); q/k/v and gate/up are column parallel, o and down row parallel."""
 
+    lora_sites = True  # layers_forward names each linear's site: LoRA adapters apply
+
     def build(self, weights: dict) -> None:
         c, ops = self.config, self.ops
         self.q_size = c.num_heads * c.head_dim
@@ -84,7 +86,7 @@ class LlamaModel(O.Model):
         heads_qk = c.num_heads + c.num_kv_heads
         for i, layer in enumerate(self.layers):
             x = O.norm(h, layer.in_norm, c.rms_norm_eps)
-            qkv = ops.linear(layer.qkv, x)
+            qkv = ops.linear(layer.qkv, x, site=(i, "qkv"))
             if layer.qkv_b is not None:
                 qkv = qkv + layer.qkv_b
             # q and k sit side by side in qkv: normalize (Qwen3) and rotate both in one pass.
@@ -95,10 +97,10 @@ class LlamaModel(O.Model):
             q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
             v = qkv[:, self.q_size + self.kv_size:].reshape(n, c.num_kv_heads, c.head_dim)
             attn = ops.attention(i, q, k, v, self.scale)
-            h = h + ops.linear(layer.o, attn.reshape(n, self.q_size), row_parallel=True)
+            h = h + ops.linear(layer.o, attn.reshape(n, self.q_size), row_parallel=True, site=(i, "o"))
             x = O.norm(h, layer.post_norm, c.rms_norm_eps)
-            gate, up = ops.linear(layer.gate_up, x).chunk(2, dim=-1)
-            h = h + ops.linear(layer.down, F.silu(gate) * up, row_parallel=True)
+            gate, up = ops.linear(layer.gate_up, x, site=(i, "gate_up")).chunk(2, dim=-1)
+            h = h + ops.linear(layer.down, F.silu(gate) * up, row_parallel=True, site=(i, "down"))
         return h
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
