@@ -13,6 +13,7 @@ import pytest
 
 from kvshare.errors import InvalidRequestError
 from kvshare.server.errors import APIError
+from kvshare.server.lora_routes import ServedAdapters
 from kvshare.server.settings import ServerConfig
 from kvshare.server.state import BUNDLED_MODEL_NAME, default_model_name
 from kvshare.server.tokenize import LONG_BODY, TokenizeServing
@@ -49,7 +50,7 @@ class ToyTokenizer:
 
 def serving(tokenizer=None, **config) -> TokenizeServing:
     state = SimpleNamespace(tokenizer=ToyTokenizer() if tokenizer is None else tokenizer, model_name="toy",
-                            max_model_len=64, config=ServerConfig(**config))
+                            max_model_len=64, config=ServerConfig(**config), adapters=ServedAdapters())
     return TokenizeServing(state)
 
 

@@ -17,6 +17,7 @@ from kvshare.server.body_deadline import BodyDeadlineMiddleware
 from kvshare.server.dashboard import add_dashboard_routes
 from kvshare.server.errors import APIError
 from kvshare.server.kv_routes import add_kv_view_routes
+from kvshare.server.lora_routes import adapter_cards, add_lora_routes
 from kvshare.server.middleware import GuardMiddleware
 from kvshare.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from kvshare.server.serving import OpenAIServing
@@ -92,14 +93,13 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.api_route("/v1/models", methods=probe)
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card()] + adapter_cards(state)}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        if model_id != state.model_name:
-            raise APIError(404, f"the model '{model_id}' does not exist: this server serves '{state.model_name}'",
-                           param="model", code="model_not_found")
-        return model_card()
+        if state.adapters.resolve(model_id, state.model_name) is None:
+            return model_card()
+        return next(c for c in adapter_cards(state) if c["id"] == model_id)
 
     @app.post("/v1/completions")
     async def completions(raw: Request):
@@ -118,6 +118,7 @@ def build_app(state: ServerState) -> FastAPI:
         return await tokenizing.detokenize(await raw.body())
 
     add_kv_view_routes(app, state)
+    add_lora_routes(app, state)
     add_dashboard_routes(app)
 
     return app

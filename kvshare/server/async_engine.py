@@ -22,6 +22,7 @@ from typing import Callable
 from kvshare.engine.kv_view import start_view, stop_view
 from kvshare.errors import InvalidRequestError
 from kvshare.kvcache.audit import AuditError
+from kvshare.lora_request import LoRARequest
 from kvshare.model.kernels import openmp
 from kvshare.outputs import RequestOutput
 from kvshare.sampling_params import SamplingParams
@@ -38,6 +39,7 @@ class EngineRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -364,7 +366,8 @@ class AsyncEngine:
         added: list[str] = []
         try:
             for r in cmd.requests:
-                self.engine.add_request(r.request_id, r.prompt_token_ids, r.params, arrival_time=cmd.arrival)
+                self.engine.add_request(r.request_id, r.prompt_token_ids, r.params, arrival_time=cmd.arrival,
+                                        lora_request=r.lora_request)
                 added.append(r.request_id)
         except BaseException as e:
             if added:

@@ -35,6 +35,13 @@ def add_serve_parser(sub) -> None:
     g.add_argument("--cache-salt-from-api-key", action="store_true",
                    help="isolate tenants' prefix caches: a request's cache salt is its API key's tenant with "
                         "its own cache_salt, so no tenant can hit (or learn of) another's cached prompts")
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT directories or GGUF LoRA files) loaded at start, each served under "
+                        "its NAME as a request's `model` (needs --enable-lora; also vLLM's JSON form "
+                        "'{\"name\": NAME, \"path\": PATH}')")
+    g.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="offer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key), "
+                        "vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING")
     g.add_argument("--max-waiting", type=int, default=None,
                    help="answer 429 when this many requests already wait to be scheduled (default: unbounded)")
     g.add_argument("--request-timeout", type=float, default=None,
@@ -134,7 +141,9 @@ def replica_argv(parser: argparse.ArgumentParser, args: argparse.Namespace, over
             if value:
                 out.append(flag)
         elif isinstance(action, argparse._StoreAction):
-            if value is not None and value != action.default:
+            if isinstance(value, list):  # (nargs="+": --lora-modules a=x b=y)
+                out += [flag, *map(str, value)] if value else []
+            elif value is not None and value != action.default:
                 out += [flag, str(value)]
         else:
             raise TypeError(f"replica_argv cannot pass {flag} on ({type(action).__name__})")
@@ -197,6 +206,7 @@ def check_inject_fault(args: argparse.Namespace) -> None:
 
 def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
     from kvshare.config import EngineConfig
+    from kvshare.errors import InvalidRequestError
     from kvshare.engine.llm_engine import LLMEngine
     from kvshare.server.async_engine import AsyncEngine
     from kvshare.server.metrics import ServerMetrics
@@ -207,6 +217,7 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser | None =
     cfg = ServerConfig(
         host=args.host, port=args.port, served_model_name=args.served_model_name, **auth_options(args, os.environ),
         cache_salt_from_api_key=args.cache_salt_from_api_key,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         max_waiting=args.max_waiting, request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
         max_body_bytes=args.max_body_bytes, log_prompts=args.log_prompts, access_log=not args.no_access_log,
         log_level=args.log_level, chat_template=read_chat_template(args.chat_template),
@@ -224,6 +235,7 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser | None =
         raise ValueError("--inject-fault-unaudited needs --inject-fault FAULT")
     if args.inject_fault is not None:
         check_inject_fault(args)
+    lora_modules = check_lora_options(args)
     if args.data_parallel_size != 1:
         return serve_replicas(args, parser, cfg)
     engine = LLMEngine(EngineConfig.from_kwargs(**engine_options(args)))
@@ -238,8 +250,32 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser | None =
         max_model_len=engine.layout.max_model_len, max_num_seqs=engine.config.max_num_seqs,
         transparency_gaps=tuple(engine.transparency),
     )
+    for lora_name, path in lora_modules:  # (before the engine thread starts: loaded here, in order)
+        if lora_name == name:
+            raise ValueError(f"--lora-modules {lora_name}={path}: '{lora_name}' is the base model's name")
+        req = state.adapters.new(lora_name, path)
+        try:
+            engine.add_lora(req)
+        except InvalidRequestError as e:
+            raise ValueError(f"--lora-modules {lora_name}={path}: {e}") from None
+        state.adapters.by_name[lora_name] = req
     serve(state)
     return 0
+
+
+def check_lora_options(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """--lora-modules parsed, and the LoRA flags checked against each other before the model loads."""
+    from kvshare.server.lora_routes import parse_lora_modules
+
+    modules = parse_lora_modules(args.lora_modules)
+    for flag, given in (("--lora-modules", bool(modules)),
+                        ("--allow-runtime-lora-updating", args.allow_runtime_lora_updating)):
+        if given and not args.enable_lora:
+            raise ValueError(f"{flag} needs --enable-lora (the engine serves no adapters without it)")
+    if args.allow_runtime_lora_updating and args.data_parallel_size != 1:
+        raise ValueError("--allow-runtime-lora-updating is not offered with --data-parallel-size > 1 (an adapter "
+                         "loaded at run time would reach one replica only); give the adapters with --lora-modules")
+    return modules
 
 
 def serve_replicas(args: argparse.Namespace, parser: argparse.ArgumentParser, cfg) -> int:

@@ -31,6 +31,7 @@ class Job:
     echo: bool = False
     logprobs: int | None = None  # top-k to report, None = no logprobs
     echo_text: str = ""  # chat: what `echo` puts in front of every choice's answer
+    lora_request: object = None  # the LoRARequest `model` named (None: the base model)
 
     def engine_id(self, i: int) -> str:
         return f"{self.id}-{i}"

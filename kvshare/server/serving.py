@@ -117,9 +117,7 @@ class OpenAIServing:
     # ---- checks and conversions -----------------------------------------------------------
     def _check_common(self, req) -> None:
         st = self.state
-        if req.model is not None and req.model != st.model_name:
-            raise APIError(404, f"the model '{req.model}' does not exist: this server serves '{st.model_name}'",
-                           param="model", code="model_not_found")
+        st.adapters.resolve(req.model, st.model_name)  # 404 for a model this server does not serve
         if req.n > st.max_num_seqs:
             raise InvalidRequestError(f"n={req.n} is more than the {st.max_num_seqs} sequences this server runs at "
                                       f"once (--max-num-seqs): ask for at most {st.max_num_seqs}", "n")
@@ -186,10 +184,12 @@ class OpenAIServing:
     def _job(self, prefix: str, req, prompts: list[PromptInput], echo: bool = False,
              logprobs: int | None = None) -> Job:
         opts = req.stream_options
-        return Job(id=f"{prefix}-{uuid.uuid4().hex}", created=int(time.time()), model=self.state.model_name,
+        lora = self.state.adapters.resolve(req.model, self.state.model_name)
+        return Job(id=f"{prefix}-{uuid.uuid4().hex}", created=int(time.time()),
+                   model=self.state.model_name if lora is None else lora.lora_name,
                    prompts=prompts, n=req.n, stream=bool(req.stream),
                    include_usage=bool(req.stream and opts is not None and opts.include_usage),
-                   echo=echo, logprobs=logprobs)
+                   echo=echo, logprobs=logprobs, lora_request=lora)
 
     # ---- running ----------------------------------------------------------------------------
     async def _run(self, job: Job, params: SamplingParams, fmt: BaseFormatter, arrival: float, raw: Request,
@@ -199,7 +199,8 @@ class OpenAIServing:
             await asyncio.to_thread(lambda: params.stop_strings)  # built once, here, not on the engine thread
         if params.structured_outputs is not None:
             await self.state.grammar_compiles.compile(self.engine.engine.compile_grammar, params.structured_outputs)
-        requests = [EngineRequest(job.engine_id(i), p.token_ids, params) for i, p in enumerate(job.prompts)]
+        requests = [EngineRequest(job.engine_id(i), p.token_ids, params, job.lora_request)
+                    for i, p in enumerate(job.prompts)]
         try:
             stream = await self.engine.submit(requests, arrival)
         except InvalidRequestError as e:

@@ -58,6 +58,8 @@ class ServerConfig:
     admin_key: str | None = field(default=None, repr=False)  # when set, the only key that opens /kv/ and /dashboard
     # The prefix cache salt is the key's tenant with the client's cache_salt (tenant_cache_salt).
     cache_salt_from_api_key: bool = False
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING).
+    allow_runtime_lora_updating: bool = False
     # Derived from the keys in __post_init__: SHA-256(key) -> tenant, what the gate looks a
     # presented key up in (middleware.bearer_tenant).
     key_digests: dict[bytes, str] = field(init=False, repr=False, default_factory=dict)

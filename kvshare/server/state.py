@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvshare.server.async_engine import AsyncEngine
+from kvshare.server.lora_routes import ServedAdapters
 from kvshare.server.metrics import ServerMetrics
 from kvshare.server.settings import ServerConfig
 from kvshare.server.structured import GrammarCompiles
@@ -38,6 +39,7 @@ class ServerState:
     inflight: int = 0  # API requests inside the app (streams until their last byte)
     ignored_fields_logged: set[str] = field(default_factory=set)  # accepted-and-ignored names already logged
     grammar_compiles: GrammarCompiles = field(init=False)
+    adapters: ServedAdapters = field(default_factory=ServedAdapters)  # LoRA adapters a request's `model` may name
 
     def __post_init__(self) -> None:
         self.grammar_compiles = GrammarCompiles(self.config.max_concurrent_grammar_compiles,

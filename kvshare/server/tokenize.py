@@ -12,7 +12,6 @@ from pydantic import Field
 
 from kvshare.errors import InvalidRequestError
 from kvshare.server.chat import render_chat_prompt
-from kvshare.server.errors import APIError
 from kvshare.server.protocol import ChatMessage, _Strict, load_json_object, validate_body
 from kvshare.server.state import ServerState
 
@@ -64,10 +63,7 @@ class TokenizeServing:
         return self.tok
 
     def _check_model(self, req) -> None:
-        st = self.state
-        if req.model is not None and req.model != st.model_name:
-            raise APIError(404, f"the model '{req.model}' does not exist: this server serves '{st.model_name}'",
-                           param="model", code="model_not_found")
+        self.state.adapters.resolve(req.model, self.state.model_name)  # (an adapter tokenizes as its base)
 
     def _tokenize(self, raw: bytes) -> dict:
         obj = load_json_object(raw)
