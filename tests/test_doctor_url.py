@@ -9,7 +9,7 @@ Faults: hit_before_written (found by the multi-turn stage) in the default suite;
 cached_k_one_ulp and lookup_ignores_salt behind `slow`. share_without_incref, abort_ignores_refcount
 and evict_held_block soon stop kvshare's engine (its block pool raises BlockPoolError), so from
 outside they are a server failure (exit 2) or one wrong answer and then failures;
-no_copy_on_write is not caught from outside (docs/doctor.md)."""
+no_copy_on_write is found by the forks stage (sampled, seeded n=2 forks) in the default suite."""
 from __future__ import annotations
 
 import json
@@ -48,8 +48,8 @@ def test_clean_kvshare_server_passes_every_stage_exactly(clean, tmp_path, capsys
     rc, report = doctor(clean.url, tmp_path)
     assert rc == 0, capsys.readouterr().out
     assert report["comparison"]["exact"] and report["capabilities"]["bit_transparent"] is True
-    assert [s["name"] for s in report["stages"]] == ["noise_floor", "concurrency", "cache", "canary", "abort",
-                                                     "multi_turn"]
+    assert [s["name"] for s in report["stages"]] == ["noise_floor", "concurrency", "forks", "cache", "canary",
+                                                     "abort", "multi_turn"]
     assert all(s["verdict"] == "clean" and s["requests"] for s in report["stages"]), report["stages"]
     assert report["capabilities"]["accepted"]["cache_salt"] and report["capabilities"]["accepted"]["seed"]
     page = (tmp_path / "report.html").read_text()
@@ -89,6 +89,12 @@ def check_fault_found(fault: str, tmp_path, clean_url: str | None, stages: set[s
 def test_a_block_published_before_its_kv_is_written_is_found_by_the_next_turn(clean, tmp_path):
     """The essay's class of bug: the next turn hits a block holding a slot never written."""
     check_fault_found("hit_before_written", tmp_path, clean.url, {"multi_turn"}, only="multi_turn")
+
+
+def test_forks_writing_into_their_shared_tail_block_are_found_by_sampled_seeded_forks(clean, tmp_path):
+    """No copy-on-write: greedy forks write the same token in place, so only seeded sampled forks,
+    each compared with its choice alone (seed + i), show it."""
+    check_fault_found("no_copy_on_write", tmp_path, clean.url, {"forks"}, only="forks")
 
 
 @pytest.mark.slow
