@@ -293,9 +293,9 @@ def stage_forks(run: Run, st: StageResult) -> None:
         st.verdict = "skipped"
         st.notes.append("the server does not take both n and seed: sampled forks have no reference")
         return
+    # All three lengths whatever the budget (9 short requests): one prompt may end on a block
+    # boundary, or both forks may sample the same first token.
     for k in range(3):
-        if k and run.time_left() <= 0:
-            break
         seed = 1000 + 7 * k
         prompt = f"Doctor run {run.tag}, forks {k}. " + run.text(20 + 13 * k, 600 + 17 * k)
         sampled = {"temperature": 1.0, "seed": seed}
@@ -525,8 +525,9 @@ def shrink(run: Run, finding: Finding, extra_seconds: float) -> tuple[Case, bool
     reqs = {r.name: r for step in finding.case for r in step}
     victim = reqs[finding.victim]
     # A victim whose own earlier turn is its prompt (multi-turn) needs that turn before it.
+    # Requests cut or timed out first (an abort is the likeliest harm in a case that has one).
     others = sorted((r for r in reqs.values() if r.name != victim.name),
-                    key=lambda r: -_common(_content(r), _content(victim)))
+                    key=lambda r: (r.cut_after is None and r.timeout is None, -_common(_content(r), _content(victim))))
     candidates: list[Case] = [] if finding.kind == "salt_leak" else [[[victim]]]
     for o in others[:6]:
         before = [[o], [victim]]
