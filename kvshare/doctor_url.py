@@ -41,6 +41,8 @@ STAGES = {
                    "streamed and not",
     "concurrency": "batching and prefix sharing between concurrent requests: batch mates sharing a prefix that "
                    "ends around KV block boundaries, an unrelated mate, n=2 forks of one prompt",
+    "forks": "forks (n > 1) sharing the prompt's tail block: copy-on-write (sampled, seeded forks each compared "
+             "with its choice re-run alone)",
     "cache": "the prefix cache: a full hit, a partial hit (a prompt that differs only after the shared prefix), "
              "a streamed hit; cache_salt namespaces (a hit across salts)",
     "canary": "any path that moves content between concurrent requests: each carries a unique code its answer "
@@ -281,6 +283,57 @@ def stage_concurrency(run: Run, st: StageResult) -> None:
         run.check(st, case, run.run_case(case))
 
 
+def stage_forks(run: Run, st: StageResult) -> None:
+    """Greedy forks write the same token into the block they share, so a fork that writes in place
+    (no copy-on-write) changes nothing visible; sampled forks diverge at once. Choice i of a seeded
+    n-choice request samples as the request alone with seed + i (vLLM's convention, kvshare's too),
+    so each choice has a cold reference. Prompts of three lengths: those ending inside a block put
+    each fork's first sampled token into the shared tail block."""
+    if not (run.caps.takes("n") and run.caps.takes("seed")):
+        st.verdict = "skipped"
+        st.notes.append("the server does not take both n and seed: sampled forks have no reference")
+        return
+    # All three lengths whatever the budget (9 short requests): one prompt may end on a block
+    # boundary, or both forks may sample the same first token.
+    for k in range(3):
+        seed = 1000 + 7 * k
+        prompt = f"Doctor run {run.tag}, forks {k}. " + run.text(20 + 13 * k, 600 + 17 * k)
+        sampled = {"temperature": 1.0, "seed": seed}
+        fork = Req(f"fork{k} n=2", "completions", run.body("completions", prompt, n=2, **sampled))
+        alone = [Req(f"fork{k} choice {i} alone", "completions",
+                     run.body("completions", prompt, **{**sampled, "seed": seed + i})) for i in range(2)]
+        out = run.run_case([[fork]])[fork.name]
+        st.requests += [_summary(fork)] + [_summary(r) for r in alone]
+        choices = out.choices or [out]
+        for i, r in enumerate(alone):
+            ref = run.reference(r)
+            if ref.error or i >= len(choices):
+                st.notes.append(f"{r.name}: {ref.error or 'the fork request returned fewer choices'}")
+                continue
+            diff = compare(choices[i], ref, run.tol)
+            if diff is None:
+                continue
+            beyond = _sampled_beyond_noise(diff, run.tol) or choices[i].error is not None
+            st.findings.append(Finding(st.name, "output", fork.name, [[fork]], ref, choices[i], diff,
+                                       f"{fork.name} choice {i} (against {r.name}): {diff.why}", beyond))
+
+
+def _seeded_choices(body: dict) -> list[dict] | None:
+    """A sampled, seeded n-choice request's choices as single requests (choice i: seed + i); None
+    for any other request."""
+    n, seed = body.get("n", 1), body.get("seed")
+    if n <= 1 or seed is None or not body.get("temperature"):
+        return None
+    one = {k: v for k, v in body.items() if k not in ("n", "stream")}
+    return [{**one, "seed": seed + i} for i in range(n)]
+
+
+def _sampled_beyond_noise(diff: Diff, tol: float) -> bool:
+    # A sampled token can flip where noise moves the sampling boundary; only a drift past the
+    # tolerance (any difference when exact) says the fork read KV it does not own.
+    return tol == 0 or max(diff.drift, default=0.0) > tol
+
+
 def stage_cache(run: Run, st: StageResult) -> None:
     prefix = f"Doctor run {run.tag}, cache. " + run.text(56, 40)
     a = Req("A", "completions", run.body("completions", prefix + " " + run.text(6, 200)))
@@ -413,7 +466,8 @@ def stage_multi_turn(run: Run, st: StageResult) -> None:
         run.check(st, case, outs)
 
 
-STAGE_FUNCS = {"noise_floor": stage_noise_floor, "concurrency": stage_concurrency, "cache": stage_cache,
+STAGE_FUNCS = {"noise_floor": stage_noise_floor, "concurrency": stage_concurrency, "forks": stage_forks,
+               "cache": stage_cache,
                "canary": stage_canary, "abort": stage_abort, "multi_turn": stage_multi_turn}
 
 
@@ -434,6 +488,14 @@ def reproduces(run: Run, finding: Finding, case: Case, tries: int = 2) -> bool:
         if finding.kind == "canary":
             if any(c in got.text for c in _codes(case, finding.victim)):
                 return True
+        singles = _seeded_choices(victim.body)
+        if singles is not None:  # each sampled fork against its choice alone
+            for choice, body in zip(got.choices or [got], singles):
+                alone = run.send(replace(victim, body=body, cut_after=None, timeout=None), run.fresh_salt())
+                diff = None if alone.error else compare(choice, alone, run.tol)
+                if diff is not None and (choice.error or _sampled_beyond_noise(diff, run.tol)):
+                    return True
+            continue
         alone = run.send(replace(victim, body={k: v for k, v in victim.body.items() if k != "stream"},
                                  cut_after=None, timeout=None), run.fresh_salt())
         if alone.error:
@@ -463,8 +525,9 @@ def shrink(run: Run, finding: Finding, extra_seconds: float) -> tuple[Case, bool
     reqs = {r.name: r for step in finding.case for r in step}
     victim = reqs[finding.victim]
     # A victim whose own earlier turn is its prompt (multi-turn) needs that turn before it.
+    # Requests cut or timed out first (an abort is the likeliest harm in a case that has one).
     others = sorted((r for r in reqs.values() if r.name != victim.name),
-                    key=lambda r: -_common(_content(r), _content(victim)))
+                    key=lambda r: (r.cut_after is None and r.timeout is None, -_common(_content(r), _content(victim))))
     candidates: list[Case] = [] if finding.kind == "salt_leak" else [[[victim]]]
     for o in others[:6]:
         before = [[o], [victim]]

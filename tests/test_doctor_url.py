@@ -5,11 +5,11 @@ the clean server); a proxy that splices one answer into a concurrent one (the ca
 one that adds logprob noise but never mixes (no contamination); a never-streaming one, a 401, an
 unreachable URL and bad arguments (one line, exit 2); llama.cpp's llama-server (slow).
 
-Faults: hit_before_written (found by the multi-turn stage) in the default suite; slot_off_by_one,
-cached_k_one_ulp and lookup_ignores_salt behind `slow`. share_without_incref, abort_ignores_refcount
-and evict_held_block soon stop kvshare's engine (its block pool raises BlockPoolError), so from
-outside they are a server failure (exit 2) or one wrong answer and then failures;
-no_copy_on_write is not caught from outside (docs/doctor.md)."""
+Faults: hit_before_written (multi-turn), share_without_incref (abort) and no_copy_on_write (forks:
+sampled, seeded n=2 forks) in the default suite; slot_off_by_one, cached_k_one_ulp,
+lookup_ignores_salt, abort_ignores_refcount and evict_held_block behind `slow`. The refcount
+faults (a, c, d) run unguarded under --inject-fault-unaudited (kvshare.testing.faults): kvshare's
+pool would stop the engine, an engine without its guard reuses the block and mixes answers."""
 from __future__ import annotations
 
 import json
@@ -48,8 +48,8 @@ def test_clean_kvshare_server_passes_every_stage_exactly(clean, tmp_path, capsys
     rc, report = doctor(clean.url, tmp_path)
     assert rc == 0, capsys.readouterr().out
     assert report["comparison"]["exact"] and report["capabilities"]["bit_transparent"] is True
-    assert [s["name"] for s in report["stages"]] == ["noise_floor", "concurrency", "cache", "canary", "abort",
-                                                     "multi_turn"]
+    assert [s["name"] for s in report["stages"]] == ["noise_floor", "concurrency", "forks", "cache", "canary",
+                                                     "abort", "multi_turn"]
     assert all(s["verdict"] == "clean" and s["requests"] for s in report["stages"]), report["stages"]
     assert report["capabilities"]["accepted"]["cache_salt"] and report["capabilities"]["accepted"]["seed"]
     page = (tmp_path / "report.html").read_text()
@@ -91,6 +91,18 @@ def test_a_block_published_before_its_kv_is_written_is_found_by_the_next_turn(cl
     check_fault_found("hit_before_written", tmp_path, clean.url, {"multi_turn"}, only="multi_turn")
 
 
+def test_a_prefix_hit_never_counted_is_found_once_its_block_is_freed_and_reused(clean, tmp_path):
+    """share_without_incref, unguarded: the publisher's release frees a block a hit still reads,
+    the next allocation overwrites it (vLLM's class of refcount bug, no pool guard to stop it)."""
+    check_fault_found("share_without_incref", tmp_path, clean.url, {"abort"}, only="abort")
+
+
+def test_forks_writing_into_their_shared_tail_block_are_found_by_sampled_seeded_forks(clean, tmp_path):
+    """No copy-on-write: greedy forks write the same token in place, so only seeded sampled forks,
+    each compared with its choice alone (seed + i), show it."""
+    check_fault_found("no_copy_on_write", tmp_path, clean.url, {"forks"}, only="forks")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fault,stages,replays", [
     ("slot_off_by_one", {"concurrency", "cache", "canary", "abort", "multi_turn"}, True),
@@ -101,7 +113,12 @@ def test_a_block_published_before_its_kv_is_written_is_found_by_the_next_turn(cl
     # enough to evict it and change a block a later request hits finds it: a larger budget.
     ("cached_k_one_ulp", {"concurrency", "cache", "canary", "abort", "multi_turn"}, False),
     # Same answers (identical tokens, identical KV): only the cached-token count shows the leak.
-    ("lookup_ignores_salt", {"cache"}, True)])
+    ("lookup_ignores_salt", {"cache"}, True),
+    # Unguarded (as in engines without the pool's guard): a block freed while another request
+    # still holds it is handed out next. Found, but the harm needs the abort (or the eviction) to
+    # land while the victim still decodes: shrinking to two requests does not reliably reproduce.
+    ("abort_ignores_refcount", {"abort"}, False),
+    ("evict_held_block", {"concurrency", "forks", "cache", "canary", "abort", "multi_turn"}, False)])
 def test_planted_faults_that_change_answers_are_found(clean, tmp_path, fault, stages, replays):
     check_fault_found(fault, tmp_path, clean.url, stages, replays,
                       extra=("--budget", "30") if fault == "cached_k_one_ulp" else ())

@@ -241,7 +241,7 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser | None =
     engine = LLMEngine(EngineConfig.from_kwargs(**engine_options(args)))
     if args.inject_fault is not None:
         from kvshare.testing.faults import plant
-        plant(engine, args.inject_fault)
+        plant(engine, args.inject_fault, unguarded=args.inject_fault_unaudited)
     name = cfg.served_model_name or default_model_name(args.model)
     metrics = ServerMetrics(name)
     state = ServerState(

@@ -39,15 +39,54 @@ FAULTS = {
 NUMERIC_FAULTS = frozenset({"cached_k_one_ulp"})
 # Faults that do harm only where requests name LoRA adapters (an engine with enable_lora=True).
 ADAPTER_FAULTS = frozenset({"lookup_ignores_adapter"})
+# Faults that get reference counts wrong: kvshare's block pool refuses a count below zero and the
+# engine stops, where the engines that shipped these bugs had no such guard.
+REFCOUNT_FAULTS = frozenset({"share_without_incref", "abort_ignores_refcount", "evict_held_block"})
 
 
-def plant(engine, fault: str) -> None:
-    """After planting, `engine.fault_fired` lists (step, block ids) each time the bug did harm."""
+def plant(engine, fault: str, unguarded: bool = False) -> None:
+    """After planting, `engine.fault_fired` lists (step, block ids) each time the bug did harm.
+    `unguarded` (serve --inject-fault-unaudited): a refcount fault also runs as in an engine
+    without the pool's guard, so its harm reaches the answers instead of stopping the engine."""
     require_testing(f"planting the fault {fault!r}")
     if fault not in FAULTS:
         raise ValueError(f"unknown fault {fault!r}; known: {sorted(FAULTS)}")
     engine.fault_fired = []
     globals()["_" + fault](engine)
+    if unguarded and fault in REFCOUNT_FAULTS:
+        _without_refcount_guard(engine, fault)
+
+
+def _without_refcount_guard(engine, fault: str) -> None:
+    """This engine's pool as in engines without the guard (vLLM's refcount bugs): a count that
+    would go below zero stays at zero, and a block freed while a sequence still holds it is the
+    next one handed out, so another request's KV overwrites what the holder reads."""
+    pool = engine.manager.pool
+    decref = pool.decref
+
+    def unguarded_decref(block, owner):
+        if block.ref_count <= 0:
+            block.owners.discard(owner)
+            return False
+        freed = decref(block, owner)
+        if freed and block.owners:
+            pool._free.move_to_end(block.block_id, last=False)  # first in line for allocate()
+            _fired(engine, [block.block_id])
+        return freed
+
+    pool.decref = unguarded_decref
+    if fault == "share_without_incref":
+        # The uncounted hits are held all the same: their holders are known, only not counted.
+        mgr = engine.manager
+        commit = mgr.commit_admission
+
+        def commit_with_holders(plan):
+            commit(plan)
+            for b in plan.hits:
+                if b is not None:
+                    b.owners.add(plan.seq_id)
+
+        mgr.commit_admission = commit_with_holders
 
 
 def _fired(engine, blocks) -> None:
