@@ -321,6 +321,7 @@ def test_a_hybrid_model_is_served_from_the_ram_tier_bit_for_bit(gemma_ids):
     assert not llm.engine.cached_block_hashes() & set(_group_hashes(llm, prompt, 3))
     out, hits = _hits(llm, "cpu", prompt)
     assert out == reference(prompt) and hits == 5 * 6
+    assert llm.engine.status().tiers["hit_tokens"] == 5 * 16  # prompt tokens, not blocks of every group
 
 
 def test_a_hybrid_model_restarts_on_its_disk_tier_windows_need_their_window_only(gemma_ids, tmp_path):

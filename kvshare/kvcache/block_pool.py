@@ -48,6 +48,7 @@ class PoolTiers(Protocol):
     KVTiers)."""
 
     suspended: bool  # True while a reset evicts: those evictions forget, they keep nothing
+    hit_tokens: int  # prompt tokens whose KV a tier supplied (counted once per position, over all groups)
 
     def find(self, block_hash: bytes, token_ids: tuple[int, ...], namespace: CacheNamespace,
              group: int) -> TierBlock | None: ...

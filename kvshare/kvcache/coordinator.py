@@ -302,8 +302,11 @@ class KVCacheCoordinator:
     def _load_tier_hits(self, group_hits: list[list[Block | None]]) -> list[list[Block | None]]:
         """Tier hits become pool blocks (their loads queued for the next forward), after the pool's
         own hits are pinned out of the free queue, where taking a block could evict them."""
-        if not any(isinstance(b, TierBlock) for hits in group_hits for b in hits):
+        loaded = {i for hits in group_hits for i, b in enumerate(hits) if isinstance(b, TierBlock)}
+        tiers = self.pool.tiers
+        if not loaded or tiers is None:
             return group_hits
+        tiers.hit_tokens += len(loaded) * self.block_size  # positions, not blocks of every group
         for hits in group_hits:
             for b in hits:
                 if b is not None and not isinstance(b, TierBlock) and b.ref_count == 0:

@@ -84,6 +84,8 @@ class KVTiers:
         self._drops: list[TierDrop] = []
         self.suspended = False  # reset_prefix_cache: evictions that forget, not keep
         self.hits: Counter[str] = Counter()  # blocks loaded back, by tier
+        # Prompt tokens whose KV came from a tier (in some KV cache group): vLLM's external hits.
+        self.hit_tokens = 0
         self.stores = 0
         self.rejected: Counter[str] = Counter()  # disk entries that failed validation, by reason
         self._logged: set[str] = set()
@@ -197,7 +199,8 @@ class KVTiers:
     def stats(self) -> dict:
         return {"ram_blocks": len(self.ram), "ram_capacity_blocks": self.ram_blocks,
                 "disk_blocks": len(self.disk), "disk_capacity_blocks": self.disk_blocks,
-                "hits_ram": self.hits[RAM_TIER], "hits_disk": self.hits[DISK_TIER], "stores": self.stores,
+                "hits_ram": self.hits[RAM_TIER], "hits_disk": self.hits[DISK_TIER], "hit_tokens": self.hit_tokens,
+                "stores": self.stores,
                 "rejected": sum(self.rejected.values()), "rejected_by_reason": dict(self.rejected)}
 
     # ---- internals -------------------------------------------------------------------------------
