@@ -10,7 +10,7 @@ import os
 import time
 from collections import Counter
 
-from kvshare.engine.kv_tier_store import SUFFIX, read_block_file, read_header
+from kvshare.engine.kv_tier_store import SUFFIX, block_file_name, read_block_file, read_header
 
 
 def _files(path: str) -> list[str]:
@@ -35,7 +35,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
             except (OSError, ValueError) as e:
                 rows.append({"file": os.path.basename(path), "error": str(e)})
                 continue
-            rows.append({"hash": header.get("hash"), "tokens": len(header.get("tokens") or ()),
+            rows.append({"hash": header.get("hash"), "group": header.get("group"), "tokens": len(header.get("tokens") or ()),
                          "bytes": os.path.getsize(path), "written": time.strftime(
                              "%Y-%m-%dT%H:%M:%SZ", time.gmtime(os.path.getmtime(path))), "writer": _kind(header)})
         for row in rows:
@@ -63,8 +63,8 @@ def cmd_cache(args: argparse.Namespace) -> int:
     for path in files:
         try:
             header, _ = read_block_file(path)
-            if header.get("hash") + SUFFIX != os.path.basename(path):
-                raise ValueError("foreign header: the file's name is not its block's hash")
+            if block_file_name(header.get("hash"), header.get("group")) != os.path.basename(path):
+                raise ValueError("foreign header: the file's name is not its block's hash and KV cache group")
         except (OSError, ValueError, TypeError) as e:
             bad += 1
             print(f"BAD {os.path.basename(path)}: {e}")

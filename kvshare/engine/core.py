@@ -134,7 +134,7 @@ class EngineCore(Generic[Output]):
             return {}
         t = tiers.stats()
         keys = ("ram_blocks", "ram_capacity_blocks", "disk_blocks", "disk_capacity_blocks", "rejected")
-        return {**{k: t[k] for k in keys}, "hit_tokens": (t["hits_ram"] + t["hits_disk"]) * self.kv.block_size}
+        return {**{k: t[k] for k in keys}, "hit_tokens": t["hit_tokens"]}
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block nobody holds (held ones stay: their holders need them), and

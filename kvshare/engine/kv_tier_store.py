@@ -2,7 +2,8 @@
 kept where is decided by the bookkeeping (kvshare/kvcache/kv_tiers.py); this side applies the
 step plan's transfers (stores, loads, drops) and reads disk files back with validation.
 
-A disk file is one block, named by its chain hash (`<hex>.kvblock`): a magic line, a JSON
+A disk file is one block, named by its chain hash and KV cache group (`<hex>.g<group>.kvblock`):
+a magic line, a JSON
 header, then the payload (the block's K and V of every layer, then its scales when the KV is
 quantized). The header holds everything that makes the KV valid for reuse: the format version,
 the model file's identity, the tokenizer's and chat template's, the block size, the KV dtype and
@@ -13,6 +14,7 @@ name and renamed, so a crash mid-write leaves no file under a block's name.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -26,9 +28,26 @@ import torch
 
 logger = logging.getLogger("kvshare")
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the KV cache group in the file's name
 MAGIC = b"KVSHARE-KV-BLOCK\n"
 SUFFIX = ".kvblock"
+
+
+def block_file_name(key_hex: str, group: int) -> str:
+    """A block file's name: its chain hash and its KV cache group (each group hashes from its own
+    root, so the hash alone is unique; the group is there for operators and for the check)."""
+    return f"{key_hex}.g{group}{SUFFIX}"
+
+
+def parse_block_file_name(name: str) -> tuple[bytes, int] | None:
+    """(hash, group) of a block file's name, or None when it is not one."""
+    stem, _, group = name[:-len(SUFFIX)].rpartition(".g")
+    if not name.endswith(SUFFIX) or not stem or not group.isdigit():
+        return None
+    try:
+        return bytes.fromhex(stem), int(group)
+    except ValueError:
+        return None
 # Header fields that say whose KV a file can be: all must equal this engine's for any hit.
 IDENTITY_FIELDS = ("format", "model", "tokenizer", "block_size", "kv_dtype", "layout", "hash_seed")
 
@@ -79,17 +98,42 @@ def read_header(path: str) -> tuple[dict, int]:
     return header, len(MAGIC) + 8 + size
 
 
-def read_block_file(path: str) -> tuple[dict, bytes]:
-    """(header, payload) with the payload's size and checksum verified; ValueError otherwise."""
+def read_block_file(path: str) -> tuple[dict, bytearray]:
+    """(header, payload) with the payload's size and checksum verified; ValueError otherwise. The
+    payload is read into a writable buffer, so the KV tensors can view it without another copy."""
     header, offset = read_header(path)
+    size = header.get("payload_bytes")
+    if not isinstance(size, int) or size < 0:
+        raise ValueError(f"unreadable header: payload_bytes is {size!r}")
     with open(path, "rb") as f:
         f.seek(offset)
-        payload = f.read()
-    if len(payload) != header.get("payload_bytes"):
-        raise ValueError(f"truncated: payload {len(payload)} bytes, header says {header.get('payload_bytes')}")
+        payload = bytearray(size + 1)  # one byte more: a file longer than its header says is seen
+        got = f.readinto(payload)
+    if got < size:
+        raise ValueError(f"truncated: payload {got} bytes, header says {size}")
+    if got > size:
+        raise ValueError(f"too long: the payload runs past the {size} bytes its header says")
+    del payload[size:]
     if hashlib.blake2b(payload, digest_size=16).hexdigest() != header.get("checksum"):
         raise ValueError("checksum: the payload does not match its checksum")
     return header, payload
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Block copies on one thread: each is a few hundred KiB of strided memcpy that a second
+    thread does not speed up, and a parallel region per block costs a wake-up each, up to a
+    scheduler slice when the cores are busy (measured on 2 busy cores, 50 blocks of the 1B model:
+    89 ms with 2 threads, 1.7 ms with one)."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 class KVTierStore:
@@ -106,8 +150,13 @@ class KVTierStore:
 
     # ---- the step plan's transfers ---------------------------------------------------------------
     def apply(self, stores: list[tuple[int, bytes]], loads: list[tuple[int, bytes]],
-              drops: list[tuple[str, bytes]]) -> None:
+              drops: list[tuple[str, bytes, int]]) -> None:
         """Stores, then loads, then drops (the order kvshare/kvcache/kv_tiers.py plans for)."""
+        with one_thread():
+            self._apply(stores, loads, drops)
+
+    def _apply(self, stores: list[tuple[int, bytes]], loads: list[tuple[int, bytes]],
+               drops: list[tuple[str, bytes, int]]) -> None:
         for block_id, key in stores:
             self.ram[key] = self._copy_out(block_id)
             if self.disk_path is not None:
@@ -118,12 +167,12 @@ class KVTierStore:
             self.kv_cache.data[..., block_id * bs:(block_id + 1) * bs, :] = data
             if scales is not None:
                 self.kv_cache.scales[..., block_id * bs:(block_id + 1) * bs] = scales
-        for tier, key in drops:
+        for tier, key, group in drops:
             if tier == "cpu":
                 self.ram.pop(key, None)
             elif self.disk_path is not None:
                 try:
-                    os.remove(self.path_of(key))
+                    os.remove(self.path_of(key, group))
                 except OSError:
                     pass  # gone already (another engine's budget, an operator): nothing to forget
 
@@ -134,9 +183,9 @@ class KVTierStore:
         return data, None if scales is None else scales[..., block_id * bs:(block_id + 1) * bs].clone()
 
     # ---- disk -------------------------------------------------------------------------------------
-    def path_of(self, key: bytes) -> str:
+    def path_of(self, key: bytes, group: int) -> str:
         assert self.disk_path is not None
-        return os.path.join(self.disk_path, key.hex() + SUFFIX)
+        return os.path.join(self.disk_path, block_file_name(key.hex(), group))
 
     def _payload(self, key: bytes) -> bytes:
         data, scales = self.ram[key]
@@ -146,10 +195,12 @@ class KVTierStore:
         return out
 
     def _write_file(self, key: bytes) -> None:
-        path = self.path_of(key)
         described = self.describe(key)
-        if described is None or os.path.exists(path):
-            return  # dropped again already; or content-addressed: the same block, from a restart or another engine
+        if described is None:
+            return  # dropped again already
+        path = self.path_of(key, described["group"])
+        if os.path.exists(path):
+            return  # content-addressed: the same block, from a restart or another engine
         payload = self._payload(key)
         header = {**self.identity, **described, "payload_bytes": len(payload),
                   "checksum": hashlib.blake2b(payload, digest_size=16).hexdigest()}
@@ -176,7 +227,7 @@ class KVTierStore:
         """Read a block file into RAM if it is valid for `expected` (the bookkeeping's entry) and
         for this engine; None, or why it is a miss."""
         try:
-            header, payload = read_block_file(self.path_of(key))
+            header, payload = read_block_file(self.path_of(key, expected["group"]))
         except FileNotFoundError:
             return "missing: the file was deleted"
         except (OSError, ValueError) as e:
@@ -193,14 +244,16 @@ class KVTierStore:
         self.ram[key] = (data, scales)
         return None
 
-    def discover(self, key: bytes) -> dict | None:
-        """The header of a block file this engine's index does not list, if it is this engine's
-        kind of KV (another engine with the same model, layout and hash seed wrote it)."""
+    def discover(self, key: bytes, group: int) -> dict | None:
+        """The header of KV cache group `group`'s block file this engine's index does not list, if
+        it is this engine's kind of KV (another engine with the same model, layout and hash seed
+        wrote it)."""
         try:
-            header, _ = read_header(self.path_of(key))
+            header, _ = read_header(self.path_of(key, group))
         except (OSError, ValueError):
             return None
-        return header if self.mismatch(header) is None and header.get("hash") == key.hex() else None
+        ok = self.mismatch(header) is None and header.get("hash") == key.hex() and header.get("group") == group
+        return header if ok else None
 
     def mismatch(self, header: dict) -> str | None:
         for name in IDENTITY_FIELDS:
@@ -208,7 +261,7 @@ class KVTierStore:
                 return f"foreign header: {name} is {header.get(name)!r}, this engine's is {self.identity[name]!r}"
         return None
 
-    def _from_payload(self, payload: bytes) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _from_payload(self, payload: bytearray) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         bs = self.kv_cache.block_size
         like = self.kv_cache.data[..., 0:bs, :]
         n = like.numel() * like.element_size()
@@ -216,7 +269,7 @@ class KVTierStore:
         m = 0 if scales_like is None else scales_like.numel() * scales_like.element_size()
         if len(payload) != n + m:
             return None, None
-        buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        buf = torch.frombuffer(payload, dtype=torch.uint8)
         data = buf[:n].view(like.dtype).view(like.shape)
         scales = None if scales_like is None else buf[n:].view(scales_like.dtype).view(scales_like.shape)
         return data, scales
@@ -230,17 +283,18 @@ class KVTierStore:
             if not name.endswith(SUFFIX):
                 continue
             path = os.path.join(self.disk_path, name)
+            named = parse_block_file_name(name)
             try:
                 header, _ = read_header(path)
-                key = bytes.fromhex(name[:-len(SUFFIX)])
                 mtime = os.path.getmtime(path)
             except (OSError, ValueError):
                 foreign += 1
                 continue
-            if self.mismatch(header) is not None or header.get("hash") != key.hex():
+            if (named is None or self.mismatch(header) is not None or header.get("hash") != named[0].hex()
+                    or header.get("group") != named[1]):
                 foreign += 1
                 continue
-            found.append((mtime, key, header))
+            found.append((mtime, named[0], header))
         found.sort(key=lambda t: t[0])
         return [(key, header) for _, key, header in found], foreign
 
@@ -267,14 +321,18 @@ class KVTierStore:
 
 
 def probe_tier_loads(store: KVTierStore, runner, repeats: int = 3) -> dict:
-    """Seconds to recompute one block (a prefill of block_size tokens into pool block 0, free at
-    start-up, zeroed again after), to load one from host RAM, and from disk (a probe file written,
-    read back with validation, removed; None without a disk tier): medians of `repeats`."""
+    """Seconds to recompute one block of tokens (a prefill of block_size tokens into pool blocks
+    0 .. G-1, one per KV cache group, free at start-up, zeroed again after), to load it (its G
+    blocks) from host RAM, and from disk (G probe files written, read back with validation,
+    removed; None without a disk tier): medians of `repeats`."""
     from kvshare.engine.step_plan import ChunkPlan, GroupAccess, StepPlan
 
     kv, bs = store.kv_cache, store.kv_cache.block_size
-    chunk = ChunkPlan("kv-tier-probe", 0, list(range(100, 100 + bs)), 0, (GroupAccess(list(range(bs)), [0], None),), False)
-    key = hashlib.sha256(b"kvshare-tier-probe" + uuid.uuid4().bytes).digest()
+    groups = range(len(runner.group_policies))
+    access = tuple(GroupAccess([g * bs + p for p in range(bs)], [g], None) for g in groups)
+    chunk = ChunkPlan("kv-tier-probe", 0, list(range(100, 100 + bs)), 0, access, False)
+    keys = [hashlib.sha256(b"kvshare-tier-probe" + uuid.uuid4().bytes).digest() for _ in groups]
+    loads = [(g, keys[g]) for g in groups]
 
     def median(fn) -> float:
         fn()  # warm-up: first-touch pages, kernel threads
@@ -286,19 +344,22 @@ def probe_tier_loads(store: KVTierStore, runner, repeats: int = 3) -> dict:
         return sorted(times)[len(times) // 2]
 
     out: dict = {"recompute": median(lambda: runner.execute(StepPlan(chunks=[chunk])))}
-    store.ram[key] = store._copy_out(0)
-    out["ram"] = median(lambda: store.apply([], [(0, key)], []))
+    for g in groups:
+        store.ram[keys[g]] = store._copy_out(g)
+    out["ram"] = median(lambda: store.apply([], loads, []))
     out["disk"] = None
     if store.disk_path is not None:
-        expected = {"hash": key.hex(), "parent": None, "tokens": chunk.token_ids, "namespace": "probe", "group": 0}
-        describe, store.describe = store.describe, lambda _: expected
+        expected = {k: {"hash": k.hex(), "parent": None, "tokens": chunk.token_ids, "namespace": "probe", "group": g}
+                    for g, k in enumerate(keys)}
+        describe, store.describe = store.describe, expected.get
         try:
-            store._write_file(key)
+            for k in keys:
+                store._write_file(k)
 
             def from_disk() -> None:
-                if store.fetch(key, expected) is not None:
-                    raise OSError("the probe block did not read back")
-                store.apply([], [(0, key)], [])
+                if any(store.fetch(k, expected[k]) is not None for k in keys):
+                    raise OSError("a probe block did not read back")
+                store.apply([], loads, [])
 
             out["disk"] = median(from_disk)
         except OSError:
@@ -307,12 +368,14 @@ def probe_tier_loads(store: KVTierStore, runner, repeats: int = 3) -> dict:
             store.describe = describe
             store.files_written = store.write_errors = 0
             store._write_error_logged = False
-            try:
-                os.remove(store.path_of(key))
-            except OSError:
-                pass
-    store.ram.pop(key, None)
-    kv.data[..., 0:bs, :] = 0  # as a new pool: block 0 is free
+            for g, k in enumerate(keys):
+                try:
+                    os.remove(store.path_of(k, g))
+                except OSError:
+                    pass
+    for k in keys:
+        store.ram.pop(k, None)
+    kv.data[..., 0:len(groups) * bs, :] = 0  # as a new pool: blocks 0 .. G-1 are free
     if kv.scales is not None:
-        kv.scales[..., 0:bs] = 0
+        kv.scales[..., 0:len(groups) * bs] = 0
     return out

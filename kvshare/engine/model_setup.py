@@ -132,10 +132,6 @@ def build_kv_tiers(config: EngineConfig, kv: KVCacheCoordinator, kv_cache: Paged
     None when no tier is configured."""
     if not config.kv_tiers:
         return None
-    if kv.num_groups > 1:
-        raise ValueError(f"kv_host_memory / kv_disk_path support models with one KV cache group for now; this one "
-                         f"has {kv.num_groups} (kv_cache_groups=False / --disable-hybrid-kv-cache-manager puts every "
-                         f"layer in one)")
     layout = list(kv_cache.data.shape)
     layout[3] = kv_cache.block_size  # one block's slots
     identity = {"format": FORMAT_VERSION, "model": model_identity(source), "tokenizer": tokenizer_identity(tokenizer),
@@ -179,7 +175,7 @@ def build_kv_tiers(config: EngineConfig, kv: KVCacheCoordinator, kv_cache: Paged
         else:
             found, foreign = store.scan()
             tiers.adopt_disk([(key, TierEntry(tuple(h["tokens"]), bytes.fromhex(h["parent"]) if h["parent"] else None,
-                                              h["namespace"])) for key, h in found])
+                                              h["namespace"], h["group"])) for key, h in found])
             note = (f"kept across restarts (hash seed set): {len(found)} blocks found"
                     + (f", {foreign} files of another model, tokenizer, KV layout or hash seed ignored" if foreign
                        else ""))

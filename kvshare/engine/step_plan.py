@@ -86,10 +86,10 @@ class StepPlan:
     # hash). The runner applies them before anything else in the step, in this order: stores copy
     # out the KV of blocks evicted while planning this step (before the step overwrites them),
     # loads fill pool blocks from the RAM tier (so this step can read them), drops forget entries
-    # the tiers pushed out: (tier name, key).
+    # the tiers pushed out: (tier name, key, KV cache group: part of a disk file's name).
     block_stores: list[tuple[int, bytes]] = field(default_factory=list)
     block_loads: list[tuple[int, bytes]] = field(default_factory=list)
-    tier_drops: list[tuple[str, bytes]] = field(default_factory=list)
+    tier_drops: list[tuple[str, bytes, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -32,6 +32,7 @@ class Block:
     owners: set[str] = field(default_factory=set)  # sequence ids holding a reference
     namespace: CacheNamespace = DEFAULT_NAMESPACE  # whose data it holds: the allocating sequence's
     generation: int = 0  # bumped on every allocation: new data, old KV meaningless
+    group: int = 0  # while cached: the KV cache group whose layers' KV it holds (what a KV tier keeps with it)
 
 
 @dataclass
@@ -47,8 +48,10 @@ class PoolTiers(Protocol):
     KVTiers)."""
 
     suspended: bool  # True while a reset evicts: those evictions forget, they keep nothing
+    hit_tokens: int  # prompt tokens whose KV a tier supplied (counted once per position, over all groups)
 
-    def find(self, block_hash: bytes, token_ids: tuple[int, ...], namespace: CacheNamespace) -> TierBlock | None: ...
+    def find(self, block_hash: bytes, token_ids: tuple[int, ...], namespace: CacheNamespace,
+             group: int) -> TierBlock | None: ...
 
     def loaded(self, block: Block, hit: TierBlock) -> None: ...
 
@@ -56,7 +59,7 @@ class PoolTiers(Protocol):
 
     def stats(self) -> dict: ...
 
-    def take_transfers(self) -> tuple[list[tuple[int, bytes]], list[tuple[int, bytes]], list[tuple[str, bytes]]]: ...
+    def take_transfers(self) -> tuple[list[tuple[int, bytes]], list[tuple[int, bytes]], list[tuple[str, bytes, int]]]: ...
 
 
 EvictHook = Callable[[int, bytes], None]  # (block id, its hash), called before the hash is dropped
@@ -148,7 +151,7 @@ class BlockPool:
         return False
 
     def publish(self, block: Block, block_hash: bytes, token_ids: tuple[int, ...],
-                parent_hash: bytes | None = None) -> None:
+                parent_hash: bytes | None = None, group: int = 0) -> None:
         """Make a full, written block a prefix-cache hit for later requests ("publish" is the
         one word for it; the event log calls it "register")."""
         if block_hash in self.cached:
@@ -156,20 +159,22 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = token_ids
         block.parent_hash = parent_hash
+        block.group = group
         self.cached[block_hash] = block.block_id
         self.prefix_updates.stored(block_hash, parent_hash, token_ids)
         self.events.record("register", block=block.block_id, hash=block_hash.hex()[:16],
                            parent=parent_hash.hex()[:16] if parent_hash else None,
                            **block.namespace.event_fields(), tokens=list(token_ids))
 
-    def lookup(self, block_hash: bytes, token_ids: tuple[int, ...], namespace: CacheNamespace | None = None
-               ) -> Block | None:
-        """The cached block for this hash, or (a pool miss) the KV tiers' `TierBlock`, or None."""
+    def lookup(self, block_hash: bytes, token_ids: tuple[int, ...], namespace: CacheNamespace | None = None,
+               group: int = 0) -> Block | None:
+        """The cached block for this hash, or (a pool miss) the KV tiers' `TierBlock` of KV cache
+        group `group`, or None. Without a namespace: the pool only."""
         block_id = self.cached.get(block_hash)
         if block_id is None:
             if self.tiers is None or namespace is None:
                 return None
-            return self.tiers.find(block_hash, token_ids, namespace)
+            return self.tiers.find(block_hash, token_ids, namespace, group)
         block = self.blocks[block_id]
         # Confirm by content, so a hash collision can never serve another prompt's KV.
         if block.token_ids != token_ids:
@@ -196,9 +201,9 @@ class BlockPool:
         self.num_allocations += 1
         self._free[block_id] = None
         self.events.record("tier_load", block=block_id, hash=hit.block_hash.hex()[:16], tier=hit.tier,
-                           **hit.namespace.event_fields())
+                           group=hit.group, **hit.namespace.event_fields())
         self.tiers.loaded(block, hit)
-        self.publish(block, hit.block_hash, hit.token_ids, hit.parent_hash)
+        self.publish(block, hit.block_hash, hit.token_ids, hit.parent_hash, hit.group)
         return block
 
     def drop_adapter(self, adapter: str) -> int:

@@ -50,7 +50,7 @@ class KVCacheCoordinator:
         self.hasher = hasher if hasher is not None else BlockHasher(block_size)
         self.groups = [KVCacheManager(num_blocks, block_size, enable_prefix_caching, events, g.policy,
                                       pool=self.pool, hasher=self.hasher,
-                                      chain_root=_group_chain_root(self.hasher, i))
+                                      chain_root=_group_chain_root(self.hasher, i), group=i)
                        for i, g in enumerate(groups)]
         several = len(groups) > 1
         # Window groups beside other groups take partial prefix hits and let go of what their window
@@ -185,27 +185,35 @@ class KVCacheCoordinator:
         for m in self.groups:
             m._set_namespace(m.record(seq_id), namespace)
         limit = min((len(c) for c in chains), default=(len(token_ids) - 1) // self.block_size)
-        # Per window group: which of the first `limit` blocks are cached, and for each n the run
-        # of cached blocks ending just before n.
-        windows = []
-        for m, g in self._window_groups:
-            cached = list(m.cached_blocks(seq_id, token_ids, limit))  # (window groups: no KV tiers)
-            run = [0] * (limit + 1)
-            for i, b in enumerate(cached):
-                run[i + 1] = run[i] + 1 if b is not None else 0
-            windows.append((m, cached, run))
+        # The longest n <= limit for which every window group holds the blocks inside the last
+        # window before n. Each block is looked up at most once, nearest to n first (a miss there
+        # rules out the most), so a window group never asks the KV tiers for (nor loads from disk)
+        # a block behind its window.
+        windows: list[tuple[KVCacheManager, dict[int, Block | None]]] = [(m, {}) for m, _ in self._window_groups]
         n = limit
-        while n > 0 and any(run[n] < n - m.policy.released_blocks(n * self.block_size) for m, _, run in windows):
-            n -= 1
+        while n > 0:
+            missing = next((i for m, found in windows
+                            for i in range(n - 1, m.policy.released_blocks(n * self.block_size) - 1, -1)
+                            if self._window_block(m, found, seq_id, token_ids, i) is None), None)
+            if missing is None:
+                break
+            n = missing  # every n' > missing still needs block `missing`
         hits_by_manager: dict[int, list[Block | None]] = {}
         for m, chain in zip(self._chain_groups, chains):
             # Hits no query from n on reads become placeholders: neither revived nor counted.
             head, end = m.policy.keep_head, min(m.policy.released_blocks(n * self.block_size), n)
             hits_by_manager[id(m)] = [None if head <= i < end else b for i, b in enumerate(chain[:n])]
-        for m, cached, _ in windows:
+        for m, found in windows:
             first = m.policy.released_blocks(n * self.block_size)
-            hits_by_manager[id(m)] = [None if i < first else b for i, b in enumerate(cached[:n])]
+            hits_by_manager[id(m)] = [None if i < first else found[i] for i in range(n)]
         return [hits_by_manager[id(m)] for m in self.groups]
+
+    @staticmethod
+    def _window_block(m: KVCacheManager, found: dict[int, Block | None], seq_id: str, token_ids: list[int],
+                      index: int) -> Block | None:
+        if index not in found:
+            found[index] = m.cached_block(seq_id, token_ids, index)
+        return found[index]
 
     def hashes_completed_by(self, seq_id: str, token_ids: list[int], start: int, end: int) -> list[bytes]:
         # The first group's chain stands for all: every group computes the same positions in a step.
@@ -248,7 +256,7 @@ class KVCacheCoordinator:
             tiers.suspended = False
         tiers.clear_ram()
 
-    def take_tier_transfers(self) -> tuple[list[tuple[int, bytes]], list[tuple[int, bytes]], list[tuple[str, bytes]]]:
+    def take_tier_transfers(self) -> tuple[list[tuple[int, bytes]], list[tuple[int, bytes]], list[tuple[str, bytes, int]]]:
         """(stores, loads, drops) between the pool and the KV tiers the next forward performs first."""
         tiers = self.pool.tiers
         return ([], [], []) if tiers is None else tiers.take_transfers()
@@ -306,8 +314,11 @@ class KVCacheCoordinator:
     def _load_tier_hits(self, group_hits: list[list[Block | None]]) -> list[list[Block | None]]:
         """Tier hits become pool blocks (their loads queued for the next forward), after the pool's
         own hits are pinned out of the free queue, where taking a block could evict them."""
-        if not any(isinstance(b, TierBlock) for hits in group_hits for b in hits):
+        loaded = {i for hits in group_hits for i, b in enumerate(hits) if isinstance(b, TierBlock)}
+        tiers = self.pool.tiers
+        if not loaded or tiers is None:
             return group_hits
+        tiers.hit_tokens += len(loaded) * self.block_size  # positions, not blocks of every group
         for hits in group_hits:
             for b in hits:
                 if b is not None and not isinstance(b, TierBlock) and b.ref_count == 0:

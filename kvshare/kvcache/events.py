@@ -23,9 +23,9 @@ Kinds and their fields (every event also has "ev", "step"):
   rotate     seq, blocks, shift         keys re-rotated in place (attention sinks), after the copies
   copy       src, dst                   a block copy the runner performs before the forward
   forward    the step's accesses are all listed; the forward pass runs
-  tier_store block, hash                a cached block's KV evicted from the pool kept in the KV tiers
-  tier_load  block, hash, tier, salt    a free block takes a tier's copy (loaded before the forward)
-  tier_drop  hash, tier                 a tier lets go of a block (least recently used out)
+  tier_store block, hash, group         a cached block's KV evicted from the pool kept in the KV tiers
+  tier_load  block, hash, tier, group, salt  a free block takes a tier's copy (loaded before the forward)
+  tier_drop  hash, tier, group          a tier lets go of a block (least recently used out)
   preempt    seq
   abort      seq
 """

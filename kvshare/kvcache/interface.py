@@ -65,7 +65,7 @@ class KVCore(Protocol):
 
     def take_pending_rotations(self) -> list[tuple[str, list[int], int]]: ...
 
-    def take_tier_transfers(self) -> tuple[list[tuple[int, bytes]], list[tuple[int, bytes]], list[tuple[str, bytes]]]:
+    def take_tier_transfers(self) -> tuple[list[tuple[int, bytes]], list[tuple[int, bytes]], list[tuple[str, bytes, int]]]:
         """(stores, loads, drops) between the pool and the KV tiers, for the next forward."""
         ...
 

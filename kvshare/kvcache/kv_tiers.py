@@ -21,6 +21,12 @@ Every entry keeps what makes its KV valid for a request: its token ids, its pare
 hash of its namespace key; `find` recomputes the chain hash from them under the requester's
 namespace, so no tenant's block is a hit for another (the hash already covers the salt: this is
 the proof, not the lookup).
+
+Every entry belongs to one KV cache group (a hybrid model's groups each hash the same tokens
+from their own root, kvshare/kvcache/coordinator.py): the group is kept with the entry, written
+in the file's name and header, and a lookup asks for one group's block. Which groups' blocks a
+prefix hit needs (a window group only those inside its window) is the coordinator's rule, the
+same for the pool and the tiers.
 """
 from __future__ import annotations
 
@@ -53,15 +59,18 @@ class TierEntry:
     token_ids: tuple[int, ...]
     parent_hash: bytes | None
     namespace_hash: str  # namespace_key_hash of the namespace the KV was computed under
+    group: int = 0  # the KV cache group whose layers' KV it holds
 
 
 # (hash, what the entry says) -> None when the bytes are in RAM now and valid, else why not.
 FetchHook = Callable[[bytes, dict], "str | None"]
+# (tier, hash, KV cache group): an entry a tier lets go of, for the byte store to forget.
+TierDrop = tuple[str, bytes, int]
 
 
 class KVTiers:
     def __init__(self, pool: BlockPool, hasher: BlockHasher, ram_blocks: int, disk_blocks: int,
-                 fetch: FetchHook | None = None, discover: Callable[[bytes], dict | None] | None = None) -> None:
+                 fetch: FetchHook | None = None, discover: Callable[[bytes, int], dict | None] | None = None) -> None:
         self.pool = pool
         self.hasher = hasher
         self.ram_blocks = ram_blocks
@@ -72,9 +81,11 @@ class KVTiers:
         self.disk: OrderedDict[bytes, TierEntry] = OrderedDict()
         self._stores: list[tuple[int, bytes]] = []
         self._loads: list[tuple[int, bytes]] = []
-        self._drops: list[tuple[str, bytes]] = []
+        self._drops: list[TierDrop] = []
         self.suspended = False  # reset_prefix_cache: evictions that forget, not keep
         self.hits: Counter[str] = Counter()  # blocks loaded back, by tier
+        # Prompt tokens whose KV came from a tier (in some KV cache group): vLLM's external hits.
+        self.hit_tokens = 0
         self.stores = 0
         self.rejected: Counter[str] = Counter()  # disk entries that failed validation, by reason
         self._logged: set[str] = set()
@@ -98,23 +109,27 @@ class KVTiers:
         block = self.pool.blocks[block_id]
         if block.token_ids is None:
             return
-        entry = TierEntry(block.token_ids, block.parent_hash, namespace_key_hash(block.namespace))
+        entry = TierEntry(block.token_ids, block.parent_hash, namespace_key_hash(block.namespace), block.group)
         if block_hash in self.ram and (not self.disk_blocks or block_hash in self.disk):
             self._touch(block_hash)  # already kept (it was loaded from here): the same bytes
             return
         self._stores.append((block_id, block_hash))
         self.stores += 1
-        self.pool.events.record("tier_store", block=block_id, hash=block_hash.hex()[:16])
+        self.pool.events.record("tier_store", block=block_id, hash=block_hash.hex()[:16], group=block.group)
         self._put(RAM_TIER, block_hash, entry)
         if self.disk_blocks:
             self._put(DISK_TIER, block_hash, entry)
 
-    def find(self, block_hash: bytes, token_ids: tuple[int, ...], namespace: CacheNamespace) -> TierBlock | None:
-        """The tier's block for a pool miss, or None. A disk entry is fetched into RAM (and
-        validated) here, so the load the admission queues reads RAM only."""
+    def find(self, block_hash: bytes, token_ids: tuple[int, ...], namespace: CacheNamespace,
+             group: int = 0) -> TierBlock | None:
+        """KV cache group `group`'s block for a pool miss, or None. A disk entry is fetched into RAM
+        (and validated) here, so the load the admission queues reads RAM only."""
         for tier, entries in ((RAM_TIER, self.ram), (DISK_TIER, self.disk)):
             entry = entries.get(block_hash)
             if entry is None or entry.token_ids != token_ids:
+                continue
+            if entry.group != group:
+                self._reject(tier, block_hash, f"foreign header: KV cache group {entry.group}, asked for {group}")
                 continue
             if entry.namespace_hash != namespace_key_hash(namespace) or self.hasher.hash_block(
                     entry.parent_hash, token_ids, self.hasher.extra_keys(namespace)) != block_hash:
@@ -128,21 +143,22 @@ class KVTiers:
                 self._put(RAM_TIER, block_hash, entry)
             self._touch(block_hash)
             return TierBlock(-1, block_hash=block_hash, token_ids=token_ids, parent_hash=entry.parent_hash,
-                             namespace=namespace, tier=tier)
-        return self._discover(block_hash, token_ids, namespace)
+                             namespace=namespace, group=group, tier=tier)
+        return self._discover(block_hash, token_ids, namespace, group)
 
-    def _discover(self, block_hash: bytes, token_ids: tuple[int, ...], namespace: CacheNamespace) -> TierBlock | None:
+    def _discover(self, block_hash: bytes, token_ids: tuple[int, ...], namespace: CacheNamespace,
+                  group: int) -> TierBlock | None:
         """A block file this engine's index does not list (another engine sharing the directory
         wrote it since the start-up scan): adopted when its header is this engine's and it hashes
         to its name under the requester's namespace, then fetched like any disk entry."""
-        header = self.discover(block_hash) if self.discover is not None else None
+        header = self.discover(block_hash, group) if self.discover is not None else None
         if header is None:
             return None
         parent = bytes.fromhex(header["parent"]) if header.get("parent") else None
         if tuple(header.get("tokens", ())) != token_ids:
             return None
-        self.disk[block_hash] = TierEntry(token_ids, parent, str(header.get("namespace")))
-        found = self.find(block_hash, token_ids, namespace)
+        self.disk[block_hash] = TierEntry(token_ids, parent, str(header.get("namespace")), group)
+        found = self.find(block_hash, token_ids, namespace, group)
         if found is not None:
             self._put(DISK_TIER, block_hash, self.disk[block_hash])  # within the budget, as any entry
         return found
@@ -153,7 +169,7 @@ class KVTiers:
         self.hits[hit.tier] += 1
 
     # ---- the step plan's side -------------------------------------------------------------------
-    def take_transfers(self) -> tuple[list[tuple[int, bytes]], list[tuple[int, bytes]], list[tuple[str, bytes]]]:
+    def take_transfers(self) -> tuple[list[tuple[int, bytes]], list[tuple[int, bytes]], list[TierDrop]]:
         """(stores, loads, drops) for the runner, in the order it applies them."""
         out = (self._stores, self._loads, self._drops)
         self._stores, self._loads, self._drops = [], [], []
@@ -174,8 +190,8 @@ class KVTiers:
             self._put(DISK_TIER, block_hash, entry)
 
     def clear_ram(self) -> None:
-        for block_hash in self.ram:
-            self._drops.append((RAM_TIER, block_hash))
+        for block_hash, entry in self.ram.items():
+            self._drops.append((RAM_TIER, block_hash, entry.group))
             self.pool.prefix_updates.removed(block_hash, TIER_MEDIUM[RAM_TIER])
         self.ram.clear()
 
@@ -183,24 +199,25 @@ class KVTiers:
     def stats(self) -> dict:
         return {"ram_blocks": len(self.ram), "ram_capacity_blocks": self.ram_blocks,
                 "disk_blocks": len(self.disk), "disk_capacity_blocks": self.disk_blocks,
-                "hits_ram": self.hits[RAM_TIER], "hits_disk": self.hits[DISK_TIER], "stores": self.stores,
+                "hits_ram": self.hits[RAM_TIER], "hits_disk": self.hits[DISK_TIER], "hit_tokens": self.hit_tokens,
+                "stores": self.stores,
                 "rejected": sum(self.rejected.values()), "rejected_by_reason": dict(self.rejected)}
 
     # ---- internals -------------------------------------------------------------------------------
     def _put(self, tier: str, block_hash: bytes, entry: TierEntry) -> None:
         entries = self.ram if tier == RAM_TIER else self.disk
         cap = self.ram_blocks if tier == RAM_TIER else self.disk_blocks
-        if (tier, block_hash) in self._drops:
-            self._drops.remove((tier, block_hash))  # dropped earlier this step: it stays after all
+        if (tier, block_hash, entry.group) in self._drops:
+            self._drops.remove((tier, block_hash, entry.group))  # dropped earlier this step: it stays after all
         if block_hash not in entries:  # routers learn where it lives (vLLM's KV events' `medium`)
             self.pool.prefix_updates.stored(block_hash, entry.parent_hash, entry.token_ids, TIER_MEDIUM[tier])
         entries[block_hash] = entry
         entries.move_to_end(block_hash)
         while len(entries) > cap:
-            old, _ = entries.popitem(last=False)
-            self._drops.append((tier, old))
+            old, gone = entries.popitem(last=False)
+            self._drops.append((tier, old, gone.group))
             self.pool.prefix_updates.removed(old, TIER_MEDIUM[tier])
-            self.pool.events.record("tier_drop", hash=old.hex()[:16], tier=tier)
+            self.pool.events.record("tier_drop", hash=old.hex()[:16], tier=tier, group=gone.group)
 
     def _touch(self, block_hash: bytes) -> None:
         for entries in (self.ram, self.disk):
@@ -209,13 +226,14 @@ class KVTiers:
 
     def _expected(self, block_hash: bytes, entry: TierEntry) -> dict:
         return {"hash": block_hash.hex(), "parent": entry.parent_hash.hex() if entry.parent_hash else None,
-                "tokens": list(entry.token_ids), "namespace": entry.namespace_hash, "group": 0}
+                "tokens": list(entry.token_ids), "namespace": entry.namespace_hash, "group": entry.group}
 
     def _reject(self, tier: str, block_hash: bytes, why: str) -> None:
         entries = self.ram if tier == RAM_TIER else self.disk
-        if entries.pop(block_hash, None) is not None:
+        entry = entries.pop(block_hash, None)
+        if entry is not None:
             self.pool.prefix_updates.removed(block_hash, TIER_MEDIUM[tier])
-        self._drops.append((tier, block_hash))
+            self._drops.append((tier, block_hash, entry.group))
         self.rejected[why.split(":")[0]] += 1
         if why.split(":")[0] not in self._logged:  # once per kind: a bad directory is not a log flood
             self._logged.add(why.split(":")[0])

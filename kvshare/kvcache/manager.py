@@ -11,7 +11,6 @@ full attention nothing is ever released."""
 from __future__ import annotations
 
 from itertools import takewhile
-from typing import Iterator
 
 from kvshare.kvcache.block_pool import Block, BlockPool, BlockPoolError
 from kvshare.kvcache.cache_key import CacheNamespace
@@ -28,8 +27,9 @@ class KVCacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  events: EventLog | None = None, policy=None, pool: BlockPool | None = None,
-                 hasher: BlockHasher | None = None, chain_root: bytes | None = None) -> None:
+                 hasher: BlockHasher | None = None, chain_root: bytes | None = None, group: int = 0) -> None:
         self.block_size = block_size
+        self.group = group  # which KV cache group this is (its blocks say so to the KV tiers)
         self.policy = policy or FullAttention(block_size)
         # Blocks a sequence may publish to the prefix cache (None: all); fixed by the policy.
         self.publish_limit = self.policy.publishable_blocks()
@@ -123,15 +123,15 @@ class KVCacheManager:
         if self.publish_limit is not None:
             max_blocks = min(max_blocks, self.publish_limit)
         self._set_namespace(self.record(seq_id), namespace)
-        cached = self.cached_blocks(seq_id, token_ids, max_blocks)
+        cached = (self.cached_block(seq_id, token_ids, i) for i in range(max_blocks))  # lazily: stops at a miss
         return [b for b in takewhile(lambda b: b is not None, cached) if b is not None]  # (narrowed for mypy)
 
-    def cached_blocks(self, seq_id: str, token_ids: list[int], num_blocks: int) -> Iterator[Block | None]:
-        """Each of the first `num_blocks` full blocks' cached block (or a KV tier's) or None, lazily."""
-        hashes = self._block_hashes(rec := self.record(seq_id), token_ids, num_blocks)
+    def cached_block(self, seq_id: str, token_ids: list[int], index: int) -> Block | None:
+        """Full block `index`'s cached block (or a KV tier's, loaded on admission) or None."""
+        rec = self.record(seq_id)
         bs = self.block_size
-        return (self.pool.lookup(hashes[i], tuple(token_ids[i * bs:(i + 1) * bs]), rec.namespace)
-                for i in range(num_blocks))
+        return self.pool.lookup(self._block_hashes(rec, token_ids, index + 1)[index],
+                                tuple(token_ids[index * bs:(index + 1) * bs]), rec.namespace, self.group)
 
     @staticmethod
     def _set_namespace(rec: SeqKV, namespace: CacheNamespace) -> None:
@@ -171,7 +171,7 @@ class KVCacheManager:
             block = rec.blocks[i]
             if block is not None and block.block_hash is None:
                 self.pool.publish(block, hashes[i], tuple(token_ids[i * bs:(i + 1) * bs]),
-                                  hashes[i - 1] if i else self.chain_root)
+                                  hashes[i - 1] if i else self.chain_root, self.group)
         rec.registered = full
 
     # ---- admission (planned by the coordinator) ------------------------------------------------

@@ -174,7 +174,7 @@ def _lookup_ignores_adapter(engine) -> None:
 
 def _unsalted_lookups(engine, group, keep_salt: bool = False) -> None:
     """keep_salt: only the adapter is dropped from the key (lookup_ignores_adapter)."""
-    find, cached = group.find_cached_prefix, group.cached_blocks
+    find, cached = group.find_cached_prefix, group.cached_block
 
     def lookup_namespace(namespace):
         return CacheNamespace(salt=namespace.salt) if keep_salt else DEFAULT_NAMESPACE
@@ -192,8 +192,8 @@ def _unsalted_lookups(engine, group, keep_salt: bool = False) -> None:
 
     group.find_cached_prefix = lambda seq_id, token_ids, namespace: unsalted(
         seq_id, lambda key: find(key, token_ids, lookup_namespace(namespace)), namespace)
-    group.cached_blocks = lambda seq_id, token_ids, num_blocks: unsalted(
-        seq_id, lambda key: cached(key, token_ids, num_blocks), group.record(seq_id).namespace)
+    group.cached_block = lambda seq_id, token_ids, index: unsalted(
+        seq_id, lambda key: [cached(key, token_ids, index)], group.record(seq_id).namespace)[0]
 
 
 def _slot_off_by_one(engine) -> None:
@@ -237,8 +237,8 @@ def _cached_k_one_ulp(engine) -> None:
     bs = engine.manager.block_size
     corrupted: dict[int, bytes] = {}  # block id -> the hash it was cached under when changed
 
-    def buggy_publish(block, block_hash, token_ids, parent_hash=None):
-        publish(block, block_hash, token_ids, parent_hash)
+    def buggy_publish(block, block_hash, token_ids, parent_hash=None, group=0):
+        publish(block, block_hash, token_ids, parent_hash, group)
         if pool.cached.get(block_hash) != block.block_id:
             return  # an identical block was cached already: this one stays private
         if any(pool.cached.get(h) == b for b, h in corrupted.items()):
