@@ -2,6 +2,7 @@
 the adapter in every cache key, bit-transparent mixed-adapter batches, clear errors."""
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -70,7 +71,9 @@ def bundled(tmp_path_factory):
     only), both saved in PEFT form, and the same A written as a llama.cpp GGUF LoRA."""
     root = tmp_path_factory.mktemp("lora")
     model, tok = hf_reference()
-    peft_a = make_peft_adapter(model, root / "a", seed=5)
+    # A copy: PEFT injects its layers into the model it wraps, and hf_reference() is the cached
+    # numeric reference every other test module compares with.
+    peft_a = make_peft_adapter(copy.deepcopy(model), root / "a", seed=5)
     with open(root / "a" / "adapter_config.json") as f:
         cfg = json.load(f)
     b_dir = root / "b"
