@@ -108,6 +108,7 @@ QUANTIZATION_CHOICES = ("auto", "none")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 KV_POLICIES = ("sink",)
 SCHEDULING_POLICIES = ("fcfs", "priority")
+MAX_LORA_RANK = 512  # vLLM's largest max_lora_rank too
 TENSOR_PARALLEL_BACKENDS = ("auto", "gloo")
 # How a data-parallel front end hands its replicas the hash seed: not on their command lines.
 HASH_SEED_ENV = "KVSHARE_PREFIX_CACHING_HASH_SEED"
@@ -311,6 +312,8 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name}={v!r} is invalid: must be an integer >= 1")
+        if self.max_lora_rank > MAX_LORA_RANK:  # the C++ delta's bound (csrc/decode_step.cpp kLoraMaxRank)
+            raise ValueError(f"max_lora_rank={self.max_lora_rank} is invalid: allowed are 1..{MAX_LORA_RANK}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len={self.max_model_len!r} is invalid: must be an integer >= 2")
         self._check_kv_policy()

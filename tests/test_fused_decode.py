@@ -274,9 +274,9 @@ def _count_windowed_fused_calls(fused) -> list[int]:
     calls = [0]
     run = fused.run
 
-    def counting(h, tables, meta, kv_cache):
+    def counting(h, tables, meta, kv_cache, lora=None):
         calls[0] += _hides_keys(meta)
-        return run(h, tables, meta, kv_cache)
+        return run(h, tables, meta, kv_cache, lora)
 
     fused.run = counting
     return calls
@@ -336,10 +336,10 @@ def _count_grouped_fused_calls(fused) -> list[int]:
     calls = [0]
     run = fused.run
 
-    def counting(h, tables, meta, kv_cache):
+    def counting(h, tables, meta, kv_cache, lora=None):
         layers = meta.layer_metadata or [meta]
         calls[0] += any(not torch.equal(m.decode_block_tables, layers[0].decode_block_tables) for m in layers)
-        return run(h, tables, meta, kv_cache)
+        return run(h, tables, meta, kv_cache, lora)
 
     fused.run = counting
     return calls

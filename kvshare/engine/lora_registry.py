@@ -20,9 +20,10 @@ class LoRARegistry:
         self.tensor_parallel = tensor_parallel
         self.by_id: dict[int, tuple[LoRARequest, LoRAAdapter]] = {}
         if self.enabled:
-            logger.info("  lora: up to %d adapters of rank <= %d; a step with adapter rows runs those rows layer "
-                        "by layer (the fused C++ decode step takes no adapters), the others as without adapters",
-                        self.max_loras, self.max_rank)
+            logger.info("  lora: up to %d adapters of rank <= %d; adapter rows take the path they take without one, "
+                        "the delta %s", self.max_loras, self.max_rank,
+                        "in C++ (inside the fused decode step where it runs)" if runner.model.fused_decode.takes_adapters
+                        else "in PyTorch (this model is not on the fused C++ step)")
 
     def _check_enabled(self, field: str) -> None:
         if not self.enabled:

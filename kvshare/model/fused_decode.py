@@ -15,7 +15,9 @@ with Qwen3's per-head q/k norm, or Gemma 3's layer; RoPE over whole heads or, pa
 first dims), and a step of decode rows only. Each layer attends with its own view of the rows:
 with KV cache groups its group's slots and block tables, with sliding windows or attention sinks
 each row's visible range in that layer. It runs a step's decode rows whatever other rows share
-the step (kvshare.model.ops.Model.forward sends prompt rows layer by layer). Anything else takes
+the step (kvshare.model.ops.Model.forward sends prompt rows layer by layer), each row under its
+own LoRA adapter or none (the delta is C++'s, the same function the step-by-step path calls on
+such a model: kvshare.model.lora). Anything else takes
 the step-by-step path, which stays the reference: tests/test_fused_decode.py checks the two agree.
 """
 from __future__ import annotations
@@ -276,11 +278,18 @@ class FusedDecode:
         # The metadata too: an id above stays unique only while its tensor lives.
         return rows, [metas, list(converted.values())]
 
+    @property
+    def takes_adapters(self) -> bool:
+        """Whether LoRA deltas are C++'s on this model (kvshare.model.lora): in the fused step, and
+        through the same function for rows the step-by-step path takes. Known when it is built."""
+        return self.model_reason is None and self.library_reason is None
+
     def run(self, h: torch.Tensor, tables: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-            kv_cache: PagedKVStorage) -> torch.Tensor:
+            kv_cache: PagedKVStorage, lora=None) -> torch.Tensor:
         """h [rows, hidden] (embedded tokens, the model's dtype) through every layer; the last
         layer's output comes back in that dtype (in place when it is float32). tables: the rows'
-        (cos, signed sin) of each RoPE table the layers use (Model.rope_tables)."""
+        (cos, signed sin) of each RoPE table the layers use (Model.rope_tables). lora: the rows'
+        adapters (kvshare.model.lora.LoRABatch over these rows), or None."""
         view = self._model_view(kv_cache)
         view.portable = int(self.portable)
         dtype = h.dtype
@@ -289,10 +298,11 @@ class FusedDecode:
         cos = torch.stack([c.reshape(num_rows, -1) for c, _ in tables]).float().contiguous()
         signed_sin = torch.stack([s.reshape(num_rows, -1) for _, s in tables]).float().contiguous()
         rows, keep = self._layer_rows(meta)
+        adapters = None if lora is None else lora.c_rows(num_rows)
         err = ctypes.create_string_buffer(256)
         rc = decode_step.DECODE.lib().kvs_decode_layers(
             ctypes.byref(view), h.data_ptr(), h.shape[0], cos.data_ptr(), signed_sin.data_ptr(), rows,
-            torch.get_num_threads(), err, len(err))
+            None if adapters is None else ctypes.byref(adapters), torch.get_num_threads(), err, len(err))
         del keep  # the index tensors `rows` points into, alive until here
         if view.comm:  # tensor parallel: a rank given up on while waiting
             self.model.tp.transport.raise_late_error()

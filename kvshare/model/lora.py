@@ -5,14 +5,18 @@ An adapter's identity (`LoRAAdapter.key`: name, a hash of its weights, its scale
 prefix cache keys its blocks by (CacheNamespace.adapter): K/V computed under one adapter are other
 bits than the base model's or another adapter's.
 
-The delta is computed per row, by an elementwise product and a sum over the reduced dimension
-(never a GEMM, whose blocking follows the row count): a row's delta depends on the row and its
-adapter alone, so a step mixing adapters gives each row the bits it gets alone (the default
-mode's bit-transparency). It runs on top of whatever kernel the base linear takes (the packed
-kept-quantized weights included).
+The delta is computed per row, in a fixed order of sums (never a GEMM, whose blocking follows the
+row count): a row's delta depends on the row and its adapter alone, so a step mixing adapters
+gives each row the bits it gets alone (the default mode's bit-transparency). It runs on top of
+whatever kernel the base linear takes (the packed kept-quantized weights included). Where the
+model runs on the fused C++ step (kvshare.model.fused_decode), the delta is C++'s
+(csrc/decode_step.cpp, `lora_row`): inside the fused step for its rows, through `kvs_lora_apply`
+for rows the step-by-step path takes, the same function either way. Elsewhere (the exact mode,
+the PyTorch paths) it is PyTorch's elementwise products and sums (`LoRABatch.apply`).
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import math
@@ -31,6 +35,23 @@ _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 # The model's linears (LlamaModel's layer sites) and the modules each one's columns hold, in order.
 SITES = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
          "down": ("down_proj",)}
+# The C++ side's module order per layer (csrc/decode_step.cpp kLoraModules), and each site's first.
+_C_MODULES = tuple(m for modules in SITES.values() for m in modules)
+_C_SITE_FIRST = {site: _C_MODULES.index(modules[0]) for site, modules in SITES.items()}
+
+
+class _CModule(ctypes.Structure):
+    _fields_ = [("a", ctypes.c_void_p), ("bt", ctypes.c_void_p)]
+
+
+class _CAdapter(ctypes.Structure):
+    _fields_ = [("modules", ctypes.POINTER(_CModule)), ("num_layers", ctypes.c_int64), ("rank", ctypes.c_int64),
+                ("scale", ctypes.c_double)]
+
+
+class _CRows(ctypes.Structure):
+    _fields_ = [("adapters", ctypes.POINTER(_CAdapter)), ("num_adapters", ctypes.c_int64),
+                ("row_adapter", ctypes.c_void_p)]
 
 
 class LoRAAdapterError(ValueError):
@@ -71,6 +92,19 @@ class LoRAAdapter:
 
     def site(self, layer: int, site: str) -> list[tuple[int, torch.Tensor, torch.Tensor] | None]:
         return [self.weights.get((layer, m)) for m in SITES[site]]
+
+    def c_view(self, num_layers: int) -> _CAdapter:
+        """The adapter as csrc/decode_step.cpp reads it (built once; its pointers are into
+        `weights` and `b_t`, which live as long as the adapter)."""
+        view = getattr(self, "_c_view", None)
+        if view is None:
+            modules = (_CModule * (num_layers * len(_C_MODULES)))()
+            for (layer, m), (a, _) in self.weights.items():
+                modules[layer * len(_C_MODULES) + _C_MODULES.index(m)] = _CModule(a.data_ptr(),
+                                                                                  self.b_t[(layer, m)].data_ptr())
+            view = self._c_view = _CAdapter(modules, num_layers, self.rank, self.scale)
+            view._keep = modules
+        return view
 
 
 def load_adapter(name: str, path: str, config: ModelArchConfig, max_rank: int) -> LoRAAdapter:
@@ -218,6 +252,10 @@ class LoRABatch:
 
     def __init__(self, groups: list[tuple[LoRAAdapter, torch.Tensor]], config: ModelArchConfig) -> None:
         self.groups = groups  # (adapter, row indices)
+        self.num_layers = config.num_layers
+        # The C++ delta (True) or PyTorch's: the model decides, once (kvshare.model.ops.Model.forward).
+        self.native = False
+        self._rows_view: dict[int, _CRows] = {}  # c_rows by row count, built once per step
         shapes = module_shapes(config)
         self.cols: dict[str, list[slice]] = {}
         for site, modules in SITES.items():
@@ -230,14 +268,27 @@ class LoRABatch:
         """The batch over the rows `keep` (a sorted index tensor), renumbered from 0."""
         pos = {int(r): i for i, r in enumerate(keep.tolist())}
         out = LoRABatch.__new__(LoRABatch)
-        out.cols = self.cols
+        out.cols, out.num_layers, out.native, out._rows_view = self.cols, self.num_layers, self.native, {}
         out.groups = [(a, torch.tensor([pos[int(r)] for r in idx.tolist() if int(r) in pos], dtype=torch.long))
                       for a, idx in self.groups]
         out.groups = [(a, idx) for a, idx in out.groups if idx.numel()]
         return out
 
+    def c_rows(self, num_rows: int) -> _CRows:
+        """The rows' adapters as csrc/decode_step.cpp reads them (-1: a row of no adapter)."""
+        row_adapter = torch.full((num_rows,), -1, dtype=torch.int64)
+        adapters = (_CAdapter * len(self.groups))()
+        for i, (adapter, idx) in enumerate(self.groups):
+            adapters[i] = adapter.c_view(self.num_layers)
+            row_adapter[idx] = i
+        view = _CRows(adapters, len(self.groups), row_adapter.data_ptr())
+        view._keep = (adapters, row_adapter, [a for a, _ in self.groups])
+        return view
+
     def apply(self, layer: int, site: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (the base linear's output for x) plus each adapter row's delta."""
+        if self.native:
+            return self._apply_native(layer, site, x, y)
         for adapter, idx in self.groups:
             parts = adapter.site(layer, site)
             if all(p is None for p in parts):
@@ -259,3 +310,22 @@ class LoRABatch:
             # In place (y is the linear's fresh output): each row's y + delta, as alone.
             y.index_copy_(0, idx, y.index_select(0, idx) + delta.to(y.dtype))
         return y
+
+    def _apply_native(self, layer: int, site: str, x: torch.Tensor, y: torch.Tensor, portable: bool = False
+                      ) -> torch.Tensor:
+        """apply() in C++ (portable: its scalar code where AVX-512 would run; tests: the same bits)."""
+        from kvshare.model.kernels import decode_step
+
+        xf, yf = x.float().contiguous(), y.float().contiguous()  # exact: bfloat16 values widen exactly
+        widths = (ctypes.c_int64 * len(self.cols[site]))(*(c.stop - c.start for c in self.cols[site]))
+        err = ctypes.create_string_buffer(256)
+        rows = self._rows_view.get(x.shape[0])
+        if rows is None:
+            rows = self._rows_view[x.shape[0]] = self.c_rows(x.shape[0])
+        rc = decode_step.DECODE.lib().kvs_lora_apply(
+            ctypes.byref(rows), self.num_layers, layer, _C_SITE_FIRST[site], widths, len(widths), xf.data_ptr(),
+            xf.shape[1], yf.data_ptr(), yf.shape[1], xf.shape[0], int(y.dtype == torch.bfloat16), int(portable),
+            torch.get_num_threads(), err, len(err))
+        if rc:
+            raise ValueError(err.value.decode(errors="replace"))
+        return yf if y.dtype == torch.float32 else yf.to(y.dtype)  # exact: the C++ side rounded as bfloat16

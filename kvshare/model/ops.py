@@ -190,44 +190,26 @@ class Model:
         h = self.embed_rows(self.ops, input_ids)
         tables = self.rope_tables(positions)
         if lora is not None:
-            return self._forward_with_adapters(h, tables, meta, kv_cache, lora)
-        return self._forward(h, tables, meta, kv_cache)
+            lora.native = self.fused_decode.takes_adapters
+        return self._forward(h, tables, meta, kv_cache, lora)
 
-    def _forward_with_adapters(self, h: torch.Tensor, tables: list, meta: AttentionMetadata,
-                               kv_cache: PagedKVStorage, lora) -> torch.Tensor:
-        """Adapter rows layer by layer (the fused C++ step takes no adapters), the other rows as
-        they go without adapters: token rows (every row a decode row) are split so that a base row
-        keeps the fused stack's bits whatever shares its step; a step with prompt chunks (not the
-        bit-transparent mode) runs all its rows layer by layer."""
-        n = h.shape[0]
-        if meta.prefills or meta.decode_groups or meta.num_decode != n or any(m.prefills for m in (meta.layer_metadata or [])):
-            return self.layers_forward(self.ops.step(meta, kv_cache, lora), h, tables)
-        adapter_rows = torch.zeros(n, dtype=torch.bool)
-        for _, idx in lora.groups:
-            adapter_rows[idx] = True
-        with_a = adapter_rows.nonzero().squeeze(1)
-        base = (~adapter_rows).nonzero().squeeze(1)
-        out = torch.empty_like(h)
-        sub = lambda idx: [(c[idx], s[idx]) for c, s in tables]  # noqa: E731
-        out[with_a] = self.layers_forward(self.ops.step(select_rows(meta, with_a), kv_cache, lora.rows(with_a)),
-                                          h[with_a], sub(with_a))
-        if base.numel():
-            out[base] = self._forward(h[base], sub(base), select_rows(meta, base), kv_cache)
-        return out
-
-    def _forward(self, h: torch.Tensor, tables: list, meta: AttentionMetadata, kv_cache: PagedKVStorage
-                 ) -> torch.Tensor:
-        nd = meta.num_decode
+    def _forward(self, h: torch.Tensor, tables: list, meta: AttentionMetadata, kv_cache: PagedKVStorage,
+                 lora=None) -> torch.Tensor:
+        """lora: the rows' adapters (LoRABatch), or None; adapter rows take the path they would
+        take without one (their delta is the same function on either, lora.py)."""
+        nd, n = meta.num_decode, h.shape[0]
         fused_meta = decode_rows(meta)
         if nd == 0 or self.fused_decode.reason(fused_meta, nd, kv_cache) is not None:
-            return self.layers_forward(self.ops.step(meta, kv_cache), h, tables)
+            return self.layers_forward(self.ops.step(meta, kv_cache, lora), h, tables)
         # The decode rows through the fused stack, the other rows (if any) layer by layer: a
         # decode row's arithmetic is the same whatever shares its step.
-        out = self.fused_decode.run(h[:nd], [(c[:nd], s[:nd]) for c, s in tables], fused_meta, kv_cache)
-        if nd == h.shape[0]:
+        out = self.fused_decode.run(h[:nd], [(c[:nd], s[:nd]) for c, s in tables], fused_meta, kv_cache,
+                                    lora if lora is None or nd == n else lora.rows(torch.arange(nd)))
+        if nd == n:
             return out
         rest = [(c[nd:], s[nd:]) for c, s in tables]
-        return torch.cat([out, self.layers_forward(self.ops.step(prompt_rows(meta), kv_cache), h[nd:], rest)])
+        rest_lora = None if lora is None else lora.rows(torch.arange(nd, n))
+        return torch.cat([out, self.layers_forward(self.ops.step(prompt_rows(meta), kv_cache, rest_lora), h[nd:], rest)])
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -253,18 +235,6 @@ def decode_rows(meta: AttentionMetadata) -> AttentionMetadata:
     nd = meta.num_decode
     layers = None if meta.layer_metadata is None else [decode_rows(m) for m in meta.layer_metadata]
     return dataclasses.replace(meta, slot_mapping=meta.slot_mapping[:nd], prefills=[], layer_metadata=layers)
-
-
-def select_rows(meta: AttentionMetadata, idx: torch.Tensor) -> AttentionMetadata:
-    """The metadata of some decode rows of an all-decode step (`idx`, sorted), in that order."""
-    def pick(t):
-        return None if t is None else t[idx]
-    layers = None if meta.layer_metadata is None else [select_rows(m, idx) for m in meta.layer_metadata]
-    return dataclasses.replace(meta, slot_mapping=meta.slot_mapping[idx], num_decode=int(idx.numel()),
-                               decode_block_tables=pick(meta.decode_block_tables),
-                               decode_context_lens=pick(meta.decode_context_lens),
-                               decode_sink_end=pick(meta.decode_sink_end),
-                               decode_window_start=pick(meta.decode_window_start), layer_metadata=layers)
 
 
 def prompt_rows(meta: AttentionMetadata) -> AttentionMetadata:

@@ -8,6 +8,7 @@
 // table, local or global), the K/V write into the paged cache, paged attention over each row's
 // visible keys in that layer, the output projection (Gemma: normalized) and residual, RMSNorm,
 // the fused gate/up matmul, SiLU (Gemma: GELU-tanh) x up, down (Gemma: normalized) and residual.
+// Rows under a LoRA adapter get its delta after each target linear (see "LoRA adapters" below).
 //
 // This file is built as one translation unit after qmatmul.cpp and paged_attention.cpp (the
 // library's sources are concatenated in that order; see cpu_kernels.DECODE), so the matmuls
@@ -438,6 +439,142 @@ struct Ops {
 #undef DEC_PICK
 };
 
+// ---- LoRA adapters (kvshare/model/lora.py) -----------------------------------------------------
+//
+// A row under an adapter gets, after each target linear, y += scale * (x A^T) B^T for each module
+// of that linear's site (q, k, v of qkv; o; gate, up of gate_up; down). The same function serves
+// the fused step and the step-by-step path (kvs_lora_apply), so an adapter row's delta is the same
+// bits on either, and, being computed from the row alone in a fixed order (below), whatever shares
+// its step. A step's rows may each use another adapter (or none).
+
+constexpr int64_t kLoraModules = 7;  // q k v o gate up down, in this order per layer
+constexpr int64_t kLoraMaxRank = 512;
+enum LoraSite : int64_t { kSiteQkv = 0, kSiteO = 3, kSiteGateUp = 4, kSiteDown = 6 };  // first module
+
+struct LoraModule {
+  const float* a;   // [rank, K] (A) or null: the adapter does not target this module
+  const float* bt;  // [rank, N] (B transposed)
+};
+
+struct LoraAdapter {
+  const LoraModule* modules;  // [num_layers * kLoraModules]
+  int64_t num_layers, rank;
+  double scale;  // rounded to float32 where it multiplies
+};
+
+struct LoraRows {
+  const LoraAdapter* adapters;
+  int64_t num_adapters;
+  const int64_t* row_adapter;  // [M]: the row's adapter index, or -1 for none
+};
+
+// dot(x, a) over K: element k into float lane k % 16 (a product rounded, then added), the lanes
+// folded 16 -> 8 -> 4 -> 2 -> 1; the same order in both versions.
+static float lora_dot_s(const float* x, const float* a, int64_t K) {
+  float acc[16] = {0};
+  for (int64_t k = 0; k < K; ++k) acc[k % 16] = acc[k % 16] + x[k] * a[k];
+  for (int w = 8; w >= 1; w /= 2)
+    for (int i = 0; i < w; ++i) acc[i] = acc[i] + acc[i + w];
+  return acc[0];
+}
+
+// y[n] += scale * sum_j t[j] * bt[j][n] (j in order from 0), the delta rounded as the
+// step-by-step path's tensors are (bfloat16: the delta, then the sum).
+static void lora_add_s(const float* t, const float* bt, int64_t rank, int64_t N, float scale, float* y, bool bf) {
+  for (int64_t n = 0; n < N; ++n) {
+    float d = t[0] * bt[n];
+    for (int64_t j = 1; j < rank; ++j) d = d + t[j] * bt[j * N + n];
+    d = d * scale;
+    y[n] = bf ? rb(y[n] + rb(d)) : y[n] + d;
+  }
+}
+
+#if DEC_X86
+#define DEC_CUR _MM_FROUND_CUR_DIRECTION
+DEC_AVX512 static float lora_dot_v(const float* x, const float* a, int64_t K) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 m = tail_mask(K - k);  // masked-off lanes add +0 to their partial sums: no change
+    acc = _mm512_add_round_ps(acc, _mm512_mul_round_ps(vload(x + k, m), vload(a + k, m), DEC_CUR), DEC_CUR);
+  }
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, acc);
+  for (int w = 8; w >= 1; w /= 2)
+    for (int i = 0; i < w; ++i) lanes[i] = lanes[i] + lanes[i + w];
+  return lanes[0];
+}
+
+DEC_AVX512 static void lora_add_v(const float* t, const float* bt, int64_t rank, int64_t N, float scale, float* y,
+                                  bool bf) {
+  for (int64_t n = 0; n < N; n += 16) {
+    const __mmask16 m = tail_mask(N - n);
+    __m512 d = _mm512_mul_round_ps(vset(t[0]), vload(bt + n, m), DEC_CUR);
+    for (int64_t j = 1; j < rank; ++j)
+      d = _mm512_add_round_ps(d, _mm512_mul_round_ps(vset(t[j]), vload(bt + j * N + n, m), DEC_CUR), DEC_CUR);
+    d = _mm512_mul_round_ps(d, vset(scale), DEC_CUR);
+    const __m512 yv = vload(y + n, m);
+    vstore(y + n, bf ? vrb(_mm512_add_round_ps(yv, vrb(d), DEC_CUR)) : _mm512_add_round_ps(yv, d, DEC_CUR), m);
+  }
+}
+#undef DEC_CUR
+#endif  // DEC_X86
+
+// One row's delta over one site: modules [first, first + num_modules) of `layer`, module i writing
+// the `widths[i]` outputs after those of the modules before it. y: the linear's output row, already
+// rounded as its tensor (and its bias added).
+static void lora_row(bool simd, const LoraAdapter& ad, int64_t layer, int64_t first, const int64_t* widths,
+                     int64_t num_modules, const float* x, int64_t K, float* y, bool bf) {
+  float t[kLoraMaxRank];
+  const float scale = float(ad.scale);
+  int64_t col = 0;
+  for (int64_t i = 0; i < num_modules; ++i) {
+    const LoraModule& mod = ad.modules[layer * kLoraModules + first + i];
+    if (mod.a != nullptr) {
+#if DEC_X86
+      if (simd) {
+        for (int64_t j = 0; j < ad.rank; ++j) t[j] = lora_dot_v(x, mod.a + j * K, K);
+        lora_add_v(t, mod.bt, ad.rank, widths[i], scale, y + col, bf);
+        col += widths[i];
+        continue;
+      }
+#endif
+      for (int64_t j = 0; j < ad.rank; ++j) t[j] = lora_dot_s(x, mod.a + j * K, K);
+      lora_add_s(t, mod.bt, ad.rank, widths[i], scale, y + col, bf);
+    }
+    col += widths[i];
+  }
+}
+
+// Whether a call's adapters are usable: every row's index in range, every rank in (0, kLoraMaxRank].
+static int check_lora(const LoraRows& lr, int64_t M, int64_t num_layers, char* err, int64_t err_len) {
+  for (int64_t i = 0; i < lr.num_adapters; ++i) {
+    const LoraAdapter& ad = lr.adapters[i];
+    if (ad.rank < 1 || ad.rank > kLoraMaxRank || ad.num_layers != num_layers) {
+      std::snprintf(err, size_t(err_len), "adapter %lld: rank %lld over %lld layers (allowed: rank 1..%lld, %lld layers)",
+                    (long long)i, (long long)ad.rank, (long long)ad.num_layers, (long long)kLoraMaxRank,
+                    (long long)num_layers);
+      return 1;
+    }
+  }
+  for (int64_t r = 0; r < M; ++r)
+    if (lr.row_adapter[r] < -1 || lr.row_adapter[r] >= lr.num_adapters) {
+      std::snprintf(err, size_t(err_len), "row %lld: adapter index %lld out of range [-1, %lld)", (long long)r,
+                    (long long)lr.row_adapter[r], (long long)lr.num_adapters);
+      return 1;
+    }
+  return 0;
+}
+
+// Row r's delta over a site, when the row has an adapter (lr may be null: no adapters in the call).
+// y: the linear's raw output row [N]; rounded first as its tensor is (the delta is added to that).
+static inline void lora_site(const Ops& ops, const LoraRows* lr, int64_t r, int64_t layer, int64_t first,
+                             const int64_t* widths, int64_t num_modules, const float* x, int64_t K, float* y,
+                             int64_t N, bool bf) {
+  if (lr == nullptr || lr->row_adapter[r] < 0) return;
+  ops.out_row(y, nullptr, N, bf);
+  lora_row(ops.simd, lr->adapters[lr->row_adapter[r]], layer, first, widths, num_modules, x, K, y, bf);
+}
+
 // y [M, y_stride]: the output's row stride (the whole stacked width for a row block).
 static int linear(const Linear& L, const float* x, int64_t M, float* y, int num_threads, char* err, int64_t err_len,
                   int64_t y_stride = -1) {
@@ -552,10 +689,11 @@ static int check_rows(const LayerRows& R, int64_t M, int64_t slots, int64_t bloc
 // h [M, hidden] float32 (with act_bf16, values a bfloat16 holds): the embedded tokens in, the last layer's output (before the final
 // norm) out. cos, ssin [tables, M, rope_dims]: each RoPE table's rows for each row's position (sin
 // signed as RotaryEmbedding.tables gives it; a layer reads table rope_table). rows [num_layers]:
-// each layer's view of the rows (LayerRows).
+// each layer's view of the rows (LayerRows). lora: the rows' adapters, or null (none).
 // Returns 0, or 1 with a message in err (nothing is written to the cache when an index is bad).
 extern "C" int kvs_decode_layers(const dec::Model* mp, float* h, int64_t M, const float* cos, const float* ssin,
-                                 const dec::LayerRows* rows, int num_threads, char* err, int64_t err_len) {
+                                 const dec::LayerRows* rows, const dec::LoraRows* lora, int num_threads, char* err,
+                                 int64_t err_len) {
   const dec::Model& m = *mp;
   const int64_t E = m.hidden, H = m.heads, KVH = m.kv_heads, D = m.head_dim, I = m.intermediate;
   const int64_t qs = H * D, kvs_ = KVH * D, qkv_n = qs + 2 * kvs_;
@@ -569,6 +707,13 @@ extern "C" int kvs_decode_layers(const dec::Model* mp, float* h, int64_t M, cons
     return 1;
   }
   if (M <= 0) return 0;
+  if (lora != nullptr) {
+    if (m.comm != nullptr) {
+      std::snprintf(err, size_t(err_len), "LoRA adapters are not served under tensor parallelism");
+      return 1;
+    }
+    if (dec::check_lora(*lora, M, m.num_layers, err, err_len)) return 1;
+  }
   // Isolation checks once, before anything is written, on every distinct layer view (paged
   // attention checks the tables again per layer).
   const int64_t num_blocks = m.slots / m.block_size;
@@ -586,6 +731,7 @@ extern "C" int kvs_decode_layers(const dec::Model* mp, float* h, int64_t M, cons
   std::unique_ptr<uint16_t[]> q16(bf ? new uint16_t[size_t(M * qs)] : nullptr),
       attn16(bf ? new uint16_t[size_t(M * qs)] : nullptr);
   std::vector<uint16_t> y16;
+  const int64_t qkv_widths[3] = {qs, kvs_, kvs_}, gate_up_widths[2] = {I, I}, e_width[1] = {E};
   // Each pass below is per row (dec::for_rows): a row's values come from that row alone.
   dec::for_rows(M, num_threads, [&](int64_t r) { ops.norm_row(h + r * E, m.layers[0].in_norm, E, m.eps, x.get() + r * E, bf); });
   for (int64_t li = 0; li < m.num_layers; ++li) {
@@ -594,6 +740,7 @@ extern "C" int kvs_decode_layers(const dec::Model* mp, float* h, int64_t M, cons
     if (dec::linear(L.qkv, x.get(), M, qkv.get(), num_threads, err, err_len)) return 1;
     dec::for_rows(M, num_threads, [&](int64_t r) {
       float* row = qkv.get() + r * qkv_n;
+      dec::lora_site(ops, lora, r, li, dec::kSiteQkv, qkv_widths, 3, x.get() + r * E, E, row, qkv_n, bf);
       ops.out_row(row, L.qkv.bias, qkv_n, bf);
       if (L.qk_norm != nullptr)  // in place: norm_row reads the whole head (its sum) before it writes
         for (int64_t hh = 0; hh < H + KVH; ++hh)
@@ -616,21 +763,54 @@ extern "C" int kvs_decode_layers(const dec::Model* mp, float* h, int64_t M, cons
     if (dec::all_reduce(ops, m.comm, y.get(), M * E, bf, y16, err, err_len)) return 1;
     // h += o's output (rounded: its tensor; Gemma: normalized first), then the norm before the MLP.
     dec::for_rows(M, num_threads, [&](int64_t r) {
+      dec::lora_site(ops, lora, r, li, dec::kSiteO, e_width, 1, attn.get() + r * qs, qs, y.get() + r * E, E, bf);
       dec::out_norm(ops, y.get() + r * E, L.attn_out_norm, E, m.eps, bf);
       ops.residual(h + r * E, y.get() + r * E, E, bf);
       ops.norm_row(h + r * E, L.post_norm, E, m.eps, x.get() + r * E, bf);
     });
     if (dec::linear(L.gate_up, x.get(), M, gu.get(), num_threads, err, err_len)) return 1;
-    dec::for_rows(M, num_threads, [&](int64_t r) { ops.act_row(gu.get() + r * 2 * I, I, act.get() + r * I, bf); });
+    dec::for_rows(M, num_threads, [&](int64_t r) {
+      dec::lora_site(ops, lora, r, li, dec::kSiteGateUp, gate_up_widths, 2, x.get() + r * E, E, gu.get() + r * 2 * I,
+                     2 * I, bf);
+      ops.act_row(gu.get() + r * 2 * I, I, act.get() + r * I, bf);
+    });
     if (dec::linear(L.down, act.get(), M, y.get(), num_threads, err, err_len)) return 1;
     if (dec::all_reduce(ops, m.comm, y.get(), M * E, bf, y16, err, err_len)) return 1;
     // h += down's output (Gemma: normalized first), then the next layer's input norm.
     const float* next_norm = li + 1 < m.num_layers ? m.layers[li + 1].in_norm : nullptr;
     dec::for_rows(M, num_threads, [&](int64_t r) {
+      dec::lora_site(ops, lora, r, li, dec::kSiteDown, e_width, 1, act.get() + r * I, I, y.get() + r * E, E, bf);
       dec::out_norm(ops, y.get() + r * E, L.mlp_out_norm, E, m.eps, bf);
       ops.residual(h + r * E, y.get() + r * E, E, bf);
       if (next_norm != nullptr) ops.norm_row(h + r * E, next_norm, E, m.eps, x.get() + r * E, bf);
     });
   }
+  return 0;
+}
+
+// The step-by-step path's LoRA delta (kvshare/model/lora.py), the fused step's function: x [M, K] a
+// site's input rows, y [M, N] its linear's output rows (rounded as their tensor, no bias yet), both
+// float32 (values a bfloat16 holds when act_bf16); y gets each adapter row's delta over modules
+// [first, first + num_modules) of `layer`, module i over `widths[i]` columns. Rows are independent;
+// the thread count changes only the speed.
+extern "C" int kvs_lora_apply(const dec::LoraRows* lora, int64_t num_layers, int64_t layer, int64_t first,
+                              const int64_t* widths, int64_t num_modules, const float* x, int64_t K, float* y,
+                              int64_t N, int64_t M, int act_bf16, int portable, int num_threads, char* err,
+                              int64_t err_len) {
+  if (dec::check_lora(*lora, M, num_layers, err, err_len)) return 1;
+  int64_t total = 0;
+  for (int64_t i = 0; i < num_modules; ++i) total += widths[i];
+  if (layer < 0 || layer >= num_layers || first < 0 || num_modules < 1 || first + num_modules > dec::kLoraModules ||
+      total != N) {
+    std::snprintf(err, size_t(err_len), "site: layer %lld, modules [%lld, %lld) over %lld of %lld columns",
+                  (long long)layer, (long long)first, (long long)(first + num_modules), (long long)total, (long long)N);
+    return 1;
+  }
+  const dec::Ops ops{dec::has_avx512() && portable == 0, false, false};
+  // Rows are whole units of work here (no shared scratch), so any M is spread over the threads.
+  const int threads = M >= 16 ? num_threads : 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t r = 0; r < M; ++r)
+    dec::lora_site(ops, lora, r, layer, first, widths, num_modules, x + r * K, K, y + r * N, N, act_bf16 != 0);
   return 0;
 }
