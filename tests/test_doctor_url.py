@@ -65,7 +65,7 @@ def fault_server(fault: str) -> ServerProcess:
 
 
 def check_fault_found(fault: str, tmp_path, clean_url: str | None, stages: set[str], replays: bool = True,
-                      only: str | None = None, extra: tuple[str, ...] = ()) -> None:
+                      only: str | None = None, extra: tuple[str, ...] = ()) -> dict:
     srv = fault_server(fault)
     try:
         assert "--inject-fault-unaudited" in srv.log_text() and "test-only" in srv.log_text()
@@ -84,6 +84,22 @@ def check_fault_found(fault: str, tmp_path, clean_url: str | None, stages: set[s
         srv.close()
     if clean_url is not None and replays:  # and the same requests on a sound server do not
         assert main(["doctor", "--url", clean_url, "--replay", repro["path"]]) == 0
+    return repro
+
+
+def check_timed_pair(repro: dict, cut: bool) -> None:
+    """The repro is the victim streamed and long, the other request sent after its first chunk
+    (and cut after its own first chunk, where the harm is an abort): in the JSONL and the curl
+    script alike."""
+    lines = [json.loads(line) for line in open(repro["path"])]
+    victim = next(line for line in lines if line["victim"])
+    other = next(line for line in lines if not line["victim"])
+    assert victim["step"] == other["step"] and other["after_first_chunk_of"] == victim["name"], lines
+    assert victim["body"]["stream"] and victim["body"]["max_tokens"] >= 32
+    assert (other["cut_after_chunks"] == 1) == cut
+    script = open(repro["curl"]).read()
+    assert "| after_first_chunk req" in script
+    assert ("awk '/^data:/" in script) == cut
 
 
 def test_a_block_published_before_its_kv_is_written_is_found_by_the_next_turn(clean, tmp_path):
@@ -103,6 +119,23 @@ def test_forks_writing_into_their_shared_tail_block_are_found_by_sampled_seeded_
     check_fault_found("no_copy_on_write", tmp_path, clean.url, {"forks"}, only="forks")
 
 
+def test_an_abort_that_frees_blocks_the_victim_still_reads_shrinks_to_a_timed_pair(clean, tmp_path):
+    """abort_ignores_refcount, unguarded: a cut request drops the victim's references to the prefix
+    blocks they share, and the freed blocks are handed out (to the victim's next block) while the
+    victim still decodes. Only the order shows it: the cut sent after the victim's first chunk,
+    cut after its own first one, the victim still decoding tens of tokens later."""
+    repro = check_fault_found("abort_ignores_refcount", tmp_path, clean.url, {"abort"}, only="abort")
+    check_timed_pair(repro, cut=True)
+
+
+def test_an_allocator_evicting_held_blocks_shrinks_to_a_timed_pair(clean, tmp_path):
+    """evict_held_block, unguarded: a request that allocates while the victim holds cached blocks
+    takes one of them and writes its own KV over it; sent after the victim's first chunk (the
+    victim's blocks cached, the victim still decoding), it changes the victim's answer."""
+    repro = check_fault_found("evict_held_block", tmp_path, clean.url, {"abort"}, only="abort")
+    check_timed_pair(repro, cut=True)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fault,stages,replays", [
     ("slot_off_by_one", {"concurrency", "cache", "canary", "abort", "multi_turn"}, True),
@@ -114,9 +147,8 @@ def test_forks_writing_into_their_shared_tail_block_are_found_by_sampled_seeded_
     ("cached_k_one_ulp", {"concurrency", "cache", "canary", "abort", "multi_turn"}, False),
     # Same answers (identical tokens, identical KV): only the cached-token count shows the leak.
     ("lookup_ignores_salt", {"cache"}, True),
-    # Unguarded (as in engines without the pool's guard): a block freed while another request
-    # still holds it is handed out next. Found, but the harm needs the abort (or the eviction) to
-    # land while the victim still decodes: shrinking to two requests does not reliably reproduce.
+    # In a full run (the default tests run the abort stage alone): found by the first stage that
+    # sees it; the repro is shrunk as far as the shrinking time allows.
     ("abort_ignores_refcount", {"abort"}, False),
     ("evict_held_block", {"concurrency", "forks", "cache", "canary", "abort", "multi_turn"}, False)])
 def test_planted_faults_that_change_answers_are_found(clean, tmp_path, fault, stages, replays):
