@@ -583,8 +583,9 @@ def shrink(run: Run, finding: Finding, extra_seconds: float) -> tuple[Case, bool
     others = sorted((r for r in reqs.values() if r.name != victim.name),
                     key=lambda r: (r.after != victim.name, r.cut_after is None and r.timeout is None,
                                    -_common(_content(r), _content(victim))))
-    # The victim alone is tried once (a pair that reproduces is still a repro of two at most).
-    candidates: list[tuple[Case, int]] = [] if finding.kind == "salt_leak" else [([[victim]], 1)]
+    # The victim alone is tried once where pairs are left to try (one that reproduces is still a
+    # repro of two at most), twice where it is the only candidate.
+    candidates: list[tuple[Case, int]] = [] if finding.kind == "salt_leak" else [([[victim]], 1 if others else 2)]
     for o in others[:6]:
         o = replace(o, after=None)
         before = [[o], [victim]]

@@ -5,9 +5,11 @@ the clean server); a proxy that splices one answer into a concurrent one (the ca
 one that adds logprob noise but never mixes (no contamination); a never-streaming one, a 401, an
 unreachable URL and bad arguments (one line, exit 2); llama.cpp's llama-server (slow).
 
-Faults: hit_before_written (multi-turn), share_without_incref (abort) and no_copy_on_write (forks:
-sampled, seeded n=2 forks) in the default suite; slot_off_by_one, cached_k_one_ulp,
-lookup_ignores_salt, abort_ignores_refcount and evict_held_block behind `slow`. The refcount
+Faults: hit_before_written (multi-turn), share_without_incref, abort_ignores_refcount and
+evict_held_block (abort: a timed pair, the victim streaming and the other sent after its first
+chunk) and no_copy_on_write (forks: sampled, seeded n=2 forks) in the default suite;
+slot_off_by_one, cached_k_one_ulp, lookup_ignores_salt and full runs against c and d behind
+`slow` (cached_k_one_ulp has no replaying repro: docs/doctor.md says why). The refcount
 faults (a, c, d) run unguarded under --inject-fault-unaudited (kvshare.testing.faults): kvshare's
 pool would stop the engine, an engine without its guard reuses the block and mixes answers."""
 from __future__ import annotations
