@@ -102,6 +102,8 @@ def check_timed_pair(repro: dict, cut: bool) -> None:
     script = open(repro["curl"]).read()
     assert "| after_first_chunk req" in script
     assert ("awk '/^data:/" in script) == cut
+    page = open(os.path.join(os.path.dirname(repro["path"]), "report.html")).read()
+    assert f"sent after {victim['name']}&#x27;s first chunk" in page  # the report says the order too
 
 
 def test_a_block_published_before_its_kv_is_written_is_found_by_the_next_turn(clean, tmp_path):
