@@ -178,14 +178,16 @@ class Server:
             return False
 
     # -- requests --------------------------------------------------------------------------------
-    def send(self, endpoint: str, body: dict, cut_after: int | None = None, timeout: float | None = None) -> Output:
+    def send(self, endpoint: str, body: dict, cut_after: int | None = None, timeout: float | None = None,
+             on_first_chunk=None) -> Output:
         """One request; `cut_after`: a stream closed after that many chunks (nothing compared);
-        `timeout`: the client gives up after that many seconds (the error says so)."""
+        `timeout`: the client gives up after that many seconds (the error says so);
+        `on_first_chunk`: called when a stream's first chunk has arrived (a request timed on it)."""
         path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
         body = {"model": self.model, **body}
         try:
             if body.get("stream"):
-                return self._stream(path, body, endpoint, cut_after, timeout)
+                return self._stream(path, body, endpoint, cut_after, timeout, on_first_chunk)
             try:
                 resp = self.client.post(path, json=body, timeout=timeout or self.timeout)
             except (httpx2.RemoteProtocolError, httpx2.ConnectError):
@@ -200,7 +202,8 @@ class Server:
             return Output(error=_error_text(resp))
         return parse_answer(resp.json(), endpoint)
 
-    def _stream(self, path: str, body: dict, endpoint: str, cut_after: int | None, timeout: float | None) -> Output:
+    def _stream(self, path: str, body: dict, endpoint: str, cut_after: int | None, timeout: float | None,
+                on_first_chunk=None) -> Output:
         chunks = []
         with self.client.stream("POST", path, json=body, timeout=timeout or self.timeout) as r:
             if r.status_code != 200:
@@ -210,6 +213,8 @@ class Server:
                 if not line.startswith("data:") or line[5:].strip() == "[DONE]":
                     continue
                 chunks.append(json.loads(line[5:]))
+                if len(chunks) == 1 and on_first_chunk is not None:
+                    on_first_chunk()
                 if cut_after is not None and len(chunks) >= cut_after:
                     return Output(error="cut by the doctor")  # closing the stream aborts the request
         return merge_chunks(chunks, endpoint)

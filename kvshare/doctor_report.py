@@ -26,8 +26,28 @@ def format_text(report: dict) -> str:
     if r:
         lines.append(f"repro ({r['requests']} request{'s' if r['requests'] != 1 else ''}"
                      f"{'' if r['minimal'] else ', not shrunk further'}): {r['path']} (curl: {r['curl']})")
+        lines.append("  " + describe_case(r["case"]))
     lines.append(report["summary"])
     return "\n".join(lines)
+
+
+def describe_case(case: list[list[dict]]) -> str:
+    """A repro's requests in order, as a person would say it: "victim (streamed, 48 tokens), then
+    cut0 after victim's first chunk, cut after 1 chunk"."""
+    steps = []
+    for step in case:
+        said = []
+        for r in step:
+            how = [f"{r['body'].get('max_tokens')} tokens", "streamed" if r["body"].get("stream") else "not streamed"]
+            if r.get("after_first_chunk_of"):
+                how.insert(0, f"sent after {r['after_first_chunk_of']}'s first chunk")
+            if r.get("cut_after_chunks"):
+                how.append(f"cut after {r['cut_after_chunks']} chunk(s)")
+            if r.get("timeout_s"):
+                how.append(f"client timeout {r['timeout_s']:g} s")
+            said.append(f"{r['name']} ({', '.join(how)})")
+        steps.append(" beside ".join(said))
+    return "; then ".join(steps)
 
 
 def drift_svg(drift: list[float], tol: float, width: int = 360, height: int = 90) -> str:
@@ -74,7 +94,8 @@ def format_html(report: dict) -> str:
     r = report.get("repro")
     if r:
         parts.append(f"<h2>Minimal repro</h2><p>{r['requests']} request(s), stage {e(r['stage'])}: {e(r['detail'])}"
-                     f"{'' if r['minimal'] else ' (could not be shrunk further)'}.<br>JSONL: <code>{e(r['path'])}"
+                     f"{'' if r['minimal'] else ' (could not be shrunk further)'}.<br>{e(describe_case(r['case']))}"
+                     f"<br>JSONL: <code>{e(r['path'])}"
                      f"</code>, curl script: <code>{e(r['curl'])}</code>. Check it: "
                      f"<code>kvshare doctor --url {e(report['url'])} --replay {e(r['path'])}</code></p>")
         try:

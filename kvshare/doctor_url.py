@@ -21,6 +21,7 @@ import random
 import secrets
 import shlex
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -35,6 +36,11 @@ BOUNDARY_LENGTHS = (16, 32, 64, 128, 256)
 # request alone measures run-to-run noise, not the rounding a different batch shape brings.
 MIN_NOISE_TOL = 1e-2
 TOP = 2  # top logprobs asked for, where offered: near ties are told apart from changed tokens
+# How long a victim timed against another request decodes (tokens, ignore_eos where taken): the
+# other request arrives after its first chunk and is served (or cut) within a few steps, so the
+# victim still reads its KV for tens of steps after, crossing several block boundaries (16 tokens
+# each in vLLM and kvshare), whatever the machine's speed.
+TIMED_VICTIM_TOKENS = 48
 
 STAGES = {
     "noise_floor": "none: the same greedy request alone, repeated (cold each time where cache_salt works), "
@@ -63,10 +69,13 @@ class Req:
     timeout: float | None = None  # the client gives up after this many seconds
     salt: str | None = "run"  # the same label: the same cache namespace in one run of a case; None: no salt
     compared: bool = True  # cut, timed-out and refused requests are exercised, not compared
+    # Sent when this request of the same step has streamed its first chunk (it is running, its
+    # prompt's KV written), not at the step's start: an order the server's speed cannot change.
+    after: str | None = None
 
     def to_dict(self) -> dict:
         return {"name": self.name, "endpoint": self.endpoint, "body": self.body, "cut_after_chunks": self.cut_after,
-                "timeout_s": self.timeout, "salt_label": self.salt}
+                "timeout_s": self.timeout, "salt_label": self.salt, "after_first_chunk_of": self.after}
 
 
 Case = list[list[Req]]  # steps in order; the requests of a step concurrently
@@ -147,26 +156,48 @@ class Run:
         words = [self.words[(offset + i) % len(self.words)] for i in range(n)]
         return " ".join(words)
 
-    def send(self, req: Req, salt: str | None) -> Output:
+    def send(self, req: Req, salt: str | None, on_first_chunk=None) -> Output:
         body = dict(req.body)
         if salt is not None and self.caps.takes("cache_salt"):
             body["cache_salt"] = salt
         self.sent += 1
-        return self.server.send(req.endpoint, body, req.cut_after, req.timeout)
+        return self.server.send(req.endpoint, body, req.cut_after, req.timeout, on_first_chunk)
 
     def run_case(self, case: Case, salts: dict[str, str] | None = None) -> dict[str, Output]:
-        """Each step's requests concurrently, steps in order; each salt label a fresh salt (unless
-        `salts`, filled as labels are met, carries it over from an earlier call)."""
+        """Each step's requests concurrently (one whose `after` names another once that one's first
+        chunk has arrived), steps in order; each salt label a fresh salt (unless `salts`, filled as
+        labels are met, carries it over from an earlier call)."""
         salts = {} if salts is None else salts
         outs: dict[str, Output] = {}
         for step in case:
             for r in step:
                 if r.salt is not None:
                     salts.setdefault(r.salt, self.fresh_salt())
+            started = {r.name: threading.Event() for r in step}
+
+            def send(r: Req) -> Output:
+                if r.after is not None:
+                    started[r.after].wait()
+                try:
+                    return self.send(r, salts.get(r.salt), started[r.name].set)
+                finally:
+                    started[r.name].set()  # not streamed, or failed first: what waits on it goes now
+
             with ThreadPoolExecutor(len(step)) as ex:
-                futures = {r.name: ex.submit(self.send, r, salts.get(r.salt)) for r in step}
+                futures = {r.name: ex.submit(send, r) for r in step}
             outs.update({name: f.result() for name, f in futures.items()})
         return outs
+
+    def timed_victim(self, victim: Req) -> Req:
+        """`victim` streamed and long enough to be still decoding well after a request sent after
+        its first chunk has been served or cut (ignore_eos where taken, so it does not stop early)."""
+        prompt_words = len(_content(victim).split())
+        room = (self.caps.max_model_len or 2048) - round(prompt_words * self.tokens_per_word * 1.5) - 8
+        body = {**victim.body, "stream": True,
+                "max_tokens": max(victim.body.get("max_tokens") or 0, min(TIMED_VICTIM_TOKENS, room))}
+        if self.caps.takes("ignore_eos"):
+            body["ignore_eos"] = True
+        return replace(victim, body=body, cut_after=None, timeout=None, after=None)
 
     def reference(self, req: Req) -> Output:
         """The request alone on a cold cache (its own fresh salt), not streamed: what it should say."""
@@ -210,6 +241,8 @@ def _summary(r: Req) -> dict:
         how += f", cut after {r.cut_after} chunk(s)"
     if r.timeout is not None:
         how += f", client timeout {r.timeout:g} s"
+    if r.after is not None:
+        how += f", sent after {r.after}'s first chunk"
     return {"name": r.name, "endpoint": r.endpoint, "max_tokens": r.body.get("max_tokens"), "how": how,
             "salt": r.salt, "content": content if len(content) <= 240 else content[:110] + " ... " + content[-110:]}
 
@@ -405,12 +438,20 @@ def stage_canary(run: Run, st: StageResult) -> None:
 
 
 def stage_abort(run: Run, st: StageResult) -> None:
-    prefix = f"Doctor run {run.tag}, aborts. " + run.text(44, 120)
-    victim = Req("victim", "completions", run.body("completions", prefix + " " + run.text(5, 330),
-                                                   max_tokens=2 * run.max_tokens, stream=True))
-    cut = [Req(f"cut{i}", "completions", run.body("completions", prefix + " " + run.text(3 + i, 360 + 9 * i),
+    # The victim is running (its prompt's blocks written and cached) and keeps decoding for tens of
+    # steps when the first cut lands: sent after the victim's first chunk, it shares the victim's
+    # prefix (about three blocks), then goes its own way for two blocks more, and is cut after its
+    # own first chunk. So an abort frees blocks the victim still holds (handed out again, to the
+    # victim's next block or another's, while the victim reads them), and the cut's own new blocks
+    # are allocated while the victim's cached blocks are held (an allocator that evicts a held
+    # block overwrites the victim's KV). The other cuts and the timeout start with the victim:
+    # what they leave in the free queue is used up before the first cut lands.
+    prefix = f"Doctor run {run.tag}, aborts. " + run.text(40, 120)
+    victim = run.timed_victim(Req("victim", "completions", run.body("completions", prefix + " " + run.text(20, 330))))
+    cut = [Req(f"cut{i}", "completions", run.body("completions", prefix + " " + run.text(36 + 3 * i, 360 + 9 * i),
                                                    max_tokens=4 * run.max_tokens, stream=True),
-               cut_after=1, compared=False) for i in range(max(1, run.concurrency - 1))]
+               cut_after=1, compared=False, after=None if i else victim.name)
+           for i in range(max(1, run.concurrency - 1))]
     timed_out = Req("timeout", "completions", run.body("completions", prefix + " " + run.text(6, 420),
                                                        max_tokens=8 * run.max_tokens),
                     timeout=0.05, compared=False)
@@ -418,10 +459,11 @@ def stage_abort(run: Run, st: StageResult) -> None:
                                                        max_tokens=(run.caps.max_model_len or 100_000) + 1),
                timeout=2.0, compared=False)  # a server that serves it anyway is cut, not waited for
     retries = [replace(r, name=f"retry{i}", body={**r.body, "max_tokens": run.max_tokens, "stream": False},
-                       cut_after=None, compared=True) for i, r in enumerate(cut)]
+                       cut_after=None, compared=True, after=None) for i, r in enumerate(cut)]
+    short = {**victim.body, "max_tokens": run.max_tokens}  # what follows the aborts: no need to be long
     case = [[victim, *cut, timed_out, over],
-            [replace(victim, name="victim again", body={**victim.body, "stream": False}), *retries],
-            [replace(victim, name="victim after")]]
+            [replace(victim, name="victim again", body={**short, "stream": False}), *retries],
+            [replace(victim, name="victim after", body=short)]]
     outs = run.run_case(case)
     if outs["over context"].error in (None, "client timeout"):
         st.notes.append("a request with max_tokens over the context length was served, not refused")
@@ -473,10 +515,12 @@ STAGE_FUNCS = {"noise_floor": stage_noise_floor, "concurrency": stage_concurrenc
 
 # -- bisection and repro -------------------------------------------------------------------------
 
-def reproduces(run: Run, finding: Finding, case: Case, tries: int = 2) -> bool:
+def reproduces(run: Run, finding: Finding, case: Case, tries: int = 2, alone_seen: dict | None = None) -> bool:
     """Whether `case` (each try on fresh salts) still shows the finding on its victim: its answer
     differs from the victim sent alone on a cold cache right after (on this server, now: what a
-    broken server answered alone during the run may itself be wrong), or carries another's canary."""
+    broken server answered alone during the run may itself be wrong), or carries another's canary.
+    `alone_seen` keeps each alone answer for the later tries and candidates of one shrink."""
+    alone_seen = {} if alone_seen is None else alone_seen
     victim = next(r for step in case for r in step if r.name == finding.victim)
     for _ in range(tries):
         outs = run.run_case(case)
@@ -496,9 +540,14 @@ def reproduces(run: Run, finding: Finding, case: Case, tries: int = 2) -> bool:
                 if diff is not None and (choice.error or _sampled_beyond_noise(diff, run.tol)):
                     return True
             continue
-        alone = run.send(replace(victim, body={k: v for k, v in victim.body.items() if k != "stream"},
-                                 cut_after=None, timeout=None), run.fresh_salt())
+        body = {k: v for k, v in victim.body.items() if k != "stream"}
+        key = json.dumps([victim.endpoint, body], sort_keys=True)
+        if key not in alone_seen:
+            alone_seen[key] = run.send(replace(victim, body=body, cut_after=None, timeout=None, after=None),
+                                       run.fresh_salt())
+        alone = alone_seen[key]
         if alone.error:
+            del alone_seen[key]
             continue
         diff = compare(got, alone, run.tol, run.noisy_tokens)
         if diff is not None and diff.beyond_noise:
@@ -518,25 +567,39 @@ def _codes(case: Case, victim: str) -> list[str]:
 
 
 def shrink(run: Run, finding: Finding, extra_seconds: float) -> tuple[Case, bool]:
-    """The smallest case that still reproduces: the victim alone, else with one other request
-    (before it, or beside it), others sharing more of its prompt first. (case, minimal?)."""
+    """The smallest case that still reproduces: the victim alone, else with one other request,
+    others sharing more of its prompt first. One from an earlier step goes before it (then beside
+    it); one from its own step first goes timed against it (the victim streamed and long, the
+    other sent after the victim's first chunk, cut as it was: harm that needs the victim to be
+    running when the other arrives or is aborted, reproduced whatever the machine's speed), then
+    beside it, then before it. (case, minimal?)."""
     stop = time.monotonic() + extra_seconds
     steps = {r.name: i for i, step in enumerate(finding.case) for r in step}
     reqs = {r.name: r for step in finding.case for r in step}
-    victim = reqs[finding.victim]
+    victim = replace(reqs[finding.victim], after=None)
     # A victim whose own earlier turn is its prompt (multi-turn) needs that turn before it.
-    # Requests cut or timed out first (an abort is the likeliest harm in a case that has one).
+    # Requests the stage timed on the victim first, then those cut or timed out (an abort is the
+    # likeliest harm in a case that has one).
     others = sorted((r for r in reqs.values() if r.name != victim.name),
-                    key=lambda r: (r.cut_after is None and r.timeout is None, -_common(_content(r), _content(victim))))
-    candidates: list[Case] = [] if finding.kind == "salt_leak" else [[[victim]]]
+                    key=lambda r: (r.after != victim.name, r.cut_after is None and r.timeout is None,
+                                   -_common(_content(r), _content(victim))))
+    # The victim alone is tried once where pairs are left to try (one that reproduces is still a
+    # repro of two at most), twice where it is the only candidate.
+    candidates: list[tuple[Case, int]] = [] if finding.kind == "salt_leak" else [([[victim]], 1 if others else 2)]
     for o in others[:6]:
+        o = replace(o, after=None)
         before = [[o], [victim]]
         beside = [[o, victim]]
-        candidates += [before, beside] if steps[o.name] < steps[victim.name] else [beside, before]
-    for cand in candidates:
+        if steps[o.name] < steps[victim.name]:
+            candidates += [(before, 2), (beside, 2)]
+        else:
+            timed = run.timed_victim(victim)
+            candidates += [([[timed, replace(o, after=timed.name)]], 2), (beside, 2), (before, 2)]
+    alone_seen: dict = {}
+    for cand, tries in candidates:
         if time.monotonic() > stop:
             break
-        if reproduces(run, finding, cand):
+        if reproduces(run, finding, cand, tries, alone_seen):
             return cand, True
     return finding.case, False
 
@@ -574,23 +637,50 @@ def write_repro(path: str | None, server: Server, case: Case, finding: Finding) 
 
 
 def curl_script(server: Server, lines: list[dict]) -> str:
+    """The repro as a shell script: one function per request (a stream cut after k chunks closes
+    once its k-th `data:` line is read), each step's requests together, a request timed on another
+    started by that one's first streamed chunk (`after_first_chunk`), then `wait`."""
     out = ["#!/bin/sh", "# kvshare doctor repro: run twice with a new cache_salt each time (sed -i s/repro-/repro2-/)",
            "# (the server caches what the first run sent); compare the victim's answer with 'expect' in the JSONL.",
-           'KEY="${OPENAI_API_KEY:-}"']
+           'KEY="${OPENAI_API_KEY:-}"',
+           "# Print a stream as it comes; at its first data: line start the functions named (in the background).",
+           "after_first_chunk() {",
+           "  go=",
+           "  while IFS= read -r line; do",
+           "    printf '%s\\n' \"$line\"",
+           "    case \"$line\" in data:*) if [ -z \"$go\" ]; then go=1; for f in \"$@\"; do \"$f\" & done; fi;; esac",
+           "  done",
+           "  if [ -z \"$go\" ]; then for f in \"$@\"; do \"$f\" & done; fi  # not streamed: after its answer",
+           "  wait",
+           "}"]
+    func = {}
+    for k, line in enumerate(lines):
+        func[(line["step"], line["name"])] = f"req{k}"
+        path = "/v1/chat/completions" if line["endpoint"] == "chat" else "/v1/completions"
+        body = {"model": line["model"], **line["body"]}
+        if line.get("salt_label") is not None:
+            body["cache_salt"] = line["cache_salt"]
+        limit = f" --max-time {line['timeout_s']}" if line.get("timeout_s") else ""
+        stream = " -N" if body.get("stream") else ""
+        cut = (f" | awk '/^data:/ {{ print; if (++n >= {int(line['cut_after_chunks'])}) exit }}'"
+               if line.get("cut_after_chunks") else "")
+        out.append(f"# {line['name']}" + (" (victim)" if line["victim"] else ""))
+        out.append(f"req{k}() {{ curl -sS{stream}{limit} {shlex.quote(server.root + path)} "
+                   f"-H 'Content-Type: application/json' -H \"Authorization: Bearer $KEY\" "
+                   f"-d {shlex.quote(json.dumps(body))}{cut}; echo; }}")
     for step in sorted({line["step"] for line in lines}):
         here = [line for line in lines if line["step"] == step]
-        out.append(f"# step {step}" + (" (concurrently)" if len(here) > 1 else ""))
+        out.append(f"# step {step}" + (" (together)" if len(here) > 1 else ""))
         for line in here:
-            path = "/v1/chat/completions" if line["endpoint"] == "chat" else "/v1/completions"
-            body = {"model": line["model"], **line["body"]}
-            if line.get("salt_label") is not None:
-                body["cache_salt"] = line["cache_salt"]
-            limit = f" --max-time {line['timeout_s']}" if line.get("timeout_s") else ""
-            head = f" | head -c 400" if line.get("cut_after_chunks") else ""
-            out.append(f"curl -sS{limit} {shlex.quote(server.root + path)} -H 'Content-Type: application/json' "
-                       f"-H \"Authorization: Bearer $KEY\" -d {shlex.quote(json.dumps(body))}{head}"
-                       + (" &" if len(here) > 1 else "") + f"  # {line['name']}"
-                       + (" (victim)" if line["victim"] else ""))
+            if line.get("after_first_chunk_of"):
+                continue  # started by the one it is timed on
+            waiting = [func[(step, w["name"])] for w in here if w.get("after_first_chunk_of") == line["name"]]
+            call = func[(step, line["name"])]
+            if waiting:
+                call += " | after_first_chunk " + " ".join(waiting)
+                out.append(f"# {', '.join(w['name'] for w in here if w.get('after_first_chunk_of') == line['name'])}"
+                           f" sent after {line['name']}'s first streamed chunk")
+            out.append(call + (" &" if len(here) > 1 else ""))
         if len(here) > 1:
             out.append("wait")
     return "\n".join(out) + "\n"
@@ -607,7 +697,7 @@ def read_repro(path: str) -> tuple[Case, Finding]:
     for line in lines:
         try:
             r = Req(line["name"], line["endpoint"], line["body"], line.get("cut_after_chunks"), line.get("timeout_s"),
-                    line.get("salt_label"))
+                    line.get("salt_label"), after=line.get("after_first_chunk_of"))
         except KeyError as e:
             raise DoctorUsageError(f"--replay {path}: a line lacks {e}") from None
         while len(case) <= line["step"]:
@@ -617,6 +707,12 @@ def read_repro(path: str) -> tuple[Case, Finding]:
             victim = line
     if victim is None:
         raise DoctorUsageError(f"--replay {path}: no line is marked as the victim")
+    for step in case:
+        names = {r.name for r in step}
+        for r in step:
+            if r.after is not None and (r.after not in names or r.after == r.name):
+                raise DoctorUsageError(f"--replay {path}: {r.name}'s after_first_chunk_of {r.after!r} is not another "
+                                       f"request of its step (step {case.index(step)}: {sorted(names)})")
     exp = Output.from_dict(victim["expect"])
     return case, Finding("replay", victim["kind"], victim["name"], case, exp, exp, None, victim.get("detail", ""))
 
@@ -672,7 +768,7 @@ def diagnose(run: Run, repro_path: str | None, only: list[str] | None = None) ->
               "repro": None}
     if found:
         first = found[0]
-        case, minimal = shrink(run, first, max(budget, 30.0))
+        case, minimal = shrink(run, first, max(budget, 60.0))
         path, script = write_repro(repro_path, run.server, case, first)
         report["repro"] = {"stage": first.stage, "kind": first.kind, "victim": first.victim, "detail": first.detail,
                            "requests": sum(len(s) for s in case), "minimal": minimal, "path": path, "curl": script,

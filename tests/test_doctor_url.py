@@ -5,9 +5,11 @@ the clean server); a proxy that splices one answer into a concurrent one (the ca
 one that adds logprob noise but never mixes (no contamination); a never-streaming one, a 401, an
 unreachable URL and bad arguments (one line, exit 2); llama.cpp's llama-server (slow).
 
-Faults: hit_before_written (multi-turn), share_without_incref (abort) and no_copy_on_write (forks:
-sampled, seeded n=2 forks) in the default suite; slot_off_by_one, cached_k_one_ulp,
-lookup_ignores_salt, abort_ignores_refcount and evict_held_block behind `slow`. The refcount
+Faults: hit_before_written (multi-turn), share_without_incref, abort_ignores_refcount and
+evict_held_block (abort: a timed pair, the victim streaming and the other sent after its first
+chunk) and no_copy_on_write (forks: sampled, seeded n=2 forks) in the default suite;
+slot_off_by_one, cached_k_one_ulp, lookup_ignores_salt and full runs against c and d behind
+`slow` (cached_k_one_ulp has no replaying repro: docs/doctor.md says why). The refcount
 faults (a, c, d) run unguarded under --inject-fault-unaudited (kvshare.testing.faults): kvshare's
 pool would stop the engine, an engine without its guard reuses the block and mixes answers."""
 from __future__ import annotations
@@ -65,7 +67,7 @@ def fault_server(fault: str) -> ServerProcess:
 
 
 def check_fault_found(fault: str, tmp_path, clean_url: str | None, stages: set[str], replays: bool = True,
-                      only: str | None = None, extra: tuple[str, ...] = ()) -> None:
+                      only: str | None = None, extra: tuple[str, ...] = ()) -> dict:
     srv = fault_server(fault)
     try:
         assert "--inject-fault-unaudited" in srv.log_text() and "test-only" in srv.log_text()
@@ -84,6 +86,24 @@ def check_fault_found(fault: str, tmp_path, clean_url: str | None, stages: set[s
         srv.close()
     if clean_url is not None and replays:  # and the same requests on a sound server do not
         assert main(["doctor", "--url", clean_url, "--replay", repro["path"]]) == 0
+    return repro
+
+
+def check_timed_pair(repro: dict, cut: bool) -> None:
+    """The repro is the victim streamed and long, the other request sent after its first chunk
+    (and cut after its own first chunk, where the harm is an abort): in the JSONL and the curl
+    script alike."""
+    lines = [json.loads(line) for line in open(repro["path"])]
+    victim = next(line for line in lines if line["victim"])
+    other = next(line for line in lines if not line["victim"])
+    assert victim["step"] == other["step"] and other["after_first_chunk_of"] == victim["name"], lines
+    assert victim["body"]["stream"] and victim["body"]["max_tokens"] >= 32
+    assert (other["cut_after_chunks"] == 1) == cut
+    script = open(repro["curl"]).read()
+    assert "| after_first_chunk req" in script
+    assert ("awk '/^data:/" in script) == cut
+    page = open(os.path.join(os.path.dirname(repro["path"]), "report.html")).read()
+    assert f"sent after {victim['name']}&#x27;s first chunk" in page  # the report says the order too
 
 
 def test_a_block_published_before_its_kv_is_written_is_found_by_the_next_turn(clean, tmp_path):
@@ -103,6 +123,23 @@ def test_forks_writing_into_their_shared_tail_block_are_found_by_sampled_seeded_
     check_fault_found("no_copy_on_write", tmp_path, clean.url, {"forks"}, only="forks")
 
 
+def test_an_abort_that_frees_blocks_the_victim_still_reads_shrinks_to_a_timed_pair(clean, tmp_path):
+    """abort_ignores_refcount, unguarded: a cut request drops the victim's references to the prefix
+    blocks they share, and the freed blocks are handed out (to the victim's next block) while the
+    victim still decodes. Only the order shows it: the cut sent after the victim's first chunk,
+    cut after its own first one, the victim still decoding tens of tokens later."""
+    repro = check_fault_found("abort_ignores_refcount", tmp_path, clean.url, {"abort"}, only="abort")
+    check_timed_pair(repro, cut=True)
+
+
+def test_an_allocator_evicting_held_blocks_shrinks_to_a_timed_pair(clean, tmp_path):
+    """evict_held_block, unguarded: a request that allocates while the victim holds cached blocks
+    takes one of them and writes its own KV over it; sent after the victim's first chunk (the
+    victim's blocks cached, the victim still decoding), it changes the victim's answer."""
+    repro = check_fault_found("evict_held_block", tmp_path, clean.url, {"abort"}, only="abort")
+    check_timed_pair(repro, cut=True)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fault,stages,replays", [
     ("slot_off_by_one", {"concurrency", "cache", "canary", "abort", "multi_turn"}, True),
@@ -114,9 +151,8 @@ def test_forks_writing_into_their_shared_tail_block_are_found_by_sampled_seeded_
     ("cached_k_one_ulp", {"concurrency", "cache", "canary", "abort", "multi_turn"}, False),
     # Same answers (identical tokens, identical KV): only the cached-token count shows the leak.
     ("lookup_ignores_salt", {"cache"}, True),
-    # Unguarded (as in engines without the pool's guard): a block freed while another request
-    # still holds it is handed out next. Found, but the harm needs the abort (or the eviction) to
-    # land while the victim still decodes: shrinking to two requests does not reliably reproduce.
+    # In a full run (the default tests run the abort stage alone): found by the first stage that
+    # sees it; the repro is shrunk as far as the shrinking time allows.
     ("abort_ignores_refcount", {"abort"}, False),
     ("evict_held_block", {"concurrency", "forks", "cache", "canary", "abort", "multi_turn"}, False)])
 def test_planted_faults_that_change_answers_are_found(clean, tmp_path, fault, stages, replays):
