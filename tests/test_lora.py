@@ -212,6 +212,35 @@ def test_adapter_switched_between_consecutive_requests_returns_each_adapters_own
     assert len({tuple(v) for v in first.values()}) == 3
 
 
+def test_beam_search_runs_every_beam_under_its_adapter(bundled, served):
+    """LLM.beam_search's lora_request (vLLM's): under A, the same beams alone and after other
+    adapters and the base model ran (their blocks cached), other beams than the base model's,
+    no block shared with it; one adapter per prompt in one call gives each prompt its own."""
+    from kvshare.engine.beam_search import BeamSearchParams
+
+    llm, loras = served
+    engine = llm.engine
+    prompt = {"prompt_token_ids": bundled["prompt"] * 3}
+    params = BeamSearchParams(beam_width=3, max_tokens=4, ignore_eos=True)
+
+    def beams(lora) -> list[tuple]:
+        out = llm.beam_search([prompt], params, lora_request=lora)[0]
+        return [(tuple(s.tokens), s.cum_logprob) for s in out.sequences]
+
+    engine.reset_prefix_cache()
+    alone = beams(loras["A"])
+    a_hashes = engine.cached_block_hashes()
+    engine.reset_prefix_cache()
+    base = beams(None)
+    base_hashes = engine.cached_block_hashes()
+    assert a_hashes and base_hashes and not a_hashes & base_hashes
+    assert base != alone
+    b = beams(loras["B"])
+    assert beams(loras["A"]) == alone  # after B and the base model, their blocks cached
+    mixed = llm.beam_search([prompt] * 3, params, lora_request=[loras["B"], loras["A"], None])
+    assert [[(tuple(s.tokens), s.cum_logprob) for s in o.sequences] for o in mixed] == [b, alone, base]
+
+
 def test_unload_drops_blocks_and_a_changed_file_under_the_same_name_misses(bundled, tmp_path):
     import shutil
 
