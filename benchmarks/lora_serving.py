@@ -4,8 +4,8 @@ adapter (request i: adapter i mod N), against:
 
   (a) the same kvshare server, the same prompts with no adapter named (the issue's bound: the
       adapters cost <= 25% of the throughput, i.e. adapters / base >= 0.75);
-  (b) llama.cpp's llama-server on the same base file with the same adapter files (`--lora FILE`
-      each, `--lora-init-without-apply`, so a request without `lora` runs the base model), each
+  (b) llama.cpp's llama-server on the same base file with the same adapter files (`--lora
+      FILE,FILE,...`, `--lora-init-without-apply`, so a request without `lora` runs the base model), each
       request choosing its adapter with llama-server's per-request `"lora": [{"id": i, "scale": 1.0}]`
       (adapters not listed get scale 0). Also without adapters, for its own cost.
 
@@ -95,7 +95,7 @@ def start(server: str, args, adapters: list[str], log_dir: str, env: dict) -> Se
                "--model", args.model, "--enable-lora", "--max-loras", str(len(adapters)),
                "--max-lora-rank", str(args.rank), "--lora-modules", *modules, *args.kvshare_args.split()]
         return Server(server, cmd, port, "/ready", log_dir, env)
-    loras = [x for p in adapters for x in ("--lora", p)]
+    loras = ["--lora", ",".join(adapters)]  # (one --lora per file: llama-server keeps only the last)
     cmd = [args.llama_server, "-m", args.model, "--host", "127.0.0.1", "--port", str(port),
            "-t", str(args.threads), "-tb", str(args.threads), "-np", str(args.clients),
            "-c", str(args.clients * args.ctx_per_slot), *loras, "--lora-init-without-apply",
