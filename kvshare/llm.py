@@ -66,11 +66,15 @@ class LLM:
             raise
         return self._run(ids, use_tqdm)
 
-    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
-        """Beam search; beams share KV blocks and fork with copy-on-write."""
+    def beam_search(self, prompts, params: BeamSearchParams,
+                    lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search; beams share KV blocks and fork with copy-on-write. `lora_request` as
+        generate's (vLLM's): one adapter for every prompt, or one (or None) per prompt; every beam
+        of a prompt runs under its adapter."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        outs = self.generate(list(prompts), [params] * len(prompts), use_tqdm=use_tqdm)
+        outs = self.generate(list(prompts), [params] * len(prompts), use_tqdm=use_tqdm, lora_request=lora_request)
         tok = self.engine.tokenizer
         results = []
         for out in outs:

@@ -212,6 +212,35 @@ def test_adapter_switched_between_consecutive_requests_returns_each_adapters_own
     assert len({tuple(v) for v in first.values()}) == 3
 
 
+def test_beam_search_runs_every_beam_under_its_adapter(bundled, served):
+    """LLM.beam_search's lora_request (vLLM's): under A, the same beams alone and after other
+    adapters and the base model ran (their blocks cached), other beams than the base model's,
+    no block shared with it; one adapter per prompt in one call gives each prompt its own."""
+    from kvshare.engine.beam_search import BeamSearchParams
+
+    llm, loras = served
+    engine = llm.engine
+    prompt = {"prompt_token_ids": bundled["prompt"] * 3}
+    params = BeamSearchParams(beam_width=3, max_tokens=4, ignore_eos=True)
+
+    def beams(lora) -> list[tuple]:
+        out = llm.beam_search([prompt], params, lora_request=lora)[0]
+        return [(tuple(s.tokens), s.cum_logprob) for s in out.sequences]
+
+    engine.reset_prefix_cache()
+    alone = beams(loras["A"])
+    a_hashes = engine.cached_block_hashes()
+    engine.reset_prefix_cache()
+    base = beams(None)
+    base_hashes = engine.cached_block_hashes()
+    assert a_hashes and base_hashes and not a_hashes & base_hashes
+    assert base != alone
+    b = beams(loras["B"])
+    assert beams(loras["A"]) == alone  # after B and the base model, their blocks cached
+    mixed = llm.beam_search([prompt] * 3, params, lora_request=[loras["B"], loras["A"], None])
+    assert [[(tuple(s.tokens), s.cum_logprob) for s in o.sequences] for o in mixed] == [b, alone, base]
+
+
 def test_unload_drops_blocks_and_a_changed_file_under_the_same_name_misses(bundled, tmp_path):
     import shutil
 
@@ -235,6 +264,46 @@ def test_unload_drops_blocks_and_a_changed_file_under_the_same_name_misses(bundl
     second = llm.generate([prompt], PARAMS, lora_request=lora, use_tqdm=False)[0]
     assert second.num_cached_tokens == 0
     assert chosen_logprobs(second) != chosen_logprobs(first)
+
+
+def test_unload_drops_the_adapters_copies_in_the_ram_and_disk_tiers(bundled, tmp_path):
+    """Blocks of A, B and the base model evicted into a RAM tier and a disk tier: unloading A
+    forgets A's entries in both (its bytes and files go with the next step), B's and the base's
+    stay; A reloaded from the same file finds nothing cached."""
+    import os
+
+    from kvshare.engine.kv_tier_store import SUFFIX, read_header
+
+    llm = LLM(kv_cache_memory="3MiB", kv_host_memory="64MiB", kv_disk_path=str(tmp_path), enable_lora=True,
+              max_loras=2)  # a pool of 8 blocks of 16 tokens
+    engine, tiers = llm.engine, llm.engine.kv_tiers
+    prompt = {"prompt_token_ids": bundled["prompt"] * 7}  # 56 tokens: 3 full blocks
+    loras = {"A": LoRARequest("A", 1, bundled["a"]), "B": LoRARequest("B", 2, bundled["b"]), None: None}
+    first = {k: llm.generate([prompt], PARAMS, lora_request=lo, use_tqdm=False)[0] for k, lo in loras.items()}
+    llm.generate([{"prompt_token_ids": list(range(1000, 1113))}], PARAMS, use_tqdm=False)  # evicts every block
+    keys = {k: engine.loras.adapter_for(lo) for k, lo in loras.items()}
+
+    def entries(tier: dict) -> dict:
+        return {k: sum(e.adapter == key for e in tier.values()) for k, key in keys.items()}
+
+    def files() -> dict:
+        headers = [read_header(os.path.join(tmp_path, n))[0] for n in os.listdir(tmp_path) if n.endswith(SUFFIX)]
+        return {k: sum(h.get("adapter") == key for h in headers) for k, key in keys.items()}
+
+    before = {"ram": entries(tiers.ram), "disk": entries(tiers.disk), "files": files()}
+    assert all(n >= 3 for counts in before.values() for n in counts.values()), before
+    a_hashes = [h for h, e in tiers.ram.items() if e.adapter == keys["A"]]
+    assert engine.remove_lora(1)
+    assert entries(tiers.ram) == {**before["ram"], "A": 0} and entries(tiers.disk) == {**before["disk"], "A": 0}
+    # The next step applies the drops: A's bytes leave RAM and its files the directory.
+    base_again = llm.generate([prompt], PARAMS, use_tqdm=False)[0]
+    assert base_again.num_cached_tokens > 0  # the base model's blocks came back from a tier
+    after = files()  # (the base request evicted more base blocks meanwhile: more base files)
+    assert after["A"] == 0 and after["B"] == before["files"]["B"] and after[None] >= before["files"][None]
+    assert not set(a_hashes) & set(engine.runner.tier_store.ram)
+    again = llm.generate([prompt], PARAMS, lora_request=LoRARequest("A", 3, bundled["a"]), use_tqdm=False)[0]
+    assert again.num_cached_tokens == 0
+    assert chosen_logprobs(again) == chosen_logprobs(first["A"])
 
 
 def test_bad_adapters_and_requests_get_clear_errors(bundled, tmp_path):

@@ -111,3 +111,36 @@ def test_without_the_flag_there_are_no_adapter_routes_and_flags_are_checked(adap
         assert status == 404  # not offered without --allow-runtime-lora-updating
     finally:
         srv.close()
+
+
+def test_the_data_parallel_front_end_serves_the_lora_modules_on_every_replica(adapters):
+    """--data-parallel-size 2 with --lora-modules: /v1/models lists the adapter, a request naming
+    it answers as the adapter on either replica (round robin: one request each), the base model's
+    answer stays its own; run-time loading is refused, saying why."""
+    from kvshare.server.routing import Router
+
+    router = Router(2, "prefix_aware", block_size=16, hash_seed="s")
+    ids = list(range(100, 164))
+    assert not set(router.prompt_hashes(ids, None, "sql")) & set(router.prompt_hashes(ids, None))
+    srv = ServerProcess("--data-parallel-size", "2", "--routing-policy", "round_robin", "--api-key", KEY,
+                        "--enable-lora", "--lora-modules", f"sql={adapters['a']}").wait_ready()
+    try:
+        client = openai.OpenAI(base_url=srv.base_url, api_key=KEY)
+        cards = {m.id: m for m in client.models.list().data}
+        assert set(cards) == {"SmolLM2-135M-Instruct", "sql"} and cards["sql"].parent == "SmolLM2-135M-Instruct"
+        body = {"model": "sql", "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        answers = {}
+        for _ in range(2):
+            status, headers, data = srv.request("POST", "/v1/completions", body, AUTH)
+            assert status == 200 and json.loads(data)["model"] == "sql", data
+            answers[headers["x-kvshare-engine"]] = json.loads(data)["choices"][0]["text"]
+        assert len(answers) == 2 and len(set(answers.values())) == 1  # both replicas, the same answer
+        base, base_model = complete(client, "SmolLM2-135M-Instruct")
+        assert base_model == "SmolLM2-135M-Instruct" and base[0] != answers["0"]
+        with pytest.raises(openai.NotFoundError, match="'nope' does not exist"):
+            complete(client, "nope")
+        status, _, data = srv.request("POST", "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": adapters["b"]},
+                                      AUTH)
+        assert status == 404 and "--data-parallel-size > 1" in json.loads(data)["error"]["message"]
+    finally:
+        srv.close()

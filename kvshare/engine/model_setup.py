@@ -175,7 +175,7 @@ def build_kv_tiers(config: EngineConfig, kv: KVCacheCoordinator, kv_cache: Paged
         else:
             found, foreign = store.scan()
             tiers.adopt_disk([(key, TierEntry(tuple(h["tokens"]), bytes.fromhex(h["parent"]) if h["parent"] else None,
-                                              h["namespace"], h["group"])) for key, h in found])
+                                              h["namespace"], h["group"], h.get("adapter"))) for key, h in found])
             note = (f"kept across restarts (hash seed set): {len(found)} blocks found"
                     + (f", {foreign} files of another model, tokenizer, KV layout or hash seed ignored" if foreign
                        else ""))

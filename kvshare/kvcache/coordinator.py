@@ -232,15 +232,17 @@ class KVCacheCoordinator:
 
     def drop_adapter(self, adapter: str) -> int:
         """Forget the unheld cached blocks of one LoRA adapter (its cache key), keeping none of
-        them in a tier (evictions while the tiers are suspended forget)."""
+        them in a tier (evictions while the tiers are suspended forget), and the tiers' copies of
+        its blocks (RAM and disk). Returns how many blocks and tier entries went."""
         tiers = self.pool.tiers
-        if tiers is not None:
-            tiers.suspended = True
-        try:
+        if tiers is None:
             return self.pool.drop_adapter(adapter)
+        tiers.suspended = True
+        try:
+            dropped = self.pool.drop_adapter(adapter)
         finally:
-            if tiers is not None:
-                tiers.suspended = False
+            tiers.suspended = False
+        return dropped + tiers.drop_adapter(adapter)
 
     def reset_prefix_cache(self) -> None:
         """Forget the cached blocks nobody holds, and the RAM tier with them (the disk tier is

@@ -60,6 +60,9 @@ class TierEntry:
     parent_hash: bytes | None
     namespace_hash: str  # namespace_key_hash of the namespace the KV was computed under
     group: int = 0  # the KV cache group whose layers' KV it holds
+    # The LoRA adapter's cache key the KV was computed under (None: the base model), so unloading
+    # the adapter finds its entries (the namespace hash also covers the salt, so it cannot).
+    adapter: str | None = None
 
 
 # (hash, what the entry says) -> None when the bytes are in RAM now and valid, else why not.
@@ -109,7 +112,8 @@ class KVTiers:
         block = self.pool.blocks[block_id]
         if block.token_ids is None:
             return
-        entry = TierEntry(block.token_ids, block.parent_hash, namespace_key_hash(block.namespace), block.group)
+        entry = TierEntry(block.token_ids, block.parent_hash, namespace_key_hash(block.namespace), block.group,
+                          block.namespace.adapter)
         if block_hash in self.ram and (not self.disk_blocks or block_hash in self.disk):
             self._touch(block_hash)  # already kept (it was loaded from here): the same bytes
             return
@@ -157,7 +161,7 @@ class KVTiers:
         parent = bytes.fromhex(header["parent"]) if header.get("parent") else None
         if tuple(header.get("tokens", ())) != token_ids:
             return None
-        self.disk[block_hash] = TierEntry(token_ids, parent, str(header.get("namespace")), group)
+        self.disk[block_hash] = TierEntry(token_ids, parent, str(header.get("namespace")), group, header.get("adapter"))
         found = self.find(block_hash, token_ids, namespace, group)
         if found is not None:
             self._put(DISK_TIER, block_hash, self.disk[block_hash])  # within the budget, as any entry
@@ -188,6 +192,19 @@ class KVTiers:
         """At start-up: the disk tier's valid files, oldest first (a restart with a hash seed)."""
         for block_hash, entry in found:
             self._put(DISK_TIER, block_hash, entry)
+
+    def drop_adapter(self, adapter: str) -> int:
+        """Forget every entry (RAM and disk) computed under this LoRA adapter (its cache key), when
+        it is unloaded; the runner deletes the bytes and files with the next step's drops."""
+        dropped = 0
+        for tier, entries in ((RAM_TIER, self.ram), (DISK_TIER, self.disk)):
+            for block_hash, entry in [(h, e) for h, e in entries.items() if e.adapter == adapter]:
+                del entries[block_hash]
+                self._drops.append((tier, block_hash, entry.group))
+                self.pool.prefix_updates.removed(block_hash, TIER_MEDIUM[tier])
+                self.pool.events.record("tier_drop", hash=block_hash.hex()[:16], tier=tier, group=entry.group)
+                dropped += 1
+        return dropped
 
     def clear_ram(self) -> None:
         for block_hash, entry in self.ram.items():
@@ -226,7 +243,8 @@ class KVTiers:
 
     def _expected(self, block_hash: bytes, entry: TierEntry) -> dict:
         return {"hash": block_hash.hex(), "parent": entry.parent_hash.hex() if entry.parent_hash else None,
-                "tokens": list(entry.token_ids), "namespace": entry.namespace_hash, "group": entry.group}
+                "tokens": list(entry.token_ids), "namespace": entry.namespace_hash, "group": entry.group,
+                "adapter": entry.adapter}
 
     def _reject(self, tier: str, block_hash: bytes, why: str) -> None:
         entries = self.ram if tier == RAM_TIER else self.disk

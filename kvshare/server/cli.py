@@ -289,6 +289,7 @@ def serve_replicas(args: argparse.Namespace, parser: argparse.ArgumentParser, cf
         hash_seed=args.prefix_caching_hash_seed or new_hash_seed(), kv_events_topic=args.kv_events_topic,
         kv_events_endpoint=args.kv_events_endpoint, kv_events_replay_endpoint=args.kv_events_replay_endpoint,
         max_num_seqs=engine_cfg.max_num_seqs, prefix_caching=engine_cfg.enable_prefix_caching,
+        lora_modules=tuple(name for name, _ in check_lora_options(args)),
     )
 
     # The default KV pool (a fraction of available memory) is split between the replicas, so N

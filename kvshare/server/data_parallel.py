@@ -143,6 +143,13 @@ def build_frontend_app(state: FrontendState, subscribers: list[PrefixUpdateSubsc
                              f"/metrics (each engine's /kv/ view is on the engine itself: its url is in /ready)",
                         code="not_found").response()
 
+    async def runtime_lora(req: Request):
+        # vLLM's runtime adapter routes: refused here (cmd_serve refuses the flag too), saying why.
+        state.metrics.on_rejected("not_found")
+        return APIError(404, f"{req.url.path} is not offered with --data-parallel-size > 1: an adapter loaded or "
+                             f"unloaded at run time would reach one replica only; give the adapters with "
+                             f"--lora-modules (each replica loads them at start)", code="not_found").response()
+
     async def api_error(_req, exc: APIError):
         if exc.status in (400, 404):
             state.metrics.on_rejected("invalid_request" if exc.status == 400 else "not_found")
@@ -171,6 +178,8 @@ def build_frontend_app(state: FrontendState, subscribers: list[PrefixUpdateSubsc
         Route("/v1/models", proxy.passthrough, methods=probe),
         Route("/v1/models/{model_id:path}", proxy.passthrough, methods=["GET"]),
         Route("/tokenize", proxy.passthrough, methods=["POST"]),
+        Route("/v1/load_lora_adapter", runtime_lora, methods=["POST"]),
+        Route("/v1/unload_lora_adapter", runtime_lora, methods=["POST"]),
         Route("/detokenize", proxy.passthrough, methods=["POST"]),
         Route("/openapi.json", proxy.passthrough, methods=probe),  # behind the key, as a single server's
     ]

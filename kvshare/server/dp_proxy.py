@@ -135,7 +135,17 @@ class Proxy:
                                  f"engine(s) (--max-num-seqs {st.options.max_num_seqs} + --max-waiting "
                                  f"{st.config.max_waiting} each); retry after {retry}s", code="queue_full",
                             headers={"Retry-After": str(retry)}).response()
-        return await self._forward(raw, body, lambda tried: st.router.route(token_ids, salt, exclude=tried))
+        adapter = self._adapter_named(body)
+        hashes = st.router.prompt_hashes(token_ids, salt, adapter) if adapter is not None else None
+        return await self._forward(raw, body, lambda tried: st.router.route(token_ids, salt, exclude=tried,
+                                                                             hashes=hashes))
+
+    def _adapter_named(self, body: bytes) -> str | None:
+        """The --lora-modules adapter the (already validated) body's `model` names, or None."""
+        if not self.state.options.lora_modules:
+            return None
+        model = json.loads(body).get("model")
+        return model if model in self.state.options.lora_modules else None
 
     async def passthrough(self, raw: Request) -> Response:
         """A request any replica answers alike (/v1/models, /tokenize, ...): the least loaded one."""

@@ -44,6 +44,7 @@ class DataParallelOptions:
     kv_events_replay_endpoint: str | None = None
     max_num_seqs: int = 256
     prefix_caching: bool = True  # the replicas' (--no-prefix-caching: False); prefix_aware then routes by load
+    lora_modules: tuple[str, ...] = ()  # the adapters' names (--lora-modules), which every replica loads
 
     def __post_init__(self) -> None:
         if self.size < 1:

@@ -113,12 +113,16 @@ class Router:
         limit = self.replica_limit
         return limit is None or replica.in_flight < limit
 
-    def prompt_hashes(self, token_ids: list[int], cache_salt: str | None) -> list[bytes]:
+    def prompt_hashes(self, token_ids: list[int], cache_salt: str | None, adapter: str | None = None) -> list[bytes]:
         """The prompt's block hashes as a replica keys them: under the namespace its engine gives
-        the request (kvshare.engine.request.Sequence.namespace), from the request's cache_salt."""
+        the request (kvshare.engine.request.Sequence.namespace), from the request's cache_salt.
+        A request naming a LoRA adapter (`adapter`, its name) hashes under the adapter's name: a
+        replica keys its blocks by the adapter's weights too (a key the front end does not have),
+        so these never match a replica's cached blocks, only requests of the same adapter in
+        flight, and never the base model's blocks of the same prompt."""
         if self.hasher is None:
             return []
-        return self.hasher.prefix_hashes(token_ids, CacheNamespace(salt=cache_salt))
+        return self.hasher.prefix_hashes(token_ids, CacheNamespace(salt=cache_salt, adapter=adapter))
 
     def matched_blocks(self, replica: ReplicaState, hashes: list[bytes]) -> int:
         n = 0
