@@ -89,9 +89,13 @@ class GroupAffine:
         Q5_0 q/k and Q8_0 v of a Q4_K_M file) fuse too: their codes all fit int8 unchanged and they
         run on the same int8-group kernel. 4-bit parts (packed two per byte) fuse only with 4-bit
         parts, and every part must share the group size. Parts still in the file's blocks
-        (GGUFBlocks) stay so."""
+        (GGUFBlocks) stay so. IQ4_XS parts in the file's blocks fuse only with IQ4_XS parts
+        (a ValueError otherwise: row blocks), so that they can keep their 4-bit table indices
+        (qlinear.GroupIQ4NLLinear)."""
         bits, code_dtype = _fused_form(parts)
         if all(isinstance(p, GGUFBlocks) for p in parts):
+            if len({p.iq4_xs for p in parts}) > 1:
+                raise ValueError("IQ4_XS weights fuse only with IQ4_XS weights (their table indices stay 4-bit)")
             return GGUFBlocks.cat(parts, bits, code_dtype)
         first = parts[0]
         if any(p.q.dtype != code_dtype for p in parts):
@@ -308,6 +312,11 @@ class GGUFBlocks(GroupAffine):
     @property
     def has_zero(self) -> bool:
         return self._has_zero
+
+    @property
+    def iq4_xs(self) -> bool:
+        """Every run IQ4_XS: its 4-bit indices can be kept as they are (repack with int4)."""
+        return all(p.qtype == Q.IQ4_XS for p in self.parts)
 
     def materialize(self) -> GroupAffine:
         """The reference form (to_group_affine of each run, joined as GroupAffine.cat joins them)."""

@@ -14,6 +14,8 @@
 // are just other address lists) and is written as row `row0 + r` of a weight of n_total rows:
 //
 // * int4 = 1 (Q4_0 / Q4_1 / Q4_K): uint8 [N, K / 2], byte j = code 2j | code 2j + 1 << 4.
+//   IQ4_XS too: then the 4-bit fields are its indices into the non-linear table (what
+//   qmatmul.cpp's NL4 reads), not codes; its scales are the same as with int4 = 0.
 // * int4 = 0 (every format): int8 [N, K], one code per byte (unsigned codes of 5 bits and less
 //   fit as they are, as qlinear's `q.to(torch.int8)` leaves them).
 // * scales / zeros float32 [N, K / g]; zeros null for a weight without offsets, and written 0
@@ -72,7 +74,7 @@ inline bool format_of(int type, Format* f) {
     case Q4_K: *f = {256, 144, 32, true, true}; return true;
     case Q5_K: *f = {256, 176, 32, true, false}; return true;
     case Q6_K: *f = {256, 210, 16, false, false}; return true;
-    case IQ4_XS: *f = {256, 136, 32, false, false}; return true;
+    case IQ4_XS: *f = {256, 136, 32, false, true}; return true;  // (int4: its table indices)
     default: return false;
   }
 }
@@ -82,7 +84,7 @@ inline bool format_of(int type, Format* f) {
 inline uint16_t half_bits(const uint8_t* p) { return uint16_t(p[0] | p[1] << 8); }
 inline float f16(const uint8_t* p) { return qmm::f16_to_f32(half_bits(p)); }
 
-const int8_t kIq4nlValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+const int8_t* const kIq4nlValues = qmm::kNl4Values;
 
 // Low nibbles are weights 0..15 of a 32, high nibbles 16..31 (Q4_0, Q4_1, Q5_x, IQ4_XS).
 inline void nibbles32(const uint8_t* qs, uint8_t* c) {
@@ -278,8 +280,18 @@ inline bool compact_code(float v, float base, int8_t* code) {
 }
 
 // One block of Q4_0 / Q4_1 / Q4_K as packed bytes (block / 2 of them) and its groups' scales and
-// zeros, the values decode_block gives.
+// zeros, the values decode_block gives; IQ4_XS's table indices likewise, with its scales.
 inline void decode_block_int4(int type, const uint8_t* b, uint8_t* packed, float* s, float* z) {
+  if (type == IQ4_XS) {
+    const float d = f16(b);
+    const uint32_t high = uint32_t(b[2]) | uint32_t(b[3]) << 8;
+    for (int j = 0; j < 8; ++j) {
+      const int low = (b[4 + j / 2] >> (4 * (j % 2))) & 0xF;
+      s[j] = d * float((low | int((high >> (2 * j)) & 3) << 4) - 32);
+      pack_nibble_halves(b + 8 + 16 * j, 16, packed + 16 * j);
+    }
+    return;
+  }
   if (type == Q4_K) {
     const float d = f16(b), dmin = f16(b + 2);
     uint8_t sc[8], mn[8];
@@ -528,7 +540,7 @@ extern "C" int kvs_gguf_repack(const int64_t* row_addrs, int64_t rows, int64_t r
   if (!format_of(type, &f)) return fail("not a GGUF type kvs_gguf_repack decodes");
   if (k <= 0 || k % f.block) return fail("K must be a positive multiple of the format's block size");
   if (rows < 0 || row0 < 0 || row0 + rows > n_total) return fail("rows out of the weight's range");
-  if (int4 && !f.int4_ok) return fail("only Q4_0, Q4_1 and Q4_K codes pack two per byte");
+  if (int4 && !f.int4_ok) return fail("only Q4_0, Q4_1 and Q4_K codes (and IQ4_XS's table indices) pack two per byte");
   if (f.has_zero && !zeros && !(vnni == 3 && type == Q4_0))
     return fail("this format has offsets: zeros must be given");
   if (vnni < 0 || vnni > 3)

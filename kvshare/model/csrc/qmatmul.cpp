@@ -162,16 +162,36 @@ static inline float scale_at(int layout, const uint8_t* block, int64_t G, int64_
   return float(int8_t(block[gi * 16 + r])) * f16_to_f32(h);
 }
 
-// Weight formats: how many bytes `codes` codes take, and code k of a row (scalar path).
+// Weight formats: how many bytes `codes` codes take, and code k of a row (scalar path);
+// nibble(i): the code a 4-bit field i stands for. kRowPaths: whether weights in rows have vector
+// paths (NL4 runs on VNNI blocks only).
 struct I8 {
   static constexpr int64_t kCodesPerByte = 1;
+  static constexpr bool kRowPaths = true, kTable = false;
   static constexpr int64_t bytes(int64_t codes) { return codes; }
   static inline float code(const uint8_t* row, int64_t k) { return float(int8_t(row[k])); }
+  static inline int nibble(int i) { return i; }
 };
 struct U4 {
   static constexpr int64_t kCodesPerByte = 2;
+  static constexpr bool kRowPaths = true, kTable = false;
   static constexpr int64_t bytes(int64_t codes) { return codes / 2; }
   static inline float code(const uint8_t* row, int64_t k) { return float((row[k >> 1] >> ((k & 1) << 2)) & 15); }
+  static inline int nibble(int i) { return i; }
+};
+// IQ4_NL / IQ4_XS: 4-bit indices, packed as U4 packs its codes, into ggml's non-linear table
+// (kvalues_iq4nl); the code is the table's int8 value, so the weights, the int32 group sums and
+// every float op after them are those of the same weight with its values widened to int8 codes
+// (I8), at half the bytes. Only the avx512-vnni path reads it (a lookup per code pair: vpermw).
+constexpr int8_t kNl4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+struct NL4 {
+  static constexpr int64_t kCodesPerByte = 2;
+  static constexpr bool kRowPaths = false, kTable = true;
+  static constexpr int64_t bytes(int64_t codes) { return codes / 2; }
+  static inline float code(const uint8_t* row, int64_t k) {
+    return float(kNl4Values[(row[k >> 1] >> ((k & 1) << 2)) & 15]);
+  }
+  static inline int nibble(int i) { return kNl4Values[i]; }
 };
 
 // A 4-bit lane of VNNI blocks (codes 2p at bits 4p, 2p + 1 at bits 16 + 4p) as the row layout's
@@ -635,6 +655,22 @@ template <> struct VnniCodes<U4> {
   }
   QMM_VNNI static QMM_INLINE __m512i pair(__m512i line, __m512i ctl) {
     return _mm512_and_si512(_mm512_srlv_epi32(line, ctl), _mm512_set1_epi32(0x000F000F));
+  }
+};
+
+// NL4: U4's pair (the two indices at bits 0..3 of each int16 word after the shift), then each
+// word looked up in the table (vpermw: 32 int16 entries indexed by a word's low 5 bits; the
+// table is repeated, so the fifth bit, the next index's lowest, needs no mask): the sign-extended
+// int8 value I8's pair gives for the same weight.
+template <> struct VnniCodes<NL4> {
+  static constexpr int kPairsPerLine = 4;
+  static void control(int p, int8_t* ctl) { VnniCodes<U4>::control(p, ctl); }
+  QMM_VNNI static QMM_INLINE __m512i table() {
+    return _mm512_set_epi16(113, 89, 69, 53, 38, 25, 13, 1, -10, -22, -35, -49, -65, -83, -104, -127,
+                            113, 89, 69, 53, 38, 25, 13, 1, -10, -22, -35, -49, -65, -83, -104, -127);
+  }
+  QMM_VNNI static QMM_INLINE __m512i pair(__m512i line, __m512i ctl) {
+    return _mm512_permutexvar_epi16(_mm512_srlv_epi32(line, ctl), table());
   }
 };
 
@@ -1183,6 +1219,10 @@ static int group_matmul(const void* x, int64_t x_s0, int x_bf16, const uint8_t* 
                                                     : "the avx512-vnni path reads weights in VNNI blocks only");
     return 1;
   }
+  if (!F::kRowPaths && !vnni_blocks) {
+    std::snprintf(err, size_t(err_len), "4-bit table indices (IQ4_XS) run only on weights in VNNI blocks");
+    return 1;
+  }
   if (vnni_blocks && !vnni_blocks_fit(K, group_size)) {
     std::snprintf(err, size_t(err_len), "VNNI blocks need an AVX-512 VNNI CPU and a group size in 8..256 that "
                   "is a multiple of 8 (got %lld)", (long long)group_size);
@@ -1208,16 +1248,18 @@ static int group_matmul(const void* x, int64_t x_s0, int x_bf16, const uint8_t* 
   int64_t step = 0;  // the vector path's step (codes per group chunk); 0: scalar
   const bool vnni = vnni_blocks;
 #if QMM_X86
+  if (vnni) {
 #ifdef QMM_HAS_VNNI
-  if (vnni) rows = &rows_vnni<F>;
-  else
+    rows = &rows_vnni<F>;
 #endif
-  if ((impl == 0 || impl == 2) && cpu_has_avx512() && group_size % Avx512<F>::kStep == 0) {
-    rows = &rows_avx512<F>;
-    step = Avx512<F>::kStep;
-  } else if (impl != 1 && cpu_has_avx2() && group_size % Avx2<F>::kStep == 0) {
-    rows = &rows_avx2<F>;
-    step = Avx2<F>::kStep;
+  } else if constexpr (F::kRowPaths) {
+    if ((impl == 0 || impl == 2) && cpu_has_avx512() && group_size % Avx512<F>::kStep == 0) {
+      rows = &rows_avx512<F>;
+      step = Avx512<F>::kStep;
+    } else if (impl != 1 && cpu_has_avx2() && group_size % Avx2<F>::kStep == 0) {
+      rows = &rows_avx2<F>;
+      step = Avx2<F>::kStep;
+    }
   }
 #endif
   // x as the kernel reads it: float32 x itself where it can, else one small copy per call
@@ -1313,7 +1355,7 @@ static QMM_INLINE void dequant_rows_body(const uint8_t* q, int64_t q_s0, const f
       if (F::kCodesPerByte == 2) {
         const uint8_t* b = qr + k0 / 2;
         for (int64_t j = 0; j < g / 2; ++j) {
-          const float lo = float(b[j] & 15) * s + z, hi = float(b[j] >> 4) * s + z;
+          const float lo = float(F::nibble(b[j] & 15)) * s + z, hi = float(F::nibble(b[j] >> 4)) * s + z;
           if (BF16) {
             ob[2 * j] = f32_to_bf16(lo);
             ob[2 * j + 1] = f32_to_bf16(hi);
@@ -1375,8 +1417,16 @@ QMM_AVX512 static void dequant_rows_avx512(const uint8_t* q, int64_t q_s0, const
       if (int4) {
         for (int64_t j = 0; j < g; j += 32) {  // 16 bytes: codes k0+j .. k0+j+31, low nibble first
           const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + (k0 + j) / 2));
-          const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(15));
-          const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15));
+          __m128i lo = _mm_and_si128(b, _mm_set1_epi8(15));
+          __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15));
+          if (F::kTable) {  // (NL4: the table's int8 values, widened with their sign)
+            const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kNl4Values));
+            lo = _mm_shuffle_epi8(t, lo);
+            hi = _mm_shuffle_epi8(t, hi);
+            dequant_store16<BF16>(_mm512_cvtepi8_epi32(_mm_unpacklo_epi8(lo, hi)), s, z, out, o + j);
+            dequant_store16<BF16>(_mm512_cvtepi8_epi32(_mm_unpackhi_epi8(lo, hi)), s, z, out, o + j + 16);
+            continue;
+          }
           dequant_store16<BF16>(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)), s, z, out, o + j);
           dequant_store16<BF16>(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi)), s, z, out, o + j + 16);
         }
@@ -1502,16 +1552,30 @@ extern "C" int kvs_int4_group_matmul(const void* x, int64_t x_s0, int x_bf16, co
                                     num_threads, err, err_len, layout, zero_mul);
 }
 
+// As kvs_int4_group_matmul, with q 4-bit indices into the IQ4_NL table (kNl4Values) packed as
+// the 4-bit codes are: the results of kvs_int8_group_matmul on the table's values, bit for bit.
+// VNNI blocks only (layout 1 or 2, impl 0 or 4).
+extern "C" int kvs_nl4_group_matmul(const void* x, int64_t x_s0, int x_bf16, const uint8_t* packed,
+                                    const float* scales, const float* zeros, void* y, int64_t y_s0, int64_t M,
+                                    int64_t N, int64_t K, int64_t group_size, int impl, int num_threads, char* err,
+                                    int64_t err_len, int layout, float zero_mul) {
+  return qmm::group_matmul<qmm::NL4>(x, x_s0, x_bf16, packed, scales, zeros, y, y_s0, M, N, K, group_size, impl,
+                                     num_threads, err, err_len, layout, zero_mul);
+}
+
 // Dense weights out [N, K] (contiguous; float32, or bfloat16 when out_bf16) from int8 codes
-// (int4 = 0, q int8 [N, K]) or packed 4-bit codes (int4 = 1, q uint8 [N, K / 2]), in rows or (with
-// layout 1 or 2) in VNNI blocks; scales / zeros as for the matmuls. Shapes are checked by the Python
-// wrapper. Returns 0.
+// (int4 = 0, q int8 [N, K]), packed 4-bit codes (int4 = 1, q uint8 [N, K / 2]) or packed 4-bit
+// IQ4_NL table indices (int4 = 2), in rows or (with layout 1 to 3) in VNNI blocks; scales / zeros
+// as for the matmuls. Shapes are checked by the Python wrapper. Returns 0.
 extern "C" int kvs_group_dequantize(const uint8_t* q, int int4, const float* scales, const float* zeros, void* out,
                                     int out_bf16, int64_t N, int64_t K, int64_t group_size, int num_threads,
                                     int layout, float zero_mul) {
   if (N <= 0 || K <= 0) return 0;
   const int vb = layout;
-  if (int4)
+  if (int4 == 2)
+    out_bf16 ? qmm::dequantize<qmm::NL4, true>(q, scales, zeros, out, N, K, group_size, num_threads, vb, zero_mul)
+             : qmm::dequantize<qmm::NL4, false>(q, scales, zeros, out, N, K, group_size, num_threads, vb, zero_mul);
+  else if (int4)
     out_bf16 ? qmm::dequantize<qmm::U4, true>(q, scales, zeros, out, N, K, group_size, num_threads, vb, zero_mul)
              : qmm::dequantize<qmm::U4, false>(q, scales, zeros, out, N, K, group_size, num_threads, vb, zero_mul);
   else

@@ -22,7 +22,7 @@ _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 def _setup_qmatmul(lib: ctypes.CDLL) -> None:
     lib.kvs_qmm_cpu_paths.restype = _int
     lib.kvs_qmm_cpu_paths.argtypes = []
-    for f in (lib.kvs_int8_group_matmul, lib.kvs_int4_group_matmul):
+    for f in (lib.kvs_int8_group_matmul, lib.kvs_int4_group_matmul, lib.kvs_nl4_group_matmul):
         f.restype = _int
         f.argtypes = [_ptr, _i64, _int,  # x, its row stride, bf16?
                       _ptr, _ptr, _ptr,  # q (int8, or packed 4-bit), scales, zeros (null: none)
@@ -32,7 +32,7 @@ def _setup_qmatmul(lib: ctypes.CDLL) -> None:
                       _int, ctypes.c_float]  # weight layout (_LAYOUT_*), zeros = scales x this (or 0)
     f = lib.kvs_group_dequantize
     f.restype = _int
-    f.argtypes = [_ptr, _int, _ptr, _ptr, _ptr, _int,  # q, 4-bit?, scales, zeros, out, out bf16?
+    f.argtypes = [_ptr, _int, _ptr, _ptr, _ptr, _int,  # q, codes (_CODES_*), scales, zeros, out, out bf16?
                   _i64, _i64, _i64, _int, _int, ctypes.c_float]  # N, K, group_size, threads, layout, zero_mul
     lib.kvs_qmm_vnni_blocks_fit.restype = _int
     lib.kvs_qmm_vnni_blocks_fit.argtypes = [_i64, _i64]
@@ -51,6 +51,11 @@ QMATMUL = KernelLibrary("qmatmul", ("qmatmul.cpp", "gguf_repack.cpp"), _setup_qm
 # qmatmul.cpp's weight layouts: rows, VNNI blocks, VNNI blocks with compact scales and zeros, VNNI
 # blocks with float16 scales and zeros.
 _LAYOUT_ROWS, _LAYOUT_BLOCKS, _LAYOUT_COMPACT, _LAYOUT_HALF = 0, 1, 2, 3
+# kvs_group_dequantize's codes: int8, 4-bit, 4-bit indices into the IQ4_NL table (qmatmul.cpp NL4).
+_CODES_INT8, _CODES_INT4, _CODES_IQ4NL = 0, 1, 2
+# IQ4_NL / IQ4_XS's table (ggml's kvalues_iq4nl; qmatmul.cpp kNl4Values): a 4-bit index's code.
+IQ4NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+IQ4_XS_GGML_TYPE = 23
 # Compact scales (qmatmul.cpp kLayoutCompact): a float16 base per super-block of this many weights
 # times an int8 code per group. GGUF types whose scales take that form (ggml type ids): Q2_K, Q3_K,
 # Q4_K, Q5_K, Q6_K, IQ4_XS.
@@ -183,8 +188,10 @@ class VnniBlocks:
     qmatmul.cpp kLayoutCompact) uint8 [N / 16, cs] holding per block int8 codes [K / g, 16] and
     float16 bases [K / 256, 16], scale = base * code; "half" (Q4_0, Q8_0, ...: kLayoutHalf)
     uint8 [N / 16, 32 K / g], float16 [K / g, 16] per block, and with zero_mul != 0 no zeros
-    array (Q4_0: zero = -8 x scale). Built by `to_vnni_blocks` or `repack_gguf_rows`; `rows`
-    reads rows back."""
+    array (Q4_0: zero = -8 x scale). iq4nl (with int4): the 4-bit fields are indices into the
+    IQ4_NL table (IQ4_XS; IQ4NL_VALUES), whose values are the codes: the same results as the
+    weight with those values as int8 codes, at half the bytes. Built by `to_vnni_blocks` or
+    `repack_gguf_rows`; `rows` reads rows back (iq4nl: the indices, packed)."""
 
     q: torch.Tensor
     scales: torch.Tensor
@@ -195,6 +202,7 @@ class VnniBlocks:
     int4: bool
     scale_form: str = "full"
     zero_mul: float = 0.0
+    iq4nl: bool = False
 
     @property
     def layout(self) -> int:
@@ -234,7 +242,7 @@ class VnniBlocks:
             raise ValueError(f"x {tuple(x.shape)} does not fit a weight of K={self.k}")
         if x.stride(1) != 1 and self.k > 1:
             raise ValueError(f"x must have contiguous rows (unit last stride); got strides {x.stride()}")
-        fn = "kvs_int4_group_matmul" if self.int4 else "kvs_int8_group_matmul"
+        fn = "kvs_nl4_group_matmul" if self.iq4nl else "kvs_int4_group_matmul" if self.int4 else "kvs_int8_group_matmul"
         return _call_group_matmul(fn, x, self.q, self.scales, self.zeros, self.n, self.group, out, "auto",
                                   layout=self.layout, zero_mul=self.zero_mul)
 
@@ -246,7 +254,7 @@ class VnniBlocks:
             raise ValueError(f"out must be a contiguous float32 or bfloat16 [{self.n}, {self.k}] tensor; "
                              f"got {_desc(out)}")
         QMATMUL.lib().kvs_group_dequantize(
-            self.q.data_ptr(), int(self.int4), self.scales.data_ptr(),
+            self.q.data_ptr(), _CODES_IQ4NL if self.iq4nl else int(self.int4), self.scales.data_ptr(),
             self.zeros.data_ptr() if self.zeros is not None else None, out.data_ptr(),
             int(out.dtype == torch.bfloat16), self.n, self.k, self.group, torch.get_num_threads(), self.layout,
             self.zero_mul)
@@ -299,7 +307,8 @@ def repack_gguf_rows(runs: list[tuple[torch.Tensor, int]], n: int, k: int, group
     pass over its rows on torch's threads (csrc/gguf_repack.cpp). runs: (row addresses int64 [R],
     ggml type id) per run of rows, in order, R summing to N; each address is where that row's
     blocks start in memory (a mapped file: the caller keeps it alive). Returns (q, scales, zeros):
-    int4 packed uint8 [N, K / 2] (Q4_0 / Q4_1 / Q4_K only) or int8 [N, K] codes and float32
+    int4 packed uint8 [N, K / 2] (Q4_0 / Q4_1 / Q4_K codes, IQ4_XS's table indices: every run
+    IQ4_XS, or none) or int8 [N, K] codes and float32
     [N, K / g] scales and zeros (None unless `zeros`), as `pack_int4_rows` / qlinear's int8 codes
     of gguf_quants.to_group_affine give them; with vnni, in VNNI blocks as `to_vnni_blocks` lays
     them out (N % 16 == 0); with vnni and scale_form "compact" (every run in COMPACT_GGML_TYPES) or
@@ -308,6 +317,8 @@ def repack_gguf_rows(runs: list[tuple[torch.Tensor, int]], n: int, k: int, group
     Raises ValueError for what the layout cannot take (a scale with no such form, say)."""
     if sum(len(addrs) for addrs, _ in runs) != n:
         raise ValueError(f"runs of rows must add up to N={n}")
+    if int4 and len({int(qtype) == IQ4_XS_GGML_TYPE for _, qtype in runs}) > 1:
+        raise ValueError("4-bit codes and IQ4_XS table indices cannot share one packed weight")
     row_bytes = k // 2 if int4 else k
     g = k // group_size
     if not vnni:
