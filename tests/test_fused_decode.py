@@ -401,7 +401,9 @@ def test_mixed_format_qkv_stays_packed_and_fused(tmp_path):
     assert m.fused_decode.model_reason is None
     for layer in m.layers:
         assert isinstance(layer.qkv, StackedLinear) and isinstance(layer.gate_up, StackedLinear)
-        assert [p.kind for p in layer.qkv.parts] == ["int4-group", "int4-group", "int8-group"]
+        # (v: Q6_K's two planes on AVX-512 VNNI CPUs, else its int8 codes)
+        assert [p.kind for p in layer.qkv.parts][:2] == ["int4-group", "int4-group"]
+        assert layer.qkv.parts[2].kind in ("int8-group", "q6planes-group")
     assert "dense" not in {lin.kind for lin in m.linears()}
     prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 250 + 3 for j in range(n)]} for i, n in enumerate([1, 3, 9, 17])]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)

@@ -183,7 +183,7 @@ def test_every_float16_scale():
         assert_same(got, reference(ref, False))
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0], ids=lambda t: t.name)
 def test_make_linear_from_blocks_equals_reference(qtype):
     """qlinear's layer built from the file's blocks holds the same arrays, and gives the same
     outputs, as one built from the group form."""
@@ -325,3 +325,67 @@ def test_iq4_xs_indices_go_back_to_int8_rows(monkeypatch):
     x = torch.randn(3, k)
     assert torch.equal(lin(x, decode_rows=3), qmatmul.int8_group_matmul(x, ref.q, ref.scale, None, 32))
     assert _linear(lin, None).kind == 1
+
+
+@needs_vnni
+@pytest.mark.parametrize("k", [256, 512])
+def test_q6_k_planes_give_the_int8_bits(k):
+    """Q6_K kept as a 4-bit and a 2-bit plane (qmatmul.cpp I6) against its int8 codes in VNNI
+    blocks: the same output bits on the decode tiles, the panel and the GEMM paths (float32 and
+    bfloat16 x, compact and full scales), the same dense weights, the int8 codes read back."""
+    n = 48
+    raw = raw_rows(QT.Q6_K, n, k // 256, seed=21)
+    lazy = GGUFBlocks.of_tensor(raw, QT.Q6_K, (n, k))
+    runs = [(p.row_addresses(), int(p.qtype)) for p in lazy.parts]
+    q8, s8, _ = qmatmul.repack_gguf_rows(runs, n, k, 16, False, False, True, "compact")
+    ref = qmatmul.VnniBlocks(q8, s8, None, n, k, 16, False, "compact")
+    mats = {}
+    for form in ("compact", "full"):
+        q, s, _ = qmatmul.repack_gguf_rows(runs, n, k, 16, False, False, True, form, planes6=True)
+        assert q.numel() == n * k * 3 // 4
+        mats[form] = qmatmul.VnniBlocks(q, s, None, n, k, 16, False, form, planes6=True)
+    for m in (1, 3, 12, 40):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(m, k).to(dtype)
+            want = ref.matmul(x)
+            for form, b in mats.items():
+                assert torch.equal(b.matmul(x), want), (form, m, dtype)
+    for dtype in (torch.float32, torch.bfloat16):
+        want = ref.dequantize(torch.empty(n, k, dtype=dtype))
+        for form, b in mats.items():
+            assert torch.equal(b.dequantize(torch.empty(n, k, dtype=dtype)), want), (form, dtype)
+    idx = torch.tensor([0, 17, 47])
+    q, s, _ = mats["compact"].rows(idx)
+    assert torch.equal(q, lazy.q[idx]) and torch.equal(s, ref.rows(idx)[1])
+
+
+@needs_vnni
+def test_q6_k_layer_keeps_planes(monkeypatch):
+    """make_linear on Q6_K blocks: a GroupQ6PlanesLinear at the file's 0.82 bytes per weight with
+    the widened layer's outputs, rows and dense copy, fused decode kind 13; back to int8 rows if
+    the library cannot run VNNI blocks."""
+    from kvshare.model.fused_decode import _linear
+    from kvshare.model.qlinear import GroupInt8Linear, GroupQ6PlanesLinear, resident_bytes_per_weight
+
+    n, k = 48, 512
+    raw = raw_rows(QT.Q6_K, n, 2, seed=22)
+    got = make_linear(GGUFBlocks.of_tensor(raw, QT.Q6_K, (n, k)), torch.float32, DequantScratch())
+    want = make_linear(to_group_affine(raw, QT.Q6_K, (n, k)), torch.float32, DequantScratch())
+    assert type(got) is GroupQ6PlanesLinear and type(want) is GroupInt8Linear
+    assert got.nbytes / (n * k) == pytest.approx(resident_bytes_per_weight("Q6_K")) == 0.75 + 1 / 16 + 2 / 256
+    assert 0.75 + 1 / 16 + 2 / 256 == 210 / 256  # (the file's bytes per weight)
+    for m in (1, 3, 12, 40):
+        x = torch.randn(m, k)
+        assert torch.equal(got(x, decode_rows=m), want(x, decode_rows=m)), m
+    ids = torch.tensor([0, 5, 47])
+    assert torch.equal(got.rows(ids), want.rows(ids))
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(got.dense(torch.empty(n, k, dtype=dtype)), want.dense(torch.empty(n, k, dtype=dtype)))
+    assert _linear(got, None).kind == 13
+    ref = to_group_affine(raw, QT.Q6_K, (n, k))
+    back = make_linear(GGUFBlocks.of_tensor(raw, QT.Q6_K, (n, k)), torch.float32, DequantScratch())
+    monkeypatch.setattr(qmatmul.QMATMUL.lib(), "kvs_qmm_vnni_blocks_fit", lambda *a: 0)
+    assert back.check_blocks() and back.blocks is None and torch.equal(back.q, ref.q.to(torch.int8))
+    assert _linear(back, None).kind == 1
+    x = torch.randn(3, k)
+    assert torch.equal(back(x, decode_rows=3), qmatmul.int8_group_matmul(x, back.q, ref.scale, None, 16))

@@ -111,6 +111,7 @@ class GroupInt8Linear:
     kind = "int8-group"
     packed_int4 = False  # codes one per byte (GroupInt4Linear: two)
     iq4nl = False  # 4-bit fields are IQ4_NL table indices (GroupIQ4NLLinear)
+    planes6 = False  # Q6_K's codes as a 4-bit and a 2-bit plane (GroupQ6PlanesLinear)
 
     def __init__(self, w: GroupAffine, dtype: torch.dtype, scratch: DequantScratch) -> None:
         self.out_features, self.in_features = w.shape
@@ -128,13 +129,13 @@ class GroupInt8Linear:
         if isinstance(w, GGUFBlocks) and self._kernel_ready:
             # Still the file's blocks: decoded once, in C++ across threads, straight into the final
             # layout (the same arrays the steps below make from w.q / w.scale / w.zero).
-            self.q, self.scale, self.zero, form = w.repack(self.packed_int4, vnni)
+            self.q, self.scale, self.zero, form = w.repack(self.packed_int4, vnni, planes6=self.planes6)
             if vnni:
                 # (Q4_0 in float16 scales: no zeros array, each zero -8 x its scale)
                 zero_mul = qmatmul.Q4_0_ZERO_MUL if form == "half" and self.zero is None and w.has_zero else 0.0
                 self.blocks = qmatmul.VnniBlocks(self.q, self.scale, self.zero, self.out_features,
                                                  self.in_features, self.group, self.packed_int4, form, zero_mul,
-                                                 self.iq4nl)
+                                                 self.iq4nl, self.planes6)
         else:
             self.q = self._pack(w.q)
             self.scale = w.scale.float().contiguous()
@@ -314,6 +315,24 @@ class GroupIQ4NLLinear(GroupInt8Linear):
         return moved
 
 
+class GroupQ6PlanesLinear(GroupInt8Linear):
+    """Q6_K kept at its file's bits: each code + 32 as a 4-bit and a 2-bit plane in VNNI blocks
+    (compact scales as the file has them; `VnniBlocks.planes6`), the kernel forming the int8
+    codes' pairs (qmatmul.cpp I6): GroupInt8Linear's results, bit for bit, at 0.82 bytes per
+    weight against 1.07. make_linear takes it only for weights still in the file's blocks, every
+    part Q6_K, on a CPU that keeps VNNI blocks; if the library then cannot run them
+    (check_blocks), the weight goes back to rows of int8 codes."""
+
+    kind = "q6planes-group"
+    planes6 = True
+
+    def check_blocks(self) -> bool:
+        moved = super().check_blocks()  # (rows of int8 codes: VnniBlocks.rows)
+        if moved:
+            self.planes6 = False
+        return moved
+
+
 class RowBlocks(list):
     """Weights fused row-wise whose parts stay in their own formats (Ops.fuse, when the parts'
     group sizes or code widths differ): make_linear gives them a StackedLinear."""
@@ -365,6 +384,9 @@ def make_linear(weight: torch.Tensor | GroupAffine | RowBlocks, dtype: torch.dty
         if isinstance(weight, GGUFBlocks) and weight.iq4_xs and \
                 qmatmul.vnni_blocks_fit(weight.shape[0], weight.shape[1], weight.group):
             return GroupIQ4NLLinear(weight, dtype, scratch)
+        if isinstance(weight, GGUFBlocks) and weight.q6_k and qmatmul.QMATMUL.settle() is None and \
+                qmatmul.vnni_blocks_fit(weight.shape[0], weight.shape[1], weight.group):
+            return GroupQ6PlanesLinear(weight, dtype, scratch)
         if weight.bits == 4 and weight.group % 32 == 0:
             return GroupInt4Linear(weight, dtype, scratch)
         return GroupInt8Linear(weight, dtype, scratch)
@@ -395,6 +417,8 @@ def resident_bytes_per_weight(type_name: str) -> float | None:
     code = 0.5 if type_name in _INT4_TYPES else 1  # 4-bit codes two per byte, else one int8
     if type_name == "IQ4_XS" and _vnni_cpu():
         code = 0.5  # (its table indices two per byte: GroupIQ4NLLinear)
+    if type_name == "Q6_K" and _vnni_cpu():
+        code = 0.75  # (a 4-bit and a 2-bit plane: GroupQ6PlanesLinear)
     if type_name in _COMPACT_TYPES and _vnni_cpu():
         # VNNI blocks with compact scales: an int8 code per group, a float16 base per 256
         return code + arrays * (1 / group + 2 / qmatmul.COMPACT_SUPER_BLOCK)
