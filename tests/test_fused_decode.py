@@ -401,7 +401,9 @@ def test_mixed_format_qkv_stays_packed_and_fused(tmp_path):
     assert m.fused_decode.model_reason is None
     for layer in m.layers:
         assert isinstance(layer.qkv, StackedLinear) and isinstance(layer.gate_up, StackedLinear)
-        assert [p.kind for p in layer.qkv.parts] == ["int4-group", "int4-group", "int8-group"]
+        # (v: Q6_K's two planes on AVX-512 VNNI CPUs, else its int8 codes)
+        assert [p.kind for p in layer.qkv.parts][:2] == ["int4-group", "int4-group"]
+        assert layer.qkv.parts[2].kind in ("int8-group", "q6planes-group")
     assert "dense" not in {lin.kind for lin in m.linears()}
     prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 250 + 3 for j in range(n)]} for i, n in enumerate([1, 3, 9, 17])]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
@@ -584,3 +586,32 @@ def test_portable_code_gives_the_same_bits(rows_model):
                 fused.portable = False
         assert torch.equal(got[False][0], got[True][0]), M
         assert torch.equal(got[False][1], got[True][1]), M
+
+
+@pytest.mark.skipif(not qmatmul.vnni_blocks_fit(16, 256, 32), reason="no AVX-512 VNNI")
+def test_iq4_xs_indices_fused_equals_step_by_step(tmp_path):
+    """An IQ4_XS file's mix (IQ4_XS q/k/o/gate/up, Q5_K v and down): the IQ4_XS weights keep their
+    4-bit table indices (qlinear.GroupIQ4NLLinear; decode_step.cpp kind 11), q/k/v as row blocks,
+    and the fused step agrees with the step-by-step path as the models above do."""
+    from gguf import GGMLQuantizationType as QT
+    from test_loader import tiny_llama, write_tiny_gguf
+
+    from kvshare.model.qlinear import GroupIQ4NLLinear, StackedLinear
+
+    model = tiny_llama(hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+    path = tmp_path / "iq4_xs.gguf"
+    write_tiny_gguf(path, model, "llama", {"q_proj": QT.IQ4_XS, "k_proj": QT.IQ4_XS, "v_proj": QT.Q5_K,
+                                           "o_proj": QT.IQ4_XS, "gate_proj": QT.IQ4_XS, "up_proj": QT.IQ4_XS,
+                                           "down_proj": QT.Q5_K, "embed": QT.Q8_0})
+    llm = LLM(str(path), kv_cache_memory="4MiB", block_size=4, kv_cache_dtype="float32", enable_prefix_caching=False)
+    m = llm.engine.model
+    assert m.fused_decode.model_reason is None
+    for layer in m.layers:
+        assert isinstance(layer.qkv, StackedLinear)
+        assert [p.kind for p in layer.qkv.parts] == ["iq4nl-group", "iq4nl-group", "int8-group"]
+        assert type(layer.gate_up) is GroupIQ4NLLinear and type(layer.o) is GroupIQ4NLLinear
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 250 + 3 for j in range(n)]} for i, n in enumerate([1, 3, 9, 17])]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    for together in (False, True):
+        identical, worst = _compare(llm, prompts, params, together)
+        assert identical == len(prompts) and worst < LOGPROB_TOL, (together, identical, worst)

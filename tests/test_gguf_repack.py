@@ -183,7 +183,7 @@ def test_every_float16_scale():
         assert_same(got, reference(ref, False))
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0], ids=lambda t: t.name)
 def test_make_linear_from_blocks_equals_reference(qtype):
     """qlinear's layer built from the file's blocks holds the same arrays, and gives the same
     outputs, as one built from the group form."""
@@ -218,3 +218,174 @@ def test_repack_refuses_what_the_layout_cannot_take():
         GGUFBlocks.of_tensor(raw, QT.Q6_K, (8, 256)).repack(True, False)
     with pytest.raises(ValueError, match="VNNI"):
         GGUFBlocks.of_tensor(raw, QT.Q6_K, (8, 256)).repack(False, True)
+
+
+needs_vnni = pytest.mark.skipif(not qmatmul.vnni_blocks_fit(16, 256, 32), reason="no AVX-512 VNNI")
+
+
+def _iq4_xs_layouts(n: int, k: int, seed: int) -> dict[str, qmatmul.VnniBlocks]:
+    """One random IQ4_XS weight as VNNI blocks of 4-bit table indices ("nl4", compact and full
+    scales) and of its table values widened to int8 codes ("int8", the reference path)."""
+    raw = raw_rows(QT.IQ4_XS, n, k // 256, seed=seed)
+    lazy = GGUFBlocks.of_tensor(raw, QT.IQ4_XS, (n, k))
+    runs = [(p.row_addresses(), int(p.qtype)) for p in lazy.parts]
+    out = {}
+    for form in ("compact", "full"):
+        q, s, _ = qmatmul.repack_gguf_rows(runs, n, k, 32, False, True, True, form)
+        assert q.dtype == torch.uint8 and q.numel() == n * k // 2
+        out[f"nl4-{form}"] = qmatmul.VnniBlocks(q, s, None, n, k, 32, True, form, iq4nl=True)
+    q, s, _ = qmatmul.repack_gguf_rows(runs, n, k, 32, False, False, True, "compact")
+    out["int8"] = qmatmul.VnniBlocks(q, s, None, n, k, 32, False, "compact")
+    return out
+
+
+@needs_vnni
+def test_iq4_xs_table_indices_give_the_widened_bits():
+    """IQ4_XS kept as 4-bit table indices (looked up in the kernel) against its table values
+    widened to int8 codes: the same output bits on the decode tiles, the panel path and the GEMM
+    path, float32 and bfloat16 x, and the same dense weights and rows."""
+    n, k = 48, 512
+    mats = _iq4_xs_layouts(n, k, seed=7)
+    ref = mats["int8"]
+    for m in (1, 3, 12, 40):  # decode tiles, the panel path (M > 8), the GEMM path (M > 16)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(m, k).to(dtype)
+            want = ref.matmul(x)
+            for name in ("nl4-compact", "nl4-full"):
+                assert torch.equal(mats[name].matmul(x), want), (name, m, dtype)
+    for dtype in (torch.float32, torch.bfloat16):
+        want = ref.dequantize(torch.empty(n, k, dtype=dtype))
+        for name in ("nl4-compact", "nl4-full"):
+            assert torch.equal(mats[name].dequantize(torch.empty(n, k, dtype=dtype)), want), (name, dtype)
+    # (the indices read back: the reference form's codes are the table's values at them)
+    idx = torch.tensor([0, 17, 47])
+    q, s, _ = mats["nl4-compact"].rows(idx)
+    table = torch.tensor(qmatmul.IQ4NL_VALUES, dtype=torch.int8)
+    ref_q, ref_s, _ = ref.rows(idx)
+    assert torch.equal(table[qmatmul.unpack_int4_rows(q).long()], ref_q) and torch.equal(s, ref_s)
+
+
+@needs_vnni
+def test_iq4_xs_layer_keeps_indices():
+    """make_linear on IQ4_XS blocks: a GroupIQ4NLLinear at ~0.54 bytes per weight (the file:
+    0.53) with the outputs, rows and dense copy of the widened layer, bit for bit; fused with
+    another format it stays a row block of its own, in the fused decode step as kind 11."""
+    from kvshare.model.fused_decode import _linear
+    from kvshare.model.ops import Ops
+    from kvshare.model.qlinear import GroupInt8Linear, GroupIQ4NLLinear, StackedLinear, resident_bytes_per_weight
+
+    n, k = 48, 512
+    raw = raw_rows(QT.IQ4_XS, n, k // 256, seed=8)
+    got = make_linear(GGUFBlocks.of_tensor(raw, QT.IQ4_XS, (n, k)), torch.float32, DequantScratch())
+    want = make_linear(to_group_affine(raw, QT.IQ4_XS, (n, k)), torch.float32, DequantScratch())
+    assert type(got) is GroupIQ4NLLinear and type(want) is GroupInt8Linear
+    assert got.blocks.iq4nl and got.blocks.scale_form == "compact"
+    assert got.nbytes / (n * k) == pytest.approx(resident_bytes_per_weight("IQ4_XS")) == 0.5 + 1 / 32 + 2 / 256
+    for m in (1, 3, 12, 40):
+        x = torch.randn(m, k)
+        assert torch.equal(got(x, decode_rows=m), want(x, decode_rows=m)), m
+    ids = torch.tensor([0, 5, 47])
+    assert torch.equal(got.rows(ids), want.rows(ids))
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(got.dense(torch.empty(n, k, dtype=dtype)), want.dense(torch.empty(n, k, dtype=dtype)))
+    assert _linear(got, None).kind == 11 and _linear(want, None).kind == 3  # (the group form: full scales)
+    # A Q4_K_M-style mix (IQ4_XS q and k, Q5_K v): row blocks, the IQ4_XS part still indices.
+    v = GGUFBlocks.of_tensor(raw_rows(QT.Q5_K, 16, 2, seed=9), QT.Q5_K, (16, k))
+    fused = make_linear(Ops.fuse([GGUFBlocks.of_tensor(raw, QT.IQ4_XS, (n, k)), v]), torch.float32, DequantScratch())
+    assert type(fused) is StackedLinear and type(fused.parts[0]) is GroupIQ4NLLinear
+    x = torch.randn(3, k)
+    assert torch.equal(fused(x, decode_rows=3)[:, :n], want(x, decode_rows=3))
+
+
+def test_iq4_xs_indices_refuse_rows_kernel():
+    raw = raw_rows(QT.IQ4_XS, 16, 1)
+    lazy = GGUFBlocks.of_tensor(raw, QT.IQ4_XS, (16, 256))
+    q, s, z, form = lazy.repack(True, False)  # (rows: indices two per byte, full scales)
+    assert q.shape == (16, 128) and form == "full"
+    table = torch.tensor(qmatmul.IQ4NL_VALUES, dtype=torch.int8)
+    assert torch.equal(table[qmatmul.unpack_int4_rows(q).long()], lazy.q)
+    with pytest.raises(ValueError, match="VNNI blocks"):
+        qmatmul._call_group_matmul("kvs_nl4_group_matmul", torch.randn(1, 256), q, s, z, 16, 32, None, "auto",
+                                   layout=0)
+
+
+@needs_vnni
+def test_iq4_xs_indices_go_back_to_int8_rows(monkeypatch):
+    """If the library cannot run VNNI blocks after all (check_blocks), an IQ4_XS layer kept as
+    table indices goes back to rows of its table values (no kernel reads indices in rows)."""
+    from kvshare.model.fused_decode import _linear
+
+    n, k = 32, 256
+    raw = raw_rows(QT.IQ4_XS, n, 1, seed=12)
+    ref = to_group_affine(raw, QT.IQ4_XS, (n, k))
+    lin = make_linear(GGUFBlocks.of_tensor(raw, QT.IQ4_XS, (n, k)), torch.float32, DequantScratch())
+    monkeypatch.setattr(qmatmul.QMATMUL.lib(), "kvs_qmm_vnni_blocks_fit", lambda *a: 0)
+    assert lin.check_blocks() and lin.blocks is None
+    assert lin.q.dtype == torch.int8 and torch.equal(lin.q, ref.q) and torch.equal(lin.scale, ref.scale)
+    x = torch.randn(3, k)
+    assert torch.equal(lin(x, decode_rows=3), qmatmul.int8_group_matmul(x, ref.q, ref.scale, None, 32))
+    assert _linear(lin, None).kind == 1
+
+
+@needs_vnni
+@pytest.mark.parametrize("k", [256, 512])
+def test_q6_k_planes_give_the_int8_bits(k):
+    """Q6_K kept as a 4-bit and a 2-bit plane (qmatmul.cpp I6) against its int8 codes in VNNI
+    blocks: the same output bits on the decode tiles, the panel and the GEMM paths (float32 and
+    bfloat16 x, compact and full scales), the same dense weights, the int8 codes read back."""
+    n = 48
+    raw = raw_rows(QT.Q6_K, n, k // 256, seed=21)
+    lazy = GGUFBlocks.of_tensor(raw, QT.Q6_K, (n, k))
+    runs = [(p.row_addresses(), int(p.qtype)) for p in lazy.parts]
+    q8, s8, _ = qmatmul.repack_gguf_rows(runs, n, k, 16, False, False, True, "compact")
+    ref = qmatmul.VnniBlocks(q8, s8, None, n, k, 16, False, "compact")
+    mats = {}
+    for form in ("compact", "full"):
+        q, s, _ = qmatmul.repack_gguf_rows(runs, n, k, 16, False, False, True, form, planes6=True)
+        assert q.numel() == n * k * 3 // 4
+        mats[form] = qmatmul.VnniBlocks(q, s, None, n, k, 16, False, form, planes6=True)
+    for m in (1, 3, 12, 40):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(m, k).to(dtype)
+            want = ref.matmul(x)
+            for form, b in mats.items():
+                assert torch.equal(b.matmul(x), want), (form, m, dtype)
+    for dtype in (torch.float32, torch.bfloat16):
+        want = ref.dequantize(torch.empty(n, k, dtype=dtype))
+        for form, b in mats.items():
+            assert torch.equal(b.dequantize(torch.empty(n, k, dtype=dtype)), want), (form, dtype)
+    idx = torch.tensor([0, 17, 47])
+    q, s, _ = mats["compact"].rows(idx)
+    assert torch.equal(q, lazy.q[idx]) and torch.equal(s, ref.rows(idx)[1])
+
+
+@needs_vnni
+def test_q6_k_layer_keeps_planes(monkeypatch):
+    """make_linear on Q6_K blocks: a GroupQ6PlanesLinear at the file's 0.82 bytes per weight with
+    the widened layer's outputs, rows and dense copy, fused decode kind 13; back to int8 rows if
+    the library cannot run VNNI blocks."""
+    from kvshare.model.fused_decode import _linear
+    from kvshare.model.qlinear import GroupInt8Linear, GroupQ6PlanesLinear, resident_bytes_per_weight
+
+    n, k = 48, 512
+    raw = raw_rows(QT.Q6_K, n, 2, seed=22)
+    got = make_linear(GGUFBlocks.of_tensor(raw, QT.Q6_K, (n, k)), torch.float32, DequantScratch())
+    want = make_linear(to_group_affine(raw, QT.Q6_K, (n, k)), torch.float32, DequantScratch())
+    assert type(got) is GroupQ6PlanesLinear and type(want) is GroupInt8Linear
+    assert got.nbytes / (n * k) == pytest.approx(resident_bytes_per_weight("Q6_K")) == 0.75 + 1 / 16 + 2 / 256
+    assert 0.75 + 1 / 16 + 2 / 256 == 210 / 256  # (the file's bytes per weight)
+    for m in (1, 3, 12, 40):
+        x = torch.randn(m, k)
+        assert torch.equal(got(x, decode_rows=m), want(x, decode_rows=m)), m
+    ids = torch.tensor([0, 5, 47])
+    assert torch.equal(got.rows(ids), want.rows(ids))
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(got.dense(torch.empty(n, k, dtype=dtype)), want.dense(torch.empty(n, k, dtype=dtype)))
+    assert _linear(got, None).kind == 13
+    ref = to_group_affine(raw, QT.Q6_K, (n, k))
+    back = make_linear(GGUFBlocks.of_tensor(raw, QT.Q6_K, (n, k)), torch.float32, DequantScratch())
+    monkeypatch.setattr(qmatmul.QMATMUL.lib(), "kvs_qmm_vnni_blocks_fit", lambda *a: 0)
+    assert back.check_blocks() and back.blocks is None and torch.equal(back.q, ref.q.to(torch.int8))
+    assert _linear(back, None).kind == 1
+    x = torch.randn(3, k)
+    assert torch.equal(back(x, decode_rows=3), qmatmul.int8_group_matmul(x, back.q, ref.scale, None, 16))

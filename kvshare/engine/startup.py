@@ -105,7 +105,9 @@ class StartupReport:
                  "int8-group+vnni": "int8 per-group in VNNI blocks (kvshare C++ qmatmul, avx512-vnni: decode rows' "
                                     "x rounded to int16 per group)",
                  "int4-group+vnni": "int4 per-group in VNNI blocks (kvshare C++ qmatmul, avx512-vnni: decode rows' "
-                                    "x rounded to int16 per group)"}
+                                    "x rounded to int16 per group)",
+                 "iq4nl-group+vnni": "IQ4_XS 4-bit table indices in VNNI blocks (kvshare C++ qmatmul, avx512-vnni)",
+                 "q6planes-group+vnni": "Q6_K 4-bit + 2-bit planes in VNNI blocks (kvshare C++ qmatmul, avx512-vnni)"}
         counts: dict[str, int] = {}
         for lin in self.model.linears():
             key = lin.kind + ("+vnni" if getattr(lin, "blocks", None) is not None else "")

@@ -89,9 +89,14 @@ class GroupAffine:
         Q5_0 q/k and Q8_0 v of a Q4_K_M file) fuse too: their codes all fit int8 unchanged and they
         run on the same int8-group kernel. 4-bit parts (packed two per byte) fuse only with 4-bit
         parts, and every part must share the group size. Parts still in the file's blocks
-        (GGUFBlocks) stay so."""
+        (GGUFBlocks) stay so. IQ4_XS (Q6_K) parts in the file's blocks fuse only with IQ4_XS (Q6_K) parts
+        (a ValueError otherwise: row blocks), so that they can keep their 4-bit table indices
+        (qlinear.GroupIQ4NLLinear)."""
         bits, code_dtype = _fused_form(parts)
         if all(isinstance(p, GGUFBlocks) for p in parts):
+            if len({(p.iq4_xs, p.q6_k) for p in parts}) > 1:
+                raise ValueError("IQ4_XS and Q6_K weights fuse only with their own format (their codes stay "
+                                 "at the file's bits)")
             return GGUFBlocks.cat(parts, bits, code_dtype)
         first = parts[0]
         if any(p.q.dtype != code_dtype for p in parts):
@@ -309,6 +314,16 @@ class GGUFBlocks(GroupAffine):
     def has_zero(self) -> bool:
         return self._has_zero
 
+    @property
+    def iq4_xs(self) -> bool:
+        """Every run IQ4_XS: its 4-bit indices can be kept as they are (repack with int4)."""
+        return all(p.qtype == Q.IQ4_XS for p in self.parts)
+
+    @property
+    def q6_k(self) -> bool:
+        """Every run Q6_K: its codes can be kept as two planes (repack with planes6)."""
+        return all(p.qtype == Q.Q6_K for p in self.parts)
+
     def materialize(self) -> GroupAffine:
         """The reference form (to_group_affine of each run, joined as GroupAffine.cat joins them)."""
         if self._materialized is None:
@@ -333,7 +348,8 @@ class GGUFBlocks(GroupAffine):
     def zero(self) -> torch.Tensor | None:  # type: ignore[override]
         return self.materialize().zero
 
-    def repack(self, int4: bool, vnni: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, str]:
+    def repack(self, int4: bool, vnni: bool, planes6: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, str]:
         """(q, scales, zeros, scale form) in a group kernel's layout, straight from the blocks in
         C++ (qmatmul.repack_gguf_rows; the kernel library must be loaded): the values
         materialize() + qlinear's packing give, bit for bit. In VNNI blocks the scales stay in
@@ -347,11 +363,12 @@ class GGUFBlocks(GroupAffine):
         form = "compact" if types <= qmatmul.COMPACT_GGML_TYPES else "half" if types <= qmatmul.HALF_GGML_TYPES else "full"
         if vnni and form != "full":
             try:
-                return (*qmatmul.repack_gguf_rows(runs, n, k, self.group, self._has_zero, int4, vnni, form), form)
+                return (*qmatmul.repack_gguf_rows(runs, n, k, self.group, self._has_zero, int4, vnni, form, planes6),
+                        form)
             except ValueError as e:
                 if "no compact or float16 form" not in str(e):
                     raise
-        return (*qmatmul.repack_gguf_rows(runs, n, k, self.group, self._has_zero, int4, vnni), "full")
+        return (*qmatmul.repack_gguf_rows(runs, n, k, self.group, self._has_zero, int4, vnni, planes6=planes6), "full")
 
     def row_slice(self, lo: int, hi: int) -> "GGUFBlocks":
         parts, start = [], 0

@@ -23,13 +23,16 @@ rows share its step.
   capability, so codes packed by hand read wrong on AVX-512 machines, and a copy in torch's own
   layout could not be read back for embeddings and prefill; the fused decode step needs
   kvshare's layout anyway.)
-  Q2_K, Q3_K and IQ4_XS take the int8 kernel too (codes widened to a byte; IQ4_XS's code is
-  its non-linear table's value).
+  Q2_K and Q3_K take the int8 kernel too (codes widened to a byte). `GroupIQ4NLLinear`: IQ4_XS
+  on AVX-512 VNNI CPUs, its 4-bit indices into the non-linear table kept two per byte and looked
+  up in the kernel (`VnniBlocks.iq4nl`), the bits the int8 kernel gives on the table's values;
+  elsewhere IQ4_XS takes the int8 kernel with each code widened to its table value.
 - `DenseLinear`: everything else (F32, F16, BF16, HF safetensors, or quantization=None), a
   plain tensor in the activation dtype.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -107,6 +110,8 @@ class DenseLinear:
 class GroupInt8Linear:
     kind = "int8-group"
     packed_int4 = False  # codes one per byte (GroupInt4Linear: two)
+    iq4nl = False  # 4-bit fields are IQ4_NL table indices (GroupIQ4NLLinear)
+    planes6 = False  # Q6_K's codes as a 4-bit and a 2-bit plane (GroupQ6PlanesLinear)
 
     def __init__(self, w: GroupAffine, dtype: torch.dtype, scratch: DequantScratch) -> None:
         self.out_features, self.in_features = w.shape
@@ -124,18 +129,21 @@ class GroupInt8Linear:
         if isinstance(w, GGUFBlocks) and self._kernel_ready:
             # Still the file's blocks: decoded once, in C++ across threads, straight into the final
             # layout (the same arrays the steps below make from w.q / w.scale / w.zero).
-            self.q, self.scale, self.zero, form = w.repack(self.packed_int4, vnni)
+            self.q, self.scale, self.zero, form = w.repack(self.packed_int4, vnni, planes6=self.planes6)
             if vnni:
                 # (Q4_0 in float16 scales: no zeros array, each zero -8 x its scale)
                 zero_mul = qmatmul.Q4_0_ZERO_MUL if form == "half" and self.zero is None and w.has_zero else 0.0
                 self.blocks = qmatmul.VnniBlocks(self.q, self.scale, self.zero, self.out_features,
-                                                 self.in_features, self.group, self.packed_int4, form, zero_mul)
+                                                 self.in_features, self.group, self.packed_int4, form, zero_mul,
+                                                 self.iq4nl, self.planes6)
         else:
             self.q = self._pack(w.q)
             self.scale = w.scale.float().contiguous()
             self.zero = None if w.zero is None else w.zero.float().contiguous()
             if vnni:
                 self.blocks = qmatmul.to_vnni_blocks(self.q, self.scale, self.zero, self.group, self.packed_int4)
+                if self.iq4nl:
+                    self.blocks = dataclasses.replace(self.blocks, iq4nl=True)
                 self.q, self.scale, self.zero = self.blocks.q, self.blocks.scales, self.blocks.zeros
         self._blocks_checked = False
         self._fallback: torch.Tensor | None = None
@@ -273,6 +281,58 @@ class GroupInt4Linear(GroupInt8Linear):
         return qmatmul.unpack_int4_rows(packed_rows)
 
 
+class GroupIQ4NLLinear(GroupInt8Linear):
+    """IQ4_XS kept at its file's bits: each weight's 4-bit index into the IQ4_NL table, two per
+    byte, in VNNI blocks (compact scales as the file has them); the kernel looks each code up
+    (qmatmul.cpp NL4), so results are GroupInt8Linear's on the table's values, bit for bit, from
+    half the code bytes. make_linear takes it only for weights still in the file's blocks, every
+    part IQ4_XS, on a CPU that keeps VNNI blocks; if the kernel library then cannot run them
+    (check_blocks), the weight goes back to rows of int8 table values."""
+
+    kind = "iq4nl-group"
+    packed_int4 = True
+    iq4nl = True
+
+    def _pack(self, q: torch.Tensor) -> torch.Tensor:
+        """The table's values (int8 [N, K], the reference form) as packed indices."""
+        table = torch.tensor(qmatmul.IQ4NL_VALUES, dtype=torch.int16)
+        idx = torch.searchsorted(table, q.to(torch.int16).contiguous()).clamp(max=15)
+        if not torch.equal(table[idx], q.to(torch.int16)):
+            raise ValueError("IQ4_XS codes must be values of the IQ4_NL table")
+        return qmatmul.pack_int4_rows(idx)
+
+    def _codes(self, packed_rows: torch.Tensor) -> torch.Tensor:
+        if not self.packed_int4:  # (back in rows as int8 values: check_blocks)
+            return packed_rows
+        table = torch.tensor(qmatmul.IQ4NL_VALUES, dtype=torch.int8)
+        return table[qmatmul.unpack_int4_rows(packed_rows).long()]
+
+    def check_blocks(self) -> bool:
+        moved = super().check_blocks()
+        if moved:  # no kernel reads table indices in rows: the int8 kernel on the table's values
+            self.q = self._codes(self.q).contiguous()
+            self.packed_int4 = False
+        return moved
+
+
+class GroupQ6PlanesLinear(GroupInt8Linear):
+    """Q6_K kept at its file's bits: each code + 32 as a 4-bit and a 2-bit plane in VNNI blocks
+    (compact scales as the file has them; `VnniBlocks.planes6`), the kernel forming the int8
+    codes' pairs (qmatmul.cpp I6): GroupInt8Linear's results, bit for bit, at 0.82 bytes per
+    weight against 1.07. make_linear takes it only for weights still in the file's blocks, every
+    part Q6_K, on a CPU that keeps VNNI blocks; if the library then cannot run them
+    (check_blocks), the weight goes back to rows of int8 codes."""
+
+    kind = "q6planes-group"
+    planes6 = True
+
+    def check_blocks(self) -> bool:
+        moved = super().check_blocks()  # (rows of int8 codes: VnniBlocks.rows)
+        if moved:
+            self.planes6 = False
+        return moved
+
+
 class RowBlocks(list):
     """Weights fused row-wise whose parts stay in their own formats (Ops.fuse, when the parts'
     group sizes or code widths differ): make_linear gives them a StackedLinear."""
@@ -321,6 +381,12 @@ def make_linear(weight: torch.Tensor | GroupAffine | RowBlocks, dtype: torch.dty
     if isinstance(weight, RowBlocks):
         return StackedLinear([make_linear(w, dtype, scratch) for w in weight])
     if isinstance(weight, GroupAffine):
+        if isinstance(weight, GGUFBlocks) and weight.iq4_xs and \
+                qmatmul.vnni_blocks_fit(weight.shape[0], weight.shape[1], weight.group):
+            return GroupIQ4NLLinear(weight, dtype, scratch)
+        if isinstance(weight, GGUFBlocks) and weight.q6_k and qmatmul.QMATMUL.settle() is None and \
+                qmatmul.vnni_blocks_fit(weight.shape[0], weight.shape[1], weight.group):
+            return GroupQ6PlanesLinear(weight, dtype, scratch)
         if weight.bits == 4 and weight.group % 32 == 0:
             return GroupInt4Linear(weight, dtype, scratch)
         return GroupInt8Linear(weight, dtype, scratch)
@@ -349,6 +415,10 @@ def resident_bytes_per_weight(type_name: str) -> float | None:
     group = 16 if type_name in _GROUP_16_TYPES else 32
     arrays = 2 if type_name in _ZERO_OFFSET_TYPES else 1  # scales (+ offsets)
     code = 0.5 if type_name in _INT4_TYPES else 1  # 4-bit codes two per byte, else one int8
+    if type_name == "IQ4_XS" and _vnni_cpu():
+        code = 0.5  # (its table indices two per byte: GroupIQ4NLLinear)
+    if type_name == "Q6_K" and _vnni_cpu():
+        code = 0.75  # (a 4-bit and a 2-bit plane: GroupQ6PlanesLinear)
     if type_name in _COMPACT_TYPES and _vnni_cpu():
         # VNNI blocks with compact scales: an int8 code per group, a float16 base per 256
         return code + arrays * (1 / group + 2 / qmatmul.COMPACT_SUPER_BLOCK)

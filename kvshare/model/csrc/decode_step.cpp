@@ -597,10 +597,20 @@ static int linear(const Linear& L, const float* x, int64_t M, float* y, int num_
     return 0;
   }
   int rc;
-  if (L.kind < 1 || L.kind > 9) {
+  if (L.kind < 1 || L.kind > 13) {
     std::snprintf(err, size_t(err_len), "unknown linear kind %lld", (long long)L.kind);
     return 1;
   }
+  // Kinds 10 / 11: IQ4_XS's 4-bit table indices (qmatmul.cpp NL4) in VNNI blocks, with float32 /
+  // compact scales; 12 / 13: Q6_K's 4-bit and 2-bit planes (I6) likewise.
+  if (L.kind >= 12)
+    return qmm::group_matmul<qmm::I6>(x, L.K, 0, static_cast<const uint8_t*>(L.q), L.scales, L.zeros, y, y_stride,
+                                      M, L.N, L.K, L.group, 0, num_threads, err, err_len,
+                                      L.kind == 13 ? qmm::kLayoutCompact : qmm::kLayoutBlocks, float(L.zero_mul));
+  if (L.kind >= 10)
+    return qmm::group_matmul<qmm::NL4>(x, L.K, 0, static_cast<const uint8_t*>(L.q), L.scales, L.zeros, y, y_stride,
+                                       M, L.N, L.K, L.group, 0, num_threads, err, err_len,
+                                       L.kind == 11 ? qmm::kLayoutCompact : qmm::kLayoutBlocks, float(L.zero_mul));
   // (qmatmul.cpp's layouts: rows, "VNNI blocks", compact scales)
   const int layout = L.kind >= 8   ? qmm::kLayoutHalf
                      : L.kind >= 6 ? qmm::kLayoutCompact

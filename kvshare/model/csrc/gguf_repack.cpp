@@ -14,6 +14,12 @@
 // are just other address lists) and is written as row `row0 + r` of a weight of n_total rows:
 //
 // * int4 = 1 (Q4_0 / Q4_1 / Q4_K): uint8 [N, K / 2], byte j = code 2j | code 2j + 1 << 4.
+//   IQ4_XS too: then the 4-bit fields are its indices into the non-linear table (what
+//   qmatmul.cpp's NL4 reads), not codes; its scales are the same as with int4 = 0.
+// * int4 = 2 (Q6_K, VNNI blocks only): its codes + 32 as a 4-bit plane (K / 2 bytes, packed as
+//   above) then a 2-bit plane (K / 4 bytes: per 16 codes 4 bytes, code 2m at bits 2m and code
+//   2m + 1 at bits 16 + 2m), which qmatmul.cpp's I6 reads; in VNNI blocks the low plane's lines
+//   and then the high plane's.
 // * int4 = 0 (every format): int8 [N, K], one code per byte (unsigned codes of 5 bits and less
 //   fit as they are, as qlinear's `q.to(torch.int8)` leaves them).
 // * scales / zeros float32 [N, K / g]; zeros null for a weight without offsets, and written 0
@@ -72,7 +78,7 @@ inline bool format_of(int type, Format* f) {
     case Q4_K: *f = {256, 144, 32, true, true}; return true;
     case Q5_K: *f = {256, 176, 32, true, false}; return true;
     case Q6_K: *f = {256, 210, 16, false, false}; return true;
-    case IQ4_XS: *f = {256, 136, 32, false, false}; return true;
+    case IQ4_XS: *f = {256, 136, 32, false, true}; return true;  // (int4: its table indices)
     default: return false;
   }
 }
@@ -82,7 +88,7 @@ inline bool format_of(int type, Format* f) {
 inline uint16_t half_bits(const uint8_t* p) { return uint16_t(p[0] | p[1] << 8); }
 inline float f16(const uint8_t* p) { return qmm::f16_to_f32(half_bits(p)); }
 
-const int8_t kIq4nlValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+const int8_t* const kIq4nlValues = qmm::kNl4Values;
 
 // Low nibbles are weights 0..15 of a 32, high nibbles 16..31 (Q4_0, Q4_1, Q5_x, IQ4_XS).
 inline void nibbles32(const uint8_t* qs, uint8_t* c) {
@@ -278,8 +284,18 @@ inline bool compact_code(float v, float base, int8_t* code) {
 }
 
 // One block of Q4_0 / Q4_1 / Q4_K as packed bytes (block / 2 of them) and its groups' scales and
-// zeros, the values decode_block gives.
+// zeros, the values decode_block gives; IQ4_XS's table indices likewise, with its scales.
 inline void decode_block_int4(int type, const uint8_t* b, uint8_t* packed, float* s, float* z) {
+  if (type == IQ4_XS) {
+    const float d = f16(b);
+    const uint32_t high = uint32_t(b[2]) | uint32_t(b[3]) << 8;
+    for (int j = 0; j < 8; ++j) {
+      const int low = (b[4 + j / 2] >> (4 * (j % 2))) & 0xF;
+      s[j] = d * float((low | int((high >> (2 * j)) & 3) << 4) - 32);
+      pack_nibble_halves(b + 8 + 16 * j, 16, packed + 16 * j);
+    }
+    return;
+  }
   if (type == Q4_K) {
     const float d = f16(b), dmin = f16(b + 2);
     uint8_t sc[8], mn[8];
@@ -307,7 +323,7 @@ struct Job {
   int64_t rows, row0, n_total, k;
   Format f;
   int type;
-  bool int4, vnni, compact, half;
+  bool int4, vnni, compact, half, planes;
   uint8_t* q;
   float *scales, *zeros;
   std::atomic<bool>* not_compact;  // set when a scale or zero has no compact form
@@ -317,7 +333,27 @@ struct Job {
 // groups' scales `s` and zeros `z` (K / g floats each; zeros 0 for a symmetric format).
 inline void decode_row(const Job& j, const uint8_t* src, uint8_t* out, float* s, float* z, uint16_t* bases = nullptr) {
   const int64_t gpb = j.f.block / j.f.group, blocks = j.k / j.f.block;
-  if (j.int4) {
+  if (j.planes) {  // (Q6_K: the codes, then their two planes)
+    uint8_t c[256];
+    for (int64_t i = 0; i < blocks; ++i) {
+      decode_block(j.type, src + i * j.f.type_size, c, s + i * gpb, z + i * gpb);
+      uint8_t* lo = out + i * 128;
+      uint8_t* hi = out + j.k / 2 + i * 64;
+      for (int t = 0; t < 128; ++t) {
+        const int a = int8_t(c[2 * t]) + 32, b = int8_t(c[2 * t + 1]) + 32;
+        lo[t] = uint8_t((a & 15) | (b & 15) << 4);
+      }
+      for (int t = 0; t < 16; ++t) {
+        uint32_t w = 0;
+        for (int m = 0; m < 8; ++m) {
+          const uint32_t a = uint32_t(int8_t(c[16 * t + 2 * m]) + 32) >> 4;
+          const uint32_t b = uint32_t(int8_t(c[16 * t + 2 * m + 1]) + 32) >> 4;
+          w |= a << (2 * m) | b << (16 + 2 * m);
+        }
+        std::memcpy(hi + 4 * t, &w, 4);
+      }
+    }
+  } else if (j.int4) {
     for (int64_t i = 0; i < blocks; ++i)
       decode_block_int4(j.type, src + i * j.f.type_size, out + i * (j.f.block / 2), s + i * gpb, z + i * gpb);
   } else {
@@ -417,7 +453,7 @@ inline void write_half(const Job& j, int64_t lane_lo, int64_t lane_hi, const flo
 
 inline void repack_span(const Job& j, int64_t span, int64_t lo, int64_t hi, uint8_t* rows_buf, float* s_buf,
                         float* z_buf, uint16_t* bases) {
-  const int64_t G = j.k / j.f.group, row_bytes = j.int4 ? j.k / 2 : j.k;
+  const int64_t G = j.k / j.f.group, row_bytes = j.planes ? j.k / 2 + j.k / 4 : j.int4 ? j.k / 2 : j.k;
   const auto src = [&](int64_t row) { return reinterpret_cast<const uint8_t*>(j.row_addrs[row - j.row0]); };
   if (!j.vnni) {
     for (int64_t row = lo; row < hi; ++row) {
@@ -431,8 +467,8 @@ inline void repack_span(const Job& j, int64_t span, int64_t lo, int64_t hi, uint
     uint8_t* row = rows_buf + lane * row_bytes;
     decode_row(j, src(span * 16 + lane), row, s_buf + lane * G, z_buf + lane * G,
                j.compact || j.half ? bases + lane * (j.k / j.f.block) * 2 : nullptr);
-    if (j.int4)  // each 4-byte unit's codes as the VNNI kernel takes them (qmatmul.cpp VnniCodes<U4>)
-      for (int64_t u = 0; u < lines; ++u) {
+    if (j.int4 || j.planes)  // each 4-byte unit's codes as the VNNI kernel takes them (qmatmul.cpp VnniCodes<U4>)
+      for (int64_t u = 0; u < (j.planes ? j.k / 8 : lines); ++u) {
         uint32_t v;
         std::memcpy(&v, row + 4 * u, 4);
         v = u4_row_to_lane(v);
@@ -485,7 +521,7 @@ inline void run(const Job& j, int num_threads) {
   const int64_t first = j.row0 / 16, last = (j.row0 + j.rows + 15) / 16;
   const int64_t spans = last - first, chunk = 4;
   const int nt = int(std::max<int64_t>(1, std::min<int64_t>(num_threads, (spans + chunk - 1) / chunk)));
-  const int64_t G = j.k / j.f.group, row_bytes = j.int4 ? j.k / 2 : j.k;
+  const int64_t G = j.k / j.f.group, row_bytes = j.planes ? j.k / 2 + j.k / 4 : j.int4 ? j.k / 2 : j.k;
   std::atomic<int64_t> next{first};
   const auto work = [&]() {
     std::vector<uint8_t> rows_buf(size_t(j.vnni ? 16 * row_bytes : 0));
@@ -528,7 +564,8 @@ extern "C" int kvs_gguf_repack(const int64_t* row_addrs, int64_t rows, int64_t r
   if (!format_of(type, &f)) return fail("not a GGUF type kvs_gguf_repack decodes");
   if (k <= 0 || k % f.block) return fail("K must be a positive multiple of the format's block size");
   if (rows < 0 || row0 < 0 || row0 + rows > n_total) return fail("rows out of the weight's range");
-  if (int4 && !f.int4_ok) return fail("only Q4_0, Q4_1 and Q4_K codes pack two per byte");
+  if (int4 == 2 && (type != Q6_K || !vnni)) return fail("6-bit planes are for Q6_K in VNNI blocks only");
+  if (int4 == 1 && !f.int4_ok) return fail("only Q4_0, Q4_1 and Q4_K codes (and IQ4_XS's table indices) pack two per byte");
   if (f.has_zero && !zeros && !(vnni == 3 && type == Q4_0))
     return fail("this format has offsets: zeros must be given");
   if (vnni < 0 || vnni > 3)
@@ -541,8 +578,8 @@ extern "C" int kvs_gguf_repack(const int64_t* row_addrs, int64_t rows, int64_t r
     return fail("float16 scales are for Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 only");
   if (rows == 0) return 0;
   std::atomic<bool> not_compact{false};
-  Job j{row_addrs, rows, row0, n_total, k, f, type, int4 != 0, vnni != 0, vnni == 2, vnni == 3, static_cast<uint8_t*>(q),
-        scales, zeros, &not_compact};
+  Job j{row_addrs, rows, row0, n_total, k, f, type, int4 == 1, vnni != 0, vnni == 2, vnni == 3, int4 == 2,
+        static_cast<uint8_t*>(q), scales, zeros, &not_compact};
   run(j, num_threads);
   if (not_compact) return fail("a scale or zero has no compact or float16 form");
   return 0;

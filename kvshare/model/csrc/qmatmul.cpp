@@ -162,16 +162,58 @@ static inline float scale_at(int layout, const uint8_t* block, int64_t G, int64_
   return float(int8_t(block[gi * 16 + r])) * f16_to_f32(h);
 }
 
-// Weight formats: how many bytes `codes` codes take, and code k of a row (scalar path).
+// Weight formats: how many bytes `codes` codes take, and code k of a row (scalar path);
+// nibble(i): the code a 4-bit field i stands for. kRowPaths: whether weights in rows have vector
+// paths (NL4 runs on VNNI blocks only).
 struct I8 {
   static constexpr int64_t kCodesPerByte = 1;
+  static constexpr bool kRowPaths = true, kTable = false;
   static constexpr int64_t bytes(int64_t codes) { return codes; }
   static inline float code(const uint8_t* row, int64_t k) { return float(int8_t(row[k])); }
+  static inline int nibble(int i) { return i; }
 };
 struct U4 {
   static constexpr int64_t kCodesPerByte = 2;
+  static constexpr bool kRowPaths = true, kTable = false;
   static constexpr int64_t bytes(int64_t codes) { return codes / 2; }
   static inline float code(const uint8_t* row, int64_t k) { return float((row[k >> 1] >> ((k & 1) << 2)) & 15); }
+  static inline int nibble(int i) { return i; }
+};
+// IQ4_NL / IQ4_XS: 4-bit indices, packed as U4 packs its codes, into ggml's non-linear table
+// (kvalues_iq4nl); the code is the table's int8 value, so the weights, the int32 group sums and
+// every float op after them are those of the same weight with its values widened to int8 codes
+// (I8), at half the bytes. Only the avx512-vnni path reads it (a lookup per code pair: vpermw).
+constexpr int8_t kNl4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+struct NL4 {
+  static constexpr int64_t kCodesPerByte = 2;
+  static constexpr bool kRowPaths = false, kTable = true;
+  static constexpr int64_t bytes(int64_t codes) { return codes / 2; }
+  static inline float code(const uint8_t* row, int64_t k) {
+    return float(kNl4Values[(row[k >> 1] >> ((k & 1) << 2)) & 15]);
+  }
+  static inline int nibble(int i) { return kNl4Values[i]; }
+};
+// Q6_K's 6-bit codes (-32..31) kept at the file's bits, in VNNI blocks only: per 16-row block its
+// 4-bit low planes as U4 lays out codes (K / 8 lines), then its 2-bit high planes (K / 16 lines,
+// one per 16 codes: in a lane, code 2m of those 16 at bits 2m, code 2m + 1 at bits 16 + 2m). The
+// kernel forms each pair (low | high << 4) - 32, the int8 codes' int16 pair, so the int32 group
+// sums and everything after them are the int8 kernel's (I8) on the same weight: the same bits, at
+// 0.75 bytes per code. Groups of 16k codes.
+struct I6 {
+  static constexpr int64_t kCodesPerByte = 1;
+  static constexpr bool kRowPaths = false, kTable = false;
+  static constexpr int64_t bytes(int64_t codes) { return codes / 2 + codes / 4; }
+  static inline int nibble(int i) { return i; }
+  // Code k of row r (0..15) of a block whose bytes start at qb (K codes per row).
+  static inline int code_in_block(const uint8_t* qb, int64_t K, int r, int64_t k) {
+    uint32_t lo, hi;
+    std::memcpy(&lo, qb + (k / 8) * 64 + 4 * r, 4);
+    std::memcpy(&hi, qb + (K / 8) * 64 + (k / 16) * 64 + 4 * r, 4);
+    const int i = int(k % 8), m = int(k % 16);
+    const int l = (lo >> ((i & 1) * 16 + 4 * (i / 2))) & 15;
+    const int h = (hi >> ((m & 1) * 16 + 2 * (m / 2))) & 3;
+    return (l | h << 4) - 32;
+  }
 };
 
 // A 4-bit lane of VNNI blocks (codes 2p at bits 4p, 2p + 1 at bits 16 + 4p) as the row layout's
@@ -638,6 +680,53 @@ template <> struct VnniCodes<U4> {
   }
 };
 
+// I6: the low plane's pair as U4's; the high plane's line of the 16 codes this line's 8 are in,
+// shifted (high_line) so that pair p's two 2-bit fields sit at bits 2p and 16 + 2p, then rotated
+// to bits 4..5 and 20..21 (a rotation, not a shift: for p < 2 they move up). Then low | high
+// minus 32 in each int16 word.
+template <> struct VnniCodes<I6> {
+  static constexpr int kPairsPerLine = 4;
+  static void control(int p, int8_t* ctl) { VnniCodes<U4>::control(p, ctl); }
+  QMM_VNNI static QMM_INLINE __m512i high_line(const uint8_t* qb, int64_t K, int64_t c) {
+    const __m512i h = _mm512_loadu_si512(qb + (K / 8) * 64 + (c / 2) * 64);
+    return (c & 1) ? _mm512_srli_epi32(h, 8) : h;
+  }
+  QMM_VNNI static QMM_INLINE __m512i pair(__m512i line, __m512i ctl, __m512i high, int p) {
+    const __m512i lo = _mm512_and_si512(_mm512_srlv_epi32(line, ctl), _mm512_set1_epi32(0x000F000F));
+    const __m512i hi = _mm512_and_si512(_mm512_rorv_epi32(high, _mm512_set1_epi32((2 * p + 28) & 31)),
+                                        _mm512_set1_epi32(0x00300030));
+    return _mm512_sub_epi16(_mm512_or_si512(lo, hi), _mm512_set1_epi16(32));
+  }
+};
+
+// A format's code pair p of line c of a block (qb): every format but I6 reads the line alone.
+template <class F>
+QMM_VNNI static QMM_INLINE __m512i high_line_of(const uint8_t* qb, int64_t K, int64_t c) {
+  if constexpr (std::is_same<F, I6>::value) return VnniCodes<I6>::high_line(qb, K, c);
+  return _mm512_setzero_si512();
+}
+template <class F>
+QMM_VNNI static QMM_INLINE __m512i pair_of(__m512i line, const __m512i* ctl, __m512i high, int p) {
+  if constexpr (std::is_same<F, I6>::value) return VnniCodes<I6>::pair(line, ctl[p], high, p);
+  else return VnniCodes<F>::pair(line, ctl[p]);
+}
+
+// NL4: U4's pair (the two indices at bits 0..3 of each int16 word after the shift), then each
+// word looked up in the table (vpermw: 32 int16 entries indexed by a word's low 5 bits; the
+// table is repeated, so the fifth bit, the next index's lowest, needs no mask): the sign-extended
+// int8 value I8's pair gives for the same weight.
+template <> struct VnniCodes<NL4> {
+  static constexpr int kPairsPerLine = 4;
+  static void control(int p, int8_t* ctl) { VnniCodes<U4>::control(p, ctl); }
+  QMM_VNNI static QMM_INLINE __m512i table() {
+    return _mm512_set_epi16(113, 89, 69, 53, 38, 25, 13, 1, -10, -22, -35, -49, -65, -83, -104, -127,
+                            113, 89, 69, 53, 38, 25, 13, 1, -10, -22, -35, -49, -65, -83, -104, -127);
+  }
+  QMM_VNNI static QMM_INLINE __m512i pair(__m512i line, __m512i ctl) {
+    return _mm512_permutexvar_epi16(_mm512_srlv_epi32(line, ctl), table());
+  }
+};
+
 template <> struct VnniCodes<I8> {
   static constexpr int kPairsPerLine = 2;
   static void control(int p, int8_t* ctl) {
@@ -713,16 +802,21 @@ QMM_VNNI static QMM_INLINE void vnni_tile(const Problem& P, int64_t blk, const i
     __m512i ia[MB];
     QMM_UNROLL for (int i = 0; i < MB; ++i) ia[i] = _mm512_setzero_si512();
     for (int64_t c = gi * lines_per_group; c < (gi + 1) * lines_per_group; ++c) {
-      __m512i line;
+      __m512i line, high = _mm512_setzero_si512();
       if (!PANEL) {
         // A line kVnniPrefetchBytes ahead in the weight stream (the blocks are contiguous, so
         // this runs on into the next block and the next thread-chunk's rows) into L1.
         _mm_prefetch(reinterpret_cast<const char*>(qb + c * 64 + kVnniPrefetchBytes), _MM_HINT_T0);
         line = _mm512_loadu_si512(qb + c * 64);
+        if constexpr (std::is_same<F, I6>::value) {  // (its high plane: a second stream)
+          _mm_prefetch(reinterpret_cast<const char*>(qb + (P.K / 8) * 64 + (c / 2) * 64 + kVnniPrefetchBytes / 2),
+                       _MM_HINT_T0);
+          high = high_line_of<F>(qb, P.K, c);
+        }
       }
       QMM_UNROLL for (int p = 0; p < C::kPairsPerLine; ++p) {
         const int64_t j = c * C::kPairsPerLine + p;
-        const __m512i w = PANEL ? _mm512_load_si512(panel + j * 16) : C::pair(line, ctl[p]);
+        const __m512i w = PANEL ? _mm512_load_si512(panel + j * 16) : pair_of<F>(line, ctl, high, p);
         QMM_UNROLL for (int i = 0; i < MB; ++i) {
           int32_t xpair;  // X[2j] | X[2j + 1] << 16, read through memcpy (int16 storage)
           std::memcpy(&xpair, xr + i * P.K + 2 * j, sizeof xpair);
@@ -790,7 +884,7 @@ QMM_VNNI static void rows_vnni_t(const Problem& P, int64_t n0, int64_t n1) {
   const bool panel = P.M > 8;
   std::vector<int32_t> buf(panel ? size_t(P.K / 2 * 16 + 16) : 0);
   int32_t* pan = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
-  const int64_t lines = P.q_s0 / 4;
+  const int64_t lines = std::is_same<F, I6>::value ? P.K / 8 : P.q_s0 / 4;  // (lines of codes: I6's low plane)
   for (int64_t blk = n0 / 16; blk * 16 < n1; ++blk) {
     const uint8_t* qb = P.q + blk * 16 * P.q_s0;
     if (!panel) {  // (vnni_tile prefetches its own stream, line by line)
@@ -811,9 +905,9 @@ QMM_VNNI static void rows_vnni_t(const Problem& P, int64_t n0, int64_t n1) {
       }
     }
     for (int64_t c = 0; c < lines; ++c) {
-      const __m512i line = _mm512_loadu_si512(qb + c * 64);
+      const __m512i line = _mm512_loadu_si512(qb + c * 64), high = high_line_of<F>(qb, P.K, c);
       QMM_UNROLL for (int p = 0; p < C::kPairsPerLine; ++p)
-        _mm512_store_si512(pan + (c * C::kPairsPerLine + p) * 16, C::pair(line, ctl[p]));
+        _mm512_store_si512(pan + (c * C::kPairsPerLine + p) * 16, pair_of<F>(line, ctl, high, p));
     }
     vnni_rows_of_block<F, ZEROS, true, SL>(P, blk, pan, ctl);
   }
@@ -963,10 +1057,11 @@ QMM_VNNI static void gemm_item(const Problem& P, int64_t blk, int64_t m0, int64_
     const int64_t g1 = std::min(P.G, g0 + slice_groups);
     for (int64_t c = g0 * lines_per_group; c < g1 * lines_per_group; ++c) {
       QMM_UNROLL for (int b = 0; b < NB; ++b) {
-        const __m512i line = _mm512_loadu_si512(P.q + (blk + b) * 16 * P.q_s0 + c * 64);
+        const uint8_t* qb = P.q + (blk + b) * 16 * P.q_s0;
+        const __m512i line = _mm512_loadu_si512(qb + c * 64), high = high_line_of<F>(qb, P.K, c);
         QMM_UNROLL for (int p = 0; p < C::kPairsPerLine; ++p) {
           const int64_t j = (c - g0 * lines_per_group) * C::kPairsPerLine + p;
-          _mm512_store_si512(panel + (j * NB + b) * 16, C::pair(line, ctl[p]));
+          _mm512_store_si512(panel + (j * NB + b) * 16, pair_of<F>(line, ctl, high, p));
         }
       }
     }
@@ -1183,6 +1278,16 @@ static int group_matmul(const void* x, int64_t x_s0, int x_bf16, const uint8_t* 
                                                     : "the avx512-vnni path reads weights in VNNI blocks only");
     return 1;
   }
+  if (!F::kRowPaths && !vnni_blocks) {
+    std::snprintf(err, size_t(err_len), "4-bit table indices (IQ4_XS) and 6-bit planes (Q6_K) run only on "
+                  "weights in VNNI blocks");
+    return 1;
+  }
+  if (std::is_same<F, I6>::value && group_size % 16 != 0) {
+    std::snprintf(err, size_t(err_len), "6-bit planes need a group size that is a multiple of 16 (got %lld)",
+                  (long long)group_size);
+    return 1;
+  }
   if (vnni_blocks && !vnni_blocks_fit(K, group_size)) {
     std::snprintf(err, size_t(err_len), "VNNI blocks need an AVX-512 VNNI CPU and a group size in 8..256 that "
                   "is a multiple of 8 (got %lld)", (long long)group_size);
@@ -1204,20 +1309,23 @@ static int group_matmul(const void* x, int64_t x_s0, int x_bf16, const uint8_t* 
   }
 
   // The path: the requested one (0: the best) if its step divides the group, else the next.
-  void (*rows)(const Problem&, int64_t, int64_t) = &rows_scalar<F>;
+  void (*rows)(const Problem&, int64_t, int64_t) = nullptr;
+  if constexpr (F::kRowPaths) rows = &rows_scalar<F>;
   int64_t step = 0;  // the vector path's step (codes per group chunk); 0: scalar
   const bool vnni = vnni_blocks;
 #if QMM_X86
+  if (vnni) {
 #ifdef QMM_HAS_VNNI
-  if (vnni) rows = &rows_vnni<F>;
-  else
+    rows = &rows_vnni<F>;
 #endif
-  if ((impl == 0 || impl == 2) && cpu_has_avx512() && group_size % Avx512<F>::kStep == 0) {
-    rows = &rows_avx512<F>;
-    step = Avx512<F>::kStep;
-  } else if (impl != 1 && cpu_has_avx2() && group_size % Avx2<F>::kStep == 0) {
-    rows = &rows_avx2<F>;
-    step = Avx2<F>::kStep;
+  } else if constexpr (F::kRowPaths) {
+    if ((impl == 0 || impl == 2) && cpu_has_avx512() && group_size % Avx512<F>::kStep == 0) {
+      rows = &rows_avx512<F>;
+      step = Avx512<F>::kStep;
+    } else if (impl != 1 && cpu_has_avx2() && group_size % Avx2<F>::kStep == 0) {
+      rows = &rows_avx2<F>;
+      step = Avx2<F>::kStep;
+    }
   }
 #endif
   // x as the kernel reads it: float32 x itself where it can, else one small copy per call
@@ -1313,7 +1421,7 @@ static QMM_INLINE void dequant_rows_body(const uint8_t* q, int64_t q_s0, const f
       if (F::kCodesPerByte == 2) {
         const uint8_t* b = qr + k0 / 2;
         for (int64_t j = 0; j < g / 2; ++j) {
-          const float lo = float(b[j] & 15) * s + z, hi = float(b[j] >> 4) * s + z;
+          const float lo = float(F::nibble(b[j] & 15)) * s + z, hi = float(F::nibble(b[j] >> 4)) * s + z;
           if (BF16) {
             ob[2 * j] = f32_to_bf16(lo);
             ob[2 * j + 1] = f32_to_bf16(hi);
@@ -1375,8 +1483,16 @@ QMM_AVX512 static void dequant_rows_avx512(const uint8_t* q, int64_t q_s0, const
       if (int4) {
         for (int64_t j = 0; j < g; j += 32) {  // 16 bytes: codes k0+j .. k0+j+31, low nibble first
           const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + (k0 + j) / 2));
-          const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(15));
-          const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15));
+          __m128i lo = _mm_and_si128(b, _mm_set1_epi8(15));
+          __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15));
+          if (F::kTable) {  // (NL4: the table's int8 values, widened with their sign)
+            const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kNl4Values));
+            lo = _mm_shuffle_epi8(t, lo);
+            hi = _mm_shuffle_epi8(t, hi);
+            dequant_store16<BF16>(_mm512_cvtepi8_epi32(_mm_unpacklo_epi8(lo, hi)), s, z, out, o + j);
+            dequant_store16<BF16>(_mm512_cvtepi8_epi32(_mm_unpackhi_epi8(lo, hi)), s, z, out, o + j + 16);
+            continue;
+          }
           dequant_store16<BF16>(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)), s, z, out, o + j);
           dequant_store16<BF16>(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi)), s, z, out, o + j + 16);
         }
@@ -1398,7 +1514,29 @@ QMM_AVX2 static void dequant_rows_avx2(const uint8_t* q, int64_t q_s0, const flo
 
 template <class F, bool BF16>
 static void dequantize(const uint8_t* q, const float* scales, const float* zeros, void* out, int64_t N, int64_t K,
+                       int64_t g, int num_threads, int layout, float zero_mul);
+
+// I6 (VNNI blocks only): its codes as the int8 layout's VNNI blocks, then I8's dequantization,
+// so the values are the int8 weight's.
+template <bool BF16>
+static void dequantize_i6(const uint8_t* q, const float* scales, const float* zeros, void* out, int64_t N,
+                          int64_t K, int64_t g, int num_threads, int layout, float zero_mul) {
+  std::vector<uint8_t> q8(size_t(N * K));
+  const int64_t blocks = (N + 15) / 16, block_bytes = 16 * I6::bytes(K);
+  for (int64_t b = 0; b < blocks; ++b)
+    for (int r = 0; r < 16; ++r)
+      for (int64_t k = 0; k < K; ++k)
+        q8[size_t(b * 16 * K + (k / 4) * 64 + 4 * r + k % 4)] = uint8_t(int8_t(I6::code_in_block(q + b * block_bytes, K, r, k)));
+  dequantize<I8, BF16>(q8.data(), scales, zeros, out, N, K, g, num_threads, layout, zero_mul);
+}
+
+template <class F, bool BF16>
+static void dequantize(const uint8_t* q, const float* scales, const float* zeros, void* out, int64_t N, int64_t K,
                        int64_t g, int num_threads, int layout, float zero_mul) {
+  if constexpr (std::is_same<F, I6>::value) {
+    dequantize_i6<BF16>(q, scales, zeros, out, N, K, g, num_threads, layout, zero_mul);
+    return;
+  }
   const bool vnni_blocks = layout != kLayoutRows, packed_scales = layout >= kLayoutCompact;
   const bool any_zeros = zeros != nullptr || zero_mul != 0.f;
   auto rows = &dequant_rows_scalar<F, BF16>;
@@ -1502,16 +1640,45 @@ extern "C" int kvs_int4_group_matmul(const void* x, int64_t x_s0, int x_bf16, co
                                     num_threads, err, err_len, layout, zero_mul);
 }
 
+// As kvs_int4_group_matmul, with q 4-bit indices into the IQ4_NL table (kNl4Values) packed as
+// the 4-bit codes are: the results of kvs_int8_group_matmul on the table's values, bit for bit.
+// VNNI blocks only (layout 1 or 2, impl 0 or 4).
+extern "C" int kvs_nl4_group_matmul(const void* x, int64_t x_s0, int x_bf16, const uint8_t* packed,
+                                    const float* scales, const float* zeros, void* y, int64_t y_s0, int64_t M,
+                                    int64_t N, int64_t K, int64_t group_size, int impl, int num_threads, char* err,
+                                    int64_t err_len, int layout, float zero_mul) {
+  return qmm::group_matmul<qmm::NL4>(x, x_s0, x_bf16, packed, scales, zeros, y, y_s0, M, N, K, group_size, impl,
+                                     num_threads, err, err_len, layout, zero_mul);
+}
+
+// As kvs_int8_group_matmul, with q Q6_K's codes as a 4-bit and a 2-bit plane (qmatmul.cpp I6),
+// in VNNI blocks only: the int8 kernel's results on the same codes, bit for bit.
+extern "C" int kvs_i6_group_matmul(const void* x, int64_t x_s0, int x_bf16, const uint8_t* q, const float* scales,
+                                   const float* zeros, void* y, int64_t y_s0, int64_t M, int64_t N, int64_t K,
+                                   int64_t group_size, int impl, int num_threads, char* err, int64_t err_len,
+                                   int layout, float zero_mul) {
+  return qmm::group_matmul<qmm::I6>(x, x_s0, x_bf16, q, scales, zeros, y, y_s0, M, N, K, group_size, impl,
+                                    num_threads, err, err_len, layout, zero_mul);
+}
+
 // Dense weights out [N, K] (contiguous; float32, or bfloat16 when out_bf16) from int8 codes
-// (int4 = 0, q int8 [N, K]) or packed 4-bit codes (int4 = 1, q uint8 [N, K / 2]), in rows or (with
-// layout 1 or 2) in VNNI blocks; scales / zeros as for the matmuls. Shapes are checked by the Python
-// wrapper. Returns 0.
+// (int4 = 0, q int8 [N, K]), packed 4-bit codes (int4 = 1, q uint8 [N, K / 2]) or packed 4-bit
+// IQ4_NL table indices (int4 = 2), or (int4 = 3, VNNI blocks only) Q6_K's planes (I6), in rows or
+// (with layout 1 to 3) in VNNI blocks; scales / zeros
+// as for the matmuls. Shapes are checked by the Python wrapper. Returns 0.
 extern "C" int kvs_group_dequantize(const uint8_t* q, int int4, const float* scales, const float* zeros, void* out,
                                     int out_bf16, int64_t N, int64_t K, int64_t group_size, int num_threads,
                                     int layout, float zero_mul) {
   if (N <= 0 || K <= 0) return 0;
   const int vb = layout;
-  if (int4)
+  if (int4 == 3 && layout == 0) return 1;  // (6-bit planes are kept in VNNI blocks only)
+  if (int4 == 3)
+    out_bf16 ? qmm::dequantize<qmm::I6, true>(q, scales, zeros, out, N, K, group_size, num_threads, vb, zero_mul)
+             : qmm::dequantize<qmm::I6, false>(q, scales, zeros, out, N, K, group_size, num_threads, vb, zero_mul);
+  else if (int4 == 2)
+    out_bf16 ? qmm::dequantize<qmm::NL4, true>(q, scales, zeros, out, N, K, group_size, num_threads, vb, zero_mul)
+             : qmm::dequantize<qmm::NL4, false>(q, scales, zeros, out, N, K, group_size, num_threads, vb, zero_mul);
+  else if (int4)
     out_bf16 ? qmm::dequantize<qmm::U4, true>(q, scales, zeros, out, N, K, group_size, num_threads, vb, zero_mul)
              : qmm::dequantize<qmm::U4, false>(q, scales, zeros, out, N, K, group_size, num_threads, vb, zero_mul);
   else

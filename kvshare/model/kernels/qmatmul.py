@@ -22,7 +22,8 @@ _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 def _setup_qmatmul(lib: ctypes.CDLL) -> None:
     lib.kvs_qmm_cpu_paths.restype = _int
     lib.kvs_qmm_cpu_paths.argtypes = []
-    for f in (lib.kvs_int8_group_matmul, lib.kvs_int4_group_matmul):
+    for f in (lib.kvs_int8_group_matmul, lib.kvs_int4_group_matmul, lib.kvs_nl4_group_matmul,
+              lib.kvs_i6_group_matmul):
         f.restype = _int
         f.argtypes = [_ptr, _i64, _int,  # x, its row stride, bf16?
                       _ptr, _ptr, _ptr,  # q (int8, or packed 4-bit), scales, zeros (null: none)
@@ -32,7 +33,7 @@ def _setup_qmatmul(lib: ctypes.CDLL) -> None:
                       _int, ctypes.c_float]  # weight layout (_LAYOUT_*), zeros = scales x this (or 0)
     f = lib.kvs_group_dequantize
     f.restype = _int
-    f.argtypes = [_ptr, _int, _ptr, _ptr, _ptr, _int,  # q, 4-bit?, scales, zeros, out, out bf16?
+    f.argtypes = [_ptr, _int, _ptr, _ptr, _ptr, _int,  # q, codes (_CODES_*), scales, zeros, out, out bf16?
                   _i64, _i64, _i64, _int, _int, ctypes.c_float]  # N, K, group_size, threads, layout, zero_mul
     lib.kvs_qmm_vnni_blocks_fit.restype = _int
     lib.kvs_qmm_vnni_blocks_fit.argtypes = [_i64, _i64]
@@ -51,6 +52,11 @@ QMATMUL = KernelLibrary("qmatmul", ("qmatmul.cpp", "gguf_repack.cpp"), _setup_qm
 # qmatmul.cpp's weight layouts: rows, VNNI blocks, VNNI blocks with compact scales and zeros, VNNI
 # blocks with float16 scales and zeros.
 _LAYOUT_ROWS, _LAYOUT_BLOCKS, _LAYOUT_COMPACT, _LAYOUT_HALF = 0, 1, 2, 3
+# kvs_group_dequantize's codes: int8, 4-bit, 4-bit indices into the IQ4_NL table (qmatmul.cpp NL4).
+_CODES_INT8, _CODES_INT4, _CODES_IQ4NL, _CODES_PLANES6 = 0, 1, 2, 3
+# IQ4_NL / IQ4_XS's table (ggml's kvalues_iq4nl; qmatmul.cpp kNl4Values): a 4-bit index's code.
+IQ4NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+IQ4_XS_GGML_TYPE = 23
 # Compact scales (qmatmul.cpp kLayoutCompact): a float16 base per super-block of this many weights
 # times an int8 code per group. GGUF types whose scales take that form (ggml type ids): Q2_K, Q3_K,
 # Q4_K, Q5_K, Q6_K, IQ4_XS.
@@ -183,8 +189,13 @@ class VnniBlocks:
     qmatmul.cpp kLayoutCompact) uint8 [N / 16, cs] holding per block int8 codes [K / g, 16] and
     float16 bases [K / 256, 16], scale = base * code; "half" (Q4_0, Q8_0, ...: kLayoutHalf)
     uint8 [N / 16, 32 K / g], float16 [K / g, 16] per block, and with zero_mul != 0 no zeros
-    array (Q4_0: zero = -8 x scale). Built by `to_vnni_blocks` or `repack_gguf_rows`; `rows`
-    reads rows back."""
+    array (Q4_0: zero = -8 x scale). iq4nl (with int4): the 4-bit fields are indices into the
+    IQ4_NL table (IQ4_XS; IQ4NL_VALUES), whose values are the codes: the same results as the
+    weight with those values as int8 codes, at half the bytes. Built by `to_vnni_blocks` or
+    `repack_gguf_rows`; `rows` reads rows back (iq4nl: the indices, packed). planes6 (Q6_K, int4
+    False): each code + 32 as a 4-bit plane (K / 8 lines, packed as int4 codes are) and a 2-bit
+    plane (K / 16 lines) per block, q [N / 16, 3 K / 16, 16, 4]: the int8 codes' results at 0.75
+    bytes per code (qmatmul.cpp I6); `rows` gives the int8 codes."""
 
     q: torch.Tensor
     scales: torch.Tensor
@@ -195,6 +206,8 @@ class VnniBlocks:
     int4: bool
     scale_form: str = "full"
     zero_mul: float = 0.0
+    iq4nl: bool = False
+    planes6: bool = False
 
     @property
     def layout(self) -> int:
@@ -214,7 +227,9 @@ class VnniBlocks:
         idx (a long tensor), in row layout."""
         b, r = idx // 16, idx % 16
         q = self.q[b, :, r, :]
-        if self.int4:
+        if self.planes6:
+            q = _planes6_codes(q, self.k)
+        elif self.int4:
             q = _u4_lanes(q, to_blocks=False)
         if self.scale_form == "full":
             return q.reshape(len(idx), -1), self.scales[b, :, r], None if self.zeros is None else self.zeros[b, :, r]
@@ -234,7 +249,7 @@ class VnniBlocks:
             raise ValueError(f"x {tuple(x.shape)} does not fit a weight of K={self.k}")
         if x.stride(1) != 1 and self.k > 1:
             raise ValueError(f"x must have contiguous rows (unit last stride); got strides {x.stride()}")
-        fn = "kvs_int4_group_matmul" if self.int4 else "kvs_int8_group_matmul"
+        fn = "kvs_i6_group_matmul" if self.planes6 else "kvs_nl4_group_matmul" if self.iq4nl else "kvs_int4_group_matmul" if self.int4 else "kvs_int8_group_matmul"
         return _call_group_matmul(fn, x, self.q, self.scales, self.zeros, self.n, self.group, out, "auto",
                                   layout=self.layout, zero_mul=self.zero_mul)
 
@@ -246,7 +261,8 @@ class VnniBlocks:
             raise ValueError(f"out must be a contiguous float32 or bfloat16 [{self.n}, {self.k}] tensor; "
                              f"got {_desc(out)}")
         QMATMUL.lib().kvs_group_dequantize(
-            self.q.data_ptr(), int(self.int4), self.scales.data_ptr(),
+            self.q.data_ptr(), _CODES_PLANES6 if self.planes6 else _CODES_IQ4NL if self.iq4nl else int(self.int4),
+            self.scales.data_ptr(),
             self.zeros.data_ptr() if self.zeros is not None else None, out.data_ptr(),
             int(out.dtype == torch.bfloat16), self.n, self.k, self.group, torch.get_num_threads(), self.layout,
             self.zero_mul)
@@ -292,30 +308,45 @@ def _u4_lanes(lanes: torch.Tensor, to_blocks: bool) -> torch.Tensor:
     return out.view(torch.uint8).reshape(lanes.shape)
 
 
+def _planes6_codes(lanes: torch.Tensor, k: int) -> torch.Tensor:
+    """A VNNI block's 4-byte lanes of one row each [R, 3 K / 16, 4] (uint8) in the 6-bit planes
+    layout (VnniBlocks.planes6) as int8 codes [R, K]."""
+    r = lanes.shape[0]
+    low = unpack_int4_rows(_u4_lanes(lanes[:, :k // 8], to_blocks=False).reshape(r, -1)).to(torch.int16)
+    v = lanes[:, k // 8:].contiguous().view(torch.int32).to(torch.int64).reshape(r, k // 16, 1) & 0xFFFFFFFF
+    shifts = torch.tensor([16 * (i % 2) + 2 * (i // 2) for i in range(16)], dtype=torch.int64)
+    high = ((v >> shifts) & 3).reshape(r, k).to(torch.int16)
+    return ((low | (high << 4)) - 32).to(torch.int8)
+
+
 def repack_gguf_rows(runs: list[tuple[torch.Tensor, int]], n: int, k: int, group_size: int, zeros: bool,
-                     int4: bool, vnni: bool, scale_form: str = "full"
+                     int4: bool, vnni: bool, scale_form: str = "full", planes6: bool = False
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A weight [N, K] stored as GGUF blocks, in the layout the group kernels read, by one C++
     pass over its rows on torch's threads (csrc/gguf_repack.cpp). runs: (row addresses int64 [R],
     ggml type id) per run of rows, in order, R summing to N; each address is where that row's
     blocks start in memory (a mapped file: the caller keeps it alive). Returns (q, scales, zeros):
-    int4 packed uint8 [N, K / 2] (Q4_0 / Q4_1 / Q4_K only) or int8 [N, K] codes and float32
+    int4 packed uint8 [N, K / 2] (Q4_0 / Q4_1 / Q4_K codes, IQ4_XS's table indices: every run
+    IQ4_XS, or none) or int8 [N, K] codes and float32
     [N, K / g] scales and zeros (None unless `zeros`), as `pack_int4_rows` / qlinear's int8 codes
     of gguf_quants.to_group_affine give them; with vnni, in VNNI blocks as `to_vnni_blocks` lays
     them out (N % 16 == 0); with vnni and scale_form "compact" (every run in COMPACT_GGML_TYPES) or
     "half" (every run in HALF_GGML_TYPES), scales and zeros in that form (VnniBlocks.scale_form):
     uint8 [N / 16, bytes per block]; "half" with every run Q4_0 writes no zeros (zero_mul).
+    planes6 (every run Q6_K, vnni, not int4): the codes as VnniBlocks.planes6 holds them.
     Raises ValueError for what the layout cannot take (a scale with no such form, say)."""
     if sum(len(addrs) for addrs, _ in runs) != n:
         raise ValueError(f"runs of rows must add up to N={n}")
-    row_bytes = k // 2 if int4 else k
+    if int4 and len({int(qtype) == IQ4_XS_GGML_TYPE for _, qtype in runs}) > 1:
+        raise ValueError("4-bit codes and IQ4_XS table indices cannot share one packed weight")
+    row_bytes = k // 2 + k // 4 if planes6 else k // 2 if int4 else k
     g = k // group_size
     if not vnni:
         scale_form = "full"
     if scale_form == "half" and all(int(qtype) == 2 for _, qtype in runs):
         zeros = False  # (Q4_0: zero = -8 x scale, formed by the kernel)
     if vnni:
-        q = torch.empty(n // 16, row_bytes // 4, 16, 4, dtype=torch.uint8 if int4 else torch.int8)
+        q = torch.empty(n // 16, row_bytes // 4, 16, 4, dtype=torch.uint8 if int4 or planes6 else torch.int8)
         shape = (n // 16, g, 16)
     else:
         q = torch.empty(n, row_bytes, dtype=torch.uint8 if int4 else torch.int8)
@@ -334,7 +365,7 @@ def repack_gguf_rows(runs: list[tuple[torch.Tensor, int]], n: int, k: int, group
     row0 = 0
     for addrs, qtype in runs:
         addrs = addrs.to(torch.int64).contiguous()
-        rc = lib.kvs_gguf_repack(addrs.data_ptr(), len(addrs), row0, int(qtype), n, k, int(int4), layout,
+        rc = lib.kvs_gguf_repack(addrs.data_ptr(), len(addrs), row0, int(qtype), n, k, 2 if planes6 else int(int4), layout,
                                  q.data_ptr(), scales.data_ptr(), zero_t.data_ptr() if zero_t is not None else None,
                                  torch.get_num_threads(), err, len(err))
         if rc:
