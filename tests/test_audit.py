@@ -285,26 +285,37 @@ def _run_logprobs(engine, rid, prompt, max_tokens):
 
 @pytest.mark.parametrize("fault", sorted(NUMERIC_FAULTS))
 def test_a_numeric_fault_changes_one_ulp_on_a_grouped_gemma3_engine(tiny_gemma3_dir, fault):
-    """It fires on a grouped engine too: once the first turn's blocks are published, exactly one
-    element of the cache differs from a clean engine's, by one in its bit pattern; the turn that
-    hits the block gets other logprobs; the audit finds nothing (all bookkeeping is right)."""
-    clean, faulty = (make_engine(tiny_gemma3_dir, num_blocks=24 * 6) for _ in range(2))
+    """It fires on a grouped engine too: once the first turn's blocks are published, each block
+    published (in every group) has exactly one element of its K differing from a clean engine's,
+    by one in its bit pattern; the turn that hits them gets other logprobs; the audit finds
+    nothing (all bookkeeping is right). And it fires the same way on a second engine that served
+    other prompts first: what a block gets depends on the block, not on the cache's history."""
+    clean, faulty, used = (make_engine(tiny_gemma3_dir, num_blocks=24 * 6) for _ in range(3))
     plant(faulty, fault)
+    plant(used, fault)
     p = _prefix(48)
-    first = [_run_logprobs(e, "first", p, 1) for e in (clean, faulty)]
-    assert first[0] == first[1]  # the change lands after the block's last reader in this request
-    assert faulty.fault_fired and len(faulty.fault_fired) == 1, faulty.fault_fired
+    for i in range(2):  # other prompts first: cached, and changed as they were published
+        _run_logprobs(used, f"before{i}", _prefix(40, seed=7 + i), 3)
+    used.fault_fired.clear()
+    first = [_run_logprobs(e, "first", p, 1) for e in (clean, faulty, used)]
+    assert first[0] == first[1] == first[2]  # the change lands after the block's last reader in this request
+    fired = [b for _, blocks in faulty.fault_fired for b in blocks]
+    bs = faulty.manager.block_size
+    # Every full block of the prompt in every group, each once.
+    assert len(fired) == len(set(fired)) == faulty.manager.num_groups * (len(p) // bs), faulty.fault_fired
+    assert len([b for _, blocks in used.fault_fired for b in blocks]) == len(fired), used.fault_fired
     a, b = clean.kv_cache.data, faulty.kv_cache.data
     differ = (a != b).nonzero().tolist()
-    assert len(differ) == 1, differ
-    (at,) = differ
+    assert len(differ) == len(fired), differ
     ints = {2: torch.int16, 4: torch.int32}[a.element_size()]
-    assert abs(int(b[tuple(at)].view(ints)) - int(a[tuple(at)].view(ints))) == 1
-    bs = faulty.manager.block_size
-    assert at[3] // bs in faulty.fault_fired[0][1] and at[1] == 0  # in the block it names, in K
-    second = [_run_logprobs(e, "second", p + [5, 6, 7], 4) for e in (clean, faulty)]
+    for at in differ:
+        assert abs(int(b[tuple(at)].view(ints)) - int(a[tuple(at)].view(ints))) == 1
+        assert at[1] == 0 and at[2] == 0  # in K, kv head 0
+    assert sorted(at[3] // bs for at in differ) == sorted(fired)  # one in each block it names
+    second = [_run_logprobs(e, "second", p + [5, 6, 7], 4) for e in (clean, faulty, used)]
     assert faulty.manager.stats.hits >= bs  # the second turn was served the first's blocks
     assert second[0][1] != second[1][1], "the hit did not read the changed block"
+    assert second[1] == second[2]  # the same answer on the engine with a history
 
 
 @pytest.mark.slow  # seven loads of the real model

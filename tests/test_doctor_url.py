@@ -7,9 +7,9 @@ unreachable URL and bad arguments (one line, exit 2); llama.cpp's llama-server (
 
 Faults: hit_before_written (multi-turn), share_without_incref, abort_ignores_refcount and
 evict_held_block (abort: a timed pair, the victim streaming and the other sent after its first
-chunk) and no_copy_on_write (forks: sampled, seeded n=2 forks) in the default suite;
-slot_off_by_one, cached_k_one_ulp, lookup_ignores_salt and full runs against c and d behind
-`slow` (cached_k_one_ulp has no replaying repro: docs/doctor.md says why). The refcount
+chunk), no_copy_on_write (forks: sampled, seeded n=2 forks) and cached_k_one_ulp (multi-turn: the
+next turn's hit one ulp off, seen only by exact equality) in the default suite; slot_off_by_one,
+lookup_ignores_salt and full runs against c, d and h behind `slow`. The refcount
 faults (a, c, d) run unguarded under --inject-fault-unaudited (kvshare.testing.faults): kvshare's
 pool would stop the engine, an engine without its guard reuses the block and mixes answers."""
 from __future__ import annotations
@@ -68,6 +68,7 @@ def fault_server(fault: str) -> ServerProcess:
 
 def check_fault_found(fault: str, tmp_path, clean_url: str | None, stages: set[str], replays: bool = True,
                       only: str | None = None, extra: tuple[str, ...] = ()) -> dict:
+    """The doctor's report; its repro replayed (exit 1 here, 0 on the clean server) where `replays`."""
     srv = fault_server(fault)
     try:
         assert "--inject-fault-unaudited" in srv.log_text() and "test-only" in srv.log_text()
@@ -86,7 +87,7 @@ def check_fault_found(fault: str, tmp_path, clean_url: str | None, stages: set[s
         srv.close()
     if clean_url is not None and replays:  # and the same requests on a sound server do not
         assert main(["doctor", "--url", clean_url, "--replay", repro["path"]]) == 0
-    return repro
+    return report
 
 
 def check_timed_pair(repro: dict, cut: bool) -> None:
@@ -128,27 +129,49 @@ def test_an_abort_that_frees_blocks_the_victim_still_reads_shrinks_to_a_timed_pa
     blocks they share, and the freed blocks are handed out (to the victim's next block) while the
     victim still decodes. Only the order shows it: the cut sent after the victim's first chunk,
     cut after its own first one, the victim still decoding tens of tokens later."""
-    repro = check_fault_found("abort_ignores_refcount", tmp_path, clean.url, {"abort"}, only="abort")
-    check_timed_pair(repro, cut=True)
+    report = check_fault_found("abort_ignores_refcount", tmp_path, clean.url, {"abort"}, only="abort")
+    check_timed_pair(report["repro"], cut=True)
 
 
 def test_an_allocator_evicting_held_blocks_shrinks_to_a_timed_pair(clean, tmp_path):
     """evict_held_block, unguarded: a request that allocates while the victim holds cached blocks
     takes one of them and writes its own KV over it; sent after the victim's first chunk (the
     victim's blocks cached, the victim still decoding), it changes the victim's answer."""
-    repro = check_fault_found("evict_held_block", tmp_path, clean.url, {"abort"}, only="abort")
-    check_timed_pair(repro, cut=True)
+    report = check_fault_found("evict_held_block", tmp_path, clean.url, {"abort"}, only="abort")
+    check_timed_pair(report["repro"], cut=True)
+
+
+def test_a_one_ulp_change_in_every_published_block_is_found_exactly_and_replays_as_a_pair(clean, tmp_path):
+    """cached_k_one_ulp: every block the server publishes has one K element one ulp off, which no
+    invariant sees and a tolerance hides. The server says it is bit-transparent, so the doctor
+    compares exactly: the next turn (a hit on turn 1's changed blocks) differs from the same
+    prompt alone on a cold salt. The change depends on the block alone, never on the cache's
+    history, so the pair (turn 1, then turn 2) replays on fresh salts; the noise floor (the same
+    request alone, each repeat on a fresh salt, decoding over its own changed blocks) stays exact."""
+    report = check_fault_found("cached_k_one_ulp", tmp_path, clean.url, {"multi_turn"}, only="multi_turn")
+    assert report["comparison"]["exact"]
+    noise = next(s for s in report["stages"] if s["name"] == "noise_floor")
+    assert noise["verdict"] == "clean" and "spread 0," in noise["notes"][0], noise
+    # Only the logprobs move, and by less than the doctor's default tolerance elsewhere: exact
+    # equality is what sees it.
+    findings = next(s for s in report["stages"] if s["name"] == "multi_turn")["findings"]
+    assert findings and all(f["diff"]["first_token"] is None and 0 < max(f["diff"]["drift"]) < 2e-3
+                            for f in findings), [f["detail"] for f in findings]
+    repro = report["repro"]
+    assert repro["stage"] == "multi_turn" and repro["requests"] == 2, repro
+    first, victim = (json.loads(line) for line in open(repro["path"]))
+    assert [first["step"], victim["step"]] == [0, 1] and victim["victim"] and not first["victim"]
+    assert first["name"].startswith("turn1") and victim["name"].startswith("turn2")
+    assert first["cache_salt"] == victim["cache_salt"]  # turn 2 hits turn 1's blocks
+    assert "(exact equality required)" in victim["detail"], victim["detail"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fault,stages,replays", [
     ("slot_off_by_one", {"concurrency", "cache", "canary", "abort", "multi_turn"}, True),
-    # One changed block in the cache at a time (kvshare.testing.faults): once it sits cached, a
-    # rerun on fresh salts meets no new corruption, so shrinking and replays seldom reproduce it:
-    # only the finding (by exact equality) and the stage are checked. The first block published
-    # (the doctor's calibration prompt, never hit again) takes the change, so only a run long
-    # enough to evict it and change a block a later request hits finds it: a larger budget.
-    ("cached_k_one_ulp", {"concurrency", "cache", "canary", "abort", "multi_turn"}, False),
+    # Every stage whose requests hit another's blocks sees it; the first finding shrinks to a
+    # pair run one after the other (the publisher, then the one that hits its blocks).
+    ("cached_k_one_ulp", {"concurrency", "cache", "canary", "abort", "multi_turn"}, True),
     # Same answers (identical tokens, identical KV): only the cached-token count shows the leak.
     ("lookup_ignores_salt", {"cache"}, True),
     # In a full run (the default tests run the abort stage alone): found by the first stage that
@@ -156,8 +179,7 @@ def test_an_allocator_evicting_held_blocks_shrinks_to_a_timed_pair(clean, tmp_pa
     ("abort_ignores_refcount", {"abort"}, False),
     ("evict_held_block", {"concurrency", "forks", "cache", "canary", "abort", "multi_turn"}, False)])
 def test_planted_faults_that_change_answers_are_found(clean, tmp_path, fault, stages, replays):
-    check_fault_found(fault, tmp_path, clean.url, stages, replays,
-                      extra=("--budget", "30") if fault == "cached_k_one_ulp" else ())
+    check_fault_found(fault, tmp_path, clean.url, stages, replays)
 
 
 def test_a_proxy_that_splices_concurrent_answers_is_caught_by_the_canaries(clean, tmp_path):

@@ -14,11 +14,13 @@ does harm on a hybrid engine (Gemma 3) as on a single-group one.
   hit_before_written     (g) blocks are published when their last token is sampled, before its
                              KV is computed: a request that finished on that token leaves a
                              cached block with an unwritten slot for the next turn to hit
-  cached_k_one_ulp       (h) a block published to the prefix cache has one element of its K, in
-                             one layer, moved by one unit in the last place before anyone hits
-                             it (a stray write, a bad copy): every invariant holds, only bits
-                             change, so the audit cannot see it; only an exact comparison can
-                             (`kvshare doctor` on a bit-transparent engine), any tolerance hides it
+  cached_k_one_ulp       (h) every block published to the prefix cache has one element of its K,
+                             in one layer, moved by one unit in the last place once its KV is
+                             written, before anyone hits it (a stray write, a bad copy on the
+                             publish path: every publish, so a hit reads a changed block whatever
+                             the cache held before): every invariant holds, only bits change, so
+                             the audit cannot see it; only an exact comparison can (`kvshare
+                             doctor` on a bit-transparent engine), a tolerance hides it
   lookup_ignores_adapter (i) the prefix lookup hashes without the request's LoRA adapter (its
                              salt kept): llama.cpp #26207's bug, a request under one adapter (or
                              the base model) served KV computed under another
@@ -235,16 +237,12 @@ def _cached_k_one_ulp(engine) -> None:
     pool = engine.manager.pool
     publish = pool.publish
     bs = engine.manager.block_size
-    corrupted: dict[int, bytes] = {}  # block id -> the hash it was cached under when changed
 
     def buggy_publish(block, block_hash, token_ids, parent_hash=None, group=0):
         publish(block, block_hash, token_ids, parent_hash, group)
-        if pool.cached.get(block_hash) != block.block_id:
-            return  # an identical block was cached already: this one stays private
-        if any(pool.cached.get(h) == b for b, h in corrupted.items()):
-            return  # one changed block in the cache at a time (a reset or eviction clears it)
-        corrupted.clear()
-        corrupted[block.block_id] = block_hash
+        # A code-path bug: it fires on every block this path is given (the copy kept private
+        # because an identical block is cached already too), so what a block holds after it is
+        # published depends on the block alone, never on what the cache held before.
         # The last storage slot (the last layer of the block's group), K, kv head 0: a change
         # that reaches the logits through one attention only; the element of largest magnitude,
         # so its ulp is one that matters to the scores.
