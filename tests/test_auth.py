@@ -297,7 +297,8 @@ def test_the_front_end_routes_by_the_salt_its_replicas_cache_under():
     state, app, _ = _recording_frontend(config)
     salts = []
     route = state.router.route
-    state.router.route = lambda ids, salt, exclude=(): salts.append(salt) or route(ids, salt, exclude)
+    state.router.route = lambda ids, salt, exclude=(), hashes=None: salts.append(salt) or route(ids, salt, exclude,
+                                                                                                  hashes=hashes)
     body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 1, "cache_salt": "s"}).encode()
     for key in ("sk-a", "sk-b"):
         status, _ = _call(app, "POST", "/v1/completions", [("authorization", f"Bearer {key}"),
