@@ -3,14 +3,16 @@ in the kernel ("file": qmatmul.cpp NL4, what GroupIQ4NLLinear keeps), against th
 with each index widened to its table value as an int8 code ("int8": the int8-group kernel, what
 IQ4_XS took before), both with the file's compact scales: the same output bits, half the code
 bytes. --types Q6_K: Q6_K's codes as a 4-bit and a 2-bit plane ("file": qmatmul.cpp I6,
-GroupQ6PlanesLinear) against its int8 codes: the same bits, 0.75 of the code bytes.
+GroupQ6PlanesLinear) against its int8 codes: the same bits, 0.75 of the code bytes. --types Q5_K
+(Q5_0, Q5_1): the 5-bit codes as a 4-bit and a 1-bit plane ("file": qmatmul.cpp I5 / I5S,
+GroupQ5PlanesLinear) against their int8 codes: the same bits, 0.625 of the code bytes.
 
 Per shape, --count distinct random matrices (more than the caches hold) are streamed in turn,
 the two layouts alternating round by round (so that load from other work falls on both alike);
 prints the median time per matrix, the bytes each layout holds, and int8 / file-bits time.
 
     python benchmarks/iq4_xs_lookup_ab.py                      # IQ4_XS, M = 1 and 16, 2 threads
-    python benchmarks/iq4_xs_lookup_ab.py --types IQ4_XS,Q6_K
+    python benchmarks/iq4_xs_lookup_ab.py --types IQ4_XS,Q6_K,Q5_K,Q5_0
     python benchmarks/iq4_xs_lookup_ab.py --rows 1,4,16,64 --shapes 2048x2048
 """
 from __future__ import annotations
@@ -26,16 +28,20 @@ from gguf import GGMLQuantizationType as QT
 from kvshare.model.kernels import qmatmul
 
 
-# Per type: bytes per 256-weight block, where its float16 d sits, group size.
-_TYPES = {"IQ4_XS": (136, 0, 32), "Q6_K": (210, 208, 16)}
+# Per type: weights and bytes per block, where its float16s (d, and dmin or m) sit, group size,
+# the scale form the file's blocks keep in VNNI blocks, whether it has zeros.
+_TYPES = {"IQ4_XS": (256, 136, (0,), 32, "compact", False), "Q6_K": (256, 210, (208,), 16, "compact", False),
+          "Q5_K": (256, 176, (0, 2), 32, "compact", True), "Q5_0": (32, 22, (0,), 32, "half", False),
+          "Q5_1": (32, 24, (0, 2), 32, "half", True)}
 
 
 def random_rows(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """uint8 [n, bytes per row] of random blocks (codes and scales) with a small float16 d."""
-    size, at, _ = _TYPES[qtype]
-    raw = rng.integers(0, 256, (n, k // 256, size), dtype=np.uint8)
-    d = rng.uniform(1e-4, 1e-3, (n, k // 256)).astype(np.float16)
-    raw[:, :, at:at + 2] = d.view(np.uint8).reshape(n, k // 256, 2)
+    """uint8 [n, bytes per row] of random blocks (codes and scales) with small float16s."""
+    block, size, at, *_ = _TYPES[qtype]
+    raw = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
+    for a in at:
+        d = rng.uniform(1e-4, 1e-3, (n, k // block)).astype(np.float16)
+        raw[:, :, a:a + 2] = d.view(np.uint8).reshape(n, k // block, 2)
     return raw.reshape(n, -1)
 
 
@@ -43,15 +49,18 @@ def layouts(qtype: str, n: int, k: int, rng) -> dict[str, qmatmul.VnniBlocks]:
     raw = random_rows(qtype, n, k, rng)
     addrs = torch.from_numpy(raw.ctypes.data + np.arange(n, dtype=np.int64) * raw.strides[0])
     runs = [(addrs, int(QT[qtype]))]
-    g = _TYPES[qtype][2]
-    q, s, _ = qmatmul.repack_gguf_rows(runs, n, k, g, False, False, True, "compact")
-    out = {"int8": qmatmul.VnniBlocks(q, s, None, n, k, g, False, "compact")}
+    *_, g, form, zeros = _TYPES[qtype]
+    q, s, z = qmatmul.repack_gguf_rows(runs, n, k, g, zeros, False, True, form)
+    out = {"int8": qmatmul.VnniBlocks(q, s, z, n, k, g, False, form)}
     if qtype == "IQ4_XS":
-        q, s, _ = qmatmul.repack_gguf_rows(runs, n, k, g, False, True, True, "compact")
-        out["file"] = qmatmul.VnniBlocks(q, s, None, n, k, g, True, "compact", iq4nl=True)
+        q, s, _ = qmatmul.repack_gguf_rows(runs, n, k, g, False, True, True, form)
+        out["file"] = qmatmul.VnniBlocks(q, s, None, n, k, g, True, form, iq4nl=True)
+    elif qtype == "Q6_K":
+        q, s, _ = qmatmul.repack_gguf_rows(runs, n, k, g, False, False, True, form, planes6=True)
+        out["file"] = qmatmul.VnniBlocks(q, s, None, n, k, g, False, form, planes6=True)
     else:
-        q, s, _ = qmatmul.repack_gguf_rows(runs, n, k, g, False, False, True, "compact", planes6=True)
-        out["file"] = qmatmul.VnniBlocks(q, s, None, n, k, g, False, "compact", planes6=True)
+        q, s, z = qmatmul.repack_gguf_rows(runs, n, k, g, zeros, False, True, form, planes5=True)
+        out["file"] = qmatmul.VnniBlocks(q, s, z, n, k, g, False, form, planes5=True, planes5_signed=qtype == "Q5_0")
     return out
 
 
@@ -61,7 +70,7 @@ def nbytes(b: qmatmul.VnniBlocks) -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--types", default="IQ4_XS", help="IQ4_XS, Q6_K")
+    ap.add_argument("--types", default="IQ4_XS", help="IQ4_XS, Q6_K, Q5_K, Q5_0, Q5_1")
     ap.add_argument("--shapes", default="8192x2048,2048x8192,2048x2048", help="N x K of each matrix")
     ap.add_argument("--rows", default="1,16", help="M values (decode rows)")
     ap.add_argument("--count", type=int, default=16, help="distinct matrices streamed per call round")

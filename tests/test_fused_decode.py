@@ -608,10 +608,78 @@ def test_iq4_xs_indices_fused_equals_step_by_step(tmp_path):
     assert m.fused_decode.model_reason is None
     for layer in m.layers:
         assert isinstance(layer.qkv, StackedLinear)
-        assert [p.kind for p in layer.qkv.parts] == ["iq4nl-group", "iq4nl-group", "int8-group"]
+        assert [p.kind for p in layer.qkv.parts] == ["iq4nl-group", "iq4nl-group", "q5planes-group"]
         assert type(layer.gate_up) is GroupIQ4NLLinear and type(layer.o) is GroupIQ4NLLinear
     prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 250 + 3 for j in range(n)]} for i, n in enumerate([1, 3, 9, 17])]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
     for together in (False, True):
         identical, worst = _compare(llm, prompts, params, together)
         assert identical == len(prompts) and worst < LOGPROB_TOL, (together, identical, worst)
+
+
+@pytest.mark.skipif(not qmatmul.vnni_blocks_fit(16, 256, 32), reason="no AVX-512 VNNI")
+def test_q5_planes_fused_equals_step_by_step(tmp_path):
+    """A mix of the 5-bit formats (Q5_K q/k and down, Q6_K v, Q5_1 o, Q5_0 gate/up as Gemma's
+    Q4_K_M file has them): each keeps its 4-bit and 1-bit planes (qlinear.GroupQ5PlanesLinear;
+    decode_step.cpp kinds 15, 16, 19), and the fused step agrees with the step-by-step path as
+    the models above do."""
+    from gguf import GGMLQuantizationType as QT
+    from test_loader import tiny_llama, write_tiny_gguf
+
+    from kvshare.model.fused_decode import _linear
+    from kvshare.model.qlinear import GroupQ5PlanesLinear, StackedLinear
+
+    model = tiny_llama(hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+    path = tmp_path / "q5.gguf"
+    write_tiny_gguf(path, model, "llama", {"q_proj": QT.Q5_K, "k_proj": QT.Q5_K, "v_proj": QT.Q6_K,
+                                           "o_proj": QT.Q5_1, "gate_proj": QT.Q5_0, "up_proj": QT.Q5_0,
+                                           "down_proj": QT.Q5_K, "embed": QT.Q5_K})
+    llm = LLM(str(path), kv_cache_memory="4MiB", block_size=4, kv_cache_dtype="float32", enable_prefix_caching=False)
+    m = llm.engine.model
+    assert m.fused_decode.model_reason is None
+    for layer in m.layers:
+        assert isinstance(layer.qkv, StackedLinear)
+        assert [p.kind for p in layer.qkv.parts] == ["q5planes-group", "q5planes-group", "q6planes-group"]
+        assert all(type(lin) is GroupQ5PlanesLinear for lin in (layer.o, layer.gate_up, layer.down))
+        assert [_linear(lin, None).kind for lin in (layer.qkv.parts[0], layer.o, layer.gate_up, layer.down)] == \
+            [15, 16, 19, 15]
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 250 + 3 for j in range(n)]} for i, n in enumerate([1, 3, 9, 17])]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    for together in (False, True):
+        identical, worst = _compare(llm, prompts, params, together)
+        assert identical == len(prompts) and worst < LOGPROB_TOL, (together, identical, worst)
+
+
+@pytest.mark.skipif(not qmatmul.vnni_blocks_fit(16, 256, 32), reason="no AVX-512 VNNI")
+def test_q5_planes_give_the_byte_per_code_models_bits(tmp_path, monkeypatch):
+    """The same 5-bit file loaded with its codes kept as planes and as a byte per code (planes
+    switched off: GGUFBlocks.q5_planes None): the same tokens and the same logprobs, bit for bit,
+    batched and alone, on the fused step; at ~0.63x the 5-bit weights' bytes."""
+    from gguf import GGMLQuantizationType as QT
+    from test_loader import tiny_llama, write_tiny_gguf
+
+    from kvshare.model.gguf_quants import GGUFBlocks
+
+    model = tiny_llama(hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+    path = tmp_path / "q5.gguf"
+    write_tiny_gguf(path, model, "llama", {"q_proj": QT.Q5_0, "k_proj": QT.Q5_0, "v_proj": QT.Q5_1,
+                                           "o_proj": QT.Q5_K, "gate_proj": QT.Q5_K, "up_proj": QT.Q5_1,
+                                           "down_proj": QT.Q5_0, "embed": QT.Q5_K})
+    kw = dict(kv_cache_memory="4MiB", block_size=4, kv_cache_dtype="float32", enable_prefix_caching=False)
+    planes = LLM(str(path), **kw)
+    with monkeypatch.context() as m:
+        m.setattr(GGUFBlocks, "q5_planes", property(lambda self: None))
+        bytes_ = LLM(str(path), **kw)
+    # (the 268-row embedding / lm_head: no VNNI blocks for N % 16 != 0, int8 rows either way)
+    kinds = [{lin.kind for lin in llm.engine.model.linears() if lin is not llm.engine.model.lm_head}
+             for llm in (planes, bytes_)]
+    assert kinds == [{"q5planes-group"}, {"int8-group"}]
+    assert planes.engine.model.fused_decode.model_reason is None
+    assert planes.engine.model.weight_bytes < 0.75 * bytes_.engine.model.weight_bytes
+    prompts = [{"prompt_token_ids": [(5 * i + 7 * j) % 250 + 3 for j in range(n)]} for i, n in enumerate([1, 4, 11, 19])]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+    for batch in (prompts, prompts[:1], prompts[3:]):
+        got, want = planes.generate(batch, params), bytes_.generate(batch, params)
+        for g, w in zip(got, want):
+            assert g.outputs[0].token_ids == w.outputs[0].token_ids
+            assert g.outputs[0].logprobs == w.outputs[0].logprobs  # (floats compared with ==)

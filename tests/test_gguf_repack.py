@@ -108,12 +108,14 @@ def test_repack_permuted_and_sliced_rows(qtype):
     assert torch.equal(part.dequantize(), ref.dequantize()[16:48])
 
 
-@pytest.mark.parametrize("qtypes", [(QT.Q4_K, QT.Q4_K, QT.Q4_K), (QT.Q5_0, QT.Q5_0, QT.Q8_0),
-                                    (QT.Q5_1, QT.Q8_0, QT.Q5_0), (QT.Q4_0, QT.Q4_1, QT.Q4_K)],
+@pytest.mark.parametrize("qtypes", [(QT.Q4_K, QT.Q4_K, QT.Q4_K), (QT.Q5_0, QT.Q5_0, QT.Q5_0),
+                                    (QT.Q5_1, QT.Q5_K, QT.Q5_1), (QT.Q2_K, QT.Q3_K, QT.Q2_K),
+                                    (QT.Q4_0, QT.Q4_1, QT.Q4_K)],
                          ids=lambda ts: "+".join(t.name for t in ts))
 def test_repack_fused_parts(qtypes):
     """A fused q/k/v of one or several formats (GroupAffine.cat's rules), with parts of 24, 24 and
-    16 rows so that VNNI blocks straddle them: as the reference concatenation."""
+    16 rows so that VNNI blocks straddle them: as the reference concatenation. (Q5_0 with Q8_0,
+    or Q5_1 with Q5_0, stay row blocks: test_q5_parts_fuse_by_signedness.)"""
     k = 512
     parts, refs = [], []
     for i, (qtype, n) in enumerate(zip(qtypes, (24, 24, 16))):
@@ -183,7 +185,7 @@ def test_every_float16_scale():
         assert_same(got, reference(ref, False))
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q8_0, QT.Q4_0, QT.Q4_1], ids=lambda t: t.name)
 def test_make_linear_from_blocks_equals_reference(qtype):
     """qlinear's layer built from the file's blocks holds the same arrays, and gives the same
     outputs, as one built from the group form."""
@@ -389,3 +391,149 @@ def test_q6_k_layer_keeps_planes(monkeypatch):
     assert _linear(back, None).kind == 1
     x = torch.randn(3, k)
     assert torch.equal(back(x, decode_rows=3), qmatmul.int8_group_matmul(x, back.q, ref.scale, None, 16))
+
+
+Q5_TYPES = (QT.Q5_0, QT.Q5_1, QT.Q5_K)
+
+
+def _q5_layouts(qtype: QT, n: int, k: int, seed: int) -> tuple[GGUFBlocks, qmatmul.VnniBlocks, dict]:
+    """One random weight of a 5-bit format: its blocks, its int8 codes in VNNI blocks with the
+    file's scale form (the reference path), and its 5-bit planes with the file's and the full
+    scale form."""
+    raw = raw_rows(qtype, n, k // gguf.GGML_QUANT_SIZES[qtype][0], seed=seed)
+    lazy = GGUFBlocks.of_tensor(raw, qtype, (n, k))
+    runs = [(p.row_addresses(), int(p.qtype)) for p in lazy.parts]
+    has_zero, file_form = qtype != QT.Q5_0, "compact" if qtype == QT.Q5_K else "half"
+    q8, s8, z8 = qmatmul.repack_gguf_rows(runs, n, k, 32, has_zero, False, True, file_form)
+    ref = qmatmul.VnniBlocks(q8, s8, z8, n, k, 32, False, file_form)
+    mats = {}
+    for form in (file_form, "full"):
+        q, s, z = qmatmul.repack_gguf_rows(runs, n, k, 32, has_zero, False, True, form, planes5=True)
+        assert q.dtype == torch.uint8 and q.numel() == n * k * 5 // 8
+        mats[form] = qmatmul.VnniBlocks(q, s, z, n, k, 32, False, form, planes5=True,
+                                        planes5_signed=qtype == QT.Q5_0)
+    return lazy, ref, mats
+
+
+@needs_vnni
+@pytest.mark.parametrize("qtype", Q5_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("k_blocks", [1, 3, 9])  # (Q5_0 / Q5_1: K = 32 .. 288, 1152 below; Q5_K: 256 .. 2304)
+def test_q5_planes_give_the_int8_bits(qtype, k_blocks):
+    """Q5_0 / Q5_1 / Q5_K kept as a 4-bit and a 1-bit plane (qmatmul.cpp I5, I5S) against their
+    int8 codes in VNNI blocks: the same output bits on the decode tiles, the panel and the GEMM
+    paths (ragged row counts, float32 and bfloat16 x, the file's and full scales), the same dense
+    weights, the int8 codes read back; every code of the format's range occurs."""
+    n, k = 48, k_blocks * gguf.GGML_QUANT_SIZES[qtype][0]
+    lazy, ref, mats = _q5_layouts(qtype, n, k, seed=30 + k_blocks)
+    lo, hi = (-16, 15) if qtype == QT.Q5_0 else (0, 31)
+    assert lazy.q.min() >= lo and lazy.q.max() <= hi
+    if k_blocks == 9:
+        assert set(torch.unique(lazy.q).tolist()) == set(range(lo, hi + 1))
+    for m in (1, 3, 8, 12, 23, 40):  # decode tiles (M <= 8), the panel path (to 16), the GEMM path
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(m, k).to(dtype)
+            want = ref.matmul(x)
+            for form, b in mats.items():
+                assert torch.equal(b.matmul(x), want), (form, m, dtype)
+    for dtype in (torch.float32, torch.bfloat16):
+        want = ref.dequantize(torch.empty(n, k, dtype=dtype))
+        for form, b in mats.items():
+            assert torch.equal(b.dequantize(torch.empty(n, k, dtype=dtype)), want), (form, dtype)
+    idx = torch.tensor([0, 17, 47])
+    for b in mats.values():
+        q, s, z = b.rows(idx)
+        rq, rs, rz = ref.rows(idx)
+        assert torch.equal(q, lazy.q[idx].to(torch.int8)) and torch.equal(q, rq) and torch.equal(s, rs)
+        assert (z is None) == (rz is None) and (z is None or torch.equal(z, rz))
+
+
+@needs_vnni
+def test_q5_0_planes_at_gemma_width():
+    """Q5_0 at K = 1152 (Gemma-3-1B's hidden: not a multiple of 256, so llama-quantize falls back
+    to Q5_0 for its ffn_gate / up), many rows: the planes' bits are the int8 codes'."""
+    n, k = 96, 1152
+    _, ref, mats = _q5_layouts(QT.Q5_0, n, k, seed=40)
+    for m in (1, 5, 16, 70):
+        x = torch.randn(m, k)
+        want = ref.matmul(x)
+        assert all(torch.equal(b.matmul(x), want) for b in mats.values()), m
+
+
+def test_q5_planes_refuse_what_they_cannot_take():
+    raw = raw_rows(QT.Q5_0, 16, 8)
+    runs = [(p.row_addresses(), int(p.qtype)) for p in GGUFBlocks.of_tensor(raw, QT.Q5_0, (16, 256)).parts]
+    with pytest.raises(ValueError, match="VNNI blocks only"):
+        qmatmul.repack_gguf_rows(runs, 16, 256, 32, False, False, False, planes5=True)
+    q6 = raw_rows(QT.Q6_K, 16, 1)
+    runs6 = [(p.row_addresses(), int(p.qtype)) for p in GGUFBlocks.of_tensor(q6, QT.Q6_K, (16, 256)).parts]
+    with pytest.raises(ValueError, match="5-bit planes"):
+        qmatmul.repack_gguf_rows(runs6, 16, 256, 16, False, False, True, planes5=True)
+    q51 = raw_rows(QT.Q5_1, 8, 8)
+    mixed = [(GGUFBlocks.of_tensor(raw[:8], QT.Q5_0, (8, 256)).parts[0].row_addresses(), int(QT.Q5_0)),
+             (GGUFBlocks.of_tensor(q51, QT.Q5_1, (8, 256)).parts[0].row_addresses(), int(QT.Q5_1))]
+    with pytest.raises(ValueError, match="signed and unsigned"):
+        qmatmul.repack_gguf_rows(mixed, 16, 256, 32, True, False, True, planes5=True)
+    with pytest.raises(ValueError, match="VNNI blocks"):
+        qmatmul._call_group_matmul("kvs_i5_group_matmul", torch.randn(1, 256), torch.zeros(16, 160, dtype=torch.uint8),
+                                   torch.ones(16, 8), None, 16, 32, None, "auto", layout=0)
+
+
+@needs_vnni
+@pytest.mark.parametrize("qtype", Q5_TYPES, ids=lambda t: t.name)
+def test_q5_layer_keeps_planes(qtype, monkeypatch):
+    """make_linear on Q5_0 / Q5_1 / Q5_K blocks: a GroupQ5PlanesLinear at 0.625 bytes per code
+    with the widened layer's outputs, rows and dense copy, its fused decode kind; back to int8 rows
+    (the same outputs) if the library cannot run VNNI blocks."""
+    from kvshare.model.fused_decode import _linear
+    from kvshare.model.qlinear import GroupInt8Linear, GroupQ5PlanesLinear, resident_bytes_per_weight
+
+    n, k = 48, 512
+    raw = raw_rows(qtype, n, k // gguf.GGML_QUANT_SIZES[qtype][0], seed=50)
+    got = make_linear(GGUFBlocks.of_tensor(raw, qtype, (n, k)), torch.float32, DequantScratch())
+    want = make_linear(to_group_affine(raw, qtype, (n, k)), torch.float32, DequantScratch())
+    assert type(got) is GroupQ5PlanesLinear and type(want) is GroupInt8Linear
+    assert got.blocks.planes5 and got.blocks.planes5_signed == (qtype == QT.Q5_0)
+    assert got.nbytes / (n * k) == pytest.approx(resident_bytes_per_weight(qtype.name))
+    # (the file's bytes per weight: Q5_0 22 / 32, Q5_1 24 / 32, Q5_K 176 / 256)
+    scales = {QT.Q5_0: 2 / 32, QT.Q5_1: 4 / 32, QT.Q5_K: 2 * (1 / 32 + 2 / 256)}[qtype]
+    assert got.nbytes / (n * k) == 0.625 + scales
+    for m in (1, 3, 12, 40):
+        x = torch.randn(m, k)
+        assert torch.equal(got(x, decode_rows=m), want(x, decode_rows=m)), m
+    ids = torch.tensor([0, 5, 47])
+    assert torch.equal(got.rows(ids), want.rows(ids))
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(got.dense(torch.empty(n, k, dtype=dtype)), want.dense(torch.empty(n, k, dtype=dtype)))
+    assert _linear(got, None).kind == {QT.Q5_0: 19, QT.Q5_1: 16, QT.Q5_K: 15}[qtype]
+    ref = to_group_affine(raw, qtype, (n, k))
+    back = make_linear(GGUFBlocks.of_tensor(raw, qtype, (n, k)), torch.float32, DequantScratch())
+    monkeypatch.setattr(qmatmul.QMATMUL.lib(), "kvs_qmm_vnni_blocks_fit", lambda *a: 0)
+    assert back.check_blocks() and back.blocks is None and torch.equal(back.q, ref.q.to(torch.int8))
+    assert _linear(back, None).kind == 1
+    x = torch.randn(3, k)
+    assert torch.equal(back(x, decode_rows=3), qmatmul.int8_group_matmul(x, back.q, back.scale, back.zero, 32))
+
+
+@needs_vnni
+def test_q5_parts_fuse_by_signedness():
+    """Q5_K and Q5_1 parts (unsigned codes) fuse into one planes weight; a Q5_0 part (signed)
+    beside them makes row blocks, each keeping its planes, the outputs those of the parts."""
+    from kvshare.model.ops import Ops
+    from kvshare.model.qlinear import GroupQ5PlanesLinear, StackedLinear
+
+    k = 256
+    a = GGUFBlocks.of_tensor(raw_rows(QT.Q5_K, 16, 1, seed=60), QT.Q5_K, (16, k))
+    b = GGUFBlocks.of_tensor(raw_rows(QT.Q5_1, 32, 8, seed=61), QT.Q5_1, (32, k))
+    c = GGUFBlocks.of_tensor(raw_rows(QT.Q5_0, 16, 8, seed=62), QT.Q5_0, (16, k))
+    one = make_linear(Ops.fuse([a, b]), torch.float32, DequantScratch())
+    assert type(one) is GroupQ5PlanesLinear and not one.blocks.planes5_signed and one.blocks.scale_form == "full"
+    with pytest.raises(ValueError, match="fuse only with their own format"):
+        GroupAffine.cat([c, GGUFBlocks.of_tensor(raw_rows(QT.Q8_0, 16, 8, seed=63), QT.Q8_0, (16, k))])
+    rows = make_linear(Ops.fuse([a, b, c]), torch.float32, DequantScratch())
+    assert type(rows) is StackedLinear and [type(p) for p in rows.parts] == [GroupQ5PlanesLinear] * 3
+    x = torch.randn(5, k)
+    want = torch.cat([make_linear(GroupAffine.cat([p.materialize() for p in (a, b)]), torch.float32,
+                                  DequantScratch())(x, decode_rows=5),
+                      make_linear(c.materialize(), torch.float32, DequantScratch())(x, decode_rows=5)], dim=1)
+    assert torch.equal(one(x, decode_rows=5), want[:, :48])
+    assert torch.equal(rows(x, decode_rows=5), want)

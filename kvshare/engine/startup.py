@@ -107,7 +107,9 @@ class StartupReport:
                  "int4-group+vnni": "int4 per-group in VNNI blocks (kvshare C++ qmatmul, avx512-vnni: decode rows' "
                                     "x rounded to int16 per group)",
                  "iq4nl-group+vnni": "IQ4_XS 4-bit table indices in VNNI blocks (kvshare C++ qmatmul, avx512-vnni)",
-                 "q6planes-group+vnni": "Q6_K 4-bit + 2-bit planes in VNNI blocks (kvshare C++ qmatmul, avx512-vnni)"}
+                 "q6planes-group+vnni": "Q6_K 4-bit + 2-bit planes in VNNI blocks (kvshare C++ qmatmul, avx512-vnni)",
+                 "q5planes-group+vnni": "Q5_0 / Q5_1 / Q5_K 4-bit + 1-bit planes in VNNI blocks (kvshare C++ qmatmul, "
+                                        "avx512-vnni)"}
         counts: dict[str, int] = {}
         for lin in self.model.linears():
             key = lin.kind + ("+vnni" if getattr(lin, "blocks", None) is not None else "")

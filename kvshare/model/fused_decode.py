@@ -30,7 +30,8 @@ import torch
 
 from kvshare.model.attention import AttentionMetadata, PagedKVStorage, TorchPagedAttention
 from kvshare.model.kernels import decode_step, qmatmul
-from kvshare.model.qlinear import GroupInt4Linear, GroupInt8Linear, GroupIQ4NLLinear, GroupQ6PlanesLinear, StackedLinear
+from kvshare.model.qlinear import (GroupInt4Linear, GroupInt8Linear, GroupIQ4NLLinear, GroupQ5PlanesLinear,
+                                    GroupQ6PlanesLinear, StackedLinear)
 from kvshare.model.tp_transport import ShmComm, ShmTransport
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
@@ -112,13 +113,17 @@ def _linear(lin, bias: torch.Tensor | None) -> _Linear | None:
         view = _Linear(5, None, None, None, _ptr_of(bias), lin.out_features, lin.in_features, 0, array, len(parts))
         view._keep = array  # (the parts' structs live as long as the view)
         return view
-    if type(lin) not in (GroupInt8Linear, GroupInt4Linear, GroupIQ4NLLinear, GroupQ6PlanesLinear):
+    if type(lin) not in (GroupInt8Linear, GroupInt4Linear, GroupIQ4NLLinear, GroupQ6PlanesLinear, GroupQ5PlanesLinear):
         return None
     # 1 int8 / 2 int4 codes in rows; 3 / 4 the same in VNNI blocks (the avx512-vnni path); 6 / 7 in
     # VNNI blocks with compact scales, 8 / 9 with float16 ones; 10 / 11 IQ4_XS's table indices in
-    # VNNI blocks with float32 / compact scales; 12 / 13 Q6_K's planes likewise
+    # VNNI blocks with float32 / compact scales; 12 / 13 Q6_K's planes likewise; 14 / 15 / 16 the
+    # unsigned 5-bit planes (Q5_1, Q5_K) with float32 / compact / float16 scales, 17 / 18 / 19 Q5_0's
+    # signed ones
     kind = 2 if lin.packed_int4 else 1
-    if lin.blocks is not None and lin.blocks.planes6:
+    if lin.blocks is not None and lin.blocks.planes5:
+        kind = (17 if lin.blocks.planes5_signed else 14) + {"full": 0, "compact": 1, "half": 2}[lin.blocks.scale_form]
+    elif lin.blocks is not None and lin.blocks.planes6:
         kind = {"full": 12, "compact": 13}[lin.blocks.scale_form]
     elif lin.blocks is not None and lin.blocks.iq4nl:
         kind = {"full": 10, "compact": 11}[lin.blocks.scale_form]

@@ -89,14 +89,15 @@ class GroupAffine:
         Q5_0 q/k and Q8_0 v of a Q4_K_M file) fuse too: their codes all fit int8 unchanged and they
         run on the same int8-group kernel. 4-bit parts (packed two per byte) fuse only with 4-bit
         parts, and every part must share the group size. Parts still in the file's blocks
-        (GGUFBlocks) stay so. IQ4_XS (Q6_K) parts in the file's blocks fuse only with IQ4_XS (Q6_K) parts
-        (a ValueError otherwise: row blocks), so that they can keep their 4-bit table indices
-        (qlinear.GroupIQ4NLLinear)."""
+        (GGUFBlocks) stay so. IQ4_XS (Q6_K, Q5_0) parts in the file's blocks fuse only with IQ4_XS
+        (Q6_K, Q5_0) parts, and Q5_1 / Q5_K parts only with Q5_1 / Q5_K parts (a ValueError
+        otherwise: row blocks), so that they can keep their codes at the file's bits (4-bit table
+        indices: qlinear.GroupIQ4NLLinear; planes: GroupQ6PlanesLinear, GroupQ5PlanesLinear)."""
         bits, code_dtype = _fused_form(parts)
         if all(isinstance(p, GGUFBlocks) for p in parts):
-            if len({(p.iq4_xs, p.q6_k) for p in parts}) > 1:
-                raise ValueError("IQ4_XS and Q6_K weights fuse only with their own format (their codes stay "
-                                 "at the file's bits)")
+            if len({(p.iq4_xs, p.q6_k, p.q5_planes) for p in parts}) > 1:
+                raise ValueError("IQ4_XS, Q6_K and 5-bit weights fuse only with their own format (their codes "
+                                 "stay at the file's bits)")
             return GGUFBlocks.cat(parts, bits, code_dtype)
         first = parts[0]
         if any(p.q.dtype != code_dtype for p in parts):
@@ -324,6 +325,17 @@ class GGUFBlocks(GroupAffine):
         """Every run Q6_K: its codes can be kept as two planes (repack with planes6)."""
         return all(p.qtype == Q.Q6_K for p in self.parts)
 
+    @property
+    def q5_planes(self) -> str | None:
+        """"signed" when every run is Q5_0 (codes -16..15), "unsigned" when every run is Q5_1 or
+        Q5_K (0..31): its codes can be kept as a 4-bit and a 1-bit plane (repack with planes5);
+        else None."""
+        if all(p.qtype == Q.Q5_0 for p in self.parts):
+            return "signed"
+        if all(p.qtype in (Q.Q5_1, Q.Q5_K) for p in self.parts):
+            return "unsigned"
+        return None
+
     def materialize(self) -> GroupAffine:
         """The reference form (to_group_affine of each run, joined as GroupAffine.cat joins them)."""
         if self._materialized is None:
@@ -348,7 +360,7 @@ class GGUFBlocks(GroupAffine):
     def zero(self) -> torch.Tensor | None:  # type: ignore[override]
         return self.materialize().zero
 
-    def repack(self, int4: bool, vnni: bool, planes6: bool = False
+    def repack(self, int4: bool, vnni: bool, planes6: bool = False, planes5: bool = False
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, str]:
         """(q, scales, zeros, scale form) in a group kernel's layout, straight from the blocks in
         C++ (qmatmul.repack_gguf_rows; the kernel library must be loaded): the values
@@ -363,12 +375,13 @@ class GGUFBlocks(GroupAffine):
         form = "compact" if types <= qmatmul.COMPACT_GGML_TYPES else "half" if types <= qmatmul.HALF_GGML_TYPES else "full"
         if vnni and form != "full":
             try:
-                return (*qmatmul.repack_gguf_rows(runs, n, k, self.group, self._has_zero, int4, vnni, form, planes6),
-                        form)
+                return (*qmatmul.repack_gguf_rows(runs, n, k, self.group, self._has_zero, int4, vnni, form, planes6,
+                                                  planes5), form)
             except ValueError as e:
                 if "no compact or float16 form" not in str(e):
                     raise
-        return (*qmatmul.repack_gguf_rows(runs, n, k, self.group, self._has_zero, int4, vnni, planes6=planes6), "full")
+        return (*qmatmul.repack_gguf_rows(runs, n, k, self.group, self._has_zero, int4, vnni, planes6=planes6,
+                                          planes5=planes5), "full")
 
     def row_slice(self, lo: int, hi: int) -> "GGUFBlocks":
         parts, start = [], 0

@@ -27,6 +27,9 @@ rows share its step.
   on AVX-512 VNNI CPUs, its 4-bit indices into the non-linear table kept two per byte and looked
   up in the kernel (`VnniBlocks.iq4nl`), the bits the int8 kernel gives on the table's values;
   elsewhere IQ4_XS takes the int8 kernel with each code widened to its table value.
+  `GroupQ6PlanesLinear` / `GroupQ5PlanesLinear`: Q6_K and Q5_0 / Q5_1 / Q5_K on AVX-512 VNNI
+  CPUs, each code kept as a 4-bit plane and a 2-bit (1-bit) plane and widened to the int8 code
+  inside the kernel (`VnniBlocks.planes6` / `planes5`): the int8 kernel's bits at the file's size.
 - `DenseLinear`: everything else (F32, F16, BF16, HF safetensors, or quantization=None), a
   plain tensor in the activation dtype.
 """
@@ -112,6 +115,8 @@ class GroupInt8Linear:
     packed_int4 = False  # codes one per byte (GroupInt4Linear: two)
     iq4nl = False  # 4-bit fields are IQ4_NL table indices (GroupIQ4NLLinear)
     planes6 = False  # Q6_K's codes as a 4-bit and a 2-bit plane (GroupQ6PlanesLinear)
+    planes5 = False  # 5-bit codes as a 4-bit and a 1-bit plane (GroupQ5PlanesLinear)
+    planes5_signed = False  # (Q5_0's codes -16..15)
 
     def __init__(self, w: GroupAffine, dtype: torch.dtype, scratch: DequantScratch) -> None:
         self.out_features, self.in_features = w.shape
@@ -129,13 +134,14 @@ class GroupInt8Linear:
         if isinstance(w, GGUFBlocks) and self._kernel_ready:
             # Still the file's blocks: decoded once, in C++ across threads, straight into the final
             # layout (the same arrays the steps below make from w.q / w.scale / w.zero).
-            self.q, self.scale, self.zero, form = w.repack(self.packed_int4, vnni, planes6=self.planes6)
+            self.q, self.scale, self.zero, form = w.repack(self.packed_int4, vnni, planes6=self.planes6,
+                                                           planes5=self.planes5)
             if vnni:
                 # (Q4_0 in float16 scales: no zeros array, each zero -8 x its scale)
                 zero_mul = qmatmul.Q4_0_ZERO_MUL if form == "half" and self.zero is None and w.has_zero else 0.0
                 self.blocks = qmatmul.VnniBlocks(self.q, self.scale, self.zero, self.out_features,
                                                  self.in_features, self.group, self.packed_int4, form, zero_mul,
-                                                 self.iq4nl, self.planes6)
+                                                 self.iq4nl, self.planes6, self.planes5, self.planes5_signed)
         else:
             self.q = self._pack(w.q)
             self.scale = w.scale.float().contiguous()
@@ -333,6 +339,30 @@ class GroupQ6PlanesLinear(GroupInt8Linear):
         return moved
 
 
+class GroupQ5PlanesLinear(GroupInt8Linear):
+    """Q5_0 / Q5_1 / Q5_K kept at their file's bits: each code's low 4 bits as a 4-bit plane and
+    its fifth bit as a 1-bit plane in VNNI blocks (scales as the file has them: compact for Q5_K,
+    float16 for Q5_0 / Q5_1; `VnniBlocks.planes5`), the kernel forming the int8 codes' pairs
+    (qmatmul.cpp I5, and I5S for Q5_0's signed codes): GroupInt8Linear's results, bit for bit, at
+    0.625 bytes per code against 1. make_linear takes it only for weights still in the file's
+    blocks, every part Q5_0 or every part Q5_1 / Q5_K, on a CPU that keeps VNNI blocks, K a
+    multiple of 32; if the library then cannot run them (check_blocks), the weight goes back to
+    rows of int8 codes."""
+
+    kind = "q5planes-group"
+    planes5 = True
+
+    def __init__(self, w: GroupAffine, dtype: torch.dtype, scratch: DequantScratch) -> None:
+        self.planes5_signed = isinstance(w, GGUFBlocks) and w.q5_planes == "signed"
+        super().__init__(w, dtype, scratch)
+
+    def check_blocks(self) -> bool:
+        moved = super().check_blocks()  # (rows of int8 codes: VnniBlocks.rows)
+        if moved:
+            self.planes5 = False
+        return moved
+
+
 class RowBlocks(list):
     """Weights fused row-wise whose parts stay in their own formats (Ops.fuse, when the parts'
     group sizes or code widths differ): make_linear gives them a StackedLinear."""
@@ -387,6 +417,10 @@ def make_linear(weight: torch.Tensor | GroupAffine | RowBlocks, dtype: torch.dty
         if isinstance(weight, GGUFBlocks) and weight.q6_k and qmatmul.QMATMUL.settle() is None and \
                 qmatmul.vnni_blocks_fit(weight.shape[0], weight.shape[1], weight.group):
             return GroupQ6PlanesLinear(weight, dtype, scratch)
+        if isinstance(weight, GGUFBlocks) and weight.q5_planes and weight.shape[1] % 32 == 0 and \
+                qmatmul.QMATMUL.settle() is None and \
+                qmatmul.vnni_blocks_fit(weight.shape[0], weight.shape[1], weight.group):
+            return GroupQ5PlanesLinear(weight, dtype, scratch)
         if weight.bits == 4 and weight.group % 32 == 0:
             return GroupInt4Linear(weight, dtype, scratch)
         return GroupInt8Linear(weight, dtype, scratch)
@@ -419,6 +453,8 @@ def resident_bytes_per_weight(type_name: str) -> float | None:
         code = 0.5  # (its table indices two per byte: GroupIQ4NLLinear)
     if type_name == "Q6_K" and _vnni_cpu():
         code = 0.75  # (a 4-bit and a 2-bit plane: GroupQ6PlanesLinear)
+    if type_name in ("Q5_0", "Q5_1", "Q5_K") and _vnni_cpu():
+        code = 0.625  # (a 4-bit and a 1-bit plane: GroupQ5PlanesLinear)
     if type_name in _COMPACT_TYPES and _vnni_cpu():
         # VNNI blocks with compact scales: an int8 code per group, a float16 base per 256
         return code + arrays * (1 / group + 2 / qmatmul.COMPACT_SUPER_BLOCK)

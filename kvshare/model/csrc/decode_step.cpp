@@ -42,7 +42,8 @@ struct Linear {
   // 1: int8 codes [N, K]; 2: 4-bit codes two per byte [N, K / 2]; 3 / 4: the same in VNNI blocks;
   // 6 / 7: in VNNI blocks with compact scales and zeros (qmatmul.cpp, kLayoutCompact), 8 / 9: with
   // float16 ones (kLayoutHalf); 5: row blocks kept at their own formats (a Q4_K_M file's Q4_K q/k and Q6_K v), `parts` in
-  // output order, each writing its own columns of the one output row.
+  // output order, each writing its own columns of the one output row; 10 to 19: codes kept at the
+  // file's bits in VNNI blocks (IQ4_XS, Q6_K, the 5-bit formats: see `linear`).
   int64_t kind;
   const void* q;
   const float* scales;  // [N, K / group] (kinds 6 to 9: compact or float16, as bytes)
@@ -597,12 +598,24 @@ static int linear(const Linear& L, const float* x, int64_t M, float* y, int num_
     return 0;
   }
   int rc;
-  if (L.kind < 1 || L.kind > 13) {
+  if (L.kind < 1 || L.kind > 19) {
     std::snprintf(err, size_t(err_len), "unknown linear kind %lld", (long long)L.kind);
     return 1;
   }
   // Kinds 10 / 11: IQ4_XS's 4-bit table indices (qmatmul.cpp NL4) in VNNI blocks, with float32 /
-  // compact scales; 12 / 13: Q6_K's 4-bit and 2-bit planes (I6) likewise.
+  // compact scales; 12 / 13: Q6_K's 4-bit and 2-bit planes (I6) likewise; 14 / 15 / 16: the
+  // unsigned 5-bit codes' 4-bit and 1-bit planes (I5: Q5_1, Q5_K) with float32 / compact /
+  // float16 scales, 17 / 18 / 19: Q5_0's signed ones (I5S) likewise.
+  if (L.kind >= 14) {
+    const int64_t form = (L.kind - 14) % 3;
+    const int layout = form == 0 ? qmm::kLayoutBlocks : form == 1 ? qmm::kLayoutCompact : qmm::kLayoutHalf;
+    const auto* q = static_cast<const uint8_t*>(L.q);
+    if (L.kind >= 17)
+      return qmm::group_matmul<qmm::I5S>(x, L.K, 0, q, L.scales, L.zeros, y, y_stride, M, L.N, L.K, L.group, 0,
+                                         num_threads, err, err_len, layout, float(L.zero_mul));
+    return qmm::group_matmul<qmm::I5>(x, L.K, 0, q, L.scales, L.zeros, y, y_stride, M, L.N, L.K, L.group, 0,
+                                      num_threads, err, err_len, layout, float(L.zero_mul));
+  }
   if (L.kind >= 12)
     return qmm::group_matmul<qmm::I6>(x, L.K, 0, static_cast<const uint8_t*>(L.q), L.scales, L.zeros, y, y_stride,
                                       M, L.N, L.K, L.group, 0, num_threads, err, err_len,

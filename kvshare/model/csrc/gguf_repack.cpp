@@ -20,6 +20,11 @@
 //   above) then a 2-bit plane (K / 4 bytes: per 16 codes 4 bytes, code 2m at bits 2m and code
 //   2m + 1 at bits 16 + 2m), which qmatmul.cpp's I6 reads; in VNNI blocks the low plane's lines
 //   and then the high plane's.
+// * int4 = 3 (Q5_0 / Q5_1 / Q5_K, VNNI blocks only): its codes' low 4 bits as a 4-bit plane (K / 2
+//   bytes, packed as above) then their fifth bits as a 1-bit plane (K / 8 bytes: per 32 codes 4
+//   bytes, code 8t + 2p at bit 4t + p and code 8t + 2p + 1 at bit 16 + 4t + p), which
+//   qmatmul.cpp's I5 (Q5_1, Q5_K: codes 0..31) and I5S (Q5_0: -16..15, the fifth bit its sign)
+//   read; in VNNI blocks the low plane's lines and then the high plane's.
 // * int4 = 0 (every format): int8 [N, K], one code per byte (unsigned codes of 5 bits and less
 //   fit as they are, as qlinear's `q.to(torch.int8)` leaves them).
 // * scales / zeros float32 [N, K / g]; zeros null for a weight without offsets, and written 0
@@ -323,7 +328,8 @@ struct Job {
   int64_t rows, row0, n_total, k;
   Format f;
   int type;
-  bool int4, vnni, compact, half, planes;
+  bool int4, vnni, compact, half;
+  int high_bits;  // 2: Q6_K's 4-bit + 2-bit planes; 1: the 5-bit formats' 4-bit + 1-bit planes; 0: neither
   uint8_t* q;
   float *scales, *zeros;
   std::atomic<bool>* not_compact;  // set when a scale or zero has no compact form
@@ -333,7 +339,7 @@ struct Job {
 // groups' scales `s` and zeros `z` (K / g floats each; zeros 0 for a symmetric format).
 inline void decode_row(const Job& j, const uint8_t* src, uint8_t* out, float* s, float* z, uint16_t* bases = nullptr) {
   const int64_t gpb = j.f.block / j.f.group, blocks = j.k / j.f.block;
-  if (j.planes) {  // (Q6_K: the codes, then their two planes)
+  if (j.high_bits == 2) {  // (Q6_K: the codes, then their two planes)
     uint8_t c[256];
     for (int64_t i = 0; i < blocks; ++i) {
       decode_block(j.type, src + i * j.f.type_size, c, s + i * gpb, z + i * gpb);
@@ -351,6 +357,21 @@ inline void decode_row(const Job& j, const uint8_t* src, uint8_t* out, float* s,
           w |= a << (2 * m) | b << (16 + 2 * m);
         }
         std::memcpy(hi + 4 * t, &w, 4);
+      }
+    }
+  } else if (j.high_bits == 1) {  // (Q5_0 / Q5_1 / Q5_K: the codes, then their two planes)
+    uint8_t c[256];
+    const int64_t bs = j.f.block;
+    for (int64_t i = 0; i < blocks; ++i) {
+      decode_block(j.type, src + i * j.f.type_size, c, s + i * gpb, z + i * gpb);
+      uint8_t* lo = out + i * (bs / 2);
+      uint8_t* hi = out + j.k / 2 + i * (bs / 8);
+      for (int64_t t = 0; t < bs / 2; ++t) lo[t] = uint8_t((c[2 * t] & 15) | (c[2 * t + 1] & 15) << 4);
+      for (int64_t u = 0; u < bs / 32; ++u) {
+        uint32_t w = 0;
+        for (int m = 0; m < 32; ++m)  // (bit 4 of the byte: of Q5_0's int8 code, its sign)
+          w |= uint32_t((c[32 * u + m] >> 4) & 1) << ((m & 1) * 16 + 4 * (m / 8) + (m % 8) / 2);
+        std::memcpy(hi + 4 * u, &w, 4);
       }
     }
   } else if (j.int4) {
@@ -453,7 +474,7 @@ inline void write_half(const Job& j, int64_t lane_lo, int64_t lane_hi, const flo
 
 inline void repack_span(const Job& j, int64_t span, int64_t lo, int64_t hi, uint8_t* rows_buf, float* s_buf,
                         float* z_buf, uint16_t* bases) {
-  const int64_t G = j.k / j.f.group, row_bytes = j.planes ? j.k / 2 + j.k / 4 : j.int4 ? j.k / 2 : j.k;
+  const int64_t G = j.k / j.f.group, row_bytes = j.high_bits ? j.k / 2 + j.k * j.high_bits / 8 : j.int4 ? j.k / 2 : j.k;
   const auto src = [&](int64_t row) { return reinterpret_cast<const uint8_t*>(j.row_addrs[row - j.row0]); };
   if (!j.vnni) {
     for (int64_t row = lo; row < hi; ++row) {
@@ -467,8 +488,8 @@ inline void repack_span(const Job& j, int64_t span, int64_t lo, int64_t hi, uint
     uint8_t* row = rows_buf + lane * row_bytes;
     decode_row(j, src(span * 16 + lane), row, s_buf + lane * G, z_buf + lane * G,
                j.compact || j.half ? bases + lane * (j.k / j.f.block) * 2 : nullptr);
-    if (j.int4 || j.planes)  // each 4-byte unit's codes as the VNNI kernel takes them (qmatmul.cpp VnniCodes<U4>)
-      for (int64_t u = 0; u < (j.planes ? j.k / 8 : lines); ++u) {
+    if (j.int4 || j.high_bits)  // each 4-byte unit's codes as the VNNI kernel takes them (qmatmul.cpp VnniCodes<U4>)
+      for (int64_t u = 0; u < (j.high_bits ? j.k / 8 : lines); ++u) {
         uint32_t v;
         std::memcpy(&v, row + 4 * u, 4);
         v = u4_row_to_lane(v);
@@ -521,7 +542,7 @@ inline void run(const Job& j, int num_threads) {
   const int64_t first = j.row0 / 16, last = (j.row0 + j.rows + 15) / 16;
   const int64_t spans = last - first, chunk = 4;
   const int nt = int(std::max<int64_t>(1, std::min<int64_t>(num_threads, (spans + chunk - 1) / chunk)));
-  const int64_t G = j.k / j.f.group, row_bytes = j.planes ? j.k / 2 + j.k / 4 : j.int4 ? j.k / 2 : j.k;
+  const int64_t G = j.k / j.f.group, row_bytes = j.high_bits ? j.k / 2 + j.k * j.high_bits / 8 : j.int4 ? j.k / 2 : j.k;
   std::atomic<int64_t> next{first};
   const auto work = [&]() {
     std::vector<uint8_t> rows_buf(size_t(j.vnni ? 16 * row_bytes : 0));
@@ -565,6 +586,9 @@ extern "C" int kvs_gguf_repack(const int64_t* row_addrs, int64_t rows, int64_t r
   if (k <= 0 || k % f.block) return fail("K must be a positive multiple of the format's block size");
   if (rows < 0 || row0 < 0 || row0 + rows > n_total) return fail("rows out of the weight's range");
   if (int4 == 2 && (type != Q6_K || !vnni)) return fail("6-bit planes are for Q6_K in VNNI blocks only");
+  if (int4 == 3 && (!(type == Q5_0 || type == Q5_1 || type == Q5_K) || !vnni))
+    return fail("5-bit planes are for Q5_0, Q5_1 and Q5_K in VNNI blocks only");
+  if (int4 < 0 || int4 > 3) return fail("int4 must be 0 (int8 codes), 1 (4-bit), 2 (6-bit planes) or 3 (5-bit planes)");
   if (int4 == 1 && !f.int4_ok) return fail("only Q4_0, Q4_1 and Q4_K codes (and IQ4_XS's table indices) pack two per byte");
   if (f.has_zero && !zeros && !(vnni == 3 && type == Q4_0))
     return fail("this format has offsets: zeros must be given");
@@ -578,8 +602,8 @@ extern "C" int kvs_gguf_repack(const int64_t* row_addrs, int64_t rows, int64_t r
     return fail("float16 scales are for Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 only");
   if (rows == 0) return 0;
   std::atomic<bool> not_compact{false};
-  Job j{row_addrs, rows, row0, n_total, k, f, type, int4 == 1, vnni != 0, vnni == 2, vnni == 3, int4 == 2,
-        static_cast<uint8_t*>(q), scales, zeros, &not_compact};
+  Job j{row_addrs, rows, row0, n_total, k, f, type, int4 == 1, vnni != 0, vnni == 2, vnni == 3,
+        int4 == 2 ? 2 : int4 == 3 ? 1 : 0, static_cast<uint8_t*>(q), scales, zeros, &not_compact};
   run(j, num_threads);
   if (not_compact) return fail("a scale or zero has no compact or float16 form");
   return 0;

@@ -215,6 +215,39 @@ struct I6 {
     return (l | h << 4) - 32;
   }
 };
+// Q5_0 / Q5_1 / Q5_K's 5-bit codes kept at the file's bits, in VNNI blocks only: per 16-row block
+// the 4-bit low planes as U4 lays out codes (K / 8 lines), then a 1-bit high plane (K / 32 lines,
+// one per 4 low lines: in a lane, of the 32 codes of low lines 4u .. 4u + 3, code 2p of line
+// 4u + t at bit 4t + p and code 2p + 1 at bit 16 + 4t + p). Unsigned (Q5_1, Q5_K: 0..31): the
+// code is low | high << 4; SIGNED (Q5_0: -16..15): the high bit is its two's complement sign,
+// the code low - 16 high. Either way the kernel forms the int8 codes' int16 pair, so the int32
+// group sums and everything after them are the int8 kernel's (I8) on the same weight: the same
+// bits, at 0.625 bytes per code. K a multiple of 32.
+template <bool SIGNED>
+struct I5T {
+  static constexpr int64_t kCodesPerByte = 1;
+  static constexpr bool kRowPaths = false, kTable = false;
+  static constexpr int64_t bytes(int64_t codes) { return codes / 2 + codes / 8; }
+  static inline int nibble(int i) { return i; }
+  // Code k of row r (0..15) of a block whose bytes start at qb (K codes per row).
+  static inline int code_in_block(const uint8_t* qb, int64_t K, int r, int64_t k) {
+    uint32_t lo, hi;
+    std::memcpy(&lo, qb + (k / 8) * 64 + 4 * r, 4);
+    std::memcpy(&hi, qb + (K / 8) * 64 + (k / 32) * 64 + 4 * r, 4);
+    const int i = int(k % 8), t = int(k % 32) / 8;
+    const int l = (lo >> ((i & 1) * 16 + 4 * (i / 2))) & 15;
+    const int h = (hi >> ((i & 1) * 16 + 4 * t + i / 2)) & 1;
+    return SIGNED ? l - 16 * h : l | h << 4;
+  }
+};
+using I5 = I5T<false>;
+using I5S = I5T<true>;
+// How many high bits per code a format keeps in a second plane after its 4-bit low plane (I6:
+// 2, I5 / I5S: 1; 0: the format is one plane).
+template <class F> constexpr int kHighBits = 0;
+template <> constexpr int kHighBits<I6> = 2;
+template <> constexpr int kHighBits<I5> = 1;
+template <> constexpr int kHighBits<I5S> = 1;
 
 // A 4-bit lane of VNNI blocks (codes 2p at bits 4p, 2p + 1 at bits 16 + 4p) as the row layout's
 // 4 bytes (code i at bits 4i): the lane's even nibbles and odd nibbles interleaved again.
@@ -699,15 +732,36 @@ template <> struct VnniCodes<I6> {
   }
 };
 
-// A format's code pair p of line c of a block (qb): every format but I6 reads the line alone.
+// I5 / I5S: the low plane's pair as U4's; the high plane's line of the 32 codes this line's 8 are
+// in, shifted right by 4t for the line's place t in its 4 (high_line), so that pair p's two bits
+// sit at bits p and 16 + p, then rotated to bits 4 and 20 (a rotation, as for I6). Then low | high
+// (unsigned codes) or low - high (Q5_0's signed ones: the bit is the sign, worth -16) in each
+// int16 word.
+template <bool SIGNED> struct VnniCodes<I5T<SIGNED>> {
+  static constexpr int kPairsPerLine = 4;
+  static void control(int p, int8_t* ctl) { VnniCodes<U4>::control(p, ctl); }
+  QMM_VNNI static QMM_INLINE __m512i high_line(const uint8_t* qb, int64_t K, int64_t c) {
+    const __m512i h = _mm512_loadu_si512(qb + (K / 8) * 64 + (c / 4) * 64);
+    return _mm512_srl_epi32(h, _mm_cvtsi32_si128(int(4 * (c & 3))));
+  }
+  QMM_VNNI static QMM_INLINE __m512i pair(__m512i line, __m512i ctl, __m512i high, int p) {
+    const __m512i lo = _mm512_and_si512(_mm512_srlv_epi32(line, ctl), _mm512_set1_epi32(0x000F000F));
+    const __m512i hi = _mm512_and_si512(_mm512_rorv_epi32(high, _mm512_set1_epi32((p + 28) & 31)),
+                                        _mm512_set1_epi32(0x00100010));
+    return SIGNED ? _mm512_sub_epi16(lo, hi) : _mm512_or_si512(lo, hi);
+  }
+};
+
+// A format's code pair p of line c of a block (qb): every format but the two-plane ones (I6, I5,
+// I5S) reads the line alone.
 template <class F>
 QMM_VNNI static QMM_INLINE __m512i high_line_of(const uint8_t* qb, int64_t K, int64_t c) {
-  if constexpr (std::is_same<F, I6>::value) return VnniCodes<I6>::high_line(qb, K, c);
+  if constexpr (kHighBits<F> != 0) return VnniCodes<F>::high_line(qb, K, c);
   return _mm512_setzero_si512();
 }
 template <class F>
 QMM_VNNI static QMM_INLINE __m512i pair_of(__m512i line, const __m512i* ctl, __m512i high, int p) {
-  if constexpr (std::is_same<F, I6>::value) return VnniCodes<I6>::pair(line, ctl[p], high, p);
+  if constexpr (kHighBits<F> != 0) return VnniCodes<F>::pair(line, ctl[p], high, p);
   else return VnniCodes<F>::pair(line, ctl[p]);
 }
 
@@ -798,21 +852,43 @@ QMM_VNNI static QMM_INLINE void vnni_tile(const Problem& P, int64_t blk, const i
   const uint8_t* cs = reinterpret_cast<const uint8_t*>(P.scales) + blk * P.cs_bytes;
   const uint8_t* cz = P.zeros ? reinterpret_cast<const uint8_t*>(P.zeros) + blk * P.cs_bytes : nullptr;
   const int16_t* xr = P.xq + m0 * P.K;
+  // Two-plane formats (kHighBits: a block's low plane's K / 8 lines, then its high plane's) read
+  // two streams: the prefetch follows them in the order they are read, kVnniPrefetchBytes / 64
+  // low lines ahead, in this block or the ones after it (pf_block, pf_line), and with every
+  // kLowPerHigh-th low line its high line. (Ahead in the bytes as laid out, as for one plane, the
+  // low stream's prefetch ran into the block's own high plane, and the high stream's into the
+  // next block's low plane, leaving the start of every block's high plane to demand misses:
+  // measured 0.62-0.76x the int8 kernel's speed at K = 2048, M = 1.)
+  constexpr int64_t kLowPerHigh = kHighBits<F> != 0 ? 4 / kHighBits<F> : 1;  // low lines per high line
+  const int64_t low_lines = P.K / 8, block_bytes = 16 * P.q_s0;
+  const uint8_t* pf_block = qb;
+  int64_t pf_line = kVnniPrefetchBytes / 64;
+  if (kHighBits<F> != 0 && !PANEL) {
+    pf_block += (pf_line / low_lines) * block_bytes;
+    pf_line %= low_lines;
+  }
   for (int64_t gi = 0; gi < P.G; ++gi) {
     __m512i ia[MB];
     QMM_UNROLL for (int i = 0; i < MB; ++i) ia[i] = _mm512_setzero_si512();
     for (int64_t c = gi * lines_per_group; c < (gi + 1) * lines_per_group; ++c) {
       __m512i line, high = _mm512_setzero_si512();
       if (!PANEL) {
-        // A line kVnniPrefetchBytes ahead in the weight stream (the blocks are contiguous, so
-        // this runs on into the next block and the next thread-chunk's rows) into L1.
-        _mm_prefetch(reinterpret_cast<const char*>(qb + c * 64 + kVnniPrefetchBytes), _MM_HINT_T0);
-        line = _mm512_loadu_si512(qb + c * 64);
-        if constexpr (std::is_same<F, I6>::value) {  // (its high plane: a second stream)
-          _mm_prefetch(reinterpret_cast<const char*>(qb + (P.K / 8) * 64 + (c / 2) * 64 + kVnniPrefetchBytes / 2),
-                       _MM_HINT_T0);
+        if constexpr (kHighBits<F> != 0) {
+          _mm_prefetch(reinterpret_cast<const char*>(pf_block + pf_line * 64), _MM_HINT_T0);
+          if (pf_line % kLowPerHigh == 0)
+            _mm_prefetch(reinterpret_cast<const char*>(pf_block + (low_lines + pf_line / kLowPerHigh) * 64),
+                         _MM_HINT_T0);
+          if (++pf_line == low_lines) {
+            pf_line = 0;
+            pf_block += block_bytes;
+          }
           high = high_line_of<F>(qb, P.K, c);
+        } else {
+          // A line kVnniPrefetchBytes ahead in the weight stream (the blocks are contiguous, so
+          // this runs on into the next block and the next thread-chunk's rows) into L1.
+          _mm_prefetch(reinterpret_cast<const char*>(qb + c * 64 + kVnniPrefetchBytes), _MM_HINT_T0);
         }
+        line = _mm512_loadu_si512(qb + c * 64);
       }
       QMM_UNROLL for (int p = 0; p < C::kPairsPerLine; ++p) {
         const int64_t j = c * C::kPairsPerLine + p;
@@ -884,7 +960,7 @@ QMM_VNNI static void rows_vnni_t(const Problem& P, int64_t n0, int64_t n1) {
   const bool panel = P.M > 8;
   std::vector<int32_t> buf(panel ? size_t(P.K / 2 * 16 + 16) : 0);
   int32_t* pan = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
-  const int64_t lines = std::is_same<F, I6>::value ? P.K / 8 : P.q_s0 / 4;  // (lines of codes: I6's low plane)
+  const int64_t lines = kHighBits<F> != 0 ? P.K / 8 : P.q_s0 / 4;  // (lines of codes: a two-plane format's low plane)
   for (int64_t blk = n0 / 16; blk * 16 < n1; ++blk) {
     const uint8_t* qb = P.q + blk * 16 * P.q_s0;
     if (!panel) {  // (vnni_tile prefetches its own stream, line by line)
@@ -1279,8 +1355,12 @@ static int group_matmul(const void* x, int64_t x_s0, int x_bf16, const uint8_t* 
     return 1;
   }
   if (!F::kRowPaths && !vnni_blocks) {
-    std::snprintf(err, size_t(err_len), "4-bit table indices (IQ4_XS) and 6-bit planes (Q6_K) run only on "
-                  "weights in VNNI blocks");
+    std::snprintf(err, size_t(err_len), "4-bit table indices (IQ4_XS), 6-bit planes (Q6_K) and 5-bit planes "
+                  "(Q5_0, Q5_1, Q5_K) run only on weights in VNNI blocks");
+    return 1;
+  }
+  if (kHighBits<F> == 1 && K % 32 != 0) {
+    std::snprintf(err, size_t(err_len), "5-bit planes need K a multiple of 32 (got %lld)", (long long)K);
     return 1;
   }
   if (std::is_same<F, I6>::value && group_size % 16 != 0) {
@@ -1516,25 +1596,25 @@ template <class F, bool BF16>
 static void dequantize(const uint8_t* q, const float* scales, const float* zeros, void* out, int64_t N, int64_t K,
                        int64_t g, int num_threads, int layout, float zero_mul);
 
-// I6 (VNNI blocks only): its codes as the int8 layout's VNNI blocks, then I8's dequantization,
-// so the values are the int8 weight's.
-template <bool BF16>
-static void dequantize_i6(const uint8_t* q, const float* scales, const float* zeros, void* out, int64_t N,
-                          int64_t K, int64_t g, int num_threads, int layout, float zero_mul) {
+// A two-plane format (I6, I5, I5S; VNNI blocks only): its codes as the int8 layout's VNNI blocks,
+// then I8's dequantization, so the values are the int8 weight's.
+template <class F, bool BF16>
+static void dequantize_planes(const uint8_t* q, const float* scales, const float* zeros, void* out, int64_t N,
+                              int64_t K, int64_t g, int num_threads, int layout, float zero_mul) {
   std::vector<uint8_t> q8(size_t(N * K));
-  const int64_t blocks = (N + 15) / 16, block_bytes = 16 * I6::bytes(K);
+  const int64_t blocks = (N + 15) / 16, block_bytes = 16 * F::bytes(K);
   for (int64_t b = 0; b < blocks; ++b)
     for (int r = 0; r < 16; ++r)
       for (int64_t k = 0; k < K; ++k)
-        q8[size_t(b * 16 * K + (k / 4) * 64 + 4 * r + k % 4)] = uint8_t(int8_t(I6::code_in_block(q + b * block_bytes, K, r, k)));
+        q8[size_t(b * 16 * K + (k / 4) * 64 + 4 * r + k % 4)] = uint8_t(int8_t(F::code_in_block(q + b * block_bytes, K, r, k)));
   dequantize<I8, BF16>(q8.data(), scales, zeros, out, N, K, g, num_threads, layout, zero_mul);
 }
 
 template <class F, bool BF16>
 static void dequantize(const uint8_t* q, const float* scales, const float* zeros, void* out, int64_t N, int64_t K,
                        int64_t g, int num_threads, int layout, float zero_mul) {
-  if constexpr (std::is_same<F, I6>::value) {
-    dequantize_i6<BF16>(q, scales, zeros, out, N, K, g, num_threads, layout, zero_mul);
+  if constexpr (kHighBits<F> != 0) {
+    dequantize_planes<F, BF16>(q, scales, zeros, out, N, K, g, num_threads, layout, zero_mul);
     return;
   }
   const bool vnni_blocks = layout != kLayoutRows, packed_scales = layout >= kLayoutCompact;
@@ -1661,18 +1741,42 @@ extern "C" int kvs_i6_group_matmul(const void* x, int64_t x_s0, int x_bf16, cons
                                     num_threads, err, err_len, layout, zero_mul);
 }
 
+// As kvs_i6_group_matmul, with q the 5-bit codes of Q5_1 / Q5_K (unsigned: qmatmul.cpp I5) or
+// Q5_0 (signed: I5S) as a 4-bit and a 1-bit plane, in VNNI blocks only.
+extern "C" int kvs_i5_group_matmul(const void* x, int64_t x_s0, int x_bf16, const uint8_t* q, const float* scales,
+                                   const float* zeros, void* y, int64_t y_s0, int64_t M, int64_t N, int64_t K,
+                                   int64_t group_size, int impl, int num_threads, char* err, int64_t err_len,
+                                   int layout, float zero_mul) {
+  return qmm::group_matmul<qmm::I5>(x, x_s0, x_bf16, q, scales, zeros, y, y_s0, M, N, K, group_size, impl,
+                                    num_threads, err, err_len, layout, zero_mul);
+}
+extern "C" int kvs_i5s_group_matmul(const void* x, int64_t x_s0, int x_bf16, const uint8_t* q, const float* scales,
+                                    const float* zeros, void* y, int64_t y_s0, int64_t M, int64_t N, int64_t K,
+                                    int64_t group_size, int impl, int num_threads, char* err, int64_t err_len,
+                                    int layout, float zero_mul) {
+  return qmm::group_matmul<qmm::I5S>(x, x_s0, x_bf16, q, scales, zeros, y, y_s0, M, N, K, group_size, impl,
+                                     num_threads, err, err_len, layout, zero_mul);
+}
+
 // Dense weights out [N, K] (contiguous; float32, or bfloat16 when out_bf16) from int8 codes
 // (int4 = 0, q int8 [N, K]), packed 4-bit codes (int4 = 1, q uint8 [N, K / 2]) or packed 4-bit
-// IQ4_NL table indices (int4 = 2), or (int4 = 3, VNNI blocks only) Q6_K's planes (I6), in rows or
-// (with layout 1 to 3) in VNNI blocks; scales / zeros
-// as for the matmuls. Shapes are checked by the Python wrapper. Returns 0.
+// IQ4_NL table indices (int4 = 2), or (VNNI blocks only) Q6_K's planes (int4 = 3: I6) or the 5-bit
+// planes (int4 = 4: I5, unsigned; 5: I5S, Q5_0's signed codes), in rows or (with layout 1 to 3) in
+// VNNI blocks; scales / zeros as for the matmuls. Shapes are checked by the Python wrapper.
+// Returns 0 (1: planes asked for in rows).
 extern "C" int kvs_group_dequantize(const uint8_t* q, int int4, const float* scales, const float* zeros, void* out,
                                     int out_bf16, int64_t N, int64_t K, int64_t group_size, int num_threads,
                                     int layout, float zero_mul) {
   if (N <= 0 || K <= 0) return 0;
   const int vb = layout;
-  if (int4 == 3 && layout == 0) return 1;  // (6-bit planes are kept in VNNI blocks only)
-  if (int4 == 3)
+  if (int4 >= 3 && layout == 0) return 1;  // (planes are kept in VNNI blocks only)
+  if (int4 == 5)
+    out_bf16 ? qmm::dequantize<qmm::I5S, true>(q, scales, zeros, out, N, K, group_size, num_threads, vb, zero_mul)
+             : qmm::dequantize<qmm::I5S, false>(q, scales, zeros, out, N, K, group_size, num_threads, vb, zero_mul);
+  else if (int4 == 4)
+    out_bf16 ? qmm::dequantize<qmm::I5, true>(q, scales, zeros, out, N, K, group_size, num_threads, vb, zero_mul)
+             : qmm::dequantize<qmm::I5, false>(q, scales, zeros, out, N, K, group_size, num_threads, vb, zero_mul);
+  else if (int4 == 3)
     out_bf16 ? qmm::dequantize<qmm::I6, true>(q, scales, zeros, out, N, K, group_size, num_threads, vb, zero_mul)
              : qmm::dequantize<qmm::I6, false>(q, scales, zeros, out, N, K, group_size, num_threads, vb, zero_mul);
   else if (int4 == 2)

@@ -23,7 +23,7 @@ def _setup_qmatmul(lib: ctypes.CDLL) -> None:
     lib.kvs_qmm_cpu_paths.restype = _int
     lib.kvs_qmm_cpu_paths.argtypes = []
     for f in (lib.kvs_int8_group_matmul, lib.kvs_int4_group_matmul, lib.kvs_nl4_group_matmul,
-              lib.kvs_i6_group_matmul):
+              lib.kvs_i6_group_matmul, lib.kvs_i5_group_matmul, lib.kvs_i5s_group_matmul):
         f.restype = _int
         f.argtypes = [_ptr, _i64, _int,  # x, its row stride, bf16?
                       _ptr, _ptr, _ptr,  # q (int8, or packed 4-bit), scales, zeros (null: none)
@@ -52,11 +52,16 @@ QMATMUL = KernelLibrary("qmatmul", ("qmatmul.cpp", "gguf_repack.cpp"), _setup_qm
 # qmatmul.cpp's weight layouts: rows, VNNI blocks, VNNI blocks with compact scales and zeros, VNNI
 # blocks with float16 scales and zeros.
 _LAYOUT_ROWS, _LAYOUT_BLOCKS, _LAYOUT_COMPACT, _LAYOUT_HALF = 0, 1, 2, 3
-# kvs_group_dequantize's codes: int8, 4-bit, 4-bit indices into the IQ4_NL table (qmatmul.cpp NL4).
-_CODES_INT8, _CODES_INT4, _CODES_IQ4NL, _CODES_PLANES6 = 0, 1, 2, 3
+# kvs_group_dequantize's codes: int8, 4-bit, 4-bit indices into the IQ4_NL table (qmatmul.cpp NL4),
+# Q6_K's planes (I6), the 5-bit planes of unsigned codes (I5: Q5_1, Q5_K) and of Q5_0's signed ones (I5S).
+_CODES_INT8, _CODES_INT4, _CODES_IQ4NL, _CODES_PLANES6, _CODES_PLANES5, _CODES_PLANES5_SIGNED = 0, 1, 2, 3, 4, 5
 # IQ4_NL / IQ4_XS's table (ggml's kvalues_iq4nl; qmatmul.cpp kNl4Values): a 4-bit index's code.
 IQ4NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 IQ4_XS_GGML_TYPE = 23
+# The 5-bit formats whose codes can be kept as a 4-bit and a 1-bit plane (VnniBlocks.planes5):
+# Q5_0 (signed codes -16..15), Q5_1 and Q5_K (0..31).
+Q5_0_GGML_TYPE = 6
+PLANES5_GGML_TYPES = frozenset({Q5_0_GGML_TYPE, 7, 13})
 # Compact scales (qmatmul.cpp kLayoutCompact): a float16 base per super-block of this many weights
 # times an int8 code per group. GGUF types whose scales take that form (ggml type ids): Q2_K, Q3_K,
 # Q4_K, Q5_K, Q6_K, IQ4_XS.
@@ -195,7 +200,11 @@ class VnniBlocks:
     `repack_gguf_rows`; `rows` reads rows back (iq4nl: the indices, packed). planes6 (Q6_K, int4
     False): each code + 32 as a 4-bit plane (K / 8 lines, packed as int4 codes are) and a 2-bit
     plane (K / 16 lines) per block, q [N / 16, 3 K / 16, 16, 4]: the int8 codes' results at 0.75
-    bytes per code (qmatmul.cpp I6); `rows` gives the int8 codes."""
+    bytes per code (qmatmul.cpp I6); `rows` gives the int8 codes. planes5 (Q5_0 / Q5_1 / Q5_K, int4
+    False): each code's low 4 bits as a 4-bit plane (K / 8 lines) and its fifth bit as a 1-bit
+    plane (K / 32 lines), q [N / 16, 5 K / 32, 16, 4]: the int8 codes' results at 0.625 bytes per
+    code (qmatmul.cpp I5; planes5_signed, Q5_0: I5S, the fifth bit the sign of codes -16..15);
+    `rows` gives the int8 codes."""
 
     q: torch.Tensor
     scales: torch.Tensor
@@ -208,6 +217,8 @@ class VnniBlocks:
     zero_mul: float = 0.0
     iq4nl: bool = False
     planes6: bool = False
+    planes5: bool = False
+    planes5_signed: bool = False
 
     @property
     def layout(self) -> int:
@@ -229,6 +240,8 @@ class VnniBlocks:
         q = self.q[b, :, r, :]
         if self.planes6:
             q = _planes6_codes(q, self.k)
+        elif self.planes5:
+            q = _planes5_codes(q, self.k, self.planes5_signed)
         elif self.int4:
             q = _u4_lanes(q, to_blocks=False)
         if self.scale_form == "full":
@@ -249,9 +262,16 @@ class VnniBlocks:
             raise ValueError(f"x {tuple(x.shape)} does not fit a weight of K={self.k}")
         if x.stride(1) != 1 and self.k > 1:
             raise ValueError(f"x must have contiguous rows (unit last stride); got strides {x.stride()}")
-        fn = "kvs_i6_group_matmul" if self.planes6 else "kvs_nl4_group_matmul" if self.iq4nl else "kvs_int4_group_matmul" if self.int4 else "kvs_int8_group_matmul"
-        return _call_group_matmul(fn, x, self.q, self.scales, self.zeros, self.n, self.group, out, "auto",
+        return _call_group_matmul(self._matmul_fn, x, self.q, self.scales, self.zeros, self.n, self.group, out, "auto",
                                   layout=self.layout, zero_mul=self.zero_mul)
+
+    @property
+    def _matmul_fn(self) -> str:
+        if self.planes5:
+            return "kvs_i5s_group_matmul" if self.planes5_signed else "kvs_i5_group_matmul"
+        if self.planes6:
+            return "kvs_i6_group_matmul"
+        return "kvs_nl4_group_matmul" if self.iq4nl else "kvs_int4_group_matmul" if self.int4 else "kvs_int8_group_matmul"
 
     def dequantize(self, out: torch.Tensor) -> torch.Tensor:
         """The dense weights into out [N, K] (float32 or bfloat16, contiguous), the values
@@ -261,12 +281,20 @@ class VnniBlocks:
             raise ValueError(f"out must be a contiguous float32 or bfloat16 [{self.n}, {self.k}] tensor; "
                              f"got {_desc(out)}")
         QMATMUL.lib().kvs_group_dequantize(
-            self.q.data_ptr(), _CODES_PLANES6 if self.planes6 else _CODES_IQ4NL if self.iq4nl else int(self.int4),
-            self.scales.data_ptr(),
+            self.q.data_ptr(), self._codes_kind, self.scales.data_ptr(),
             self.zeros.data_ptr() if self.zeros is not None else None, out.data_ptr(),
             int(out.dtype == torch.bfloat16), self.n, self.k, self.group, torch.get_num_threads(), self.layout,
             self.zero_mul)
         return out
+
+    @property
+    def _codes_kind(self) -> int:
+        """kvs_group_dequantize's codes argument (_CODES_*) for this weight's codes."""
+        if self.planes5:
+            return _CODES_PLANES5_SIGNED if self.planes5_signed else _CODES_PLANES5
+        if self.planes6:
+            return _CODES_PLANES6
+        return _CODES_IQ4NL if self.iq4nl else int(self.int4)
 
 
 def to_vnni_blocks(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int,
@@ -319,9 +347,21 @@ def _planes6_codes(lanes: torch.Tensor, k: int) -> torch.Tensor:
     return ((low | (high << 4)) - 32).to(torch.int8)
 
 
+def _planes5_codes(lanes: torch.Tensor, k: int, signed: bool) -> torch.Tensor:
+    """A VNNI block's 4-byte lanes of one row each [R, 5 K / 32, 4] (uint8) in the 5-bit planes
+    layout (VnniBlocks.planes5) as int8 codes [R, K] (signed: Q5_0's, the fifth bit worth -16)."""
+    r = lanes.shape[0]
+    low = unpack_int4_rows(_u4_lanes(lanes[:, :k // 8], to_blocks=False).reshape(r, -1)).to(torch.int16)
+    v = lanes[:, k // 8:].contiguous().view(torch.int32).to(torch.int64).reshape(r, k // 32, 1) & 0xFFFFFFFF
+    # code 8t + 2p + o of 32 at bit 16 o + 4t + p
+    shifts = torch.tensor([16 * (i % 2) + 4 * (i // 8) + (i % 8) // 2 for i in range(32)], dtype=torch.int64)
+    high = ((v >> shifts) & 1).reshape(r, k).to(torch.int16)
+    return (low - 16 * high if signed else low | (high << 4)).to(torch.int8)
+
+
 def repack_gguf_rows(runs: list[tuple[torch.Tensor, int]], n: int, k: int, group_size: int, zeros: bool,
-                     int4: bool, vnni: bool, scale_form: str = "full", planes6: bool = False
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                     int4: bool, vnni: bool, scale_form: str = "full", planes6: bool = False,
+                     planes5: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A weight [N, K] stored as GGUF blocks, in the layout the group kernels read, by one C++
     pass over its rows on torch's threads (csrc/gguf_repack.cpp). runs: (row addresses int64 [R],
     ggml type id) per run of rows, in order, R summing to N; each address is where that row's
@@ -333,20 +373,25 @@ def repack_gguf_rows(runs: list[tuple[torch.Tensor, int]], n: int, k: int, group
     them out (N % 16 == 0); with vnni and scale_form "compact" (every run in COMPACT_GGML_TYPES) or
     "half" (every run in HALF_GGML_TYPES), scales and zeros in that form (VnniBlocks.scale_form):
     uint8 [N / 16, bytes per block]; "half" with every run Q4_0 writes no zeros (zero_mul).
-    planes6 (every run Q6_K, vnni, not int4): the codes as VnniBlocks.planes6 holds them.
+    planes6 (every run Q6_K, vnni, not int4): the codes as VnniBlocks.planes6 holds them; planes5
+    (every run in PLANES5_GGML_TYPES, all Q5_0 or none, vnni, not int4) as VnniBlocks.planes5 does.
     Raises ValueError for what the layout cannot take (a scale with no such form, say)."""
     if sum(len(addrs) for addrs, _ in runs) != n:
         raise ValueError(f"runs of rows must add up to N={n}")
     if int4 and len({int(qtype) == IQ4_XS_GGML_TYPE for _, qtype in runs}) > 1:
         raise ValueError("4-bit codes and IQ4_XS table indices cannot share one packed weight")
-    row_bytes = k // 2 + k // 4 if planes6 else k // 2 if int4 else k
+    if planes5 and (len({int(qtype) == Q5_0_GGML_TYPE for _, qtype in runs}) > 1
+                    or any(int(qtype) not in PLANES5_GGML_TYPES for _, qtype in runs)):
+        raise ValueError("5-bit planes take Q5_0 runs alone, or Q5_1 / Q5_K runs (signed and unsigned codes "
+                         "cannot share one weight)")
+    row_bytes = k // 2 + k // 4 if planes6 else k // 2 + k // 8 if planes5 else k // 2 if int4 else k
     g = k // group_size
     if not vnni:
         scale_form = "full"
     if scale_form == "half" and all(int(qtype) == 2 for _, qtype in runs):
         zeros = False  # (Q4_0: zero = -8 x scale, formed by the kernel)
     if vnni:
-        q = torch.empty(n // 16, row_bytes // 4, 16, 4, dtype=torch.uint8 if int4 or planes6 else torch.int8)
+        q = torch.empty(n // 16, row_bytes // 4, 16, 4, dtype=torch.uint8 if int4 or planes6 or planes5 else torch.int8)
         shape = (n // 16, g, 16)
     else:
         q = torch.empty(n, row_bytes, dtype=torch.uint8 if int4 else torch.int8)
@@ -365,7 +410,8 @@ def repack_gguf_rows(runs: list[tuple[torch.Tensor, int]], n: int, k: int, group
     row0 = 0
     for addrs, qtype in runs:
         addrs = addrs.to(torch.int64).contiguous()
-        rc = lib.kvs_gguf_repack(addrs.data_ptr(), len(addrs), row0, int(qtype), n, k, 2 if planes6 else int(int4), layout,
+        rc = lib.kvs_gguf_repack(addrs.data_ptr(), len(addrs), row0, int(qtype), n, k,
+                                 2 if planes6 else 3 if planes5 else int(int4), layout,
                                  q.data_ptr(), scales.data_ptr(), zero_t.data_ptr() if zero_t is not None else None,
                                  torch.get_num_threads(), err, len(err))
         if rc:
