@@ -64,6 +64,9 @@ class Capabilities:
     refused: dict[str, str]  # optional field -> the server's error
     max_model_len: int | None
     cached_tokens_reported: bool
+    # LoRA adapters the server serves over the model: /v1/models entries whose `parent` is the
+    # model (vLLM's and kvshare's listing); a request names one in its `model`.
+    adapters: list[str] = field(default_factory=list)
 
     def takes(self, name: str) -> bool:
         return self.accepted.get(name, False)
@@ -109,12 +112,15 @@ class Server:
             raise CannotTest(f"{self.root} answered {resp.status_code} (unauthorized): pass the server's key "
                              "with --api-key")
         max_model_len = None
+        adapters: list[str] = []
         if resp.status_code == 200:
             cards = resp.json().get("data") or []
             if self.model is None and cards:
                 self.model = cards[0].get("id")
             card = next((c for c in cards if c.get("id") == self.model), None)
             max_model_len = (card or {}).get("max_model_len")
+            adapters = [c["id"] for c in cards if isinstance(c.get("id"), str) and c["id"] != self.model
+                        and c.get("parent") == self.model]
         if self.model is None:
             raise CannotTest(f"{self.root}/v1/models names no model ({_error_text(resp)}): pass --model")
         transparent, gaps = None, None
@@ -158,7 +164,7 @@ class Server:
         chat = self._post("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
                                                     "temperature": 0}).status_code == 200
         return Capabilities(self.model, transparent, gaps, logprobs, top, streams, chat, accepted, refused,
-                            max_model_len, cached_reported)
+                            max_model_len, cached_reported, adapters)
 
     def _post(self, path: str, body: dict):
         try:

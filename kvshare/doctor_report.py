@@ -16,6 +16,8 @@ def format_text(report: dict) -> str:
     refused = caps.get("refused") or {}
     if refused:
         lines.append("  not accepted: " + "; ".join(f"{k} ({v})" for k, v in refused.items()))
+    lines.append("  LoRA adapters listed: " + (", ".join(caps.get("adapters") or []) or
+                                               "none (the adapters stage does not run)"))
     for st in report["stages"]:
         lines.append(f"  {st['name']:<12} {st['verdict']:<14} {len(st['requests'])} requests, {st['seconds']:.1f} s")
         for f in st["findings"][:3]:
@@ -109,7 +111,9 @@ def format_html(report: dict) -> str:
         parts.append(f"<tr><td>{e(k)}</td><td>{'accepted' if v else 'not accepted: ' + e(caps['refused'].get(k, ''))}"
                      "</td></tr>")
     parts.append(f"<tr><td>streaming</td><td>{caps['streams']}</td></tr><tr><td>chat</td><td>{caps['chat']}</td></tr>"
-                 f"<tr><td>bit-transparent (says)</td><td>{caps['bit_transparent']}</td></tr></table>")
+                 f"<tr><td>bit-transparent (says)</td><td>{caps['bit_transparent']}</td></tr>"
+                 f"<tr><td>LoRA adapters listed</td><td>{e(', '.join(caps.get('adapters') or []) or 'none')}</td></tr>"
+                 "</table>")
     parts.append("<h2>Stages</h2><table><tr><th>stage</th><th>verdict</th><th>sharing path</th><th>requests</th></tr>")
     for st in report["stages"]:
         cls = {"contamination": "bad", "clean": "good"}.get(st["verdict"], "warn")

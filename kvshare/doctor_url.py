@@ -55,6 +55,9 @@ STAGES = {
               "repeats, scanned for in every other answer",
     "abort": "aborts that free shared blocks: streams cut after the first chunk, cancel-and-retry, a client "
              "timeout, a request over the context, then the survivors and what follows",
+    "adapters": "LoRA adapters the server lists (/v1/models entries whose parent is the model): the same prompt "
+                "under the base model and each adapter, one after another on one cache_salt, then together; each "
+                "compared with itself alone (a cache key without the adapter serves one the other's KV)",
     "multi_turn": "a turn's own blocks reused by the next turn (blocks published before their KV is written): "
                   "turn 1 ends on a block boundary, turn 2 extends it",
 }
@@ -64,7 +67,7 @@ STAGES = {
 class Req:
     name: str
     endpoint: str  # "completions" or "chat"
-    body: dict  # without model and cache_salt
+    body: dict  # without cache_salt; `model` only where it is not the run's (a LoRA adapter's name)
     cut_after: int | None = None  # a stream closed after this many chunks
     timeout: float | None = None  # the client gives up after this many seconds
     salt: str | None = "run"  # the same label: the same cache namespace in one run of a case; None: no salt
@@ -243,6 +246,8 @@ def _summary(r: Req) -> dict:
         how += f", client timeout {r.timeout:g} s"
     if r.after is not None:
         how += f", sent after {r.after}'s first chunk"
+    if "model" in r.body:
+        how += f", under {r.body['model']}"
     return {"name": r.name, "endpoint": r.endpoint, "max_tokens": r.body.get("max_tokens"), "how": how,
             "salt": r.salt, "content": content if len(content) <= 240 else content[:110] + " ... " + content[-110:]}
 
@@ -408,6 +413,28 @@ def stage_cache(run: Run, st: StageResult) -> None:
                                    "cached without it or under another salt: cache_salt does not isolate tenants"))
 
 
+def stage_adapters(run: Run, st: StageResult) -> None:
+    names = run.caps.adapters[:max(1, run.concurrency - 1)]
+    if not names:
+        st.verdict = "skipped"
+        st.notes.append("the server lists no LoRA adapter (no /v1/models entry has the model as its parent)")
+        return
+    st.notes.append(f"adapters tried: {names} (of {len(run.caps.adapters)} listed)")
+    prompt = f"Doctor run {run.tag}, adapters. " + run.text(40, 320)
+    base = Req("base", "completions", run.body("completions", prompt))
+    under = [Req(f"adapter {n}", "completions", {**base.body, "model": n}) for n in names]
+    for r in (base, *under):
+        run.reference(r)
+    # The base model first, so a lookup that drops the adapter finds the base model's blocks.
+    case = [[base]] + [[r] for r in under] + [[replace(base, name="base again")]]
+    outs = run.run_case(case)
+    run.check(st, case, outs)
+    if run.time_left() <= 0:
+        return
+    together = [[replace(r, name=f"{r.name} together") for r in (base, *under)]]
+    run.check(st, together, run.run_case(together))
+
+
 def stage_canary(run: Run, st: StageResult) -> None:
     rng = random.Random(run.tag)
     shared = f"Doctor run {run.tag}, canaries. Each line repeats its own code exactly."
@@ -510,7 +537,8 @@ def stage_multi_turn(run: Run, st: StageResult) -> None:
 
 STAGE_FUNCS = {"noise_floor": stage_noise_floor, "concurrency": stage_concurrency, "forks": stage_forks,
                "cache": stage_cache,
-               "canary": stage_canary, "abort": stage_abort, "multi_turn": stage_multi_turn}
+               "canary": stage_canary, "abort": stage_abort, "adapters": stage_adapters,
+               "multi_turn": stage_multi_turn}
 
 
 # -- bisection and repro -------------------------------------------------------------------------
@@ -623,7 +651,7 @@ def write_repro(path: str | None, server: Server, case: Case, finding: Finding) 
     for i, step in enumerate(case):
         for r in step:
             salt = None if r.salt is None else salts.setdefault(r.salt, f"repro-{secrets.token_hex(4)}")
-            line = {"step": i, **r.to_dict(), "model": server.model, "cache_salt": salt,
+            line = {"step": i, **r.to_dict(), "model": r.body.get("model", server.model), "cache_salt": salt,
                     "victim": r.name == finding.victim}
             if r.name == finding.victim:
                 line.update(kind=finding.kind, expect=finding.expected.to_dict(), detail=finding.detail)
@@ -743,6 +771,8 @@ def diagnose(run: Run, repro_path: str | None, only: list[str] | None = None) ->
     for name, func in STAGE_FUNCS.items():
         if only and name != "noise_floor" and name not in only:
             continue
+        if name == "adapters" and not run.caps.adapters and not only:
+            continue  # nothing to exercise; the capabilities say no adapter is listed
         st = StageResult(name)  # each runs at least its first group, however much of the budget is left
         t0 = time.monotonic()
         func(run, st)

@@ -8,7 +8,8 @@ unreachable URL and bad arguments (one line, exit 2); llama.cpp's llama-server (
 Faults: hit_before_written (multi-turn), share_without_incref, abort_ignores_refcount and
 evict_held_block (abort: a timed pair, the victim streaming and the other sent after its first
 chunk), no_copy_on_write (forks: sampled, seeded n=2 forks) and cached_k_one_ulp (multi-turn: the
-next turn's hit one ulp off, seen only by exact equality) in the default suite; slot_off_by_one,
+next turn's hit one ulp off, seen only by exact equality) and lookup_ignores_adapter (the adapters
+stage, on servers started with a LoRA adapter) in the default suite; slot_off_by_one,
 lookup_ignores_salt and full runs against c, d and h behind `slow`. The refcount
 faults (a, c, d) run unguarded under --inject-fault-unaudited (kvshare.testing.faults): kvshare's
 pool would stop the engine, an engine without its guard reuses the block and mixes answers."""
@@ -27,6 +28,7 @@ from helpers import bundled_path
 from kvshare.cli import main
 from kvshare.testing.ports import free_port
 from server_proc import ServerProcess
+from test_lora import bundled  # noqa: F401  (the module fixture the LoRA adapter comes from)
 
 FAST = ["--budget", "4", "--max-tokens", "6", "--concurrency", "3"]
 
@@ -88,6 +90,43 @@ def check_fault_found(fault: str, tmp_path, clean_url: str | None, stages: set[s
     if clean_url is not None and replays:  # and the same requests on a sound server do not
         assert main(["doctor", "--url", clean_url, "--replay", repro["path"]]) == 0
     return report
+
+
+def test_a_lookup_that_drops_the_adapter_is_found_by_the_adapters_stage_and_replays_as_a_pair(bundled, tmp_path):
+    """lookup_ignores_adapter (llama.cpp #26207's bug): the server lists a LoRA adapter under the
+    model (/v1/models `parent`), so the doctor sends one prompt under the base model, then under
+    the adapter, on one cache_salt: the adapter's request served the base model's cached KV answers
+    other than it does alone. Exit 1 from the adapters stage, a pair (base, then adapter) that
+    replays; the same stage on a sound server with the same adapter finds nothing, and the pair
+    replayed there does not fail."""
+    lora = ("--enable-lora", "--lora-modules", f"sql={bundled['a']}")
+    (tmp_path / "clean").mkdir()
+    (tmp_path / "bad").mkdir()
+    clean_lora = ServerProcess(*lora).wait_ready()
+    try:
+        rc, report = doctor(clean_lora.url, tmp_path / "clean", "--stages", "adapters")
+        assert rc == 0, report and report["summary"]
+        assert report["capabilities"]["adapters"] == ["sql"]
+        stage = next(s for s in report["stages"] if s["name"] == "adapters")
+        assert stage["verdict"] == "clean" and len(stage["requests"]) >= 3, stage
+        assert any("under sql" in r["how"] for r in stage["requests"]), stage["requests"]
+        srv = ServerProcess(*lora, "--inject-fault", "lookup_ignores_adapter", "--inject-fault-unaudited").wait_ready()
+        try:
+            rc, report = doctor(srv.url, tmp_path / "bad", "--stages", "adapters")
+            assert rc == 1, report and report["summary"]
+            assert next(s for s in report["stages"] if s["name"] == "adapters")["verdict"] == "contamination"
+            repro = report["repro"]
+            assert repro["stage"] == "adapters" and repro["requests"] == 2 and repro["minimal"], repro
+            lines = [json.loads(line) for line in open(repro["path"])]
+            assert sorted(line["model"] for line in lines) == ["SmolLM2-135M-Instruct", "sql"], lines
+            assert next(line for line in lines if line["victim"])["model"] == "sql"
+            assert '"model": "sql"' in open(repro["curl"]).read()
+            assert main(["doctor", "--url", srv.url, "--replay", repro["path"]]) == 1  # still fails
+        finally:
+            srv.close()
+        assert main(["doctor", "--url", clean_lora.url, "--replay", repro["path"]]) == 0
+    finally:
+        clean_lora.close()
 
 
 def check_timed_pair(repro: dict, cut: bool) -> None:
