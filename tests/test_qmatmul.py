@@ -584,7 +584,7 @@ def _blocks(fmt, seed, m, k, n, group, with_zeros, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("with_zeros", [False, True], ids=["sym", "zeros"])
 @pytest.mark.parametrize("k, group", [(576, 32), (1536, 32), (64, 16), (64, 64), (48, 8), (768, 256)])
-@pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 43])  # one tile of up to 8 rows, or the panel above 8
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 20, 43])  # tiles of up to 8 rows (9: 5 + 4; 20: 7 + 7 + 6), the GEMM beyond 32
 def test_vnni_blocks_match_float64_reference(m, k, group, with_zeros, dtype, fmt):
     if fmt == "int4" and k % 8:
         pytest.skip("VNNI blocks of 4-bit codes need K % 8 == 0")
@@ -637,8 +637,9 @@ def test_vnni_blocks_round_x_alike_from_float32_and_bfloat16():
 @needs_vnni
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_vnni_blocks_row_result_independent_of_batch_and_threads(fmt):
-    """Up to 8 x rows unpack the codes per tile, more go through a panel: a row's result is bit
-    for bit what it is alone, in any batch, with any thread count, for both formats."""
+    """Up to 32 x rows go in tiles of at most 8 (each unpacking the codes again), more through the
+    GEMM: a row's result is bit for bit what it is alone, in any batch, with any thread count, for
+    both formats."""
     for with_zeros in (False, True):
         for dtype in (torch.float32, torch.bfloat16):
             (x, *_), blocks = _blocks(fmt, 5, 43, 576, 320, 32, with_zeros, dtype)
@@ -753,7 +754,7 @@ def _ragged_blocks(fmt, seed, m, k, n, group, with_zeros, dtype):
 @pytest.mark.parametrize("group", [32, 64])
 @pytest.mark.parametrize("n", [16, 40, 200, 576])
 def test_vnni_blocks_many_rows_bitwise_row_alone_and_documented(fmt, with_zeros, group, n):
-    """Prompt-sized calls (more than 16 rows) take another tiling than decode-sized ones (qmatmul.cpp,
+    """Prompt-sized calls (more than 32 rows; 16 for two-plane codes) take another tiling than decode-sized ones (qmatmul.cpp,
     "Many rows"), but every row's result is bit for bit what the row gives alone (M = 1, the
     decode path), whatever M, and bit for bit the documented arithmetic (_vnni_reference: the
     float32 epilogue in group order, its ops in order; reordering them, or the groups, changes

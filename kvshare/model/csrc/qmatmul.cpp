@@ -801,9 +801,6 @@ QMM_VNNI static QMM_INLINE __m512i dpwssd(__m512i acc, __m512i a, __m512i b) {
   return acc;
 }
 
-// MB x rows (m0 ..) against block `blk`. PANEL: the block's code pairs were unpacked once into
-// `panel` [K / 2][16] (many x rows: each pair vector is then one load per 8 rows); else they are
-// unpacked from the block's lines here (few rows: one pass).
 // The 16 scales (or zeros) of group gi of a block in compact layout (`block` its bytes).
 QMM_VNNI static QMM_INLINE __m512 compact_vec(const uint8_t* block, int64_t G, int64_t sub, int64_t gi) {
   const __m512 code = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + gi * 16))));
@@ -839,11 +836,10 @@ QMM_VNNI static void expand_scales(const Problem& P, int64_t blk, int nb, float*
     }
 }
 
-template <class F, int MB, bool ZEROS, bool PANEL, int SL>
-QMM_VNNI static QMM_INLINE void vnni_tile(const Problem& P, int64_t blk, const int32_t* panel, const __m512i* ctl,
-                                          int64_t m0) {
-  // Compact and float16 scales are formed group by group here (for the panel path's row tiles,
-  // once per tile: expanding a block's once into a buffer first measured no faster at M = 12).
+template <class F, int MB, bool ZEROS, int SL>
+QMM_VNNI static QMM_INLINE void vnni_tile(const Problem& P, int64_t blk, const __m512i* ctl, int64_t m0) {
+  // Compact and float16 scales are formed group by group here (once per tile: expanding a
+  // block's once into a buffer first measured no faster at M = 12).
   using C = VnniCodes<F>;
   __m512 acc[MB];
   QMM_UNROLL for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
@@ -863,7 +859,7 @@ QMM_VNNI static QMM_INLINE void vnni_tile(const Problem& P, int64_t blk, const i
   const int64_t low_lines = P.K / 8, block_bytes = 16 * P.q_s0;
   const uint8_t* pf_block = qb;
   int64_t pf_line = kVnniPrefetchBytes / 64;
-  if (kHighBits<F> != 0 && !PANEL) {
+  if (kHighBits<F> != 0) {
     pf_block += (pf_line / low_lines) * block_bytes;
     pf_line %= low_lines;
   }
@@ -871,28 +867,26 @@ QMM_VNNI static QMM_INLINE void vnni_tile(const Problem& P, int64_t blk, const i
     __m512i ia[MB];
     QMM_UNROLL for (int i = 0; i < MB; ++i) ia[i] = _mm512_setzero_si512();
     for (int64_t c = gi * lines_per_group; c < (gi + 1) * lines_per_group; ++c) {
-      __m512i line, high = _mm512_setzero_si512();
-      if (!PANEL) {
-        if constexpr (kHighBits<F> != 0) {
-          _mm_prefetch(reinterpret_cast<const char*>(pf_block + pf_line * 64), _MM_HINT_T0);
-          if (pf_line % kLowPerHigh == 0)
-            _mm_prefetch(reinterpret_cast<const char*>(pf_block + (low_lines + pf_line / kLowPerHigh) * 64),
-                         _MM_HINT_T0);
-          if (++pf_line == low_lines) {
-            pf_line = 0;
-            pf_block += block_bytes;
-          }
-          high = high_line_of<F>(qb, P.K, c);
-        } else {
-          // A line kVnniPrefetchBytes ahead in the weight stream (the blocks are contiguous, so
-          // this runs on into the next block and the next thread-chunk's rows) into L1.
-          _mm_prefetch(reinterpret_cast<const char*>(qb + c * 64 + kVnniPrefetchBytes), _MM_HINT_T0);
+      __m512i high = _mm512_setzero_si512();
+      if constexpr (kHighBits<F> != 0) {
+        _mm_prefetch(reinterpret_cast<const char*>(pf_block + pf_line * 64), _MM_HINT_T0);
+        if (pf_line % kLowPerHigh == 0)
+          _mm_prefetch(reinterpret_cast<const char*>(pf_block + (low_lines + pf_line / kLowPerHigh) * 64),
+                       _MM_HINT_T0);
+        if (++pf_line == low_lines) {
+          pf_line = 0;
+          pf_block += block_bytes;
         }
-        line = _mm512_loadu_si512(qb + c * 64);
+        high = high_line_of<F>(qb, P.K, c);
+      } else {
+        // A line kVnniPrefetchBytes ahead in the weight stream (the blocks are contiguous, so
+        // this runs on into the next block and the next thread-chunk's rows) into L1.
+        _mm_prefetch(reinterpret_cast<const char*>(qb + c * 64 + kVnniPrefetchBytes), _MM_HINT_T0);
       }
+      const __m512i line = _mm512_loadu_si512(qb + c * 64);
       QMM_UNROLL for (int p = 0; p < C::kPairsPerLine; ++p) {
         const int64_t j = c * C::kPairsPerLine + p;
-        const __m512i w = PANEL ? _mm512_load_si512(panel + j * 16) : pair_of<F>(line, ctl, high, p);
+        const __m512i w = pair_of<F>(line, ctl, high, p);
         QMM_UNROLL for (int i = 0; i < MB; ++i) {
           int32_t xpair;  // X[2j] | X[2j + 1] << 16, read through memcpy (int16 storage)
           std::memcpy(&xpair, xr + i * P.K + 2 * j, sizeof xpair);
@@ -900,7 +894,7 @@ QMM_VNNI static QMM_INLINE void vnni_tile(const Problem& P, int64_t blk, const i
         }
       }
     }
-    if (SL != kLayoutBlocks && !PANEL) {
+    if (SL != kLayoutBlocks) {
       // The next block's compact or float16 scales (and zeros) into L1 as this block's codes
       // stream by, in step with them (cs_bytes / G bytes a group: 16 + 32 / sub, or 32): the
       // code stream's own line-ahead prefetch does not reach other arrays. (Past the last
@@ -931,23 +925,35 @@ QMM_VNNI static QMM_INLINE void vnni_tile(const Problem& P, int64_t blk, const i
   }
 }
 
-template <class F, bool ZEROS, bool PANEL, int SL>
-QMM_VNNI static void vnni_rows_of_block(const Problem& P, int64_t blk, const int32_t* panel, const __m512i* ctl) {
+template <class F, bool ZEROS, int SL>
+QMM_VNNI static void vnni_rows_of_block(const Problem& P, int64_t blk, const __m512i* ctl) {
+  // Tiles of at most 8 rows, as even as they come (M = 9: 5 + 4, not 8 + 1: each code pair
+  // unpacked for a tile feeds that many rows, so a 1-row tile costs nearly what an 8-row one does).
+  const int64_t tiles = (P.M + 7) / 8;
   int64_t m0 = 0;
-  for (; m0 + 8 <= P.M; m0 += 8) vnni_tile<F, 8, ZEROS, PANEL, SL>(P, blk, panel, ctl, m0);
-  switch (P.M - m0) {
-    case 7: vnni_tile<F, 7, ZEROS, PANEL, SL>(P, blk, panel, ctl, m0); break;
-    case 6: vnni_tile<F, 6, ZEROS, PANEL, SL>(P, blk, panel, ctl, m0); break;
-    case 5: vnni_tile<F, 5, ZEROS, PANEL, SL>(P, blk, panel, ctl, m0); break;
-    case 4: vnni_tile<F, 4, ZEROS, PANEL, SL>(P, blk, panel, ctl, m0); break;
-    case 3: vnni_tile<F, 3, ZEROS, PANEL, SL>(P, blk, panel, ctl, m0); break;
-    case 2: vnni_tile<F, 2, ZEROS, PANEL, SL>(P, blk, panel, ctl, m0); break;
-    case 1: vnni_tile<F, 1, ZEROS, PANEL, SL>(P, blk, panel, ctl, m0); break;
-    default: break;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t rows = (P.M - m0) / (tiles - t) + ((P.M - m0) % (tiles - t) != 0);
+    switch (rows) {
+      case 8: vnni_tile<F, 8, ZEROS, SL>(P, blk, ctl, m0); break;
+      case 7: vnni_tile<F, 7, ZEROS, SL>(P, blk, ctl, m0); break;
+      case 6: vnni_tile<F, 6, ZEROS, SL>(P, blk, ctl, m0); break;
+      case 5: vnni_tile<F, 5, ZEROS, SL>(P, blk, ctl, m0); break;
+      case 4: vnni_tile<F, 4, ZEROS, SL>(P, blk, ctl, m0); break;
+      case 3: vnni_tile<F, 3, ZEROS, SL>(P, blk, ctl, m0); break;
+      case 2: vnni_tile<F, 2, ZEROS, SL>(P, blk, ctl, m0); break;
+      case 1: vnni_tile<F, 1, ZEROS, SL>(P, blk, ctl, m0); break;
+      default: break;
+    }
+    m0 += rows;
   }
 }
 
-// Output rows [n0, n1) (n0 a multiple of 16): block by block.
+// Output rows [n0, n1) (n0 a multiple of 16): block by block, each block's lines unpacked per
+// tile of x rows (vnni_tile prefetches its own stream, line by line). Up to kVnniTileMaxRows rows
+// the block (16 rows of codes: 16 KB at K = 2048 for 4-bit codes) stays in L1 between its tiles,
+// so unpacking again per tile costs less than an unpacked panel did: the panel (64 KB of int16
+// pairs at K = 2048, past L1) made M = 9 take twice M = 8's time, and M = 16 1.4x two 8-row tiles
+// (all of the 1B shape's linears, Q4_K_M: M = 16 69.8 -> 48.5 ms).
 template <class F, bool ZEROS, int SL>
 QMM_VNNI static void rows_vnni_t(const Problem& P, int64_t n0, int64_t n1) {
   using C = VnniCodes<F>;
@@ -957,36 +963,7 @@ QMM_VNNI static void rows_vnni_t(const Problem& P, int64_t n0, int64_t n1) {
     C::control(p, c);
     ctl[p] = _mm512_load_si512(c);
   }
-  const bool panel = P.M > 8;
-  std::vector<int32_t> buf(panel ? size_t(P.K / 2 * 16 + 16) : 0);
-  int32_t* pan = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
-  const int64_t lines = kHighBits<F> != 0 ? P.K / 8 : P.q_s0 / 4;  // (lines of codes: a two-plane format's low plane)
-  for (int64_t blk = n0 / 16; blk * 16 < n1; ++blk) {
-    const uint8_t* qb = P.q + blk * 16 * P.q_s0;
-    if (!panel) {  // (vnni_tile prefetches its own stream, line by line)
-      vnni_rows_of_block<F, ZEROS, false, SL>(P, blk, nullptr, ctl);
-      continue;
-    }
-    // The next block (16 * q_s0 contiguous bytes, and its compact or float16 scales) into L2
-    // while this one is unpacked and used.
-    if ((blk + 1) * 16 < n1) {
-      for (int64_t b = 0; b < 16 * P.q_s0; b += 64) _mm_prefetch(reinterpret_cast<const char*>(qb + 16 * P.q_s0 + b), _MM_HINT_T1);
-      if (SL != kLayoutBlocks) {
-        const char* ns = reinterpret_cast<const char*>(P.scales) + (blk + 1) * P.cs_bytes;
-        const char* nz = P.zeros ? reinterpret_cast<const char*>(P.zeros) + (blk + 1) * P.cs_bytes : nullptr;
-        for (int64_t b = 0; b < P.cs_bytes; b += 64) {
-          _mm_prefetch(ns + b, _MM_HINT_T1);
-          if (nz) _mm_prefetch(nz + b, _MM_HINT_T1);
-        }
-      }
-    }
-    for (int64_t c = 0; c < lines; ++c) {
-      const __m512i line = _mm512_loadu_si512(qb + c * 64), high = high_line_of<F>(qb, P.K, c);
-      QMM_UNROLL for (int p = 0; p < C::kPairsPerLine; ++p)
-        _mm512_store_si512(pan + (c * C::kPairsPerLine + p) * 16, pair_of<F>(line, ctl, high, p));
-    }
-    vnni_rows_of_block<F, ZEROS, true, SL>(P, blk, pan, ctl);
-  }
+  for (int64_t blk = n0 / 16; blk * 16 < n1; ++blk) vnni_rows_of_block<F, ZEROS, SL>(P, blk, ctl);
 }
 
 // quantize_x (below) for float32 x and g % 16 == 0, 16 lanes at a time: the same values (the
@@ -1054,7 +1031,11 @@ static void rows_vnni(const Problem& P, int64_t n0, int64_t n1) {
 // same 32 products per instruction, no epilogue). Embedded broadcasts ({1to16} memory operands)
 // instead of vpbroadcastd ran ~15% slower; K slices of 128 or 256 codes (panel in L1) slower than
 // 2048; 8 x 3, 12 x 2 and 4 x 6 tiles no faster than 6 x 4; a fully unrolled g = 32 loop no faster.
-constexpr int64_t kVnniTileMaxRows = 16;  // up to this many rows: rows_vnni_t (the decode path)
+// Up to this many rows: rows_vnni_t (the decode path), beyond: vnni_gemm. Measured on the 1B
+// shape's linears: one-plane codes (Q4_K_M) at 24 rows 70 ms on tiles vs 82 on the GEMM, at 32
+// rows 94 vs ~98, at 64 rows 191 vs 179; two-plane codes (Q6_K, Q5_K_M), which unpack a line
+// with more ops for each tile, at 24 rows 86 vs 79 (Q6_K), at 16 about even.
+template <class F> constexpr int64_t kVnniTileMaxRows = kHighBits<F> != 0 ? 16 : 32;
 constexpr int kGemmMR = 6, kGemmNB = 4;
 constexpr int64_t kVnniSliceCodes = 2048;
 constexpr int64_t kVnniItemRows = 192;  // rows per work item at most (a multiple of kGemmMR)
@@ -1452,7 +1433,7 @@ static int group_matmul(const void* x, int64_t x_s0, int x_bf16, const uint8_t* 
   // Tiny problems run on the calling thread (waking the pool costs more than they do).
   const int64_t work = M * N * K;
 #ifdef QMM_HAS_VNNI
-  if (vnni && M > kVnniTileMaxRows) {
+  if (vnni && M > kVnniTileMaxRows<F>) {
     vnni_gemm<F>(P, work < (int64_t(1) << 16) ? 1 : std::max(1, num_threads));
     return 0;
   }
