@@ -595,3 +595,21 @@ def test_vector_repack_equals_scalar(qtype, n, k):
         assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
     if int4:  # (Q6_K's planes against the reference: test_q6_k_planes_give_the_int8_bits)
         assert_same((*got["auto"], "compact"), reference(lazy.materialize(), True))
+
+
+@pytest.mark.parametrize("qtype", [QT.Q5_0, QT.Q5_1], ids=lambda t: t.name)
+@pytest.mark.parametrize("n,k", [(64, 1152), (48, 288), (40, 256)])
+def test_vector_repack_q5_planes_equals_scalar(qtype, n, k):
+    """The AVX-512 repack of Q5_0 / Q5_1 planes in VNNI blocks with float16 scales (whole 16-row
+    spans; K = 288: lines left over after the 16-line transposes) writes the scalar path's bytes;
+    n = 40: a run of 40 rows and one of 24, spans across their border."""
+    lazy = GGUFBlocks.of_tensor(raw_rows(qtype, n, k // 32, seed=80 + n), qtype, (n, k))
+    if n % 16:
+        lazy = GroupAffine.cat([lazy, GGUFBlocks.of_tensor(raw_rows(qtype, 24, k // 32, seed=81), qtype, (24, k))])
+        n = 64
+    runs = [(p.row_addresses(), int(p.qtype)) for p in lazy.parts]
+    got = {impl: qmatmul.repack_gguf_rows(runs, n, k, 32, qtype == QT.Q5_1, False, True, "half", planes5=True,
+                                          impl=impl) for impl in ("scalar", "auto")}
+    for a, b in zip(got["scalar"], got["auto"]):
+        assert (a is None) == (b is None) and (a is None or (a.dtype == b.dtype and torch.equal(a, b)))
+    assert (got["auto"][2] is None) == (qtype == QT.Q5_0)

@@ -623,13 +623,63 @@ QMM_AVX512 inline void repack_span_q6k_avx512(const Job& j, int64_t span, uint8_
     transpose16_avx512(tile_hi, 64, qb + (j.k / 8 + 16 * i) * 64, stream);
   }
 }
+
+// Q5_0 / Q5_1 in VNNI blocks with float16 scales: a 32-code block's 16 bytes of nibbles make its 4
+// units of the 4-bit plane (its low nibbles codes 0..15, its high ones 16..31), its qh (bit m: the
+// fifth bit of code m) the 1-bit plane's unit, with the even codes' bits gathered into the low 16
+// bits and the odd codes' into the high 16 (Q5_0's plane holds bit 4 of code - 16: the fifth bit
+// inverted). The rows' lane units go to rows_buf, then out in whole lines.
+inline uint32_t even_bits(uint32_t x) {  // bits 0, 2, .., 30 of x -> bits 0..15
+  x &= 0x55555555u;
+  x = (x | x >> 1) & 0x33333333u;
+  x = (x | x >> 2) & 0x0F0F0F0Fu;
+  x = (x | x >> 4) & 0x00FF00FFu;
+  return (x | x >> 8) & 0x0000FFFFu;
+}
+
+QMM_AVX512 inline void repack_span_q5_avx512(const Job& j, int64_t span, uint8_t* rows_buf) {
+  const int64_t B = j.k / 32, row_bytes = j.k / 2 + j.k / 8, lines = row_bytes / 4;
+  const bool signed_codes = j.type == Q5_0;
+  const int base = signed_codes ? 2 : 4;
+  uint8_t* qb = j.q + span * lines * 64;
+  uint8_t* cs = reinterpret_cast<uint8_t*>(j.scales) + span * 32 * B;  // (half_block_bytes)
+  uint8_t* cz = j.zeros ? reinterpret_cast<uint8_t*>(j.zeros) + span * 32 * B : nullptr;
+  const __m128i pick = _mm_setr_epi8(0, 4, 1, 5, 8, 12, 9, 13, 2, 6, 3, 7, 10, 14, 11, 15);
+  const __m128i low = _mm_set1_epi8(0x0F);
+  for (int lane = 0; lane < 16; ++lane) {
+    const uint8_t* src = reinterpret_cast<const uint8_t*>(j.row_addrs[span * 16 + lane - j.row0]);
+    uint8_t* row = rows_buf + lane * row_bytes;
+    for (int64_t i = 0; i < B; ++i) {
+      const uint8_t* b = src + i * j.f.type_size;
+      const __m128i y = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + base + 4)), pick);
+      const __m128i second = _mm_srli_si128(y, 8);
+      const __m128i lo = _mm_or_si128(_mm_and_si128(y, low), _mm_andnot_si128(low, _mm_slli_epi16(second, 4)));
+      const __m128i hi = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(y, 4), low), _mm_andnot_si128(low, second));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(row + 16 * i), _mm_unpacklo_epi64(lo, hi));
+      uint32_t qh;
+      std::memcpy(&qh, b + base, 4);
+      uint32_t w = even_bits(qh) | even_bits(qh >> 1) << 16;
+      if (signed_codes) w = ~w;
+      std::memcpy(row + j.k / 2 + 4 * i, &w, 4);
+      std::memcpy(cs + (i * 16 + lane) * 2, b, 2);
+      if (cz) std::memcpy(cz + (i * 16 + lane) * 2, b + 2, 2);
+    }
+  }
+  const bool stream = reinterpret_cast<uintptr_t>(qb) % 64 == 0;
+  int64_t c = 0;
+  for (; c + 16 <= lines; c += 16) transpose16_avx512(rows_buf + 4 * c, row_bytes, qb + c * 64, stream);
+  if (c < lines) transpose_block(rows_buf + 4 * c, row_bytes, lines - c, qb + c * 64);
+}
 #endif
 
 // Whether the AVX-512 path takes this span (j.simd: the CPU has it and the caller did not ask for
-// the scalar path).
+// the scalar path): whole 16-row spans of Q4_K / Q6_K with compact scales, Q5_0 / Q5_1 planes
+// with float16 scales (a Q5_0 weight without a zeros array, a Q5_1 one with it).
 inline bool fast_span(const Job& j, int64_t lo, int64_t hi) {
-  if (!j.simd || !j.compact || hi - lo != 16 || lo % 16) return false;
-  return (j.int4 && j.type == Q4_K && j.zeros) || (j.high_bits == 2 && j.type == Q6_K && !j.zeros);
+  if (!j.simd || hi - lo != 16 || lo % 16) return false;
+  if (j.compact) return (j.int4 && j.type == Q4_K && j.zeros) || (j.high_bits == 2 && j.type == Q6_K && !j.zeros);
+  if (j.half) return j.high_bits == 1 && ((j.type == Q5_0 && !j.zeros) || (j.type == Q5_1 && j.zeros));
+  return false;
 }
 
 inline void repack_span(const Job& j, int64_t span, int64_t lo, int64_t hi, uint8_t* rows_buf, float* s_buf,
@@ -639,8 +689,10 @@ inline void repack_span(const Job& j, int64_t span, int64_t lo, int64_t hi, uint
     alignas(64) uint8_t tile[16 * 128 + 16 * 64];
     if (j.type == Q4_K)
       repack_span_q4k_avx512(j, span, tile);
-    else
+    else if (j.type == Q6_K)
       repack_span_q6k_avx512(j, span, tile);
+    else
+      repack_span_q5_avx512(j, span, rows_buf);
     return;
   }
 #endif
