@@ -41,6 +41,10 @@
 //   per 16-row block float16 [G][16], the file's d (and m); zeros null for Q4_0 (its zero, -8 d, is
 //   formed by the kernel), and refused for a Q4_0 run inside a weight with a zeros array.
 //
+// On AVX-512 CPUs, whole 16-row spans of the layouts Q4_K_M files are made of (Q4_K codes and Q6_K
+// planes with compact scales, Q5_0 / Q5_1 planes with float16 scales) take a vector path
+// (repack_span_*_avx512) that writes the same bytes; impl = 1 keeps every call scalar (tests).
+//
 // The block layouts follow ggml's definitions (ggml-common.h), as gguf_quants.py's decoders do.
 #include <algorithm>
 #include <cmath>
