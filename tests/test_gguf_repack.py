@@ -539,40 +539,40 @@ def test_q5_parts_fuse_by_signedness():
     assert torch.equal(rows(x, decode_rows=5), want)
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("n,k", [(64, 4096), (48, 768), (40, 512)])
 def test_vector_repack_equals_scalar(qtype, n, k):
-    """The AVX-512 repack (whole 16-row spans of Q4_K's codes and Q6_K's planes in VNNI blocks with
-    compact scales) writes the scalar path's bytes, and Q4_K's the reference's; with float16 bases
+    """The AVX-512 repack (whole 16-row spans of Q4_K's codes and Q5_K's and Q6_K's planes in VNNI
+    blocks with compact scales) writes the scalar path's bytes, and Q4_K's the reference's; with float16 bases
     that are subnormal, NaN or (Q4_K) zero in some blocks (their codes go through the checked path), and
     an infinite one under a non-zero code (no compact form: both paths refuse the weight). n = 40:
     runs that end inside a span (the scalar path takes those rows)."""
-    int4, planes6 = qtype == QT.Q4_K, qtype == QT.Q6_K
+    int4, planes5, planes6 = qtype == QT.Q4_K, qtype == QT.Q5_K, qtype == QT.Q6_K
+    zeros, group = not planes6, 16 if planes6 else 32
     raw = raw_rows(qtype, n, k // 256, seed=70 + n)
     size = gguf.GGML_QUANT_SIZES[qtype][1]
     rng = np.random.default_rng(71)
     blocks = raw.reshape(n, k // 256, size)
-    at = (0,) if qtype == QT.Q4_K else (208,)  # d (Q4_K: then dmin at 2)
+    at = (208,) if planes6 else (0,)  # d (Q4_K, Q5_K: then dmin at 2)
     # subnormal and NaN bases keep a compact form (NaN's code is 0), so do zero ones under Q4_K's
     # unsigned codes (not under Q6_K's negative ones: -0 is no code times +0); an infinite one with
     # a non-zero code has none
-    odd = np.array([0x0001, 0x83FF, 0x7E00, 0xFE01] + ([0x0000, 0x8000] if int4 else []), dtype=np.uint16)
+    odd = np.array([0x0001, 0x83FF, 0x7E00, 0xFE01] + ([] if planes6 else [0x0000, 0x8000]), dtype=np.uint16)
     for r, b in zip(rng.integers(0, n, 12), rng.integers(0, k // 256, 12)):
-        off = at[0] + (2 * int(rng.integers(0, 2)) if qtype == QT.Q4_K else 0)
+        off = at[0] + (0 if planes6 else 2 * int(rng.integers(0, 2)))
         blocks[r, b, off:off + 2] = odd[rng.integers(0, len(odd))].reshape(1).view(np.uint8)
-    group = 32 if int4 else 16
     for inf in (False, True):
         if inf:
             blocks[n - 1, 0, at[0]:at[0] + 2] = np.array([0x7C00], dtype=np.uint16).view(np.uint8)
-            blocks[n - 1, 0, 4 if int4 else 192] = 5  # (a non-zero scale code under it)
+            blocks[n - 1, 0, 192 if planes6 else 4] = 5  # (a non-zero scale code under it)
         lazy = GGUFBlocks.of_tensor(raw, qtype, (n, k))
         runs = [(p.row_addresses(), int(p.qtype)) for p in lazy.parts]
         if n % 16 == 0:
             out = {}
             for impl in ("scalar", "auto"):
                 try:
-                    out[impl] = qmatmul.repack_gguf_rows(runs, n, k, group, int4, int4, True, "compact", planes6,
-                                                         impl=impl)
+                    out[impl] = qmatmul.repack_gguf_rows(runs, n, k, group, zeros, int4, True, "compact", planes6,
+                                                         planes5, impl=impl)
                 except ValueError as e:
                     out[impl] = str(e)
             if inf:
@@ -589,11 +589,12 @@ def test_vector_repack_equals_scalar(qtype, n, k):
                  GGUFBlocks.of_tensor(raw_rows(qtype, 24, k // 256, 73), qtype, (24, k))]
         lazy, n = GroupAffine.cat(parts), 64
     runs = [(p.row_addresses(), int(p.qtype)) for p in lazy.parts]
-    got = {impl: qmatmul.repack_gguf_rows(runs, n, k, group, int4, int4, True, "compact", planes6, impl=impl)
+    got = {impl: qmatmul.repack_gguf_rows(runs, n, k, group, zeros, int4, True, "compact", planes6, planes5,
+                                     impl=impl)
            for impl in ("scalar", "auto")}
     for a, b in zip(got["scalar"], got["auto"]):
         assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
-    if int4:  # (Q6_K's planes against the reference: test_q6_k_planes_give_the_int8_bits)
+    if int4:  # (the planes against the reference: test_q6_k_planes_give_the_int8_bits, test_q5_planes_...)
         assert_same((*got["auto"], "compact"), reference(lazy.materialize(), True))
 
 

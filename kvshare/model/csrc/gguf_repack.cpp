@@ -543,8 +543,22 @@ QMM_AVX512 inline __m512i nibble_units_avx512(__m512i x, __m512i order) {
   return _mm512_permutexvar_epi64(order, _mm512_unpacklo_epi64(lo, hi));
 }
 
+inline uint32_t even_bits(uint32_t x) {  // bits 0, 2, .., 30 of x -> bits 0..15
+  x &= 0x55555555u;
+  x = (x | x >> 1) & 0x33333333u;
+  x = (x | x >> 2) & 0x0F0F0F0Fu;
+  x = (x | x >> 4) & 0x00FF00FFu;
+  return (x | x >> 8) & 0x0000FFFFu;
+}
+
+// Q4_K, and Q5_K's planes: its low 4 bits as Q4_K's codes, then per 32 codes m the 1-bit plane's
+// unit of their fifth bits (bit m of qh[l] for code 32m + l; the even codes' bits in the low 16
+// bits of the unit, the odd codes' in the high 16), lines K / 8 + 8i .. + 7 for super-block i.
 QMM_AVX512 inline void repack_span_q4k_avx512(const Job& j, int64_t span, uint8_t* tile) {
-  const int64_t G = j.k / 32, S = j.k / 256, lines = j.k / 8;
+  const bool q5k = j.type == Q5_K;
+  const int64_t G = j.k / 32, S = j.k / 256, lines = q5k ? j.k / 8 + j.k / 32 : j.k / 8;
+  const int type_size = q5k ? 176 : 144, qs_at = q5k ? 48 : 16;
+  alignas(64) uint8_t fifth[8 * 64];  // Q5_K: a super-block column's 8 lines of the 1-bit plane
   uint8_t* qb = j.q + span * lines * 64;
   const int64_t cs_bytes = 16 * G + 32 * S;
   uint8_t* cs = reinterpret_cast<uint8_t*>(j.scales) + span * cs_bytes;
@@ -556,13 +570,19 @@ QMM_AVX512 inline void repack_span_q4k_avx512(const Job& j, int64_t span, uint8_
   for (int lane = 0; lane < 16; ++lane) src[lane] = reinterpret_cast<const uint8_t*>(j.row_addrs[span * 16 + lane - j.row0]);
   for (int64_t i = 0; i < S; ++i) {
     for (int lane = 0; lane < 16; ++lane) {
-      const uint8_t* b = src[lane] + i * 144;
-      _mm_prefetch(reinterpret_cast<const char*>(b + 2 * 144), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(b + 2 * 144 + 64), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(b + 2 * 144 + 128), _MM_HINT_T0);
+      const uint8_t* b = src[lane] + i * type_size;
+      for (int c = 0; c < type_size; c += 64) _mm_prefetch(reinterpret_cast<const char*>(b + 2 * type_size + c), _MM_HINT_T0);
       uint8_t* t = tile + lane * 128;
-      _mm512_storeu_si512(t, nibble_units_avx512(_mm512_loadu_si512(b + 16), order));
-      _mm512_storeu_si512(t + 64, nibble_units_avx512(_mm512_loadu_si512(b + 80), order));
+      _mm512_storeu_si512(t, nibble_units_avx512(_mm512_loadu_si512(b + qs_at), order));
+      _mm512_storeu_si512(t + 64, nibble_units_avx512(_mm512_loadu_si512(b + qs_at + 64), order));
+      if (q5k) {
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+        for (int m = 0; m < 8; ++m) {  // (bit m of each byte to its sign bit: movemask's bit l)
+          const uint32_t bits = uint32_t(_mm256_movemask_epi8(_mm256_slli_epi16(qh, 7 - m)));
+          const uint32_t w = even_bits(bits) | even_bits(bits >> 1) << 16;
+          std::memcpy(fifth + m * 64 + lane * 4, &w, 4);
+        }
+      }
       const uint16_t dh = half_bits(b), mh = half_bits(b + 2) ^ 0x8000;
       const bool dreg = regular_half(dh), mreg = regular_half(mh);
       uint8_t sc[8], mn[8];
@@ -577,6 +597,15 @@ QMM_AVX512 inline void repack_span_q4k_avx512(const Job& j, int64_t span, uint8_
     }
     transpose16_avx512(tile, 128, qb + 32 * i * 64, stream);
     transpose16_avx512(tile + 64, 128, qb + (32 * i + 16) * 64, stream);
+    if (q5k)
+      for (int m = 0; m < 8; ++m) {
+        __m512i* o = reinterpret_cast<__m512i*>(qb + (j.k / 8 + 8 * i + m) * 64);
+        const __m512i line = _mm512_load_si512(fifth + m * 64);
+        if (stream)
+          _mm512_stream_si512(o, line);
+        else
+          _mm512_storeu_si512(o, line);
+      }
   }
 }
 
@@ -633,14 +662,6 @@ QMM_AVX512 inline void repack_span_q6k_avx512(const Job& j, int64_t span, uint8_
 // fifth bit of code m) the 1-bit plane's unit, with the even codes' bits gathered into the low 16
 // bits and the odd codes' into the high 16 (Q5_0's plane holds bit 4 of code - 16: the fifth bit
 // inverted). The rows' lane units go to rows_buf, then out in whole lines.
-inline uint32_t even_bits(uint32_t x) {  // bits 0, 2, .., 30 of x -> bits 0..15
-  x &= 0x55555555u;
-  x = (x | x >> 1) & 0x33333333u;
-  x = (x | x >> 2) & 0x0F0F0F0Fu;
-  x = (x | x >> 4) & 0x00FF00FFu;
-  return (x | x >> 8) & 0x0000FFFFu;
-}
-
 QMM_AVX512 inline void repack_span_q5_avx512(const Job& j, int64_t span, uint8_t* rows_buf) {
   const int64_t B = j.k / 32, row_bytes = j.k / 2 + j.k / 8, lines = row_bytes / 4;
   const bool signed_codes = j.type == Q5_0;
@@ -677,11 +698,13 @@ QMM_AVX512 inline void repack_span_q5_avx512(const Job& j, int64_t span, uint8_t
 #endif
 
 // Whether the AVX-512 path takes this span (j.simd: the CPU has it and the caller did not ask for
-// the scalar path): whole 16-row spans of Q4_K / Q6_K with compact scales, Q5_0 / Q5_1 planes
+// the scalar path): whole 16-row spans of Q4_K / Q5_K / Q6_K with compact scales, Q5_0 / Q5_1 planes
 // with float16 scales (a Q5_0 weight without a zeros array, a Q5_1 one with it).
 inline bool fast_span(const Job& j, int64_t lo, int64_t hi) {
   if (!j.simd || hi - lo != 16 || lo % 16) return false;
-  if (j.compact) return (j.int4 && j.type == Q4_K && j.zeros) || (j.high_bits == 2 && j.type == Q6_K && !j.zeros);
+  if (j.compact)
+    return ((j.int4 && j.type == Q4_K) || (j.high_bits == 1 && j.type == Q5_K)) && j.zeros ||
+           (j.high_bits == 2 && j.type == Q6_K && !j.zeros);
   if (j.half) return j.high_bits == 1 && ((j.type == Q5_0 && !j.zeros) || (j.type == Q5_1 && j.zeros));
   return false;
 }
@@ -691,7 +714,7 @@ inline void repack_span(const Job& j, int64_t span, int64_t lo, int64_t hi, uint
 #if QMM_X86
   if (fast_span(j, lo, hi)) {
     alignas(64) uint8_t tile[16 * 128 + 16 * 64];
-    if (j.type == Q4_K)
+    if (j.type == Q4_K || j.type == Q5_K)
       repack_span_q4k_avx512(j, span, tile);
     else if (j.type == Q6_K)
       repack_span_q6k_avx512(j, span, tile);
