@@ -41,8 +41,8 @@
 //   per 16-row block float16 [G][16], the file's d (and m); zeros null for Q4_0 (its zero, -8 d, is
 //   formed by the kernel), and refused for a Q4_0 run inside a weight with a zeros array.
 //
-// On AVX-512 CPUs, whole 16-row spans of the layouts Q4_K_M files are made of (Q4_K codes and Q6_K
-// planes with compact scales, Q5_0 / Q5_1 planes with float16 scales) take a vector path
+// On AVX-512 CPUs, whole 16-row spans of the layouts K-quant files are made of (Q4_K codes and
+// Q5_K / Q6_K planes with compact scales, Q5_0 / Q5_1 planes with float16 scales) take a vector path
 // (repack_span_*_avx512) that writes the same bytes; impl = 1 keeps every call scalar (tests).
 //
 // The block layouts follow ggml's definitions (ggml-common.h), as gguf_quants.py's decoders do.
@@ -477,8 +477,8 @@ inline void write_half(const Job& j, int64_t lane_lo, int64_t lane_hi, const flo
     }
 }
 
-// The fast path of the two formats a Q4_K_M file is made of, for a whole 16-row span in VNNI blocks
-// with compact scales: Q4_K's 4-bit codes and Q6_K's planes, decoded with AVX-512 (BW, VL) one
+// The fast path of the formats K-quant files are made of, for a whole 16-row span in VNNI blocks
+// with compact scales: Q4_K's 4-bit codes and Q5_K's and Q6_K's planes, decoded with AVX-512 (BW, VL) one
 // super-block column at a time straight into their lanes' 4-byte units (a 16-row tile of 2 KB or
 // less, in L1), then transposed in registers into whole 64-byte lines written with non-temporal
 // stores. The same bytes as the scalar path above (tests/test_gguf_repack.py runs both).
@@ -567,11 +567,13 @@ QMM_AVX512 inline void repack_span_q4k_avx512(const Job& j, int64_t span, uint8_
   // chunk ch's low units are units 8ch .. 8ch + 3 of the row, its high ones 8ch + 4 .. 8ch + 7
   const __m512i order = _mm512_setr_epi64(0, 2, 1, 3, 4, 6, 5, 7);
   const uint8_t* src[16];
-  for (int lane = 0; lane < 16; ++lane) src[lane] = reinterpret_cast<const uint8_t*>(j.row_addrs[span * 16 + lane - j.row0]);
+  for (int lane = 0; lane < 16; ++lane)
+    src[lane] = reinterpret_cast<const uint8_t*>(j.row_addrs[span * 16 + lane - j.row0]);
   for (int64_t i = 0; i < S; ++i) {
     for (int lane = 0; lane < 16; ++lane) {
       const uint8_t* b = src[lane] + i * type_size;
-      for (int c = 0; c < type_size; c += 64) _mm_prefetch(reinterpret_cast<const char*>(b + 2 * type_size + c), _MM_HINT_T0);
+      for (int c = 0; c < type_size; c += 64)  // (two super-blocks ahead in each row)
+        _mm_prefetch(reinterpret_cast<const char*>(b + 2 * type_size + c), _MM_HINT_T0);
       uint8_t* t = tile + lane * 128;
       _mm512_storeu_si512(t, nibble_units_avx512(_mm512_loadu_si512(b + qs_at), order));
       _mm512_storeu_si512(t + 64, nibble_units_avx512(_mm512_loadu_si512(b + qs_at + 64), order));
@@ -624,7 +626,8 @@ QMM_AVX512 inline void repack_span_q6k_avx512(const Job& j, int64_t span, uint8_
   const __m512i by4 = _mm512_set1_epi16(0x0401), by16 = _mm512_set1_epi32(0x00100001), three = _mm512_set1_epi8(3);
   uint8_t* tile_hi = tile + 16 * 128;
   const uint8_t* src[16];
-  for (int lane = 0; lane < 16; ++lane) src[lane] = reinterpret_cast<const uint8_t*>(j.row_addrs[span * 16 + lane - j.row0]);
+  for (int lane = 0; lane < 16; ++lane)
+    src[lane] = reinterpret_cast<const uint8_t*>(j.row_addrs[span * 16 + lane - j.row0]);
   for (int64_t i = 0; i < S; ++i) {
     for (int lane = 0; lane < 16; ++lane) {
       const uint8_t* b = src[lane] + i * 210;
