@@ -598,6 +598,41 @@ def test_vector_repack_equals_scalar(qtype, n, k):
         assert_same((*got["auto"], "compact"), reference(lazy.materialize(), True))
 
 
+@pytest.mark.parametrize("n,k", [(64, 2048), (40, 512)])
+def test_vector_repack_iq4_xs_equals_scalar(n, k):
+    """The AVX-512 repack of IQ4_XS's 4-bit table indices in VNNI blocks with compact scales writes
+    the scalar path's bytes; with zero, subnormal and NaN bases the same bytes or the same refusal
+    (a zero base under a negative scale); n = 40: runs of 40 and 24."""
+    raw = raw_rows(QT.IQ4_XS, n, k // 256, seed=90 + n)
+    blocks = raw.reshape(n, k // 256, 136)
+    odd = np.array([0x0000, 0x8000, 0x0001, 0x7E00], dtype=np.uint16).view(np.uint8).reshape(4, 2)
+    for t, r in enumerate(range(0, n, 11)):
+        blocks[r, t % (k // 256), 0:2] = odd[t % 4]
+    lazy = GGUFBlocks.of_tensor(raw, QT.IQ4_XS, (n, k))
+    if n % 16:
+        lazy = GroupAffine.cat([lazy, GGUFBlocks.of_tensor(raw_rows(QT.IQ4_XS, 24, k // 256, seed=91), QT.IQ4_XS,
+                                                           (24, k))])
+        n = 64
+    runs = [(p.row_addresses(), int(p.qtype)) for p in lazy.parts]
+    out = {}
+    for impl in ("scalar", "auto"):
+        try:
+            out[impl] = qmatmul.repack_gguf_rows(runs, n, k, 32, False, True, True, "compact", impl=impl)
+        except ValueError as e:
+            out[impl] = str(e)
+    if isinstance(out["scalar"], str):
+        assert out["auto"] == out["scalar"]
+    else:
+        for a, b in zip(out["scalar"], out["auto"]):
+            assert (a is None) == (b is None) and (a is None or (a.dtype == b.dtype and torch.equal(a, b)))
+    # and without the odd bases, never refused
+    raw = raw_rows(QT.IQ4_XS, 64, k // 256, seed=92)
+    runs = [(p.row_addresses(), int(p.qtype)) for p in GGUFBlocks.of_tensor(raw, QT.IQ4_XS, (64, k)).parts]
+    a, b = (qmatmul.repack_gguf_rows(runs, 64, k, 32, False, True, True, "compact", impl=impl)
+            for impl in ("scalar", "auto"))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[2] is None and b[2] is None
+
+
 @pytest.mark.parametrize("qtype", [QT.Q5_0, QT.Q5_1], ids=lambda t: t.name)
 @pytest.mark.parametrize("n,k", [(64, 1152), (48, 288), (40, 256)])
 def test_vector_repack_q5_planes_equals_scalar(qtype, n, k):

@@ -555,17 +555,18 @@ inline uint32_t even_bits(uint32_t x) {  // bits 0, 2, .., 30 of x -> bits 0..15
 // unit of their fifth bits (bit m of qh[l] for code 32m + l; the even codes' bits in the low 16
 // bits of the unit, the odd codes' in the high 16), lines K / 8 + 8i .. + 7 for super-block i.
 QMM_AVX512 inline void repack_span_q4k_avx512(const Job& j, int64_t span, uint8_t* tile) {
-  const bool q5k = j.type == Q5_K;
+  const bool q5k = j.type == Q5_K, iq4 = j.type == IQ4_XS;
   const int64_t G = j.k / 32, S = j.k / 256, lines = q5k ? j.k / 8 + j.k / 32 : j.k / 8;
-  const int type_size = q5k ? 176 : 144, qs_at = q5k ? 48 : 16;
+  const int type_size = q5k ? 176 : iq4 ? 136 : 144, qs_at = q5k ? 48 : iq4 ? 8 : 16;
   alignas(64) uint8_t fifth[8 * 64];  // Q5_K: a super-block column's 8 lines of the 1-bit plane
   uint8_t* qb = j.q + span * lines * 64;
   const int64_t cs_bytes = 16 * G + 32 * S;
   uint8_t* cs = reinterpret_cast<uint8_t*>(j.scales) + span * cs_bytes;
-  uint8_t* cz = reinterpret_cast<uint8_t*>(j.zeros) + span * cs_bytes;
+  uint8_t* cz = j.zeros ? reinterpret_cast<uint8_t*>(j.zeros) + span * cs_bytes : nullptr;  // (IQ4_XS: none)
   const bool stream = reinterpret_cast<uintptr_t>(qb) % 64 == 0;
-  // chunk ch's low units are units 8ch .. 8ch + 3 of the row, its high ones 8ch + 4 .. 8ch + 7
-  const __m512i order = _mm512_setr_epi64(0, 2, 1, 3, 4, 6, 5, 7);
+  // chunk ch's low units are units 8ch .. 8ch + 3 of the row, its high ones 8ch + 4 .. 8ch + 7;
+  // IQ4_XS's 16 bytes j hold indices 32j + l (low nibbles) and 32j + 16 + l (high): in order
+  const __m512i order = iq4 ? _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7) : _mm512_setr_epi64(0, 2, 1, 3, 4, 6, 5, 7);
   const uint8_t* src[16];
   for (int lane = 0; lane < 16; ++lane)
     src[lane] = reinterpret_cast<const uint8_t*>(j.row_addrs[span * 16 + lane - j.row0]);
@@ -587,6 +588,16 @@ QMM_AVX512 inline void repack_span_q4k_avx512(const Job& j, int64_t span, uint8_
       }
       const uint16_t dh = half_bits(b), mh = half_bits(b + 2) ^ 0x8000;
       const bool dreg = regular_half(dh), mreg = regular_half(mh);
+      if (iq4) {  // (its 6-bit scales, minus 32; no zeros)
+        const float d = qmm::f16_to_f32(dh);
+        const uint32_t high = uint32_t(b[2]) | uint32_t(b[3]) << 8;
+        for (int g = 0; g < 8; ++g) {
+          const int ls = (((b[4 + g / 2] >> (4 * (g % 2))) & 0xF) | int((high >> (2 * g)) & 3) << 4) - 32;
+          cs[(8 * i + g) * 16 + lane] = uint8_t(compact_of(j, dh, dreg, ls, d * float(ls)));
+        }
+        std::memcpy(cs + 16 * G + (i * 16 + lane) * 2, &dh, 2);
+        continue;
+      }
       uint8_t sc[8], mn[8];
       k_scales(b + 4, sc, mn);
       const float d = qmm::f16_to_f32(dh), dmin = f16(b + 2);
@@ -707,7 +718,7 @@ inline bool fast_span(const Job& j, int64_t lo, int64_t hi) {
   if (!j.simd || hi - lo != 16 || lo % 16) return false;
   if (j.compact)
     return ((j.int4 && j.type == Q4_K) || (j.high_bits == 1 && j.type == Q5_K)) && j.zeros ||
-           (j.high_bits == 2 && j.type == Q6_K && !j.zeros);
+           (((j.int4 && j.type == IQ4_XS) || (j.high_bits == 2 && j.type == Q6_K)) && !j.zeros);
   if (j.half) return j.high_bits == 1 && ((j.type == Q5_0 && !j.zeros) || (j.type == Q5_1 && j.zeros));
   return false;
 }
@@ -717,7 +728,7 @@ inline void repack_span(const Job& j, int64_t span, int64_t lo, int64_t hi, uint
 #if QMM_X86
   if (fast_span(j, lo, hi)) {
     alignas(64) uint8_t tile[16 * 128 + 16 * 64];
-    if (j.type == Q4_K || j.type == Q5_K)
+    if (j.type == Q4_K || j.type == Q5_K || j.type == IQ4_XS)
       repack_span_q4k_avx512(j, span, tile);
     else if (j.type == Q6_K)
       repack_span_q6k_avx512(j, span, tile);
