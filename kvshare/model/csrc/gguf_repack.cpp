@@ -41,8 +41,8 @@
 //   per 16-row block float16 [G][16], the file's d (and m); zeros null for Q4_0 (its zero, -8 d, is
 //   formed by the kernel), and refused for a Q4_0 run inside a weight with a zeros array.
 //
-// On AVX-512 CPUs, whole 16-row spans of the layouts K-quant files are made of (Q4_K codes and
-// Q5_K / Q6_K planes with compact scales, Q5_0 / Q5_1 planes with float16 scales) take a vector path
+// On AVX-512 CPUs, whole 16-row spans of the layouts K-quant files are made of (Q4_K codes, IQ4_XS
+// indices and Q5_K / Q6_K planes with compact scales, Q5_0 / Q5_1 planes with float16 scales) take a vector path
 // (repack_span_*_avx512) that writes the same bytes; impl = 1 keeps every call scalar (tests).
 //
 // The block layouts follow ggml's definitions (ggml-common.h), as gguf_quants.py's decoders do.
@@ -551,7 +551,7 @@ inline uint32_t even_bits(uint32_t x) {  // bits 0, 2, .., 30 of x -> bits 0..15
   return (x | x >> 8) & 0x0000FFFFu;
 }
 
-// Q4_K, and Q5_K's planes: its low 4 bits as Q4_K's codes, then per 32 codes m the 1-bit plane's
+// Q4_K, IQ4_XS (its indices as Q4_K's codes, its own scales), and Q5_K's planes: its low 4 bits as Q4_K's codes, then per 32 codes m the 1-bit plane's
 // unit of their fifth bits (bit m of qh[l] for code 32m + l; the even codes' bits in the low 16
 // bits of the unit, the odd codes' in the high 16), lines K / 8 + 8i .. + 7 for super-block i.
 QMM_AVX512 inline void repack_span_q4k_avx512(const Job& j, int64_t span, uint8_t* tile) {
@@ -712,7 +712,7 @@ QMM_AVX512 inline void repack_span_q5_avx512(const Job& j, int64_t span, uint8_t
 #endif
 
 // Whether the AVX-512 path takes this span (j.simd: the CPU has it and the caller did not ask for
-// the scalar path): whole 16-row spans of Q4_K / Q5_K / Q6_K with compact scales, Q5_0 / Q5_1 planes
+// the scalar path): whole 16-row spans of Q4_K / IQ4_XS / Q5_K / Q6_K with compact scales, Q5_0 / Q5_1 planes
 // with float16 scales (a Q5_0 weight without a zeros array, a Q5_1 one with it).
 inline bool fast_span(const Job& j, int64_t lo, int64_t hi) {
   if (!j.simd || hi - lo != 16 || lo % 16) return false;

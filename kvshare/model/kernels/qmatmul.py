@@ -376,8 +376,8 @@ def repack_gguf_rows(runs: list[tuple[torch.Tensor, int]], n: int, k: int, group
     uint8 [N / 16, bytes per block]; "half" with every run Q4_0 writes no zeros (zero_mul).
     planes6 (every run Q6_K, vnni, not int4): the codes as VnniBlocks.planes6 holds them; planes5
     (every run in PLANES5_GGML_TYPES, all Q5_0 or none, vnni, not int4) as VnniBlocks.planes5 does.
-    impl "scalar" skips the vector path (AVX-512: Q4_K, Q5_K and Q6_K in VNNI blocks with compact
-    scales, Q5_0 / Q5_1 planes with "half"; for tests: the same bytes either way). Raises
+    impl "scalar" skips the vector path (AVX-512: Q4_K, IQ4_XS, Q5_K and Q6_K in VNNI blocks with
+    compact scales, Q5_0 / Q5_1 planes with "half"; for tests: the same bytes either way). Raises
     ValueError for what the layout cannot take (a scale with no such form, say)."""
     if impl not in ("auto", "scalar"):
         raise ValueError(f"impl must be 'auto' or 'scalar'; got {impl!r}")
