@@ -537,3 +537,115 @@ def test_q5_parts_fuse_by_signedness():
                       make_linear(c.materialize(), torch.float32, DequantScratch())(x, decode_rows=5)], dim=1)
     assert torch.equal(one(x, decode_rows=5), want[:, :48])
     assert torch.equal(rows(x, decode_rows=5), want)
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("n,k", [(64, 4096), (48, 768), (40, 512)])
+def test_vector_repack_equals_scalar(qtype, n, k):
+    """The AVX-512 repack (whole 16-row spans of Q4_K's codes and Q5_K's and Q6_K's planes in VNNI
+    blocks with compact scales) writes the scalar path's bytes, and Q4_K's the reference's; with float16 bases
+    that are subnormal, NaN or (Q4_K) zero in some blocks (their codes go through the checked path), and
+    an infinite one under a non-zero code (no compact form: both paths refuse the weight). n = 40:
+    runs that end inside a span (the scalar path takes those rows)."""
+    int4, planes5, planes6 = qtype == QT.Q4_K, qtype == QT.Q5_K, qtype == QT.Q6_K
+    zeros, group = not planes6, 16 if planes6 else 32
+    raw = raw_rows(qtype, n, k // 256, seed=70 + n)
+    size = gguf.GGML_QUANT_SIZES[qtype][1]
+    rng = np.random.default_rng(71)
+    blocks = raw.reshape(n, k // 256, size)
+    at = (208,) if planes6 else (0,)  # d (Q4_K, Q5_K: then dmin at 2)
+    # subnormal and NaN bases keep a compact form (NaN's code is 0), so do zero ones under Q4_K's
+    # unsigned codes (not under Q6_K's negative ones: -0 is no code times +0); an infinite one with
+    # a non-zero code has none
+    odd = np.array([0x0001, 0x83FF, 0x7E00, 0xFE01] + ([] if planes6 else [0x0000, 0x8000]), dtype=np.uint16)
+    for r, b in zip(rng.integers(0, n, 12), rng.integers(0, k // 256, 12)):
+        off = at[0] + (0 if planes6 else 2 * int(rng.integers(0, 2)))
+        blocks[r, b, off:off + 2] = odd[rng.integers(0, len(odd))].reshape(1).view(np.uint8)
+    for inf in (False, True):
+        if inf:
+            blocks[n - 1, 0, at[0]:at[0] + 2] = np.array([0x7C00], dtype=np.uint16).view(np.uint8)
+            blocks[n - 1, 0, 192 if planes6 else 4] = 5  # (a non-zero scale code under it)
+        lazy = GGUFBlocks.of_tensor(raw, qtype, (n, k))
+        runs = [(p.row_addresses(), int(p.qtype)) for p in lazy.parts]
+        if n % 16 == 0:
+            out = {}
+            for impl in ("scalar", "auto"):
+                try:
+                    out[impl] = qmatmul.repack_gguf_rows(runs, n, k, group, zeros, int4, True, "compact", planes6,
+                                                         planes5, impl=impl)
+                except ValueError as e:
+                    out[impl] = str(e)
+            if inf:
+                assert out["auto"] == out["scalar"] and "compact" in out["scalar"]
+            else:
+                assert not isinstance(out["scalar"], str), out["scalar"]
+                for a, b in zip(out["scalar"], out["auto"]):
+                    assert (a is None) == (b is None) and (a is None or (a.dtype == b.dtype and torch.equal(a, b)))
+    # without the odd bases: every block takes the fast codes, against the reference
+    raw = raw_rows(qtype, n, k // 256, seed=72 + n)
+    lazy = GGUFBlocks.of_tensor(raw, qtype, (n, k))
+    if n % 16:  # (a run of 40 rows then one of 24: spans across the runs' border)
+        parts = [GGUFBlocks.of_tensor(raw[:40], qtype, (40, k)),
+                 GGUFBlocks.of_tensor(raw_rows(qtype, 24, k // 256, 73), qtype, (24, k))]
+        lazy, n = GroupAffine.cat(parts), 64
+    runs = [(p.row_addresses(), int(p.qtype)) for p in lazy.parts]
+    got = {impl: qmatmul.repack_gguf_rows(runs, n, k, group, zeros, int4, True, "compact", planes6, planes5,
+                                     impl=impl)
+           for impl in ("scalar", "auto")}
+    for a, b in zip(got["scalar"], got["auto"]):
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+    if int4:  # (the planes against the reference: test_q6_k_planes_give_the_int8_bits, test_q5_planes_...)
+        assert_same((*got["auto"], "compact"), reference(lazy.materialize(), True))
+
+
+@pytest.mark.parametrize("n,k", [(64, 2048), (40, 512)])
+def test_vector_repack_iq4_xs_equals_scalar(n, k):
+    """The AVX-512 repack of IQ4_XS's 4-bit table indices in VNNI blocks with compact scales writes
+    the scalar path's bytes; with zero, subnormal and NaN bases the same bytes or the same refusal
+    (a zero base under a negative scale); n = 40: runs of 40 and 24."""
+    raw = raw_rows(QT.IQ4_XS, n, k // 256, seed=90 + n)
+    blocks = raw.reshape(n, k // 256, 136)
+    odd = np.array([0x0000, 0x8000, 0x0001, 0x7E00], dtype=np.uint16).view(np.uint8).reshape(4, 2)
+    for t, r in enumerate(range(0, n, 11)):
+        blocks[r, t % (k // 256), 0:2] = odd[t % 4]
+    lazy = GGUFBlocks.of_tensor(raw, QT.IQ4_XS, (n, k))
+    if n % 16:
+        lazy = GroupAffine.cat([lazy, GGUFBlocks.of_tensor(raw_rows(QT.IQ4_XS, 24, k // 256, seed=91), QT.IQ4_XS,
+                                                           (24, k))])
+        n = 64
+    runs = [(p.row_addresses(), int(p.qtype)) for p in lazy.parts]
+    out = {}
+    for impl in ("scalar", "auto"):
+        try:
+            out[impl] = qmatmul.repack_gguf_rows(runs, n, k, 32, False, True, True, "compact", impl=impl)
+        except ValueError as e:
+            out[impl] = str(e)
+    if isinstance(out["scalar"], str):
+        assert out["auto"] == out["scalar"]
+    else:
+        for a, b in zip(out["scalar"], out["auto"]):
+            assert (a is None) == (b is None) and (a is None or (a.dtype == b.dtype and torch.equal(a, b)))
+    # and without the odd bases, never refused
+    raw = raw_rows(QT.IQ4_XS, 64, k // 256, seed=92)
+    runs = [(p.row_addresses(), int(p.qtype)) for p in GGUFBlocks.of_tensor(raw, QT.IQ4_XS, (64, k)).parts]
+    a, b = (qmatmul.repack_gguf_rows(runs, 64, k, 32, False, True, True, "compact", impl=impl)
+            for impl in ("scalar", "auto"))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[2] is None and b[2] is None
+
+
+@pytest.mark.parametrize("qtype", [QT.Q5_0, QT.Q5_1], ids=lambda t: t.name)
+@pytest.mark.parametrize("n,k", [(64, 1152), (48, 288), (40, 256)])
+def test_vector_repack_q5_planes_equals_scalar(qtype, n, k):
+    """The AVX-512 repack of Q5_0 / Q5_1 planes in VNNI blocks with float16 scales (whole 16-row
+    spans; K = 288: lines left over after the 16-line transposes) writes the scalar path's bytes;
+    n = 40: a run of 40 rows and one of 24, spans across their border."""
+    lazy = GGUFBlocks.of_tensor(raw_rows(qtype, n, k // 32, seed=80 + n), qtype, (n, k))
+    if n % 16:
+        lazy = GroupAffine.cat([lazy, GGUFBlocks.of_tensor(raw_rows(qtype, 24, k // 32, seed=81), qtype, (24, k))])
+        n = 64
+    runs = [(p.row_addresses(), int(p.qtype)) for p in lazy.parts]
+    got = {impl: qmatmul.repack_gguf_rows(runs, n, k, 32, qtype == QT.Q5_1, False, True, "half", planes5=True,
+                                          impl=impl) for impl in ("scalar", "auto")}
+    for a, b in zip(got["scalar"], got["auto"]):
+        assert (a is None) == (b is None) and (a is None or (a.dtype == b.dtype and torch.equal(a, b)))
+    assert (got["auto"][2] is None) == (qtype == QT.Q5_0)

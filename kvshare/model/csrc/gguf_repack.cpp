@@ -41,6 +41,10 @@
 //   per 16-row block float16 [G][16], the file's d (and m); zeros null for Q4_0 (its zero, -8 d, is
 //   formed by the kernel), and refused for a Q4_0 run inside a weight with a zeros array.
 //
+// On AVX-512 CPUs, whole 16-row spans of the layouts K-quant files are made of (Q4_K codes, IQ4_XS
+// indices and Q5_K / Q6_K planes with compact scales, Q5_0 / Q5_1 planes with float16 scales) take a vector path
+// (repack_span_*_avx512) that writes the same bytes; impl = 1 keeps every call scalar (tests).
+//
 // The block layouts follow ggml's definitions (ggml-common.h), as gguf_quants.py's decoders do.
 #include <algorithm>
 #include <cmath>
@@ -333,6 +337,7 @@ struct Job {
   uint8_t* q;
   float *scales, *zeros;
   std::atomic<bool>* not_compact;  // set when a scale or zero has no compact form
+  bool simd;  // the AVX-512 path may run (repack_span_*_avx512)
 };
 
 // One file row (blocks at `src`) decoded into `out` (its row bytes: packed or int8 codes) and its
@@ -472,8 +477,266 @@ inline void write_half(const Job& j, int64_t lane_lo, int64_t lane_hi, const flo
     }
 }
 
+// The fast path of the formats K-quant files are made of, for a whole 16-row span in VNNI blocks
+// with compact scales: Q4_K's 4-bit codes and Q5_K's and Q6_K's planes, decoded with AVX-512 (BW, VL) one
+// super-block column at a time straight into their lanes' 4-byte units (a 16-row tile of 2 KB or
+// less, in L1), then transposed in registers into whole 64-byte lines written with non-temporal
+// stores. The same bytes as the scalar path above (tests/test_gguf_repack.py runs both).
+
+// A compact code of a group with a regular base (float16 finite and non-zero) is the file's own
+// small integer: base * code is then exact in float32 (11 bits times at most 8), so compact_code
+// finds that code and its check passes. For any other base, compact_code on the value decode_block
+// computes (what write_compact does).
+inline bool regular_half(uint16_t h) { return (h & 0x7C00) != 0x7C00 && (h & 0x7FFF) != 0; }
+
+inline int8_t compact_of(const Job& j, uint16_t base_bits, bool regular, int code, float value) {
+  if (regular) return int8_t(code);
+  int8_t c;
+  if (!compact_code(value, qmm::f16_to_f32(base_bits), &c)) *j.not_compact = true;
+  return c;
+}
+
+#if QMM_X86
+// Units of `tile` (16 rows of 16 4-byte units, row r at tile + r * stride) -> 16 lines of 64 bytes
+// at out (line c: unit c of rows 0..15), in registers.
+QMM_AVX512 inline void transpose16_avx512(const uint8_t* tile, int64_t stride, uint8_t* out, bool stream) {
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(tile + i * stride);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  // r[4a + b]: in each 128-bit lane k, unit 4k + b of rows 4a .. 4a + 3
+  for (int a = 0; a < 4; ++a) {
+    r[4 * a + 0] = _mm512_unpacklo_epi64(t[4 * a], t[4 * a + 2]);
+    r[4 * a + 1] = _mm512_unpackhi_epi64(t[4 * a], t[4 * a + 2]);
+    r[4 * a + 2] = _mm512_unpacklo_epi64(t[4 * a + 1], t[4 * a + 3]);
+    r[4 * a + 3] = _mm512_unpackhi_epi64(t[4 * a + 1], t[4 * a + 3]);
+  }
+  for (int b = 0; b < 4; ++b) {
+    const __m512i v0 = _mm512_shuffle_i32x4(r[b], r[4 + b], 0x88), w0 = _mm512_shuffle_i32x4(r[b], r[4 + b], 0xDD);
+    const __m512i v1 = _mm512_shuffle_i32x4(r[8 + b], r[12 + b], 0x88);
+    const __m512i w1 = _mm512_shuffle_i32x4(r[8 + b], r[12 + b], 0xDD);
+    const __m512i line[4] = {_mm512_shuffle_i32x4(v0, v1, 0x88), _mm512_shuffle_i32x4(w0, w1, 0x88),
+                             _mm512_shuffle_i32x4(v0, v1, 0xDD), _mm512_shuffle_i32x4(w0, w1, 0xDD)};
+    for (int k = 0; k < 4; ++k) {
+      __m512i* o = reinterpret_cast<__m512i*>(out + (4 * k + b) * 64);
+      if (stream)
+        _mm512_stream_si512(o, line[k]);
+      else
+        _mm512_storeu_si512(o, line[k]);
+    }
+  }
+}
+
+// 64 bytes of nibbles -> their 16 lane units (u4_row_to_lane of pack_nibble_halves): per 8 bytes
+// b0..b7, the low nibbles' unit is (b0 | b2 << 4, b4 | b6 << 4, b1 | b3 << 4, b5 | b7 << 4) of
+// those nibbles, the high nibbles' likewise. Before `order` (a qword permutation) the result holds,
+// per 16 bytes of x, 2 units of its low nibbles then 2 of its high ones.
+QMM_AVX512 inline __m512i nibble_units_avx512(__m512i x, __m512i order) {
+  const __m512i pick = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 4, 1, 5, 8, 12, 9, 13, 2, 6, 3, 7, 10, 14, 11, 15));
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i y = _mm512_shuffle_epi8(x, pick);  // per 16 bytes: the units' first nibbles, then their second
+  const __m512i second = _mm512_bsrli_epi128(y, 8);
+  const __m512i lo = _mm512_or_si512(_mm512_and_si512(y, low), _mm512_andnot_si512(low, _mm512_slli_epi16(second, 4)));
+  const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(y, 4), low), _mm512_andnot_si512(low, second));
+  return _mm512_permutexvar_epi64(order, _mm512_unpacklo_epi64(lo, hi));
+}
+
+inline uint32_t even_bits(uint32_t x) {  // bits 0, 2, .., 30 of x -> bits 0..15
+  x &= 0x55555555u;
+  x = (x | x >> 1) & 0x33333333u;
+  x = (x | x >> 2) & 0x0F0F0F0Fu;
+  x = (x | x >> 4) & 0x00FF00FFu;
+  return (x | x >> 8) & 0x0000FFFFu;
+}
+
+// Q4_K, IQ4_XS (its indices as Q4_K's codes, its own scales), and Q5_K's planes: its low 4 bits as Q4_K's codes, then per 32 codes m the 1-bit plane's
+// unit of their fifth bits (bit m of qh[l] for code 32m + l; the even codes' bits in the low 16
+// bits of the unit, the odd codes' in the high 16), lines K / 8 + 8i .. + 7 for super-block i.
+QMM_AVX512 inline void repack_span_q4k_avx512(const Job& j, int64_t span, uint8_t* tile) {
+  const bool q5k = j.type == Q5_K, iq4 = j.type == IQ4_XS;
+  const int64_t G = j.k / 32, S = j.k / 256, lines = q5k ? j.k / 8 + j.k / 32 : j.k / 8;
+  const int type_size = q5k ? 176 : iq4 ? 136 : 144, qs_at = q5k ? 48 : iq4 ? 8 : 16;
+  alignas(64) uint8_t fifth[8 * 64];  // Q5_K: a super-block column's 8 lines of the 1-bit plane
+  uint8_t* qb = j.q + span * lines * 64;
+  const int64_t cs_bytes = 16 * G + 32 * S;
+  uint8_t* cs = reinterpret_cast<uint8_t*>(j.scales) + span * cs_bytes;
+  uint8_t* cz = j.zeros ? reinterpret_cast<uint8_t*>(j.zeros) + span * cs_bytes : nullptr;  // (IQ4_XS: none)
+  const bool stream = reinterpret_cast<uintptr_t>(qb) % 64 == 0;
+  // chunk ch's low units are units 8ch .. 8ch + 3 of the row, its high ones 8ch + 4 .. 8ch + 7;
+  // IQ4_XS's 16 bytes j hold indices 32j + l (low nibbles) and 32j + 16 + l (high): in order
+  const __m512i order = iq4 ? _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7) : _mm512_setr_epi64(0, 2, 1, 3, 4, 6, 5, 7);
+  const uint8_t* src[16];
+  for (int lane = 0; lane < 16; ++lane)
+    src[lane] = reinterpret_cast<const uint8_t*>(j.row_addrs[span * 16 + lane - j.row0]);
+  for (int64_t i = 0; i < S; ++i) {
+    for (int lane = 0; lane < 16; ++lane) {
+      const uint8_t* b = src[lane] + i * type_size;
+      for (int c = 0; c < type_size; c += 64)  // (two super-blocks ahead in each row)
+        _mm_prefetch(reinterpret_cast<const char*>(b + 2 * type_size + c), _MM_HINT_T0);
+      uint8_t* t = tile + lane * 128;
+      _mm512_storeu_si512(t, nibble_units_avx512(_mm512_loadu_si512(b + qs_at), order));
+      _mm512_storeu_si512(t + 64, nibble_units_avx512(_mm512_loadu_si512(b + qs_at + 64), order));
+      if (q5k) {
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+        for (int m = 0; m < 8; ++m) {  // (bit m of each byte to its sign bit: movemask's bit l)
+          const uint32_t bits = uint32_t(_mm256_movemask_epi8(_mm256_slli_epi16(qh, 7 - m)));
+          const uint32_t w = even_bits(bits) | even_bits(bits >> 1) << 16;
+          std::memcpy(fifth + m * 64 + lane * 4, &w, 4);
+        }
+      }
+      const uint16_t dh = half_bits(b), mh = half_bits(b + 2) ^ 0x8000;
+      const bool dreg = regular_half(dh), mreg = regular_half(mh);
+      if (iq4) {  // (its 6-bit scales, minus 32; no zeros)
+        const float d = qmm::f16_to_f32(dh);
+        const uint32_t high = uint32_t(b[2]) | uint32_t(b[3]) << 8;
+        for (int g = 0; g < 8; ++g) {
+          const int ls = (((b[4 + g / 2] >> (4 * (g % 2))) & 0xF) | int((high >> (2 * g)) & 3) << 4) - 32;
+          cs[(8 * i + g) * 16 + lane] = uint8_t(compact_of(j, dh, dreg, ls, d * float(ls)));
+        }
+        std::memcpy(cs + 16 * G + (i * 16 + lane) * 2, &dh, 2);
+        continue;
+      }
+      uint8_t sc[8], mn[8];
+      k_scales(b + 4, sc, mn);
+      const float d = qmm::f16_to_f32(dh), dmin = f16(b + 2);
+      for (int g = 0; g < 8; ++g) {
+        cs[(8 * i + g) * 16 + lane] = uint8_t(compact_of(j, dh, dreg, sc[g], d * float(sc[g])));
+        cz[(8 * i + g) * 16 + lane] = uint8_t(compact_of(j, mh, mreg, mn[g], -(dmin * float(mn[g]))));
+      }
+      std::memcpy(cs + 16 * G + (i * 16 + lane) * 2, &dh, 2);
+      std::memcpy(cz + 16 * G + (i * 16 + lane) * 2, &mh, 2);
+    }
+    transpose16_avx512(tile, 128, qb + 32 * i * 64, stream);
+    transpose16_avx512(tile + 64, 128, qb + (32 * i + 16) * 64, stream);
+    if (q5k)
+      for (int m = 0; m < 8; ++m) {
+        __m512i* o = reinterpret_cast<__m512i*>(qb + (j.k / 8 + 8 * i + m) * 64);
+        const __m512i line = _mm512_load_si512(fifth + m * 64);
+        if (stream)
+          _mm512_stream_si512(o, line);
+        else
+          _mm512_storeu_si512(o, line);
+      }
+  }
+}
+
+// Q6_K: the 4-bit plane's units (ql's nibbles: half p's bytes 64p + 32s + l hold codes 128p + 32s
+// + l, low nibble, and 128p + 64 + 32s + l, high nibble) and the 2-bit plane's (per 16 codes, the
+// even codes' high bits in the low 16 bits, 2 bits each, the odd codes' in the high 16).
+QMM_AVX512 inline void repack_span_q6k_avx512(const Job& j, int64_t span, uint8_t* tile) {
+  const int64_t G = j.k / 16, S = j.k / 256, lines = j.k * 3 / 16;
+  uint8_t* qb = j.q + span * lines * 64;
+  uint8_t* cs = reinterpret_cast<uint8_t*>(j.scales) + span * (16 * G + 32 * S);
+  const bool stream = reinterpret_cast<uintptr_t>(qb) % 64 == 0;
+  // a half's units: [low of s = 0, low of s = 1, high of s = 0, high of s = 1], 4 units each
+  const __m512i order = _mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7);
+  // per 16 bytes: the even bytes' 2-bit values, then the odd bytes'; 4 of them to a byte
+  const __m512i even_odd = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+  const __m512i by4 = _mm512_set1_epi16(0x0401), by16 = _mm512_set1_epi32(0x00100001), three = _mm512_set1_epi8(3);
+  uint8_t* tile_hi = tile + 16 * 128;
+  const uint8_t* src[16];
+  for (int lane = 0; lane < 16; ++lane)
+    src[lane] = reinterpret_cast<const uint8_t*>(j.row_addrs[span * 16 + lane - j.row0]);
+  for (int64_t i = 0; i < S; ++i) {
+    for (int lane = 0; lane < 16; ++lane) {
+      const uint8_t* b = src[lane] + i * 210;
+      for (int c = 0; c < 4; ++c) _mm_prefetch(reinterpret_cast<const char*>(b + 2 * 210 + 64 * c), _MM_HINT_T0);
+      uint8_t* t = tile + lane * 128;
+      _mm512_storeu_si512(t, nibble_units_avx512(_mm512_loadu_si512(b), order));
+      _mm512_storeu_si512(t + 64, nibble_units_avx512(_mm512_loadu_si512(b + 64), order));
+      // qh byte 32p + l: bits 2q, 2q + 1 are the high bits of code 128p + 32q + l; 16 codes
+      // (16-byte lane 2p + h of quarter q's values) make unit 8p + 2q + h of the plane.
+      const __m512i qh = _mm512_loadu_si512(b + 128);
+      uint8_t* th = tile_hi + lane * 64;
+      for (int q = 0; q < 4; ++q) {
+        const __m512i v = _mm512_and_si512(_mm512_srli_epi16(qh, 2 * q), three);
+        const __m512i w = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_shuffle_epi8(v, even_odd), by4), by16);
+        const __m128i u = _mm512_cvtepi32_epi8(w);  // units 2q, 2q + 1, 8 + 2q, 9 + 2q
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(th + 8 * q), u);
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(th + 32 + 8 * q), _mm_unpackhi_epi64(u, u));
+      }
+      const uint16_t dh = half_bits(b + 208);
+      const bool dreg = regular_half(dh);
+      const float d = qmm::f16_to_f32(dh);
+      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+      for (int g = 0; g < 16; ++g)
+        cs[(16 * i + g) * 16 + lane] = uint8_t(compact_of(j, dh, dreg, sc[g], d * float(sc[g])));
+      std::memcpy(cs + 16 * G + (i * 16 + lane) * 2, &dh, 2);
+    }
+    transpose16_avx512(tile, 128, qb + 32 * i * 64, stream);
+    transpose16_avx512(tile + 64, 128, qb + (32 * i + 16) * 64, stream);
+    transpose16_avx512(tile_hi, 64, qb + (j.k / 8 + 16 * i) * 64, stream);
+  }
+}
+
+// Q5_0 / Q5_1 in VNNI blocks with float16 scales: a 32-code block's 16 bytes of nibbles make its 4
+// units of the 4-bit plane (its low nibbles codes 0..15, its high ones 16..31), its qh (bit m: the
+// fifth bit of code m) the 1-bit plane's unit, with the even codes' bits gathered into the low 16
+// bits and the odd codes' into the high 16 (Q5_0's plane holds bit 4 of code - 16: the fifth bit
+// inverted). The rows' lane units go to rows_buf, then out in whole lines.
+QMM_AVX512 inline void repack_span_q5_avx512(const Job& j, int64_t span, uint8_t* rows_buf) {
+  const int64_t B = j.k / 32, row_bytes = j.k / 2 + j.k / 8, lines = row_bytes / 4;
+  const bool signed_codes = j.type == Q5_0;
+  const int base = signed_codes ? 2 : 4;
+  uint8_t* qb = j.q + span * lines * 64;
+  uint8_t* cs = reinterpret_cast<uint8_t*>(j.scales) + span * 32 * B;  // (half_block_bytes)
+  uint8_t* cz = j.zeros ? reinterpret_cast<uint8_t*>(j.zeros) + span * 32 * B : nullptr;
+  const __m128i pick = _mm_setr_epi8(0, 4, 1, 5, 8, 12, 9, 13, 2, 6, 3, 7, 10, 14, 11, 15);
+  const __m128i low = _mm_set1_epi8(0x0F);
+  for (int lane = 0; lane < 16; ++lane) {
+    const uint8_t* src = reinterpret_cast<const uint8_t*>(j.row_addrs[span * 16 + lane - j.row0]);
+    uint8_t* row = rows_buf + lane * row_bytes;
+    for (int64_t i = 0; i < B; ++i) {
+      const uint8_t* b = src + i * j.f.type_size;
+      const __m128i y = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + base + 4)), pick);
+      const __m128i second = _mm_srli_si128(y, 8);
+      const __m128i lo = _mm_or_si128(_mm_and_si128(y, low), _mm_andnot_si128(low, _mm_slli_epi16(second, 4)));
+      const __m128i hi = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(y, 4), low), _mm_andnot_si128(low, second));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(row + 16 * i), _mm_unpacklo_epi64(lo, hi));
+      uint32_t qh;
+      std::memcpy(&qh, b + base, 4);
+      uint32_t w = even_bits(qh) | even_bits(qh >> 1) << 16;
+      if (signed_codes) w = ~w;
+      std::memcpy(row + j.k / 2 + 4 * i, &w, 4);
+      std::memcpy(cs + (i * 16 + lane) * 2, b, 2);
+      if (cz) std::memcpy(cz + (i * 16 + lane) * 2, b + 2, 2);
+    }
+  }
+  const bool stream = reinterpret_cast<uintptr_t>(qb) % 64 == 0;
+  int64_t c = 0;
+  for (; c + 16 <= lines; c += 16) transpose16_avx512(rows_buf + 4 * c, row_bytes, qb + c * 64, stream);
+  if (c < lines) transpose_block(rows_buf + 4 * c, row_bytes, lines - c, qb + c * 64);
+}
+#endif
+
+// Whether the AVX-512 path takes this span (j.simd: the CPU has it and the caller did not ask for
+// the scalar path): whole 16-row spans of Q4_K / IQ4_XS / Q5_K / Q6_K with compact scales, Q5_0 / Q5_1 planes
+// with float16 scales (a Q5_0 weight without a zeros array, a Q5_1 one with it).
+inline bool fast_span(const Job& j, int64_t lo, int64_t hi) {
+  if (!j.simd || hi - lo != 16 || lo % 16) return false;
+  if (j.compact)
+    return ((j.int4 && j.type == Q4_K) || (j.high_bits == 1 && j.type == Q5_K)) && j.zeros ||
+           (((j.int4 && j.type == IQ4_XS) || (j.high_bits == 2 && j.type == Q6_K)) && !j.zeros);
+  if (j.half) return j.high_bits == 1 && ((j.type == Q5_0 && !j.zeros) || (j.type == Q5_1 && j.zeros));
+  return false;
+}
+
 inline void repack_span(const Job& j, int64_t span, int64_t lo, int64_t hi, uint8_t* rows_buf, float* s_buf,
                         float* z_buf, uint16_t* bases) {
+#if QMM_X86
+  if (fast_span(j, lo, hi)) {
+    alignas(64) uint8_t tile[16 * 128 + 16 * 64];
+    if (j.type == Q4_K || j.type == Q5_K || j.type == IQ4_XS)
+      repack_span_q4k_avx512(j, span, tile);
+    else if (j.type == Q6_K)
+      repack_span_q6k_avx512(j, span, tile);
+    else
+      repack_span_q5_avx512(j, span, rows_buf);
+    return;
+  }
+#endif
   const int64_t G = j.k / j.f.group, row_bytes = j.high_bits ? j.k / 2 + j.k * j.high_bits / 8 : j.int4 ? j.k / 2 : j.k;
   const auto src = [&](int64_t row) { return reinterpret_cast<const uint8_t*>(j.row_addrs[row - j.row0]); };
   if (!j.vnni) {
@@ -575,7 +838,7 @@ inline void run(const Job& j, int num_threads) {
 // message in err for arguments the layout cannot take.
 extern "C" int kvs_gguf_repack(const int64_t* row_addrs, int64_t rows, int64_t row0, int type, int64_t n_total,
                                int64_t k, int int4, int vnni, void* q, float* scales, float* zeros, int num_threads,
-                               char* err, int64_t err_len) {
+                               int impl, char* err, int64_t err_len) {
   using namespace gguf_repack;
   Format f;
   const auto fail = [&](const char* msg) {
@@ -600,10 +863,14 @@ extern "C" int kvs_gguf_repack(const int64_t* row_addrs, int64_t rows, int64_t r
     return fail("compact scales are for the K-quants and IQ4_XS only");
   if (vnni == 3 && !(type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0))
     return fail("float16 scales are for Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 only");
+  if (impl < 0 || impl > 1) return fail("impl must be 0 (the fastest path this CPU has) or 1 (scalar)");
   if (rows == 0) return 0;
   std::atomic<bool> not_compact{false};
   Job j{row_addrs, rows, row0, n_total, k, f, type, int4 == 1, vnni != 0, vnni == 2, vnni == 3,
-        int4 == 2 ? 2 : int4 == 3 ? 1 : 0, static_cast<uint8_t*>(q), scales, zeros, &not_compact};
+        int4 == 2 ? 2 : int4 == 3 ? 1 : 0, static_cast<uint8_t*>(q), scales, zeros, &not_compact, false};
+#if QMM_X86
+  j.simd = impl != 1 && qmm::cpu_has_avx512();
+#endif
   run(j, num_threads);
   if (not_compact) return fail("a scale or zero has no compact or float16 form");
   return 0;

@@ -42,7 +42,7 @@ def _setup_qmatmul(lib: ctypes.CDLL) -> None:
     f.argtypes = [_ptr, _i64, _i64, _int,  # row addresses, rows, first output row, ggml type
                   _i64, _i64, _int, _int,  # N, K, 4-bit packed?, layout (0 rows, 1 VNNI, 2 compact, 3 half)
                   _ptr, _ptr, _ptr, _int,  # q, scales, zeros (null: none), threads
-                  ctypes.c_char_p, _i64]  # error buffer
+                  _int, ctypes.c_char_p, _i64]  # impl (0 the CPU's fastest, 1 scalar), error buffer
 
 
 # gguf_repack.cpp turns GGUF blocks into these kernels' layouts (`repack_gguf_rows`).
@@ -361,7 +361,8 @@ def _planes5_codes(lanes: torch.Tensor, k: int, signed: bool) -> torch.Tensor:
 
 def repack_gguf_rows(runs: list[tuple[torch.Tensor, int]], n: int, k: int, group_size: int, zeros: bool,
                      int4: bool, vnni: bool, scale_form: str = "full", planes6: bool = False,
-                     planes5: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                     planes5: bool = False, *, impl: str = "auto"
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A weight [N, K] stored as GGUF blocks, in the layout the group kernels read, by one C++
     pass over its rows on torch's threads (csrc/gguf_repack.cpp). runs: (row addresses int64 [R],
     ggml type id) per run of rows, in order, R summing to N; each address is where that row's
@@ -375,7 +376,11 @@ def repack_gguf_rows(runs: list[tuple[torch.Tensor, int]], n: int, k: int, group
     uint8 [N / 16, bytes per block]; "half" with every run Q4_0 writes no zeros (zero_mul).
     planes6 (every run Q6_K, vnni, not int4): the codes as VnniBlocks.planes6 holds them; planes5
     (every run in PLANES5_GGML_TYPES, all Q5_0 or none, vnni, not int4) as VnniBlocks.planes5 does.
-    Raises ValueError for what the layout cannot take (a scale with no such form, say)."""
+    impl "scalar" skips the vector path (AVX-512: Q4_K, IQ4_XS, Q5_K and Q6_K in VNNI blocks with
+    compact scales, Q5_0 / Q5_1 planes with "half"; for tests: the same bytes either way). Raises
+    ValueError for what the layout cannot take (a scale with no such form, say)."""
+    if impl not in ("auto", "scalar"):
+        raise ValueError(f"impl must be 'auto' or 'scalar'; got {impl!r}")
     if sum(len(addrs) for addrs, _ in runs) != n:
         raise ValueError(f"runs of rows must add up to N={n}")
     if int4 and len({int(qtype) == IQ4_XS_GGML_TYPE for _, qtype in runs}) > 1:
@@ -413,7 +418,7 @@ def repack_gguf_rows(runs: list[tuple[torch.Tensor, int]], n: int, k: int, group
         rc = lib.kvs_gguf_repack(addrs.data_ptr(), len(addrs), row0, int(qtype), n, k,
                                  2 if planes6 else 3 if planes5 else int(int4), layout,
                                  q.data_ptr(), scales.data_ptr(), zero_t.data_ptr() if zero_t is not None else None,
-                                 torch.get_num_threads(), err, len(err))
+                                 torch.get_num_threads(), int(impl == "scalar"), err, len(err))
         if rc:
             raise ValueError(err.value.decode(errors="replace"))
         row0 += len(addrs)
