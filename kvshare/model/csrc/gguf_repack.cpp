@@ -683,18 +683,16 @@ QMM_AVX512 inline void repack_span_q5_avx512(const Job& j, int64_t span, uint8_t
   uint8_t* qb = j.q + span * lines * 64;
   uint8_t* cs = reinterpret_cast<uint8_t*>(j.scales) + span * 32 * B;  // (half_block_bytes)
   uint8_t* cz = j.zeros ? reinterpret_cast<uint8_t*>(j.zeros) + span * 32 * B : nullptr;
-  const __m128i pick = _mm_setr_epi8(0, 4, 1, 5, 8, 12, 9, 13, 2, 6, 3, 7, 10, 14, 11, 15);
-  const __m128i low = _mm_set1_epi8(0x0F);
+  const __m512i in_order = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
   for (int lane = 0; lane < 16; ++lane) {
     const uint8_t* src = reinterpret_cast<const uint8_t*>(j.row_addrs[span * 16 + lane - j.row0]);
     uint8_t* row = rows_buf + lane * row_bytes;
     for (int64_t i = 0; i < B; ++i) {
       const uint8_t* b = src + i * j.f.type_size;
-      const __m128i y = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + base + 4)), pick);
-      const __m128i second = _mm_srli_si128(y, 8);
-      const __m128i lo = _mm_or_si128(_mm_and_si128(y, low), _mm_andnot_si128(low, _mm_slli_epi16(second, 4)));
-      const __m128i hi = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(y, 4), low), _mm_andnot_si128(low, second));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(row + 16 * i), _mm_unpacklo_epi64(lo, hi));
+      // (nibble_units_avx512 on the block's 16 bytes: its first 128-bit lane is their 4 units)
+      const __m512i nibbles = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + base + 4)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(row + 16 * i),
+                       _mm512_castsi512_si128(nibble_units_avx512(nibbles, in_order)));
       uint32_t qh;
       std::memcpy(&qh, b + base, 4);
       uint32_t w = even_bits(qh) | even_bits(qh >> 1) << 16;
